@@ -1,0 +1,147 @@
+"""Engine and model configuration. `ModelConfig.from_hf` normalises HF config quirks once
+(transformers 4 vs 5 key names, rope layouts, multimodal wrappers) so nothing downstream reads
+raw HF dicts."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}
+
+
+class ConfigError(ValueError):
+    """A checkpoint's config.json is missing, unreadable or unsupported."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model facts the engine needs, with global (unsharded) sizes."""
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None = None
+    partial_rotary_factor: float = 1.0
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    dtype: str = "float32"
+    eos_token_ids: tuple[int, ...] = ()
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> ModelConfig:
+        path = Path(folder) / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"{folder}: no config.json (not a checkpoint folder)")
+        try:
+            return cls.from_hf(json.loads(path.read_text()))
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: invalid JSON ({e})") from e
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> ModelConfig:
+        archs = hf.get("architectures") or []
+        arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+        if arch is None:
+            arch = {"llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}.get(
+                hf.get("model_type", ""))
+        if arch is None:
+            raise ConfigError(
+                f"unsupported architecture {archs or hf.get('model_type')!r}; supported: "
+                f"{', '.join(sorted(ARCHITECTURES))}")
+        heads = hf["num_attention_heads"]
+        theta, scaling = _rope(hf)
+        eos = hf.get("eos_token_id")
+        return cls(
+            arch=arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf.get("intermediate_size", 0),
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            partial_rotary_factor=hf.get("partial_rotary_factor", 1.0),
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", False)),
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
+            num_experts=hf.get("num_experts") or hf.get("num_local_experts") or 0,
+            num_experts_per_tok=hf.get("num_experts_per_tok", 0),
+            moe_intermediate_size=hf.get("moe_intermediate_size", 0),
+            norm_topk_prob=bool(hf.get("norm_topk_prob", arch != "qwen3_moe")),
+            decoder_sparse_step=hf.get("decoder_sparse_step", 1) or 1,
+            mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+            dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
+            eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+            raw=hf,
+        )
+
+
+def _rope(hf: dict) -> tuple[float, dict | None]:
+    """(theta, scaling) from either `rope_parameters` (transformers 5) or
+    `rope_theta` + `rope_scaling` (transformers 4)."""
+    params = hf.get("rope_parameters")
+    if params:
+        scaling = None if params.get("rope_type", "default") == "default" else dict(params)
+        return float(params.get("rope_theta", 10000.0)), scaling
+    scaling = hf.get("rope_scaling")
+    if scaling is not None:
+        scaling = dict(scaling)
+        scaling["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
+        if scaling["rope_type"] == "default":
+            scaling = None
+    return float(hf.get("rope_theta", 10000.0)), scaling
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs a model: TP size, device, dtype, cache and batch limits."""
+
+    model: str
+    tp: int = 1
+    device: str = "auto"
+    dtype: str = "auto"
+    oversubscribe: bool = False
+    block_size: int = 16
+    max_num_seqs: int = 16
+    max_model_len: int = 2048
+    max_num_batched_tokens: int = 8192
+    num_kv_blocks: int | None = None
+    progress: bool = True
+    timeout: float = 600.0

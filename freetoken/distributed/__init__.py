@@ -1,0 +1,12 @@
+"""Tensor-parallel identity, collectives and rank processes."""
+
+from freetoken.distributed.comm import Communicator, get_communicator, set_communicator
+from freetoken.distributed.launch import RankContext, RankError, RankGroup, RankTimeout
+from freetoken.distributed.placement import Placement, PlacementError, choose_placement
+from freetoken.distributed.tpinfo import TPInfo, divide, get_tp_info, reset_tp_info, set_tp_info
+
+__all__ = [
+    "Communicator", "get_communicator", "set_communicator", "RankContext", "RankError",
+    "RankGroup", "RankTimeout", "Placement", "PlacementError", "choose_placement", "TPInfo",
+    "divide", "get_tp_info", "reset_tp_info", "set_tp_info",
+]

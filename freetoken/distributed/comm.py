@@ -1,0 +1,45 @@
+"""Every collective the engine issues goes through a Communicator."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class Communicator:
+    """Collectives over the TP group; with one rank every call is the identity."""
+
+    def __init__(self, size: int = 1):
+        self.size = size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over ranks, in place; returns it."""
+        if self.size > 1:
+            dist.all_reduce(x)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenate every rank's `x` along `dim` in rank order."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=dim)
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Overwrite `x` on every rank with rank `src`'s value."""
+        if self.size > 1:
+            dist.broadcast(x, src)
+        return x
+
+
+_COMM = Communicator()
+
+
+def set_communicator(comm: Communicator) -> None:
+    global _COMM
+    _COMM = comm
+
+
+def get_communicator() -> Communicator:
+    return _COMM

@@ -1,0 +1,146 @@
+"""One rank's engine: builds and loads the rank-local model, owns the KV cache, and runs the
+generation loop. Every rank runs the same loop on the same inputs; rank 0 samples and
+broadcasts each step's tokens so all ranks stay in lockstep."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from freetoken.config import EngineConfig, ModelConfig
+from freetoken.distributed import get_communicator, get_tp_info
+from freetoken.engine.context import ForwardContext, set_forward_context
+from freetoken.engine.kv_cache import BlockManager, allocate_kv_cache
+from freetoken.engine.sampler import sample
+from freetoken.engine.scheduler import Scheduler
+from freetoken.engine.sequence import GenerationResult, SamplingParams, Sequence
+from freetoken.loading import CheckpointReader, load_weights
+from freetoken.models.registry import build_model, shard_plan
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str, cfg: ModelConfig) -> torch.dtype:
+    """`auto` takes the checkpoint's dtype."""
+    name = cfg.dtype if dtype == "auto" else dtype
+    if name not in DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; expected one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+class EngineCore:
+    """The model, its cache and the generation loop on one rank."""
+
+    def __init__(self, folder: str | Path, cfg: EngineConfig, device: torch.device):
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.model_config = ModelConfig.from_folder(folder)
+        self.dtype = resolve_dtype(cfg.dtype, self.model_config)
+        self.model = self._build()
+        load_weights(self.model, CheckpointReader(folder),
+                     shard_plan(self.model_config, get_tp_info().size), progress=cfg.progress)
+        self.blocks = self._allocate_cache()
+
+    def _build(self) -> torch.nn.Module:
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = build_model(self.model_config)
+        finally:
+            torch.set_default_dtype(previous)
+        return model.eval()
+
+    def _allocate_cache(self) -> BlockManager:
+        layers = self.model.attention_layers()
+        num_blocks = self.cfg.num_kv_blocks or self.cfg.max_num_seqs * -(
+            -self.cfg.max_model_len // self.cfg.block_size)
+        if layers:
+            a = layers[0]
+            self.kv_cache = allocate_kv_cache(len(layers), num_blocks, self.cfg.block_size,
+                                              a.num_kv_heads, a.head_dim, self.dtype, self.device)
+            for i, layer in enumerate(layers):
+                layer.bind_cache(self.kv_cache[0, i], self.kv_cache[1, i])
+        return BlockManager(num_blocks, self.cfg.block_size)
+
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams]
+                 ) -> list[GenerationResult]:
+        """Generate for every prompt with continuous batching; results in prompt order."""
+        sched = Scheduler(self.blocks, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens)
+        seqs = [self._sequence(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        for seq in seqs:
+            sched.add(seq)
+        while sched.has_work():
+            batch, prefill = sched.schedule()
+            for seq, token in zip(batch, self.step(batch, prefill)):
+                self._append(sched, seq, token)
+        return [seq.result() for seq in seqs]
+
+    def _sequence(self, i: int, prompt: list[int], params: SamplingParams) -> Sequence:
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if not prompt or bad:
+            raise ValueError(f"prompt {i}: token ids must be non-empty and in [0, {vocab}), "
+                             f"got {bad[:5] or 'an empty prompt'}")
+        limit = min(self.cfg.max_model_len, self.model_config.max_position_embeddings)
+        if len(prompt) + params.max_tokens > limit:
+            raise ValueError(f"prompt {i}: {len(prompt)} tokens + max_tokens="
+                             f"{params.max_tokens} exceed the model length {limit}")
+        gen = None
+        if params.temperature > 0:
+            gen = torch.Generator().manual_seed(params.seed if params.seed is not None else i)
+        return Sequence(i, list(prompt), params, generator=gen)
+
+    def _append(self, sched: Scheduler, seq: Sequence, token: int) -> None:
+        seq.output.append(token)
+        if len(seq.output) >= seq.params.max_tokens:
+            seq.finish_reason = "length"
+        elif not seq.params.ignore_eos and token in self.model_config.eos_token_ids:
+            seq.finish_reason = "stop"
+        if seq.finish_reason:
+            sched.finish(seq)
+
+    @torch.inference_mode()
+    def step(self, batch: list[Sequence], prefill: bool) -> list[int]:
+        """One forward over `batch`; returns each sequence's next token (same on all ranks)."""
+        ids, positions, slots, qlens = [], [], [], []
+        for seq in batch:
+            start = seq.num_cached
+            ids += seq.tokens[start:]
+            positions += range(start, len(seq))
+            slots += [self.blocks.slot(seq, p) for p in range(start, len(seq))]
+            qlens.append(len(seq) - start)
+        as_long = dict(dtype=torch.long, device=self.device)
+        set_forward_context(ForwardContext(
+            prefill, qlens, [len(s) for s in batch], torch.tensor(slots, **as_long),
+            [s.block_table for s in batch], [s.seq_id for s in batch]))
+        try:
+            hidden = self.model(torch.tensor(ids, **as_long), torch.tensor(positions, **as_long))
+        finally:
+            set_forward_context(None)
+        last = torch.tensor(qlens, device=self.device).cumsum(0) - 1
+        logits = self.model.compute_logits(hidden[last]).float()
+        self._keep_prompt_logits(batch, hidden, qlens, prefill)
+        for seq in batch:
+            seq.num_cached = len(seq)
+        return self._sample(batch, logits)
+
+    def _keep_prompt_logits(self, batch, hidden, qlens, prefill) -> None:
+        start = 0
+        for seq, qlen in zip(batch, qlens):
+            if prefill and seq.params.return_prompt_logits and not seq.output:
+                seq.prompt_logits = self.model.compute_logits(
+                    hidden[start : start + qlen]).float().cpu()
+            start += qlen
+
+    def _sample(self, batch: list[Sequence], logits: torch.Tensor) -> list[int]:
+        tokens = torch.zeros(len(batch), dtype=torch.long)
+        if get_tp_info().is_first:
+            for i, seq in enumerate(batch):
+                tokens[i] = sample(logits[i], seq.params, seq.generator)
+        for i, seq in enumerate(batch):
+            if seq.params.return_logits:
+                seq.step_logits.append(logits[i].cpu())
+        tokens = get_communicator().broadcast(tokens.to(self.device)).cpu()
+        return tokens.tolist()

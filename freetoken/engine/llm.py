@@ -1,0 +1,111 @@
+"""The public API: `LLM(model, tp=2).generate(prompts, SamplingParams(...))`.
+
+TP=1 runs in this process; TP>1 starts one process per rank once and sends each generate call
+to all of them (rank 0's results are returned)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from freetoken.config import EngineConfig, ModelConfig
+from freetoken.distributed import RankContext, RankGroup, choose_placement, get_tp_info
+from freetoken.engine.core import EngineCore
+from freetoken.engine.resolve import resolve_model
+from freetoken.engine.sequence import GenerationResult, SamplingParams
+from freetoken.models.registry import check_tp
+
+
+class LLM:
+    """A loaded model at some TP size; use as a context manager or call `shutdown()`."""
+
+    def __init__(self, model: str | Path, tp: int = 1, device: str = "auto",
+                 dtype: str = "auto", oversubscribe: bool = False, in_process: bool | None = None,
+                 **engine_options: Any):
+        self.folder = resolve_model(model)
+        self.model_config = ModelConfig.from_folder(self.folder)
+        check_tp(self.model_config, tp)
+        self.config = EngineConfig(str(self.folder), tp=tp, device=device, dtype=dtype,
+                                   oversubscribe=oversubscribe, **engine_options)
+        self.placement = choose_placement(device, tp, oversubscribe)
+        self.tokenizer = _load_tokenizer(self.folder)
+        self._core: EngineCore | None = None
+        self._group: RankGroup | None = None
+        if tp == 1 and in_process is not False:
+            self._core = EngineCore(self.folder, self.config, self.placement.device_for(0))
+        else:
+            self._group = RankGroup(tp, self.placement, timeout=self.config.timeout)
+            self._group.start()
+            try:
+                self._group.run(_start_core, self.folder, self.config)
+            except BaseException:
+                self._group.close(force=True)
+                raise
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Stop the rank processes (if any) and drop the model."""
+        if self._group is not None:
+            self._group.close()
+            self._group = None
+        self._core = None
+
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 ) -> list[GenerationResult]:
+        """One result per prompt. Prompts are token-id lists, or strings when the checkpoint
+        has a tokenizer."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        ids = [self._encode(p) for p in prompts]
+        params = params or SamplingParams()
+        per_prompt = [params] * len(ids) if isinstance(params, SamplingParams) else list(params)
+        if len(per_prompt) != len(ids):
+            raise ValueError(f"{len(per_prompt)} SamplingParams for {len(ids)} prompts")
+        results = self.run_on_ranks(_generate, ids, per_prompt)[0]
+        if self.tokenizer is not None:
+            for r in results:
+                r.text = self.tokenizer.decode(r.token_ids)
+        return results
+
+    def run_on_ranks(self, fn: Callable[..., Any], *args: Any) -> list:
+        """`fn(core, *args)` on every rank's EngineCore; per-rank results in rank order."""
+        if self._core is not None:
+            return [fn(self._core, *args)]
+        if self._group is None:
+            raise RuntimeError("LLM was shut down")
+        return self._group.run(_on_core, fn, args)
+
+    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.folder} has no tokenizer: pass token id lists")
+            return self.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
+
+def _load_tokenizer(folder: Path):
+    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def _start_core(ctx: RankContext, folder: Path, config: EngineConfig) -> None:
+    ctx.state["core"] = EngineCore(folder, config, ctx.device)
+
+
+def _on_core(ctx: RankContext, fn: Callable[..., Any], args: tuple) -> Any:
+    return fn(ctx.state["core"], *args)
+
+
+def _generate(core: EngineCore, prompts, params):
+    results = core.generate(prompts, params)
+    return results if get_tp_info().is_first else None

@@ -1,0 +1,26 @@
+"""Turning a `--model` argument into a checkpoint folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class ModelNotFound(ValueError):
+    """The model argument names no local folder and no cached hub snapshot."""
+
+
+def resolve_model(model: str | Path) -> Path:
+    """A local checkpoint folder, or a hub id (`org/name`) found in the local HF cache."""
+    path = Path(model)
+    if path.is_dir():
+        return path
+    text = str(model)
+    if text.count("/") == 1 and not text.startswith((".", "/")) and not path.exists():
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(snapshot_download(text, local_files_only=True))
+        except Exception as e:  # the hub raises several types for "not cached"
+            raise ModelNotFound(f"{text}: not a local folder and not in the local Hugging Face "
+                                f"cache ({type(e).__name__})") from e
+    raise ModelNotFound(f"{text}: no such checkpoint folder")

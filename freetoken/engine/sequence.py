@@ -1,0 +1,74 @@
+"""Requests, their sampling parameters and their results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick new tokens. `temperature=0` is greedy; `top_k=0` and `top_p=1` disable
+    those filters. `return_logits` keeps the logits of every generated step and
+    `return_prompt_logits` the logits at every prompt position (float32, on CPU)."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    return_logits: bool = False
+    return_prompt_logits: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+@dataclass
+class GenerationResult:
+    """One prompt's outcome: new token ids, text when a tokenizer exists, and logits when
+    asked for ([new_tokens, vocab] and [prompt_len, vocab])."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str
+    text: str | None = None
+    logits: torch.Tensor | None = None
+    prompt_logits: torch.Tensor | None = None
+
+
+@dataclass
+class Sequence:
+    """A request being generated: its tokens, cache blocks and collected logits."""
+
+    seq_id: int
+    prompt: list[int]
+    params: SamplingParams
+    output: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    finish_reason: str | None = None
+    step_logits: list[torch.Tensor] = field(default_factory=list)
+    prompt_logits: torch.Tensor | None = None
+    generator: torch.Generator | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def result(self) -> GenerationResult:
+        logits = torch.stack(self.step_logits) if self.params.return_logits else None
+        return GenerationResult(list(self.prompt), list(self.output), self.finish_reason or "",
+                                logits=logits, prompt_logits=self.prompt_logits)

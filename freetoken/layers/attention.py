@@ -1,0 +1,61 @@
+"""Attention over a paged KV cache, in plain torch (CPU and GPU)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from freetoken.engine.context import get_forward_context
+
+
+class PagedAttention(nn.Module):
+    """Writes this step's k and v into the paged cache, then attends each sequence's queries
+    to its cached keys with a causal offset. Heads are rank-local; GQA groups are expanded."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """Attach this layer's cache views: [num_blocks, block_size, num_kv_heads, head_dim]."""
+        self.k_cache, self.v_cache = k_cache, v_cache
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, heads, d], k and v: [T, kv_heads, d] -> [T, heads, d]."""
+        ctx = get_forward_context()
+        block_size = self.k_cache.shape[1]
+        k_flat = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        v_flat = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        k_flat[ctx.slot_mapping] = k.to(k_flat.dtype)
+        v_flat[ctx.slot_mapping] = v.to(v_flat.dtype)
+        out = torch.empty_like(q)
+        start = 0
+        for qlen, clen, blocks in zip(ctx.query_lens, ctx.context_lens, ctx.block_tables):
+            slots = _context_slots(blocks, clen, block_size, q.device)
+            out[start : start + qlen] = self._attend(q[start : start + qlen], k_flat[slots],
+                                                     v_flat[slots])
+            start += qlen
+        return out
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        qlen, clen = q.shape[0], k.shape[0]
+        groups = self.num_heads // self.num_kv_heads
+        k = k.repeat_interleave(groups, dim=1).to(q.dtype)
+        v = v.repeat_interleave(groups, dim=1).to(q.dtype)
+        q_pos = torch.arange(clen - qlen, clen, device=q.device)
+        mask = q_pos[:, None] >= torch.arange(clen, device=q.device)[None, :]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+            scale=self.scale,
+        )
+        return out.transpose(0, 1)
+
+
+def _context_slots(blocks: list[int], length: int, block_size: int, device) -> torch.Tensor:
+    pos = torch.arange(length, device=device)
+    table = torch.tensor(blocks, device=device, dtype=torch.long)
+    return table[pos // block_size] * block_size + pos % block_size

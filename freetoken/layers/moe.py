@@ -1,0 +1,44 @@
+"""Mixture-of-experts building blocks: top-k routing and experts split on the intermediate
+dimension (each rank computes a partial sum that the MoE block all-reduces once)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from freetoken.distributed import divide, get_tp_info
+from freetoken.layers.activation import silu_and_mul
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype):
+    """Softmax in fp32 -> top-k -> optional renormalisation; weights cast to `dtype`."""
+    probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(dtype), ids
+
+
+class FusedExperts(nn.Module):
+    """All experts of one layer, stacked: `w13` [E, 2 * I_local, H] holds gate then up rows,
+    `w2` [E, H, I_local]. The result is this rank's partial sum (no all-reduce)."""
+
+    def __init__(self, num_experts: int, hidden: int, full_intermediate: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.local_intermediate = divide(full_intermediate, get_tp_info().size,
+                                         "moe_intermediate_size")
+        i = self.local_intermediate
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * i, hidden), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, i), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        hit = torch.bincount(ids.flatten(), minlength=self.num_experts).nonzero().flatten()
+        for e in hit.tolist():
+            token, slot = torch.where(ids == e)
+            h = silu_and_mul(F.linear(x[token], self.w13[e]))
+            h = F.linear(h, self.w2[e]) * weights[token, slot, None]
+            out.index_add_(0, token, h.to(out.dtype))
+        return out

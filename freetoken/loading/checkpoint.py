@@ -1,0 +1,69 @@
+"""Reading safetensors checkpoints: one file, or several with `model.safetensors.index.json`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder is missing files or inconsistent."""
+
+
+class CheckpointReader:
+    """Names and tensors of a checkpoint folder, one tensor at a time."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self._files = self._weight_map()
+        self._handles: dict[str, object] = {}
+
+    def _weight_map(self) -> dict[str, str]:
+        index = self.folder / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            for file in sorted(set(weight_map.values())):
+                if not (self.folder / file).is_file():
+                    raise CheckpointError(f"{index} names {file}, which is missing")
+            return weight_map
+        files = sorted(self.folder.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{self.folder}: no *.safetensors files")
+        weight_map = {}
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():
+                    if key in weight_map:
+                        raise CheckpointError(f"tensor {key!r} is in both {weight_map[key]} "
+                                              f"and {file.name}")
+                    weight_map[key] = file.name
+        return weight_map
+
+    def names(self) -> list[str]:
+        """Tensor names, grouped by file so each file is opened once."""
+        return sorted(self._files, key=lambda n: (self._files[n], n))
+
+    def file_of(self, name: str) -> str:
+        return self._files[name]
+
+    def _handle(self, file: str):
+        if file not in self._handles:
+            self._handles[file] = safe_open(self.folder / file, framework="pt")
+        return self._handles[file]
+
+    def get(self, name: str) -> torch.Tensor:
+        """The full tensor `name` as stored."""
+        if name not in self._files:
+            raise CheckpointError(f"{self.folder}: no tensor {name!r}")
+        return self._handle(self._files[name]).get_tensor(name)
+
+    def meta(self, name: str) -> tuple[tuple[int, ...], str]:
+        """(shape, safetensors dtype string) without reading the data."""
+        sl = self._handle(self._files[name]).get_slice(name)
+        return tuple(sl.get_shape()), sl.get_dtype()
+
+    def close(self) -> None:
+        self._handles.clear()

@@ -1,0 +1,36 @@
+"""Qwen3-MoE: Qwen3 attention, sparse MoE MLP (no shared expert) on the layers the config
+marks, experts split on the intermediate dimension, one all-reduce per MoE block."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from freetoken.config import ModelConfig
+from freetoken.distributed import get_communicator
+from freetoken.layers.linear import ReplicatedLinear
+from freetoken.layers.moe import FusedExperts, route
+from freetoken.models.llama import MLP, DecoderLayer, LlamaForCausalLM
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = ReplicatedLinear(cfg.hidden_size, cfg.num_experts)
+        self.experts = FusedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize, x.dtype)
+        return get_communicator().all_reduce(self.experts(x, weights, ids))
+
+
+class MoeDecoderLayer(DecoderLayer):
+    def make_mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
+        if cfg.is_moe_layer(layer):
+            return SparseMoeBlock(cfg)
+        return MLP(cfg.hidden_size, cfg.intermediate_size)
+
+
+class Qwen3MoeForCausalLM(LlamaForCausalLM):
+    layer_cls = MoeDecoderLayer

@@ -1,0 +1,44 @@
+"""Architecture name -> model class and shard plan."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from freetoken.config import ModelConfig
+from freetoken.loading.plan import ShardPlan
+from freetoken.models.llama import LlamaForCausalLM
+from freetoken.models.plans import decoder_plan
+from freetoken.models.qwen3 import Qwen3ForCausalLM
+from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM
+
+MODELS: dict[str, type[nn.Module]] = {
+    "llama": LlamaForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
+}
+PLANS = {"llama": decoder_plan, "qwen3": decoder_plan, "qwen3_moe": decoder_plan}
+
+
+def build_model(cfg: ModelConfig) -> nn.Module:
+    """The rank-local model for `cfg` (the TP size comes from `get_tp_info()`)."""
+    return MODELS[cfg.arch](cfg)
+
+
+def shard_plan(cfg: ModelConfig, tp_size: int) -> ShardPlan:
+    """The declarative shard plan for `cfg` at `tp_size` ranks."""
+    return PLANS[cfg.arch](cfg, tp_size)
+
+
+def check_tp(cfg: ModelConfig, tp_size: int) -> None:
+    """Raise a ValueError naming the first dimension `tp_size` cannot split."""
+    from freetoken.distributed import divide
+    from freetoken.layers.linear import local_kv_heads
+
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+    divide(cfg.num_attention_heads, tp_size, "num_attention_heads")
+    local_kv_heads(cfg.num_key_value_heads, tp_size)
+    if any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
+        divide(cfg.intermediate_size, tp_size, "intermediate_size")
+    if cfg.num_experts:
+        divide(cfg.moe_intermediate_size, tp_size, "moe_intermediate_size")
