@@ -15,7 +15,8 @@ def resolve_model(model: str | Path) -> Path:
     if path.is_dir():
         return path
     text = str(model)
-    if text.count("/") == 1 and not text.startswith((".", "/")) and not path.exists():
+    looks_like_hub_id = text.count("/") == 1 and not text.startswith((".", "/", "~"))
+    if looks_like_hub_id and not path.parent.is_dir():
         from huggingface_hub import snapshot_download
 
         try:

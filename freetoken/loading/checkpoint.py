@@ -29,9 +29,11 @@ class CheckpointReader:
                 if not (self.folder / file).is_file():
                     raise CheckpointError(f"{index} names {file}, which is missing")
             return weight_map
-        files = sorted(self.folder.glob("*.safetensors"))
+        # Only model*.safetensors: a case folder also holds reference.safetensors.
+        files = sorted(self.folder.glob("model*.safetensors"))
         if not files:
-            raise CheckpointError(f"{self.folder}: no *.safetensors files")
+            raise CheckpointError(f"{self.folder}: no model*.safetensors files and no "
+                                  "model.safetensors.index.json")
         weight_map = {}
         for file in files:
             with safe_open(file, framework="pt") as f:

@@ -1,0 +1,176 @@
+"""Bundled verification cases: tiny checkpoints in the on-disk format of real models, built and
+saved by HF transformers itself, with every parameter re-randomised at a scale where layers
+matter, plus HF's reference outputs. `python -m verify.cases --write golden` regenerates them
+(`make golden`); the same environment writes the same bytes.
+
+Dimensions are valid at TP 1, 2, 4 and 8; 2 KV heads make TP 4 and 8 replicate KV heads; the
+odd vocab (301) makes every TP>1 pad the vocab-parallel rows."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+GOLDEN = Path(__file__).resolve().parent.parent / "golden"
+VOCAB = 301
+PROMPT_LENS = (5, 23, 70)
+NUM_GREEDY = 16
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+              num_key_value_heads=2, head_dim=16, intermediate_size=128,
+              max_position_embeddings=512, rms_norm_eps=1e-6)
+
+
+@dataclass(frozen=True)
+class CaseSpec:
+    """How to build one bundled case with HF."""
+
+    name: str
+    build: Callable[[int], torch.nn.Module]
+    seed: int
+    prompt_lens: tuple[int, ...] = PROMPT_LENS
+    num_greedy: int = NUM_GREEDY
+    extra: dict = field(default_factory=dict)
+
+
+def _llama(eos: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    return LlamaForCausalLM(LlamaConfig(**COMMON, rope_parameters=rope, eos_token_id=eos,
+                                        tie_word_embeddings=False))
+
+
+def _qwen3(eos: int):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM(Qwen3Config(**COMMON, eos_token_id=eos, tie_word_embeddings=True,
+                                        rope_parameters={"rope_type": "default",
+                                                         "rope_theta": 1000000.0}))
+
+
+def _qwen3_moe(eos: int):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = dict(COMMON, num_hidden_layers=3)
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        **cfg, eos_token_id=eos, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        norm_topk_prob=True, mlp_only_layers=[1], tie_word_embeddings=False))
+
+
+CASES: dict[str, CaseSpec] = {
+    "tiny-llama": CaseSpec("tiny-llama", _llama, seed=11),
+    "tiny-qwen3": CaseSpec("tiny-qwen3", _qwen3, seed=12),
+    "tiny-qwen3-moe": CaseSpec("tiny-qwen3-moe", _qwen3_moe, seed=13),
+}
+
+
+def rerandomise(model: torch.nn.Module, seed: int) -> None:
+    """Replace HF's init (norms at 1, routers near uniform) with values that make every
+    parameter matter: norms 1 + N(0, 0.2), embeddings N(0, 1), routers N(0, 2/sqrt(fan_in)),
+    other matrices N(0, 1/sqrt(fan_in))."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in sorted(model.named_parameters()):
+        noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+        if p.dim() == 1:
+            value = 1.0 + 0.2 * noise
+        elif "embed_tokens" in name:
+            value = noise
+        elif name.endswith("mlp.gate.weight"):
+            value = noise * 2.0 / p.shape[-1] ** 0.5
+        else:
+            value = noise / p.shape[-1] ** 0.5
+        with torch.no_grad():
+            p.copy_(value.to(p.dtype))
+
+
+def make_prompts(seed: int, lens: tuple[int, ...], vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed + 1000)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lens]
+
+
+@torch.inference_mode()
+def hf_reference(model, prompts: list[list[int]], num_greedy: int) -> dict[str, torch.Tensor]:
+    """Prefill logits at every position and a greedy continuation (ids and their logits) for
+    each prompt, one prompt at a time (no padding), end-of-text ignored."""
+    out = {}
+    for i, prompt in enumerate(prompts):
+        ids = torch.tensor([prompt])
+        out[f"prompt_{i}"] = ids[0]
+        out[f"prefill_logits_{i}"] = model(ids).logits[0].float()
+        gen = model.generate(ids, max_new_tokens=num_greedy, min_new_tokens=num_greedy,
+                             do_sample=False, eos_token_id=None, pad_token_id=0,
+                             output_logits=True, return_dict_in_generate=True)
+        out[f"greedy_ids_{i}"] = gen.sequences[0, len(prompt):]
+        out[f"greedy_logits_{i}"] = torch.cat(gen.logits).float()
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def weights_sha256(folder: Path) -> dict[str, str]:
+    return {p.name: sha256_file(p) for p in sorted(folder.glob("model*.safetensors"))}
+
+
+def build_hf_model(spec: CaseSpec, eos: int):
+    torch.manual_seed(spec.seed)
+    model = spec.build(eos).eval()
+    rerandomise(model, spec.seed)
+    return model
+
+
+def write_case(spec: CaseSpec, folder: Path) -> Path:
+    """Build, save and reference one case into `folder` (created or overwritten)."""
+    import transformers
+    from safetensors.torch import save_file
+
+    from verify.tokenizer import write_tokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    eos = write_tokenizer(folder)
+    model = build_hf_model(spec, eos)
+    model.save_pretrained(folder)
+    prompts = make_prompts(spec.seed, spec.prompt_lens, VOCAB)
+    save_file(hf_reference(model, prompts, spec.num_greedy), folder / "reference.safetensors")
+    meta = {
+        "case": spec.name, "seed": spec.seed, "dtype": "float32",
+        "torch": torch.__version__.split("+")[0], "transformers": transformers.__version__,
+        "prompts": prompts, "num_greedy": spec.num_greedy,
+        "weights_sha256": weights_sha256(folder),
+    }
+    (folder / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    return folder
+
+
+def load_reference(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(meta.json, reference tensors) of a bundled case folder."""
+    from safetensors.torch import load_file
+
+    meta = json.loads((folder / "meta.json").read_text())
+    return meta, load_file(folder / "reference.safetensors")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Regenerate the bundled verification cases.")
+    parser.add_argument("--write", type=Path, default=GOLDEN, help="output root (golden/)")
+    parser.add_argument("--case", action="append", choices=sorted(CASES), help="only these")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    for name in args.case or sorted(CASES):
+        print(f"writing {write_case(CASES[name], args.write / name)}")
+
+
+if __name__ == "__main__":
+    main()
