@@ -104,7 +104,9 @@ def hf_reference(model, prompts: list[list[int]], num_greedy: int) -> dict[str, 
         ids = torch.tensor([prompt])
         out[f"prompt_{i}"] = ids[0]
         out[f"prefill_logits_{i}"] = model(ids).logits[0].float()
-        gen = model.generate(ids, max_new_tokens=num_greedy, min_new_tokens=num_greedy,
+        # An explicit mask: otherwise HF masks every prompt token equal to pad_token_id.
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids),
+                             max_new_tokens=num_greedy, min_new_tokens=num_greedy,
                              do_sample=False, eos_token_id=None, pad_token_id=0,
                              output_logits=True, return_dict_in_generate=True)
         out[f"greedy_ids_{i}"] = gen.sequences[0, len(prompt):]
