@@ -1,0 +1,271 @@
+"""Tensor comparison records, logit metrics and the greedy-continuation rule.
+
+Every check that compares the engine against a reference goes through here, so a failure always
+reads the same way: how many elements mismatched, where the worst one is, and what was allowed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Allowed error for one dtype: elementwise (rtol, atol) and logit noise for near-ties."""
+
+    rtol: float
+    atol: float
+    logit_noise: float
+
+
+# fp32: TP only changes the order of reductions; relative errors of ~1e-6 on logits of magnitude
+# ~5 are what TP runs show, so 1e-4 leaves headroom without hiding a wrong shard.
+# bf16: an 8-bit mantissa (~4e-3 per rounding) and TP changes the rounding of every partial sum,
+# which compounds over layers; logits can move by a few tenths.
+# fp16: 11-bit mantissa, in between.
+TOLERANCES: dict[torch.dtype, Tolerance] = {
+    torch.float32: Tolerance(rtol=1e-4, atol=1e-4, logit_noise=1e-3),
+    torch.bfloat16: Tolerance(rtol=5e-2, atol=5e-2, logit_noise=0.25),
+    torch.float16: Tolerance(rtol=1e-2, atol=1e-2, logit_noise=5e-2),
+}
+
+
+def tolerance_for(dtype: torch.dtype) -> Tolerance:
+    """Return the tolerance for `dtype`; ValueError for a dtype with no entry."""
+    try:
+        return TOLERANCES[dtype]
+    except KeyError:
+        known = ", ".join(str(d).removeprefix("torch.") for d in TOLERANCES)
+        raise ValueError(f"no tolerance for dtype {dtype}; known dtypes: {known}") from None
+
+
+def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    index = []
+    for size in reversed(shape):
+        flat, rem = divmod(flat, size)
+        index.append(rem)
+    return tuple(reversed(index))
+
+
+def _fmt_index(index: tuple[int, ...]) -> str:
+    return "(" + ", ".join(str(i) for i in index) + ")"
+
+
+def _fmt_tol(x: float) -> str:
+    short = f"{x:.0e}"
+    return short if float(short) == x else f"{x:.3e}"
+
+
+@dataclass
+class Comparison:
+    """The outcome of comparing one tensor, in the shape of a torch.testing.assert_close report.
+
+    `actual_shape` is set only when the shapes differ; then nothing else was compared.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    num_mismatched: int
+    numel: int
+    max_abs: float
+    max_abs_index: tuple[int, ...]
+    max_rel: float
+    max_rel_index: tuple[int, ...]
+    rtol: float
+    atol: float
+    passed: bool
+    actual_shape: tuple[int, ...] | None = None
+
+    def message(self) -> str:
+        """One line naming the tensor, the mismatch count, the worst errors and the allowance."""
+        if self.actual_shape is not None:
+            return (f"{self.name}: shape mismatch: actual {self.actual_shape} "
+                    f"vs expected {self.shape}")
+        count = f"{self.num_mismatched} / {self.numel} mismatched"
+        if self.num_mismatched:
+            count += f" ({100.0 * self.num_mismatched / self.numel:.1f}%)"
+        return (f"{self.name}: {count}; "
+                f"worst abs {self.max_abs:.1e} at {_fmt_index(self.max_abs_index)}, "
+                f"worst rel {self.max_rel:.1e} at {_fmt_index(self.max_rel_index)}; "
+                f"allowed rtol={_fmt_tol(self.rtol)} atol={_fmt_tol(self.atol)}")
+
+    def as_metrics(self) -> dict:
+        """The numbers a report records for this comparison."""
+        return {"max_abs": self.max_abs, "max_rel": self.max_rel,
+                "mismatched": self.num_mismatched, "numel": self.numel}
+
+
+def _errors(a: torch.Tensor, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Elementwise abs and rel error, with non-finite disagreements as inf.
+
+    Identical infinities count as equal; NaN never does, as with equal_nan=False in torch.testing:
+    a NaN in either output is a bug to report, not a value to match.
+    """
+    nonfinite = ~torch.isfinite(a) | ~torch.isfinite(e)
+    abs_err = (a - e).abs()
+    abs_err[nonfinite & (a == e)] = 0.0
+    abs_err[nonfinite & (a != e)] = math.inf
+    rel_err = torch.where(abs_err == 0, 0.0, abs_err / e.abs()).nan_to_num(nan=math.inf)
+    return abs_err, rel_err
+
+
+def _worst(err: torch.Tensor, shape: tuple[int, ...]) -> tuple[float, tuple[int, ...]]:
+    if err.numel() == 0:
+        return 0.0, ()
+    flat = int(err.reshape(-1).argmax())
+    return float(err.reshape(-1)[flat]), _unravel(flat, shape)
+
+
+def compare_tensors(name: str, actual: torch.Tensor, expected: torch.Tensor, *,
+                    rtol: float | None = None, atol: float | None = None) -> Comparison:
+    """Compare `actual` against `expected` elementwise in float64.
+
+    An element mismatches when |a - e| > atol + rtol * |e|, or when a non-finite value is not
+    identical on both sides. rtol/atol default to `tolerance_for(expected.dtype)`. A shape
+    mismatch gives a failed Comparison rather than an exception, so the report can name it.
+    """
+    if (rtol is None) != (atol is None):
+        raise ValueError("rtol and atol must be given together")
+    if rtol is None:
+        tol = tolerance_for(expected.dtype)
+        rtol, atol = tol.rtol, tol.atol
+    shape = tuple(expected.shape)
+    if tuple(actual.shape) != shape:
+        numel = expected.numel()
+        return Comparison(name, shape, numel, numel, math.inf, (), math.inf, (), rtol, atol,
+                          passed=False, actual_shape=tuple(actual.shape))
+    a = actual.detach().to("cpu", torch.float64)
+    e = expected.detach().to("cpu", torch.float64)
+    abs_err, rel_err = _errors(a, e)
+    mismatched = int((abs_err > atol + rtol * e.abs().nan_to_num(posinf=0.0)).sum())
+    max_abs, abs_index = _worst(abs_err, shape)
+    max_rel, rel_index = _worst(rel_err, shape)
+    return Comparison(name, shape, mismatched, e.numel(), max_abs, abs_index, max_rel, rel_index,
+                      rtol, atol, passed=mismatched == 0)
+
+
+@dataclass
+class LogitMetrics:
+    """How far the engine's logits are from the reference's, per position and overall."""
+
+    max_abs: float
+    max_abs_position: int
+    rel_l2: float
+    top1_agree: float
+    top5_overlap: float
+    kl_mean: float
+    kl_max: float
+    worst_kl_position: int
+
+    def as_dict(self) -> dict:
+        """Plain Python numbers, ready for a report."""
+        return {k: int(v) if k.endswith("position") else float(v)
+                for k, v in asdict(self).items()}
+
+
+def _topk_overlap(a: torch.Tensor, e: torch.Tensor, k: int) -> float:
+    in_a = torch.zeros_like(a, dtype=torch.bool).scatter_(1, a.topk(k, dim=1).indices, True)
+    in_e = torch.zeros_like(e, dtype=torch.bool).scatter_(1, e.topk(k, dim=1).indices, True)
+    return float((in_a & in_e).sum(dim=1).double().mean() / k)
+
+
+def _kl_rows(a: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """KL(reference || engine) per row: how surprised sampling from the reference would be."""
+    log_p = torch.log_softmax(e, dim=1)
+    log_q = torch.log_softmax(a, dim=1)
+    p = log_p.exp()
+    terms = torch.where(p > 0, p * (log_p - log_q), 0.0)
+    # Rounding can leave identical rows at -1e-17; KL is never negative.
+    return terms.sum(dim=1).clamp_min(0.0)
+
+
+def logit_metrics(actual: torch.Tensor, expected: torch.Tensor) -> LogitMetrics:
+    """Summarise engine logits `actual` [P, V] against reference logits `expected` [P, V]."""
+    if actual.shape != expected.shape or expected.dim() != 2 or expected.shape[0] == 0:
+        raise ValueError(f"logit_metrics needs two equal [positions, vocab] tensors, got actual "
+                         f"{tuple(actual.shape)} and expected {tuple(expected.shape)}")
+    a = actual.detach().to("cpu", torch.float64)
+    e = expected.detach().to("cpu", torch.float64)
+    max_abs, (position, _) = _worst((a - e).abs(), tuple(e.shape))
+    ref_norm, err_norm = float(e.norm()), float((a - e).norm())
+    rel_l2 = err_norm / ref_norm if ref_norm > 0 else (0.0 if err_norm == 0 else math.inf)
+    kl = _kl_rows(a, e)
+    top1_agree = float((a.argmax(dim=1) == e.argmax(dim=1)).double().mean())
+    top5_overlap = _topk_overlap(a, e, min(5, e.shape[1]))
+    return LogitMetrics(max_abs, position, rel_l2, top1_agree, top5_overlap,
+                        float(kl.mean()), float(kl.max()), int(kl.argmax()))
+
+
+@dataclass
+class GreedyResult:
+    """Whether the engine's greedy continuation matches the reference's, and if not, why."""
+
+    match_len: int
+    diverged_at: int | None
+    benign: bool
+    gap: float | None
+    noise: float
+    passed: bool
+    actual_len: int
+    expected_len: int
+    actual_token: int | None = None
+    expected_token: int | None = None
+
+    def message(self) -> str:
+        """One line: the agreement, or the step, the tokens and the gap against the noise."""
+        if self.diverged_at is None:
+            if self.passed:
+                return f"greedy: {self.match_len}/{self.expected_len} tokens match"
+            return (f"greedy: engine produced {self.actual_len} tokens, reference "
+                    f"{self.expected_len}; the first {self.match_len} agree")
+        head = (f"greedy: step {self.diverged_at}: engine token {self.actual_token}, "
+                f"reference {self.expected_token}")
+        if self.benign:
+            return (f"{head}; benign near-tie (reference top1-top2 gap {self.gap:.2e} "
+                    f"<= noise {self.noise:.2e}), later tokens not compared")
+        if self.gap is not None and self.gap <= self.noise:
+            return (f"{head}; engine token is outside the reference top-2 "
+                    f"(top1-top2 gap {self.gap:.2e})")
+        return f"{head}; reference top1-top2 gap {self.gap:.2e} > allowed noise {self.noise:.2e}"
+
+    def as_metrics(self) -> dict:
+        """The numbers a report records; `greedy_match`/`greedy_total` render as `16/16`."""
+        metrics = {"greedy_match": self.match_len, "greedy_total": self.expected_len}
+        if self.gap is not None:
+            metrics["greedy_gap"] = self.gap
+        return metrics
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    # strict=False: the lists may differ in length; the shorter one bounds the prefix.
+    pairs = enumerate(zip(a, b, strict=False))
+    return next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
+
+
+def greedy_check(actual_ids: list[int], expected_ids: list[int],
+                 expected_logits: torch.Tensor, dtype: torch.dtype) -> GreedyResult:
+    """Judge a greedy continuation against the reference's.
+
+    At the first differing step, a divergence is benign when the reference itself nearly tied
+    (top-1/top-2 gap within the dtype's logit noise) and the engine picked one of those two.
+    Tokens after a divergence are not compared: the two contexts differ from there on.
+    `expected_logits[i]` is the reference's logit row that chose `expected_ids[i]`.
+    """
+    actual_ids, expected_ids = [int(t) for t in actual_ids], [int(t) for t in expected_ids]
+    noise = tolerance_for(dtype).logit_noise
+    n = _common_prefix(actual_ids, expected_ids)
+    lengths = {"actual_len": len(actual_ids), "expected_len": len(expected_ids)}
+    if n == min(len(actual_ids), len(expected_ids)):
+        same_len = len(actual_ids) == len(expected_ids)
+        return GreedyResult(n, None, False, None, noise, passed=same_len, **lengths)
+    if expected_logits.shape[0] <= n:
+        raise ValueError(f"greedy divergence at step {n} needs reference logits row {n}, "
+                         f"but expected_logits has {expected_logits.shape[0]} rows")
+    top2 = expected_logits[n].detach().to("cpu", torch.float64).topk(2)
+    gap = float(top2.values[0] - top2.values[1])
+    benign = gap <= noise and actual_ids[n] in top2.indices.tolist()
+    return GreedyResult(n, n, benign, gap, noise, passed=benign, actual_token=actual_ids[n],
+                        expected_token=expected_ids[n], **lengths)
