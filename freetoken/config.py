@@ -5,7 +5,7 @@ raw HF dicts."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 ARCHITECTURES = {
@@ -59,6 +59,12 @@ class ModelConfig:
             and layer not in self.mlp_only_layers
             and (layer + 1) % self.decoder_sparse_step == 0
         )
+
+    def truncated(self, num_layers: int) -> ModelConfig:
+        """The same model with only its first `num_layers` decoder layers."""
+        if not 1 <= num_layers <= self.num_hidden_layers:
+            raise ConfigError(f"num_layers={num_layers} outside 1..{self.num_hidden_layers}")
+        return replace(self, num_hidden_layers=num_layers)
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> ModelConfig:
@@ -143,5 +149,6 @@ class EngineConfig:
     max_model_len: int = 2048
     max_num_batched_tokens: int = 8192
     num_kv_blocks: int | None = None
+    num_layers: int | None = None
     progress: bool = True
     timeout: float = 600.0

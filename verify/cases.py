@@ -13,6 +13,7 @@ import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -103,15 +104,16 @@ def hf_reference(model, prompts: list[list[int]], num_greedy: int) -> dict[str, 
     for i, prompt in enumerate(prompts):
         ids = torch.tensor([prompt])
         out[f"prompt_{i}"] = ids[0]
+        ids = ids.to(model.device)
         out[f"prefill_logits_{i}"] = model(ids).logits[0].float()
         # An explicit mask: otherwise HF masks every prompt token equal to pad_token_id.
         gen = model.generate(ids, attention_mask=torch.ones_like(ids),
                              max_new_tokens=num_greedy, min_new_tokens=num_greedy,
                              do_sample=False, eos_token_id=None, pad_token_id=0,
                              output_logits=True, return_dict_in_generate=True)
-        out[f"greedy_ids_{i}"] = gen.sequences[0, len(prompt):]
+        out[f"greedy_ids_{i}"] = gen.sequences[0, len(prompt):].cpu()
         out[f"greedy_logits_{i}"] = torch.cat(gen.logits).float()
-    return {k: v.contiguous() for k, v in out.items()}
+    return {k: v.cpu().contiguous() for k, v in out.items()}
 
 
 def sha256_file(path: Path) -> str:
@@ -162,6 +164,51 @@ def load_reference(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
     meta = json.loads((folder / "meta.json").read_text())
     return meta, load_file(folder / "reference.safetensors")
+
+
+class CaseError(ValueError):
+    """A --model argument names no bundled case, folder or cached hub snapshot."""
+
+
+@dataclass(frozen=True)
+class Case:
+    """A model to verify: a bundled case (with stored golden outputs) or any checkpoint."""
+
+    name: str
+    folder: Path
+    bundled: bool
+
+    @cached_property
+    def model_config(self):
+        from freetoken.config import ModelConfig
+
+        return ModelConfig.from_folder(self.folder)
+
+    def engine_args(self, options) -> dict:
+        """What a rank needs to build this model's engine under `options`."""
+        return {"folder": str(self.folder), "device": options.device, "dtype": options.dtype,
+                "num_layers": options.num_layers}
+
+
+def resolve_case(arg: str) -> Case:
+    """A bundled case name, a local checkpoint folder, or a hub id in the local HF cache."""
+    from freetoken.config import ConfigError
+    from freetoken.engine.resolve import ModelNotFound, resolve_model
+
+    if arg in CASES:
+        if not (GOLDEN / arg / "config.json").is_file():
+            raise CaseError(f"bundled case {arg!r} is missing from {GOLDEN}; run `make golden`")
+        case = Case(arg, GOLDEN / arg, True)
+    else:
+        try:
+            case = Case(arg, resolve_model(arg), False)
+        except ModelNotFound as e:
+            raise CaseError(f"{e} (bundled cases: {', '.join(sorted(CASES))})") from None
+    try:
+        case.model_config  # noqa: B018 - read now so a bad config is a usage error
+    except (ConfigError, KeyError) as e:
+        raise CaseError(f"{arg}: unusable config.json ({e})") from None
+    return case
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -36,9 +36,11 @@ class EngineCore:
         self.cfg = cfg
         self.device = torch.device(device)
         self.model_config = ModelConfig.from_folder(folder)
+        if cfg.num_layers is not None:
+            self.model_config = self.model_config.truncated(cfg.num_layers)
         self.dtype = resolve_dtype(cfg.dtype, self.model_config)
         self.model = self._build()
-        load_weights(self.model, CheckpointReader(folder),
+        load_weights(self.model, CheckpointReader(folder, cfg.num_layers),
                      shard_plan(self.model_config, get_tp_info().size), progress=cfg.progress)
         self.blocks = self._allocate_cache()
 

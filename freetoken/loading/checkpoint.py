@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -13,12 +14,25 @@ class CheckpointError(ValueError):
     """A checkpoint folder is missing files or inconsistent."""
 
 
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def layer_index(name: str) -> int | None:
+    """The decoder layer a tensor belongs to, or None for embeddings, final norm, head."""
+    m = _LAYER.search(name)
+    return int(m[1]) if m else None
+
+
 class CheckpointReader:
     """Names and tensors of a checkpoint folder, one tensor at a time."""
 
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, max_layers: int | None = None):
+        """`max_layers=K` hides the tensors of decoder layers K and above (a truncated model)."""
         self.folder = Path(folder)
         self._files = self._weight_map()
+        if max_layers is not None:
+            self._files = {n: f for n, f in self._files.items()
+                           if (layer := layer_index(n)) is None or layer < max_layers}
         self._handles: dict[str, object] = {}
 
     def _weight_map(self) -> dict[str, str]:

@@ -1,0 +1,110 @@
+"""golden: prefill logits at every prompt position and a greedy continuation, engine at TP=N
+against the reference (the stored golden outputs, or HF run live), and against the engine at
+TP=1. Every rank must also hold the same full logits."""
+
+from __future__ import annotations
+
+import time
+
+from freetoken.engine.core import resolve_dtype
+from verify.checks import CheckContext
+from verify.compare import compare_tensors, greedy_check, logit_metrics, tolerance_for
+from verify.engine import engine_on_rank
+from verify.references import Reference, reference_for
+from verify.report import CheckResult
+
+
+def run(ctx: CheckContext) -> CheckResult:
+    start = time.monotonic()
+    ref = reference_for(ctx)
+    records = ctx.runner.run(_engine_outputs, ctx.case.engine_args(ctx.options), ref.prompts,
+                             ref.num_greedy)
+    outputs = records[0].value
+    dtype = resolve_dtype(ctx.options.dtype, ctx.case.model_config)
+    metrics, failures = _against_reference(outputs, ref, dtype)
+    failures += _ranks_disagree([r.value for r in records])
+    metrics.update(_against_tp1(ctx, outputs, dtype, failures))
+    if failures:
+        return _result(ctx, start, "fail", metrics, f"{ctx.case.name} tp={ctx.tp}: {failures[0]}")
+    return _result(ctx, start, "pass", metrics, "")
+
+
+def _result(ctx, start, status, metrics, message) -> CheckResult:
+    return CheckResult("golden", ctx.case.name, ctx.tp, status, time.monotonic() - start,
+                       ctx.placement, metrics, message)
+
+
+def _engine_outputs(rank_ctx, engine_args: dict, prompts, num_greedy: int) -> dict:
+    """Runs on every rank: prompt logits and greedy continuation for each prompt. Rank 0 sends
+    the tensors; other ranks send a digest of theirs (every rank must hold the same logits)."""
+    from freetoken.engine.sequence import SamplingParams
+
+    core = engine_on_rank(rank_ctx, engine_args)
+    params = SamplingParams(max_tokens=num_greedy, ignore_eos=True, return_logits=True,
+                            return_prompt_logits=True)
+    results = core.generate(prompts, [params] * len(prompts))
+    out = [{"prompt_logits": r.prompt_logits, "step_logits": r.logits, "ids": r.token_ids}
+           for r in results]
+    digest = [float(o["prompt_logits"].double().sum() + o["step_logits"].double().sum())
+              for o in out]
+    return {"digest": digest, "outputs": out if rank_ctx.rank == 0 else None}
+
+
+def _against_reference(outputs: dict, ref: Reference, dtype) -> tuple[dict, list[str]]:
+    tol = tolerance_for(dtype)
+    failures, per_prompt, greedy_match, greedy_total, mismatched = [], [], 0, 0, 0
+    for i, out in enumerate(outputs["outputs"]):
+        expected = ref.prefill_logits[i]
+        cmp = compare_tensors(f"prompt {i} ({len(ref.prompts[i])} tokens) prefill logits",
+                              out["prompt_logits"], expected, rtol=tol.rtol, atol=tol.atol)
+        mismatched += cmp.num_mismatched
+        if not cmp.passed:
+            failures.append(cmp.message())
+        if out["prompt_logits"].shape != expected.shape:
+            continue
+        per_prompt.append(logit_metrics(out["prompt_logits"], expected))
+        greedy = greedy_check(out["ids"], ref.greedy_ids[i], ref.greedy_logits[i], dtype)
+        greedy_match += greedy.match_len
+        greedy_total += greedy.expected_len
+        if not greedy.passed:
+            failures.append(f"prompt {i} {greedy.message()}")
+    metrics = _aggregate(per_prompt) if per_prompt else {}
+    metrics.update(mismatched=mismatched, greedy_match=greedy_match, greedy_total=greedy_total)
+    return metrics, failures
+
+
+def _aggregate(per_prompt) -> dict:
+    return {
+        "max_abs": max(m.max_abs for m in per_prompt),
+        "rel_l2": max(m.rel_l2 for m in per_prompt),
+        "top1_agree": min(m.top1_agree for m in per_prompt),
+        "top5_overlap": min(m.top5_overlap for m in per_prompt),
+        "kl_mean": sum(m.kl_mean for m in per_prompt) / len(per_prompt),
+        "kl_max": max(m.kl_max for m in per_prompt),
+    }
+
+
+def _ranks_disagree(values: list[dict]) -> list[str]:
+    first = values[0]["digest"]
+    return [f"rank {r} holds different logits than rank 0 (digest {v['digest']} vs {first})"
+            for r, v in enumerate(values) if v["digest"] != first][:1]
+
+
+def _against_tp1(ctx: CheckContext, outputs: dict, dtype, failures: list[str]) -> dict:
+    key = ("golden-tp1", ctx.case.name)
+    if ctx.tp == 1:
+        ctx.cache[key] = outputs
+        return {}
+    base = ctx.cache.get(key)
+    if base is None:
+        return {}
+    tol = tolerance_for(dtype)
+    worst = 0.0
+    for i, (a, b) in enumerate(zip(outputs["outputs"], base["outputs"])):
+        cmp = compare_tensors(f"prompt {i} prefill logits vs engine tp=1", a["prompt_logits"],
+                              b["prompt_logits"], rtol=tol.rtol, atol=tol.atol)
+        worst = max(worst, cmp.max_abs)
+        if not cmp.passed:
+            failures.append(cmp.message())
+    return {"tp1_max_abs": worst}
+

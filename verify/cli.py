@@ -1,0 +1,74 @@
+"""`freetoken-verify`: is the engine's TP path correct, at which size, and where not.
+
+Exit status: 0 all passed, 1 a check failed (or errored), 2 bad usage or bad input. The last
+line of output is `N passed, N failed, N skipped`."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from verify.faults import FAULTS
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def _split(values: tuple[str, ...]) -> list[str]:
+    return [v.strip() for value in values for v in value.split(",") if v.strip()]
+
+
+def _parse_tp(values: tuple[str, ...]) -> list[int]:
+    sizes = []
+    for v in _split(values):
+        if not v.isdigit() or int(v) < 1:
+            raise click.UsageError(f"--tp: {v!r} is not a TP size (a positive integer)")
+        sizes.append(int(v))
+    return sorted(set(sizes))
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--model", "models", multiple=True,
+              help="bundled case name, checkpoint folder or cached hub id (repeatable; "
+                   "default: every bundled case)")
+@click.option("--tp", "tp", multiple=True, default=("1,2",), show_default=True,
+              help="TP sizes, comma separated")
+@click.option("--checks", "checks", multiple=True, help="checks to run (default: all)")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
+              show_default=True)
+@click.option("--oversubscribe", is_flag=True, help="let gloo ranks share GPUs")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+              default="auto", show_default=True)
+@click.option("--reference", type=click.Choice(["auto", "golden", "hf"]), default="auto",
+              show_default=True, help="auto: stored golden for bundled cases, live HF otherwise")
+@click.option("--num-layers", type=int, default=None,
+              help="truncate the model to its first K layers (engine and HF reference)")
+@click.option("--report-json", type=click.Path(dir_okay=False), default=None)
+@click.option("--junit-xml", type=click.Path(dir_okay=False), default=None)
+@click.option("--timeout", type=float, default=600.0, show_default=True,
+              help="seconds a rank group may take for one call")
+@click.option("--inject", "faults", multiple=True, type=click.Choice(sorted(FAULTS)),
+              help="inject a known TP bug into the engine (to prove the checks catch it)")
+@click.option("-v", "--verbose", is_flag=True, help="print rank tracebacks of errors")
+def verify(**kwargs) -> int:
+    """Verify the engine's tensor-parallel path against references at several TP sizes."""
+    from verify.main import execute
+
+    return execute(**kwargs)
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        code = verify.main(args=argv, prog_name="freetoken-verify", standalone_mode=False)
+    except click.exceptions.Exit as e:
+        code = e.exit_code
+    except click.UsageError as e:
+        click.echo(f"error: {e.format_message()}", err=True)
+        code = EXIT_USAGE
+    except click.Abort:
+        code = EXIT_FAILED
+    sys.exit(code if isinstance(code, int) else EXIT_OK)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""The body of `freetoken-verify`: validate everything, run, report."""
+
+from __future__ import annotations
+
+import click
+
+from freetoken.distributed import PlacementError, choose_placement
+from verify.cases import CASES, CaseError, resolve_case
+from verify.checks import ALL_CHECK_NAMES, VerifyOptions, available_checks
+from verify.references import reference_source
+from verify.report import count_line, environment, render_table, write_json, write_junit
+from verify.runner import Plan, run_plan
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def _fail_usage(message: str) -> None:
+    raise click.UsageError(message)
+
+
+def _checks(requested: list[str]) -> dict:
+    available = available_checks()
+    for name in requested:
+        if name not in ALL_CHECK_NAMES:
+            _fail_usage(f"unknown check {name!r}; available: {', '.join(available)}")
+        if name not in available:
+            _fail_usage(f"check {name!r} is not available in this build; available: "
+                        f"{', '.join(available)}")
+    return {n: f for n, f in available.items() if not requested or n in requested}
+
+
+def _validate(cases, tp_sizes, options) -> None:
+    from freetoken.models.registry import check_tp
+
+    for case in cases:
+        cfg = case.model_config
+        try:
+            if options.num_layers is not None:
+                cfg = cfg.truncated(options.num_layers)
+            for tp in tp_sizes:
+                check_tp(cfg, tp)
+        except ValueError as e:
+            _fail_usage(f"{case.name}: {e}")
+        source = reference_source(case, options)
+        if source == "golden" and (not case.bundled or options.num_layers is not None):
+            _fail_usage(f"{case.name}: --reference golden needs a bundled case at full depth")
+    for tp in tp_sizes:
+        try:
+            choose_placement(options.device, tp, options.oversubscribe)
+        except PlacementError as e:
+            _fail_usage(str(e))
+
+
+def build_plan(models, tp, checks, device, oversubscribe, dtype, reference, num_layers,
+               timeout, faults) -> Plan:
+    from verify.cli import _parse_tp, _split
+
+    tp_sizes = _parse_tp(tp)
+    if not tp_sizes:
+        _fail_usage("--tp: no TP sizes given")
+    options = VerifyOptions(device, dtype, reference, num_layers, oversubscribe, timeout)
+    try:
+        cases = [resolve_case(m) for m in _split(models) or sorted(CASES)]
+    except CaseError as e:
+        _fail_usage(str(e))
+    _validate(cases, tp_sizes, options)
+    return Plan(cases, tp_sizes, _checks(_split(checks)), options, tuple(faults))
+
+
+def execute(models, tp, checks, device, oversubscribe, dtype, reference, num_layers,
+            report_json, junit_xml, timeout, faults, verbose) -> int:
+    plan = build_plan(models, tp, checks, device, oversubscribe, dtype, reference, num_layers,
+                      timeout, faults)
+    if plan.faults:
+        click.echo(f"injected faults: {', '.join(plan.faults)}", err=True)
+    results = run_plan(plan)
+    click.echo(render_table(results))
+    if verbose:
+        for (model, check, tp_size), detail in plan.details.items():
+            click.echo(f"\n=== {model} {check} tp={tp_size} ===\n{detail}")
+    resolved = "cuda" if any(r.placement.startswith("cuda") for r in results) else "cpu"
+    env = environment(resolved, _gpu_count())
+    if report_json:
+        write_json(report_json, results, env)
+    if junit_xml:
+        write_junit(junit_xml, results)
+    click.echo(count_line(results))
+    bad = any(r.status in ("fail", "error") for r in results)
+    return EXIT_FAILED if bad else EXIT_OK
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0

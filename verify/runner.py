@@ -1,0 +1,65 @@
+"""Runs the requested checks: one rank group per TP size, every model and check inside it."""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+from freetoken.distributed import choose_placement
+from verify.cases import Case
+from verify.checks import CheckContext, VerifyOptions
+from verify.faults import inject
+from verify.ranks import RankFailure, RankRunner
+from verify.report import CheckResult
+
+
+@dataclass
+class Plan:
+    """What to run: models x TP sizes x checks, validated before any rank starts."""
+
+    cases: list[Case]
+    tp_sizes: list[int]
+    checks: dict[str, Callable[[CheckContext], CheckResult]]
+    options: VerifyOptions
+    faults: tuple[str, ...] = ()
+    details: dict = field(default_factory=dict)
+
+
+def run_plan(plan: Plan, progress: Callable[[str], None] | None = None) -> list[CheckResult]:
+    """Every check on every model at every TP size, in that nesting (TP outermost so each
+    rank group starts once)."""
+    say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
+    results: list[CheckResult] = []
+    cache: dict = {}
+    total = len(plan.cases) * len(plan.tp_sizes) * len(plan.checks)
+    for tp in plan.tp_sizes:
+        placement = choose_placement(plan.options.device, tp, plan.options.oversubscribe)
+        setup = partial(inject, plan.faults) if plan.faults else None
+        say(f"tp={tp}: starting {tp} rank(s), {placement.name}")
+        with RankRunner(tp, placement, plan.options.timeout, setup=setup) as runner:
+            for case in plan.cases:
+                for name, check in plan.checks.items():
+                    ctx = CheckContext(case, tp, runner, plan.options, cache)
+                    result = _run_one(name, check, ctx, plan.details)
+                    results.append(result)
+                    say(f"[{len(results)}/{total}] {case.name} {name} tp={tp}: "
+                        f"{result.status.upper()} ({result.seconds:.1f}s)")
+    return results
+
+
+def _run_one(name: str, check, ctx: CheckContext, details: dict) -> CheckResult:
+    start = time.monotonic()
+    try:
+        return check(ctx)
+    except RankFailure as e:
+        details[(ctx.case.name, name, ctx.tp)] = e.detail()
+        message = f"{ctx.case.name} tp={ctx.tp}: {e}"
+    except Exception as e:  # a check's own bug must not hide the other results
+        details[(ctx.case.name, name, ctx.tp)] = traceback.format_exc()
+        message = f"{ctx.case.name} tp={ctx.tp}: {type(e).__name__}: {e}"
+    return CheckResult(name, ctx.case.name, ctx.tp, "error", time.monotonic() - start,
+                       ctx.placement, {}, message)
