@@ -3,6 +3,7 @@ HF transformers run live on the same checkpoint (same dtype, same device as rank
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import torch
@@ -18,10 +19,6 @@ class Reference:
     greedy_ids: list[list[int]]
     greedy_logits: list[torch.Tensor]
 
-    @property
-    def num_greedy(self) -> int:
-        return len(self.greedy_ids[0])
-
     @classmethod
     def from_tensors(cls, source: str, prompts, tensors: dict) -> Reference:
         n = range(len(prompts))
@@ -36,6 +33,14 @@ def reference_source(case, options) -> str:
     if options.reference != "auto":
         return options.reference
     return "golden" if case.bundled and options.num_layers is None else "hf"
+
+
+def prompts_for(case, options) -> tuple[list[list[int]], int]:
+    """(prompts, greedy length) the reference covers, known before any model runs."""
+    if reference_source(case, options) == "golden":
+        meta = json.loads((case.folder / "meta.json").read_text())
+        return meta["prompts"], meta["num_greedy"]
+    return make_prompts(0, PROMPT_LENS, case.model_config.vocab_size), NUM_GREEDY
 
 
 def reference_for(ctx) -> Reference:
@@ -61,7 +66,7 @@ def live_hf_reference(case, options, device) -> Reference:
     dtype = resolve_dtype(options.dtype, case.model_config)
     model = AutoModelForCausalLM.from_pretrained(case.folder, dtype=dtype, **extra)
     model = model.to(device).eval()
-    prompts = make_prompts(0, PROMPT_LENS, case.model_config.vocab_size)
-    tensors = hf_reference(model, prompts, NUM_GREEDY)
+    prompts, num_greedy = prompts_for(case, options)
+    tensors = hf_reference(model, prompts, num_greedy)
     del model
     return Reference.from_tensors("hf", prompts, tensors)

@@ -10,15 +10,16 @@ from freetoken.engine.core import resolve_dtype
 from verify.checks import CheckContext
 from verify.compare import compare_tensors, greedy_check, logit_metrics, tolerance_for
 from verify.engine import engine_on_rank
-from verify.references import Reference, reference_for
+from verify.references import Reference, prompts_for, reference_for
 from verify.report import CheckResult
 
 
 def run(ctx: CheckContext) -> CheckResult:
     start = time.monotonic()
+    prompts, num_greedy = prompts_for(ctx.case, ctx.options)
+    records = ctx.runner.run(_engine_outputs, ctx.case.engine_args(ctx.options), prompts,
+                             num_greedy)
     ref = reference_for(ctx)
-    records = ctx.runner.run(_engine_outputs, ctx.case.engine_args(ctx.options), ref.prompts,
-                             ref.num_greedy)
     outputs = records[0].value
     dtype = resolve_dtype(ctx.options.dtype, ctx.case.model_config)
     metrics, failures = _against_reference(outputs, ref, dtype)

@@ -1,0 +1,128 @@
+"""`freetoken-verify` end to end on the bundled cases: exit codes, the table, the count line,
+the JSON and JUnit reports, and that injected TP bugs make it fail naming case, TP size and
+metric."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import xml.etree.ElementTree as ET
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from verify.cli import main
+
+
+def _run(capsys, *args: str) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(args))
+    out, err = capsys.readouterr()
+    return exit_info.value.code, out, err
+
+
+def _rows(out: str, model: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith(model + " ")]
+
+
+def _assert_fails_naming(out: str, code: int, model: str, tp: int, metric: str) -> None:
+    assert code == 1, f"expected exit 1, got {code}:\n{out}"
+    rows = [r for r in _rows(out, model) if r.split()[2] == str(tp)]
+    assert rows, f"no table row for {model} tp={tp}:\n{out}"
+    assert "FAIL" in rows[0], f"row for {model} tp={tp} is not FAIL: {rows[0]}"
+    assert f"{model} tp={tp}" in rows[0] and metric in rows[0], (
+        f"row does not name case, TP size and metric {metric!r}: {rows[0]}")
+    assert out.strip().splitlines()[-1].endswith("0 skipped"), "count line must come last"
+
+
+def test_bundled_cases_pass_with_table_and_count_line(capsys, tmp_path):
+    """Every bundled case passes golden at TP 1 and 2; one table row per case and TP size;
+    the last line counts them; the JSON report follows the contract; JUnit parses."""
+    report, junit = tmp_path / "r.json", tmp_path / "r.xml"
+    code, out, _ = _run(capsys, "--tp", "1,2", "--report-json", str(report),
+                        "--junit-xml", str(junit))
+    assert code == 0, out
+    assert out.strip().splitlines()[-1] == "6 passed, 0 failed, 0 skipped"
+    for model in ("tiny-llama", "tiny-qwen3", "tiny-qwen3-moe"):
+        assert len(_rows(out, model)) == 2, f"{model}: expected rows for tp 1 and 2\n{out}"
+    _assert_report_contract(json.loads(report.read_text()), expected_results=6)
+    suite = ET.parse(junit).getroot()
+    assert suite.get("tests") == "6" and suite.get("failures") == "0", ET.tostring(suite)
+
+
+def _assert_report_contract(report: dict, expected_results: int) -> None:
+    assert set(report) == {"version", "env", "results", "summary"}, report.keys()
+    assert report["version"] == 1
+    assert set(report["env"]) == {"torch", "triton", "transformers", "device", "gpus"}
+    assert report["env"]["device"] in ("cpu", "cuda") and isinstance(report["env"]["gpus"], int)
+    assert len(report["results"]) == expected_results
+    for r in report["results"]:
+        assert set(r) == {"check", "model", "tp", "status", "seconds", "placement", "metrics",
+                          "message"}, r.keys()
+        assert r["check"] == "golden" and r["status"] in ("pass", "fail", "skip", "error")
+        assert r["placement"] in ("cpu-gloo", "cuda-nccl", "cuda-shared-gloo")
+        assert {"max_abs", "rel_l2", "top1_agree", "top5_overlap", "kl_mean", "kl_max",
+                "greedy_match"} <= set(r["metrics"]), r["metrics"].keys()
+    assert set(report["summary"]) == {"passed", "failed", "skipped", "errors"}
+    assert sum(report["summary"].values()) == expected_results
+
+
+@pytest.mark.parametrize("fault, model, tp", [
+    ("plain-chunk-gate-up", "tiny-qwen3", 2),
+    ("drop-allreduce", "tiny-llama", 2),
+    ("kv-head-wrong-rank", "tiny-qwen3-moe", 4),
+])
+def test_injected_tp_bug_fails_naming_case_tp_and_metric(capsys, tmp_path, fault, model, tp):
+    """Each canonical TP bug, injected into the ranks, turns golden red at the TP size where
+    it bites (TP=1 stays green): exit 1, the row names the case, the TP size and the metric."""
+    report = tmp_path / "r.json"
+    code, out, _ = _run(capsys, "--model", model, "--tp", f"1,{tp}", "--inject", fault,
+                        "--report-json", str(report))
+    _assert_fails_naming(out, code, model, tp, "prefill logits")
+    results = {r["tp"]: r for r in json.loads(report.read_text())["results"]}
+    assert results[1]["status"] == "pass", f"TP=1 must be unaffected by {fault}"
+    assert results[tp]["metrics"]["top1_agree"] < 1.0, results[tp]["metrics"]
+
+
+def _make_broken_checkpoint(golden, tmp_path):
+    """tiny-llama with one k_proj weight of the wrong shape: every rank fails while loading."""
+    folder = tmp_path / "broken"
+    shutil.copytree(golden / "tiny-llama", folder)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.1.self_attn.k_proj.weight"] = torch.zeros(48, 64)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def test_rank_failure_is_an_error_naming_rank_and_tensor(capsys, golden, tmp_path):
+    """A rank that raises while loading gives an ERROR row naming the rank and the tensor, the
+    rank traceback with -v, and exit 1 — not a hang or a bare traceback."""
+    folder = _make_broken_checkpoint(golden, tmp_path)
+    code, out, _ = _run(capsys, "--model", str(folder), "--tp", "2", "--reference", "hf", "-v")
+    assert code == 1, out
+    row = _rows(out, str(folder))[0]
+    assert "ERROR" in row and "rank " in row, row
+    assert "model.layers.1.self_attn.k_proj.weight" in out, "the failing tensor must be named"
+    assert "Traceback" in out, "-v must print the rank traceback"
+    assert out.strip().splitlines()[-1] == "0 passed, 1 failed, 0 skipped"
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--model", "tiny-nonexistent"], "tiny-nonexistent: no such checkpoint folder"),
+    (["--model", "/nonexistent/folder"], "no such checkpoint folder"),
+    (["--model", "someorg/absent-model"], "not in the local Hugging Face cache"),
+    (["--tp", "0"], "--tp: '0' is not a TP size"),
+    (["--tp", "1,3", "--model", "tiny-llama"],
+     "tiny-llama: num_attention_heads=8 cannot be split across tp_size=3"),
+    (["--checks", "golden,nonsense"], "unknown check 'nonsense'"),
+    (["--model", "tiny-llama", "--num-layers", "9"], "num_layers=9 outside 1..2"),
+])
+def test_bad_input_exits_2_with_one_line(capsys, args, needle, monkeypatch, tmp_path):
+    """Bad input is refused before any rank starts: exit 2 and one line naming the problem."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    code, out, err = _run(capsys, *args)
+    assert code == 2, f"expected exit 2 for {args}, got {code}\n{out}{err}"
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], f"expected one line with {needle!r}: {err!r}"
+    assert "Traceback" not in out + err

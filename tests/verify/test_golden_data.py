@@ -1,0 +1,56 @@
+"""The bundled golden data stays trustworthy: weights match their recorded sha256, live HF
+still reproduces the stored reference, and regeneration is byte-for-byte deterministic."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from conftest import BUNDLED, GOLDEN
+
+from verify.cases import CASES, hf_reference, load_reference, sha256_file, write_case
+
+
+@pytest.mark.parametrize("case", BUNDLED)
+def test_weights_match_recorded_sha256(case):
+    """model*.safetensors hash to the values meta.json recorded when the case was written."""
+    meta = json.loads((GOLDEN / case / "meta.json").read_text())
+    for name, digest in meta["weights_sha256"].items():
+        assert sha256_file(GOLDEN / case / name) == digest, f"{case}/{name}: sha256 changed"
+
+
+@pytest.mark.parametrize("case", BUNDLED)
+def test_live_hf_reproduces_stored_reference(case):
+    """HF transformers, run now on the stored weights, gives the stored prefill logits (fp32
+    noise only) and exactly the stored greedy continuation."""
+    from transformers import AutoModelForCausalLM
+
+    meta, stored = load_reference(GOLDEN / case)
+    model = AutoModelForCausalLM.from_pretrained(GOLDEN / case, dtype=torch.float32).eval()
+    live = hf_reference(model, meta["prompts"], meta["num_greedy"])
+    assert set(live) == set(stored), f"{case}: reference keys differ"
+    for key, tensor in stored.items():
+        if tensor.is_floating_point():
+            torch.testing.assert_close(live[key], tensor, rtol=1e-5, atol=1e-5,
+                                       msg=lambda m, key=key: f"{case} {key}: {m}")
+        else:
+            assert torch.equal(live[key], tensor), f"{case} {key}: live HF differs"
+
+
+def test_regeneration_is_deterministic(tmp_path):
+    """Writing a case twice gives the same bytes; with the versions meta.json records, the
+    same bytes as the committed golden files."""
+    name = "tiny-qwen3-moe"
+    first, second = write_case(CASES[name], tmp_path / "a"), write_case(CASES[name], tmp_path / "b")
+    files = sorted(p.name for p in first.iterdir())
+    for f in files:
+        assert (first / f).read_bytes() == (second / f).read_bytes(), f"{f} differs run to run"
+    meta = json.loads((GOLDEN / name / "meta.json").read_text())
+    if (meta["torch"], meta["transformers"]) != (torch.__version__.split("+")[0],
+                                                 transformers.__version__):
+        pytest.skip("installed torch/transformers differ from the ones golden was written with")
+    for f in files:
+        assert (first / f).read_bytes() == (GOLDEN / name / f).read_bytes(), (
+            f"golden/{name}/{f} is not what `make golden` writes now")
