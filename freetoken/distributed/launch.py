@@ -16,10 +16,11 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from freetoken.distributed.placement import Placement
 
@@ -38,6 +39,7 @@ class RankTimeout(RuntimeError):
     """Ranks did not answer in time; carries each hung rank's Python stack."""
 
     def __init__(self, timeout: float, stacks: dict[int, str]):
+        self.timeout = timeout
         self.stacks = stacks
         ranks = ", ".join(str(r) for r in sorted(stacks))
         super().__init__(f"rank(s) {ranks} did not finish within {timeout:.0f}s")

@@ -13,8 +13,10 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         return int(torch.argmax(logits))
     scores = logits.float() / params.temperature
     if params.top_k:
-        kth = torch.topk(scores, min(params.top_k, scores.numel())).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
+        # By index, not by value: ties with the k-th score must not widen the set.
+        top = torch.topk(scores, min(params.top_k, scores.numel())).indices
+        keep = torch.zeros_like(scores, dtype=torch.bool).scatter(0, top, True)
+        scores = scores.masked_fill(~keep, float("-inf"))
     if params.top_p < 1.0:
         sorted_scores, order = torch.sort(scores, descending=True)
         cum = torch.softmax(sorted_scores, dim=-1).cumsum(-1)
