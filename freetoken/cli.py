@@ -15,7 +15,8 @@ def _parse_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.replace(",", " ").split()]
     except ValueError:
-        raise click.BadParameter(f"{text!r} is not a list of integers", param_hint="--prompt-ids")
+        raise click.BadParameter(f"{text!r} is not a list of integers",
+                                 param_hint="--prompt-ids") from None
 
 
 @click.group()

@@ -10,16 +10,36 @@ from freetoken.distributed import RankContext
 from freetoken.engine.core import EngineCore
 
 
-def engine_on_rank(rank_ctx: RankContext, engine_args: dict) -> EngineCore:
-    """This rank's engine for `engine_args` (see `Case.engine_args`); a different model
-    replaces the previous one so at most one is resident."""
-    key = tuple(sorted(engine_args.items()))
-    if rank_ctx.state.get("engine_key") != key:
-        rank_ctx.state.pop("engine", None)
-        gc.collect()
-        args = dict(engine_args)
-        cfg = EngineConfig(args.pop("folder"), tp=rank_ctx.size, progress=False,
-                           max_num_seqs=8, **args)
-        rank_ctx.state["engine"] = EngineCore(cfg.model, cfg, rank_ctx.device)
-        rank_ctx.state["engine_key"] = key
+def _key(engine_args: dict) -> tuple:
+    return tuple(sorted(engine_args.items()))
+
+
+def release_engine(rank_ctx: RankContext) -> None:
+    """Drop the resident engine (and its memory) on this rank."""
+    rank_ctx.state.pop("engine", None)
+    rank_ctx.state.pop("engine_key", None)
+    gc.collect()
+
+
+def build_engine(rank_ctx: RankContext, engine_args: dict) -> EngineCore:
+    """A freshly loaded engine for `engine_args`, made the rank's resident engine."""
+    release_engine(rank_ctx)
+    args = dict(engine_args)
+    cfg = EngineConfig(args.pop("folder"), tp=rank_ctx.size, progress=False, max_num_seqs=8,
+                       **args)
+    rank_ctx.state["engine"] = EngineCore(cfg.model, cfg, rank_ctx.device)
+    rank_ctx.state["engine_key"] = _key(engine_args)
     return rank_ctx.state["engine"]
+
+
+def resident_engine(rank_ctx: RankContext, engine_args: dict) -> EngineCore | None:
+    """The rank's engine for `engine_args` if one is already loaded, else None."""
+    if rank_ctx.state.get("engine_key") == _key(engine_args):
+        return rank_ctx.state["engine"]
+    return None
+
+
+def engine_on_rank(rank_ctx: RankContext, engine_args: dict) -> EngineCore:
+    """This rank's engine for `engine_args` (see `Case.engine_args`), loaded on first use; a
+    different model replaces the previous one so at most one is resident."""
+    return resident_engine(rank_ctx, engine_args) or build_engine(rank_ctx, engine_args)

@@ -53,10 +53,72 @@ def kv_head_wrong_rank() -> None:
     Heads._head_owner = owner
 
 
+def _view_chunk(full, dim, rank, size, name):
+    step = full.shape[dim] // size
+    return full.narrow(dim, rank * step, step)
+
+
+def shard_views() -> None:
+    """Shard functions return `narrow()` views of the checkpoint tensor instead of copies."""
+    from freetoken.loading import specs
+
+    specs._chunk = _view_chunk
+    specs.Replicate.shard = lambda self, full, rank, size, name="": full
+
+
+def split_replicated() -> None:
+    """Tensors meant to be replicated (norms, routers) are split across ranks instead."""
+    from freetoken.loading import specs
+
+    specs.Replicate.shard = lambda self, full, rank, size, name="": _view_chunk(
+        full, 0, rank, size, name).clone()
+    specs.Replicate.unshard = lambda self, parts, name="": torch.cat(parts)
+
+
+def vocab_pad_dropped() -> None:
+    """Vocab-parallel rows are cut in ceil(vocab / tp) chunks without padding, so the last
+    rank gets a short shard."""
+    from freetoken.loading import specs
+
+    def shard(self, full, rank, size, name=""):
+        step = -(-self.full_size // size)
+        return full[rank * step : (rank + 1) * step].clone()
+
+    specs.PaddedSplit.shard = shard
+
+
+def pin_checkpoint_views() -> None:
+    """After loading, whole-tensor parameters are re-pointed at views of the checkpoint
+    tensors (a loader that keeps `narrow()` results): each pins its full parent tensor."""
+    import freetoken.engine.core as core
+    from freetoken.distributed import get_tp_info
+
+    original = core.load_weights
+
+    def load(model, reader, plan, progress=True):
+        out = original(model, reader, plan, progress)
+        params, tp = dict(model.named_parameters()), get_tp_info()
+        for name in reader.names():
+            target = plan.resolve(name)
+            if target.param in params and not target.slot:
+                full = reader.get(name).to(params[target.param].dtype)
+                dim = 1 if target.param.endswith(("o_proj.weight", "down_proj.weight")) else 0
+                params[target.param].data = _view_chunk(full, dim, tp.rank, tp.size, name) \
+                    if params[target.param].shape != full.shape else full
+        reader.close()
+        return out
+
+    core.load_weights = load
+
+
 FAULTS: dict[str, Callable[[], None]] = {
     "plain-chunk-gate-up": plain_chunk_gate_up,
     "drop-allreduce": drop_row_parallel_allreduce,
     "kv-head-wrong-rank": kv_head_wrong_rank,
+    "shard-views": shard_views,
+    "split-replicated": split_replicated,
+    "vocab-pad-dropped": vocab_pad_dropped,
+    "pin-checkpoint-views": pin_checkpoint_views,
 }
 
 

@@ -59,12 +59,13 @@ def build_plan(models, tp, checks, device, oversubscribe, dtype, reference, num_
     if not tp_sizes:
         _fail_usage("--tp: no TP sizes given")
     options = VerifyOptions(device, dtype, reference, num_layers, oversubscribe, timeout)
+    selected = _checks(_split(checks))
     try:
         cases = [resolve_case(m) for m in _split(models) or sorted(CASES)]
     except CaseError as e:
         _fail_usage(str(e))
     _validate(cases, tp_sizes, options)
-    return Plan(cases, tp_sizes, _checks(_split(checks)), options, tuple(faults))
+    return Plan(cases, tp_sizes, selected, options, tuple(faults))
 
 
 def execute(models, tp, checks, device, oversubscribe, dtype, reference, num_layers,

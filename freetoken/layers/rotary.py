@@ -9,8 +9,10 @@ from torch import nn
 
 
 def default_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
-    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
-    return 1.0 / (base**exponents)
+    # On CPU in fp32 whatever the default device and dtype: the same frequencies everywhere,
+    # and building under the meta device stays fast.
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu")
+    return 1.0 / (base ** (exponents.to(torch.float32) / rotary_dim))
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -40,7 +42,8 @@ class RotaryEmbedding(nn.Module):
             inv_freq = llama3_inv_freq(inv_freq, scaling)
         elif rope_type != "default":
             raise NotImplementedError(f"rope_type={rope_type!r} is not supported")
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", inv_freq.to(torch.get_default_device()),
+                             persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
         freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]

@@ -15,10 +15,12 @@ def attention_rules(cfg: ModelConfig, tp: int, prefix: str = LAYER) -> list[Rule
     o_proj split on its input."""
     hd = cfg.head_dim
     q = cfg.num_attention_heads // tp * hd
-    kv = local_kv_heads(cfg.num_key_value_heads, tp) * hd
+    kv_rows = local_kv_heads(cfg.num_key_value_heads, tp) * hd
     attn = prefix + r"\.self_attn"
-    slots = {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}
-    specs = {"q": Split(0), "k": Heads(cfg.num_key_value_heads), "v": Heads(cfg.num_key_value_heads)}
+    slots = {"q": slice(0, q), "k": slice(q, q + kv_rows),
+             "v": slice(q + kv_rows, q + 2 * kv_rows)}
+    kv = Heads(cfg.num_key_value_heads)
+    specs = {"q": Split(0), "k": kv, "v": kv}
     kinds = ["weight", "bias"] if cfg.attention_bias else ["weight"]
     rules = [
         Rule(rf"{attn}\.{x}_proj\.{kind}", specs[x], rf"\g<p>.self_attn.qkv_proj.{kind}",

@@ -39,9 +39,9 @@ class CheckContext:
 
 def available_checks() -> dict:
     """Check name -> run function, in the order they run."""
-    from verify.checks import golden
+    from verify.checks import golden, shards
 
-    return {"golden": golden.run}
+    return {"golden": golden.run, "shards": shards.run}
 
 
 ALL_CHECK_NAMES = ("golden", "shards", "memory", "kernels", "bisect", "collectives")

@@ -1,0 +1,174 @@
+"""shards: every checkpoint tensor through the engine's own shard plan, for every rank, one
+tensor at a time and without building the model.
+
+Per tensor: exactly one rule matches; each rank's shard is a fresh tensor (a view would pin
+the whole checkpoint tensor); it fits the rank's parameter slot (shapes from a model built on
+the meta device); reassembling all ranks' shards with the plan's inverse gives the original
+bit for bit; replicated tensors are identical on every rank; KV heads sit on the rank the TP
+convention names (`r * num_kv // tp_size`). Per parameter: every element is covered exactly
+once. When the engine for this model is already loaded on the rank (after golden or memory),
+its parameters must equal the planned shards."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+
+from verify.checks import CheckContext
+from verify.report import CheckResult
+
+MAX_REPORTED = 20
+
+
+def run(ctx: CheckContext) -> CheckResult:
+    start = time.monotonic()
+    records = ctx.runner.run(_audit, ctx.case.engine_args(ctx.options))
+    failures = [f for r in records for f in r.value["failures"]]
+    first = records[0].value
+    metrics = {"tensors": first["tensors"], "ignored": first["ignored"],
+               "bytes_read": first["bytes_read"],
+               "loaded_compared": sum(r.value["loaded_compared"] for r in records),
+               "problems": len(failures)}
+    status = "fail" if failures else "pass"
+    message = f"{ctx.case.name} tp={ctx.tp}: {failures[0]}" if failures else ""
+    return CheckResult("shards", ctx.case.name, ctx.tp, status, time.monotonic() - start,
+                       ctx.placement, metrics, message)
+
+
+def owns_storage(t: torch.Tensor) -> bool:
+    """True when `t` is the only tensor over its storage, with nothing else kept alive."""
+    return t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+def expected_kv_head(rank: int, size: int, num_heads: int) -> int:
+    """The design's KV replication convention, stated independently of the engine."""
+    return rank * num_heads // size
+
+
+def _audit(rank_ctx, engine_args: dict) -> dict:
+    """Runs on every rank; rank 0 also checks round trips and replication across ranks."""
+    from freetoken.loading import CheckpointReader, ShardError
+    from verify.engine import resident_engine
+
+    audit = _Audit(rank_ctx, engine_args)
+    engine = resident_engine(rank_ctx, engine_args)
+    audit.loaded = dict(engine.model.named_parameters()) if engine is not None else None
+    reader = CheckpointReader(engine_args["folder"], engine_args["num_layers"])
+    for name in reader.names():
+        try:
+            audit.tensor(name, reader.get(name))
+        except ShardError as e:
+            audit.fail(str(e))
+    reader.close()
+    audit.coverage()
+    return audit.summary()
+
+
+class _Audit:
+    def __init__(self, rank_ctx, engine_args: dict):
+        from freetoken.config import ModelConfig
+        from freetoken.models.registry import build_model, shard_plan
+
+        cfg = ModelConfig.from_folder(engine_args["folder"])
+        if engine_args["num_layers"] is not None:
+            cfg = cfg.truncated(engine_args["num_layers"])
+        self.rank, self.size = rank_ctx.rank, rank_ctx.size
+        self.plan = shard_plan(cfg, self.size)
+        with torch.device("meta"):
+            self.params = dict(build_model(cfg).named_parameters())
+        self.filled: dict[str, dict[str, int]] = defaultdict(dict)
+        self.failures: list[str] = []
+        self.tensors = self.ignored = self.bytes_read = self.loaded_compared = 0
+        self.loaded = None
+
+    def fail(self, message: str) -> None:
+        self.failures.append(message)
+
+    def tensor(self, name: str, full: torch.Tensor) -> None:
+        from freetoken.loading.plan import slot_key
+
+        target = self.plan.resolve(name)
+        self.tensors += 1
+        self.bytes_read += full.numel() * full.element_size()
+        if target.param is None:
+            self.ignored += 1
+            return
+        spec = target.rule.spec
+        ranks = range(self.size) if self.rank == 0 else [self.rank]
+        shards = {r: spec.shard(full, r, self.size, name) for r in ranks}
+        mine = shards[self.rank]
+        if not owns_storage(mine) or mine.untyped_storage().data_ptr() == \
+                full.untyped_storage().data_ptr():
+            self.fail(f"{name}: rank {self.rank}'s shard is a view pinning "
+                      f"{full.untyped_storage().nbytes()} bytes of the checkpoint tensor")
+        if target.param not in self.params:
+            self.fail(f"{name}: maps to parameter {target.param!r}, which the model lacks")
+            return
+        slot = self.params[target.param][target.slot]
+        if tuple(slot.shape) != tuple(mine.shape):
+            self.fail(f"{name}: rank {self.rank}'s shard has shape {tuple(mine.shape)}, "
+                      f"parameter {target.param} slot {slot_key(target.slot)} has "
+                      f"{tuple(slot.shape)}")
+            return
+        key = slot_key(target.slot)
+        if key in self.filled[target.param]:
+            self.fail(f"{name}: parameter {target.param} slot {key} is written twice")
+        self.filled[target.param][key] = mine.numel()
+        if self.rank == 0:
+            self._across_ranks(name, full, spec, shards)
+        self._loaded(name, target, mine)
+
+    def _across_ranks(self, name, full, spec, shards) -> None:
+        from freetoken.loading.specs import Heads, Replicate
+
+        parts = [shards[r] for r in range(self.size)]
+        back = spec.unshard(parts, name)
+        if back.dtype != full.dtype or back.shape != full.shape or not torch.equal(back, full):
+            self.fail(f"{name}: reassembling the {self.size} shards does not give the "
+                      f"checkpoint tensor back ({_diff(back, full)})")
+        if isinstance(spec, Replicate):
+            bad = [r for r in range(1, self.size) if not torch.equal(parts[r], parts[0])]
+            if bad:
+                self.fail(f"{name}: replicated tensor differs on rank(s) {bad}")
+        if isinstance(spec, Heads) and spec.num_heads < self.size:
+            rows = full.shape[spec.dim] // spec.num_heads
+            for r in range(self.size):
+                head = expected_kv_head(r, self.size, spec.num_heads)
+                want = full.narrow(spec.dim, head * rows, rows)
+                if not torch.equal(parts[r], want):
+                    self.fail(f"{name}: rank {r} should hold KV head {head} (of "
+                              f"{spec.num_heads}) but holds something else")
+                    break
+
+    def _loaded(self, name, target, mine) -> None:
+        if self.loaded is None:
+            return
+        param = self.loaded[target.param].data
+        held = param[target.slot] if target.slot else param
+        self.loaded_compared += 1
+        if not torch.equal(held.cpu(), mine.to(held.dtype)):
+            self.fail(f"{name}: rank {self.rank}'s loaded {target.param} differs from its "
+                      f"planned shard ({_diff(held.cpu(), mine.to(held.dtype))})")
+
+    def coverage(self) -> None:
+        for pname, p in self.params.items():
+            got = sum(self.filled.get(pname, {}).values())
+            if got != p.numel():
+                self.fail(f"parameter {pname}: {got} of {p.numel()} elements covered by the "
+                          f"plan on rank {self.rank}")
+
+    def summary(self) -> dict:
+        return {"failures": self.failures[:MAX_REPORTED], "tensors": self.tensors,
+                "ignored": self.ignored, "bytes_read": self.bytes_read,
+                "loaded_compared": self.loaded_compared}
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> str:
+    if a.shape != b.shape:
+        return f"shape {tuple(a.shape)} vs {tuple(b.shape)}"
+    if a.dtype != b.dtype:
+        return f"dtype {a.dtype} vs {b.dtype}"
+    differ = (a != b) & ~(torch.isnan(a) & torch.isnan(b)) if a.is_floating_point() else a != b
+    return f"{int(differ.sum())} / {a.numel()} elements differ"
