@@ -13,13 +13,18 @@ class ShardError(ValueError):
     """A tensor cannot be split as its rule asks."""
 
 
+def _fresh(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy that owns its storage (`clone()` alone keeps the input's strides)."""
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def _chunk(full: torch.Tensor, dim: int, rank: int, size: int, name: str) -> torch.Tensor:
     length = full.shape[dim]
     if length % size:
         raise ShardError(f"{name}: dim {dim} of size {length} cannot be split across "
                          f"tp_size={size}")
     step = length // size
-    return full.narrow(dim, rank * step, step).clone()
+    return _fresh(full.narrow(dim, rank * step, step))
 
 
 @dataclass(frozen=True)
@@ -27,7 +32,7 @@ class Replicate:
     """Every rank holds the whole tensor."""
 
     def shard(self, full, rank, size, name=""):
-        return full.clone()
+        return _fresh(full)
 
     def unshard(self, parts, name=""):
         return parts[0]
@@ -90,7 +95,13 @@ class Heads:
         return rank * self.num_heads // size
 
     def shard(self, full, rank, size, name=""):
+        if full.shape[self.dim] % self.num_heads:
+            raise ShardError(f"{name}: dim {self.dim} of size {full.shape[self.dim]} is not "
+                             f"{self.num_heads} whole heads")
         if self.num_heads >= size:
+            if self.num_heads % size:
+                raise ShardError(f"{name}: {self.num_heads} heads cannot be split across "
+                                 f"tp_size={size}")
             return _chunk(full, self.dim, rank, size, name)
         if size % self.num_heads:
             raise ShardError(f"{name}: {self.num_heads} heads cannot be replicated across "
@@ -124,12 +135,17 @@ class PaddedSplit:
         if full.shape[self.dim] != self.full_size:
             raise ShardError(f"{name}: dim {self.dim} is {full.shape[self.dim]}, "
                              f"expected {self.full_size}")
-        padded = -(-self.full_size // size) * size
-        if padded != self.full_size:
-            shape = list(full.shape)
-            shape[self.dim] = padded - self.full_size
-            full = torch.cat([full, full.new_zeros(shape)], dim=self.dim)
-        return _chunk(full, self.dim, rank, size, name)
+        step = -(-self.full_size // size)
+        start = min(rank * step, self.full_size)
+        have = min(step, self.full_size - start)
+        if have == step:
+            return _fresh(full.narrow(self.dim, start, step))
+        # Only the last rank(s) pad: build just this rank's rows, never a padded full copy.
+        shape = list(full.shape)
+        shape[self.dim] = step
+        out = full.new_zeros(shape)
+        out.narrow(self.dim, 0, have).copy_(full.narrow(self.dim, start, have))
+        return out
 
     def unshard(self, parts, name=""):
         return torch.cat(parts, dim=self.dim).narrow(self.dim, 0, self.full_size)

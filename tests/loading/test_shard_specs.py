@@ -250,9 +250,6 @@ def test_heads_that_cannot_be_replicated_raise_naming_tensor(num_heads, size):
         Heads(num_heads).shard(torch.zeros(num_heads * 4, 2), 0, size, NAME)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="Heads splits rows, not heads, when num_heads >= tp_size: 3 heads at "
-                          "tp_size=2 give each rank 1.5 heads instead of a ShardError")
 @pytest.mark.parametrize("num_heads,rows,size", [(3, 12, 2), (6, 24, 4), (4, 6, 2)])
 def test_heads_not_divisible_raise_naming_tensor(num_heads, rows, size):
     """Heads that cannot be split whole (heads not a multiple of tp_size, or a dim that is not
@@ -311,9 +308,6 @@ def test_replicate_gives_every_rank_a_fresh_full_copy(shape, size, dtype, seed):
 # --- non-contiguous inputs -----------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="`.clone()` keeps the strides of a dense non-contiguous input, so "
-                          "Replicate (and Split at tp_size=1) return non-contiguous shards")
 @pytest.mark.parametrize("spec,size", [(Replicate(), 2), (Split(0), 1), (Heads(4, 0), 1)])
 def test_shard_of_transposed_input_is_contiguous(spec, size):
     """The contract holds for any input layout: a shard of a transposed tensor is contiguous."""
