@@ -88,8 +88,97 @@ def vocab_pad_dropped() -> None:
 
 
 def pin_checkpoint_views() -> None:
-    """After loading, whole-tensor parameters are re-pointed at views of the checkpoint
-    tensors (a loader that keeps `narrow()` results): each pins its full parent tensor."""
+    """The loader keeps a view of every checkpoint tensor it read (as when shards are
+    `narrow()` views stored beside the parameters) and whole-tensor parameters point at such
+    views: every rank pins the entire checkpoint."""
+    import freetoken.engine.core as core
+    from freetoken.distributed import get_tp_info
+
+    original = core.load_weights
+
+    def load(model, reader, plan, progress=True):
+        kept, read = {}, reader.get
+        reader.get = lambda name: kept.setdefault(name, read(name))
+        out = original(model, reader, plan, progress)
+        params, tp = dict(model.named_parameters()), get_tp_info()
+        for name, full in kept.items():
+            target = plan.resolve(name)
+            if target.param in params and not target.slot:
+                param = params[target.param]
+                dims = [d for d in range(full.dim()) if full.shape[d] != param.shape[d]]
+                param.data = _view_chunk(full, dims[0], tp.rank, tp.size, name) if dims else full
+        model.kept_checkpoint_views = kept
+        return out
+
+    core.load_weights = load
+
+
+def _plain_chunk_rules(arch: str, needle: str) -> None:
+    """Replace the spec of every `arch` plan rule whose pattern contains `needle` with a plain
+    row chunk (dim 0), keeping destinations as they are."""
+    import dataclasses
+
+    from freetoken.loading.plan import ShardPlan
+    from freetoken.loading.specs import Split
+    from freetoken.models import registry
+
+    original = registry.PLANS[arch]
+
+    def plan(cfg, tp):
+        rules = [dataclasses.replace(r, spec=Split(0)) if needle in r.pattern else r
+                 for r in original(cfg, tp).rules]
+        return ShardPlan(rules, tp)
+
+    registry.PLANS[arch] = plan
+
+
+def plain_chunk_gdn_qkv() -> None:
+    """GatedDeltaNet in_proj_qkv split as a plain row chunk instead of per q / k / v segment."""
+    _plain_chunk_rules("qwen3_5_moe", "in_proj_qkv")
+
+
+def plain_chunk_gdn_conv1d() -> None:
+    """GatedDeltaNet conv1d split as a plain row chunk instead of per q / k / v segment."""
+    _plain_chunk_rules("qwen3_5_moe", "conv1d")
+
+
+def plain_chunk_q_gate() -> None:
+    """Gated-attention q_proj (rows interleaved per head as [q_h | gate_h]) split as a plain
+    row chunk: correct only by accident of layout, wrong whenever heads per rank > 1."""
+    _plain_chunk_rules("qwen3_5_moe", "q_proj")
+
+
+def plain_chunk_expert_gate_up() -> None:
+    """Each expert's w13 filled with a plain row chunk of the packed `[gate_e; up_e]` instead
+    of gate and up split separately."""
+    import freetoken.engine.core as core
+    from freetoken.distributed import get_tp_info
+    from freetoken.layers.moe import FusedExperts
+    from freetoken.loading.specs import Split
+
+    original = core.load_weights
+
+    def load(model, reader, plan, progress=True):
+        out = original(model, reader, plan, progress)
+        tp, names = get_tp_info(), reader.names()
+        for name, module in model.named_modules():
+            if not isinstance(module, FusedExperts):
+                continue
+            layer = name.split(".")[2]
+            for e in range(module.num_experts):
+                gate = next(n for n in names if n.endswith(
+                    f"layers.{layer}.mlp.experts.{e}.gate_proj.weight"))
+                packed = torch.cat([reader.get(gate), reader.get(gate.replace("gate_", "up_"))])
+                module.w13.data[e].copy_(Split(0).shard(packed, tp.rank, tp.size))
+        reader.close()
+        return out
+
+    core.load_weights = load
+
+
+def keep_shard_copies() -> None:
+    """The loader keeps every shard it copied into a parameter (a forgotten cache): each rank
+    holds its weights twice."""
     import freetoken.engine.core as core
     from freetoken.distributed import get_tp_info
 
@@ -97,14 +186,9 @@ def pin_checkpoint_views() -> None:
 
     def load(model, reader, plan, progress=True):
         out = original(model, reader, plan, progress)
-        params, tp = dict(model.named_parameters()), get_tp_info()
-        for name in reader.names():
-            target = plan.resolve(name)
-            if target.param in params and not target.slot:
-                full = reader.get(name).to(params[target.param].dtype)
-                dim = 1 if target.param.endswith(("o_proj.weight", "down_proj.weight")) else 0
-                params[target.param].data = _view_chunk(full, dim, tp.rank, tp.size, name) \
-                    if params[target.param].shape != full.shape else full
+        tp = get_tp_info()
+        model.kept_shards = [plan.shard(name, reader.get(name), tp.rank)
+                             for name in reader.names() if plan.resolve(name).param]
         reader.close()
         return out
 
@@ -115,10 +199,15 @@ FAULTS: dict[str, Callable[[], None]] = {
     "plain-chunk-gate-up": plain_chunk_gate_up,
     "drop-allreduce": drop_row_parallel_allreduce,
     "kv-head-wrong-rank": kv_head_wrong_rank,
+    "plain-chunk-gdn-qkv": plain_chunk_gdn_qkv,
+    "plain-chunk-gdn-conv1d": plain_chunk_gdn_conv1d,
+    "plain-chunk-q-gate": plain_chunk_q_gate,
+    "plain-chunk-expert-gate-up": plain_chunk_expert_gate_up,
     "shard-views": shard_views,
     "split-replicated": split_replicated,
     "vocab-pad-dropped": vocab_pad_dropped,
     "pin-checkpoint-views": pin_checkpoint_views,
+    "keep-shard-copies": keep_shard_copies,
 }
 
 

@@ -94,7 +94,9 @@ def count_line(results: Iterable[CheckResult]) -> str:
     return f"{s['passed']} passed, {s['failed'] + s['errors']} failed, {s['skipped']} skipped"
 
 
-def _fmt_value(value) -> str:
+def _fmt_value(value, key: str = "") -> str:
+    if key.endswith("_bytes") and isinstance(value, int):
+        return f"{value / (1 << 20):.1f}MiB"
     if isinstance(value, bool) or not isinstance(value, float):
         return str(value)
     if value == 0.0:
@@ -107,11 +109,13 @@ def _fmt_value(value) -> str:
 def _format_metrics(metrics: dict) -> str:
     """The key metrics, compactly: `max_abs=2.1e-06 top1=1.000 greedy=16/16`."""
     hidden = {"greedy_total"}
-    keys = [k for k in _PREFERRED_METRICS if k in metrics]
-    keys += [k for k in metrics if k not in keys and k not in hidden]
+    # Lists and dicts (per-rank detail) belong in the JSON report, not in a table cell.
+    scalar = {k for k, v in metrics.items() if not isinstance(v, (list, dict))}
+    keys = [k for k in _PREFERRED_METRICS if k in scalar]
+    keys += [k for k in metrics if k not in keys and k not in hidden and k in scalar]
     parts = []
     for key in keys[:_MAX_TABLE_METRICS]:
-        value = _fmt_value(metrics[key])
+        value = _fmt_value(metrics[key], key)
         if key == "greedy_match" and "greedy_total" in metrics:
             value = f"{metrics['greedy_match']}/{metrics['greedy_total']}"
         parts.append(f"{_SHORT_NAMES.get(key, key)}={value}")

@@ -39,9 +39,10 @@ class CheckContext:
 
 def available_checks() -> dict:
     """Check name -> run function, in the order they run."""
-    from verify.checks import golden, shards
+    from verify.checks import golden, memory, shards
 
-    return {"golden": golden.run, "shards": shards.run}
+    # memory reloads the engine under measurement; shards then compares the loaded engine.
+    return {"golden": golden.run, "memory": memory.run, "shards": shards.run}
 
 
 ALL_CHECK_NAMES = ("golden", "shards", "memory", "kernels", "bisect", "collectives")
