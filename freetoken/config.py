@@ -12,6 +12,12 @@ ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
+}
+MODEL_TYPES = {
+    "llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
+    "qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe",
 }
 
 
@@ -78,45 +84,61 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict) -> ModelConfig:
-        archs = hf.get("architectures") or []
-        arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
-        if arch is None:
-            arch = {"llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}.get(
-                hf.get("model_type", ""))
-        if arch is None:
-            raise ConfigError(
-                f"unsupported architecture {archs or hf.get('model_type')!r}; supported: "
-                f"{', '.join(sorted(ARCHITECTURES))}")
-        heads = hf["num_attention_heads"]
-        theta, scaling = _rope(hf)
-        eos = hf.get("eos_token_id")
-        return cls(
-            arch=arch,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf.get("intermediate_size", 0),
-            num_hidden_layers=hf["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            partial_rotary_factor=hf.get("partial_rotary_factor", 1.0),
-            max_position_embeddings=hf.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", False)),
-            qk_norm=arch in ("qwen3", "qwen3_moe"),
-            num_experts=hf.get("num_experts") or hf.get("num_local_experts") or 0,
-            num_experts_per_tok=hf.get("num_experts_per_tok", 0),
-            moe_intermediate_size=hf.get("moe_intermediate_size", 0),
-            norm_topk_prob=bool(hf.get("norm_topk_prob", arch != "qwen3_moe")),
-            decoder_sparse_step=hf.get("decoder_sparse_step", 1) or 1,
-            mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
-            dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
-            eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
-            raw=hf,
-        )
+        arch = architecture(hf)
+        if arch == "qwen3_5_moe":
+            # Imported here: the model package imports this module.
+            from freetoken.models.qwen3_5_moe.config import qwen3_5_moe_config
+
+            return qwen3_5_moe_config(hf)
+        return cls(**common_fields(hf, arch))
+
+
+def architecture(hf: dict) -> str:
+    """The engine's architecture name for an HF config (from `architectures`, else
+    `model_type`), or a ConfigError listing the supported ones."""
+    archs = hf.get("architectures") or []
+    arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+    if arch is None:
+        arch = MODEL_TYPES.get(hf.get("model_type", ""))
+    if arch is None:
+        raise ConfigError(
+            f"unsupported architecture {archs or hf.get('model_type')!r}; supported: "
+            f"{', '.join(sorted(ARCHITECTURES))}")
+    return arch
+
+
+def common_fields(hf: dict, arch: str) -> dict:
+    """ModelConfig's fields from a flat (text) HF config dict."""
+    heads = hf["num_attention_heads"]
+    theta, scaling = _rope(hf)
+    eos = hf.get("eos_token_id")
+    return dict(
+        arch=arch,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf.get("intermediate_size", 0),
+        num_hidden_layers=hf["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        partial_rotary_factor=hf.get("partial_rotary_factor", 1.0),
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_bias=bool(hf.get("attention_bias", False)),
+        qk_norm=arch in ("qwen3", "qwen3_moe"),
+        num_experts=hf.get("num_experts") or hf.get("num_local_experts") or 0,
+        num_experts_per_tok=hf.get("num_experts_per_tok", 0),
+        moe_intermediate_size=hf.get("moe_intermediate_size", 0),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", arch != "qwen3_moe")),
+        decoder_sparse_step=hf.get("decoder_sparse_step", 1) or 1,
+        mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+        dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
+        eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+        raw=hf,
+    )
 
 
 def _rope(hf: dict) -> tuple[float, dict | None]:
