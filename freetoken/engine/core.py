@@ -11,7 +11,7 @@ import torch
 from freetoken.config import EngineConfig, ModelConfig
 from freetoken.distributed import get_communicator, get_tp_info
 from freetoken.engine.context import ForwardContext, set_forward_context
-from freetoken.engine.kv_cache import BlockManager, allocate_kv_cache
+from freetoken.engine.kv_cache import BlockManager, StatePool, allocate_kv_cache
 from freetoken.engine.sampler import sample
 from freetoken.engine.scheduler import Scheduler
 from freetoken.engine.sequence import GenerationResult, SamplingParams, Sequence
@@ -43,6 +43,7 @@ class EngineCore:
         load_weights(self.model, CheckpointReader(folder, cfg.num_layers),
                      shard_plan(self.model_config, get_tp_info().size), progress=cfg.progress)
         self.blocks = self._allocate_cache()
+        self.states = StatePool(self.cfg.max_num_seqs)
 
     def _build(self) -> torch.nn.Module:
         previous = torch.get_default_dtype()
@@ -64,12 +65,17 @@ class EngineCore:
                                               a.num_kv_heads, a.head_dim, self.dtype, self.device)
             for i, layer in enumerate(layers):
                 layer.bind_cache(self.kv_cache[0, i], self.kv_cache[1, i])
+        # One linear-state slot per sequence the scheduler may run at once.
+        for layer in getattr(self.model, "linear_state_layers", list)():
+            layer.allocate_state(self.cfg.max_num_seqs, self.dtype, self.device)
         return BlockManager(num_blocks, self.cfg.block_size)
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]
                  ) -> list[GenerationResult]:
         """Generate for every prompt with continuous batching; results in prompt order."""
-        sched = Scheduler(self.blocks, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens)
+        self.states = StatePool(self.cfg.max_num_seqs)
+        sched = Scheduler(self.blocks, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens,
+                          self.states)
         seqs = [self._sequence(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
         for seq in seqs:
             sched.add(seq)
@@ -116,7 +122,7 @@ class EngineCore:
         as_long = dict(dtype=torch.long, device=self.device)
         set_forward_context(ForwardContext(
             prefill, qlens, [len(s) for s in batch], torch.tensor(slots, **as_long),
-            [s.block_table for s in batch], [s.seq_id for s in batch]))
+            [s.block_table for s in batch], [self.states.acquire(s) for s in batch]))
         try:
             hidden = self.model(torch.tensor(ids, **as_long), torch.tensor(positions, **as_long))
         finally:

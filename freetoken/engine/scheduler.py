@@ -1,18 +1,21 @@
 """Continuous batching: admit waiting prompts as a prefill batch when they fit, otherwise
 decode every running sequence one token; preempt (and later recompute) the newest sequence
-when the cache runs out."""
+when the cache runs out. Every running sequence holds cache blocks and one linear-state
+slot."""
 
 from __future__ import annotations
 
 from collections import deque
 
-from freetoken.engine.kv_cache import BlockManager
+from freetoken.engine.kv_cache import BlockManager, StatePool
 from freetoken.engine.sequence import Sequence
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 states: StatePool | None = None):
         self.blocks = blocks
+        self.states = states if states is not None else StatePool(max_num_seqs)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -39,6 +42,7 @@ class Scheduler:
             if not self.blocks.can_grow(seq, len(seq)):
                 break
             self.blocks.grow(seq, len(seq))
+            self.states.acquire(seq)
             batch.append(self.waiting.popleft())
             tokens += len(seq)
         if batch:
@@ -54,8 +58,10 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.release(seq)
+        self.states.release(seq)
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.release(seq)
+        self.states.release(seq)

@@ -9,14 +9,18 @@ from freetoken.loading.plan import ShardPlan
 from freetoken.models.llama import LlamaForCausalLM
 from freetoken.models.plans import decoder_plan
 from freetoken.models.qwen3 import Qwen3ForCausalLM
+from freetoken.models.qwen3_5_moe.model import Qwen35MoeForCausalLM
+from freetoken.models.qwen3_5_moe.plan import qwen3_5_moe_plan
 from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODELS: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "qwen3": Qwen3ForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
+    "qwen3_5_moe": Qwen35MoeForCausalLM,
 }
-PLANS = {"llama": decoder_plan, "qwen3": decoder_plan, "qwen3_moe": decoder_plan}
+PLANS = {"llama": decoder_plan, "qwen3": decoder_plan, "qwen3_moe": decoder_plan,
+         "qwen3_5_moe": qwen3_5_moe_plan}
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:
@@ -42,3 +46,7 @@ def check_tp(cfg: ModelConfig, tp_size: int) -> None:
         divide(cfg.intermediate_size, tp_size, "intermediate_size")
     if cfg.num_experts:
         divide(cfg.moe_intermediate_size, tp_size, "moe_intermediate_size")
+    if cfg.arch == "qwen3_5_moe":
+        divide(cfg.linear_num_key_heads, tp_size, "linear_num_key_heads")
+        divide(cfg.linear_num_value_heads, tp_size, "linear_num_value_heads")
+        divide(cfg.shared_expert_intermediate_size, tp_size, "shared_expert_intermediate_size")

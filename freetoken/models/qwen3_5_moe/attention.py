@@ -1,0 +1,52 @@
+"""Qwen3.5 gated full attention: q, its per-head output gate, k and v in one column-parallel
+projection (split by head, KV heads replicated when fewer than ranks); per-head q/k RMSNorm
+with `1 + w`; partial rotary; `o_proj(attn * sigmoid(gate))`, o_proj row-parallel."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from freetoken.distributed import divide, get_tp_info
+from freetoken.layers.attention import PagedAttention
+from freetoken.layers.linear import LinearBase, RowParallelLinear, local_kv_heads
+from freetoken.layers.norm import RMSNorm
+from freetoken.layers.rotary import RotaryEmbedding
+from freetoken.models.qwen3_5_moe.config import Qwen35MoeConfig
+
+
+class QGateKVParallelLinear(LinearBase):
+    """Rank-local weight `[q | gate | k | v]`: q and gate rows of this rank's heads (grouped,
+    not interleaved as in the checkpoint), then its KV head(s)."""
+
+    def __init__(self, cfg: Qwen35MoeConfig):
+        size = get_tp_info().size
+        self.num_heads = divide(cfg.num_attention_heads, size, "num_attention_heads")
+        self.num_kv_heads = local_kv_heads(cfg.num_key_value_heads, size)
+        q, kv = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
+        self.local_sizes = [q, q, kv, kv]
+        super().__init__(cfg.hidden_size, sum(self.local_sizes), bias=cfg.attention_bias)
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: Qwen35MoeConfig):
+        super().__init__()
+        hd = cfg.head_dim
+        self.qkv_proj = QGateKVParallelLinear(cfg)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * hd, cfg.hidden_size,
+                                        bias=cfg.attention_bias, what="num_attention_heads")
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, offset=True)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, offset=True)
+        # Text positions are the same on every mrope axis, so mrope is plain rotary here.
+        self.rotary = RotaryEmbedding(hd, cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, hd, hd**-0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        tokens, hd = x.shape[0], self.attn.head_dim
+        q, gate, k, v = self.qkv_proj(x).split(self.qkv_proj.local_sizes, dim=-1)
+        q = self.q_norm(q.view(tokens, self.num_heads, hd))
+        k = self.k_norm(k.view(tokens, self.num_kv_heads, hd))
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q, k, v.view(tokens, self.num_kv_heads, hd)).reshape(tokens, -1)
+        return self.o_proj(out * torch.sigmoid(gate))

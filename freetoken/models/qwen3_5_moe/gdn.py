@@ -1,0 +1,114 @@
+"""GatedDeltaNet, Qwen3.5's linear-attention layer, split by head across ranks.
+
+`in_proj_qkv`, `in_proj_z`, `in_proj_b` and `in_proj_a` are one column-parallel projection
+here; each rank holds its key heads' q and k rows, its value heads' v, z, b and a rows, the
+matching conv1d channels, `A_log` and `dt_bias` entries, and `out_proj`'s input columns (a
+row-parallel layer, so one all-reduce). Value head j reads key head `j // (nv / nk)`; whole
+groups land on one rank because both head counts are split evenly.
+
+Each running sequence owns a linear-state slot (see `freetoken.engine.kv_cache.StatePool`):
+the last `kernel - 1` conv inputs and an fp32 recurrent state [value heads, dk, dv]. A
+sequence whose context starts in this step starts from zero state; otherwise it continues
+from its slot."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from freetoken.distributed import divide, get_tp_info
+from freetoken.engine.context import get_forward_context
+from freetoken.layers.causal_conv import CausalConv1d
+from freetoken.layers.delta_rule import (
+    chunk_gated_delta_rule,
+    l2norm,
+    recurrent_gated_delta_rule,
+)
+from freetoken.layers.gated_norm import GatedRMSNorm
+from freetoken.layers.linear import LinearBase, RowParallelLinear
+from freetoken.models.qwen3_5_moe.config import Qwen35MoeConfig
+
+
+class GatedDeltaNet(nn.Module):
+    """[T, hidden] -> [T, hidden] over the flat batch the forward context describes."""
+
+    def __init__(self, cfg: Qwen35MoeConfig):
+        super().__init__()
+        size = get_tp_info().size
+        self.num_k_heads = divide(cfg.linear_num_key_heads, size, "linear_num_key_heads")
+        self.num_v_heads = divide(cfg.linear_num_value_heads, size, "linear_num_value_heads")
+        self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        conv_dim = 2 * self.key_dim + self.value_dim
+        # Rank-local [q | k | v | z | b | a].
+        self.local_sizes = [conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads]
+        self.in_proj = LinearBase(cfg.hidden_size, sum(self.local_sizes))
+        self.conv1d = CausalConv1d(conv_dim, cfg.linear_conv_kernel_dim)
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
+        self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
+        self.out_proj = RowParallelLinear(cfg.linear_num_value_heads * self.head_v_dim,
+                                          cfg.hidden_size, what="linear_value_dim")
+        self.conv_state = torch.empty(0)
+        self.recurrent_state = torch.empty(0)
+
+    def allocate_state(self, num_slots: int, dtype: torch.dtype, device) -> None:
+        """Conv state [slots, local channels, kernel - 1] in the activation dtype (as HF
+        caches it) and recurrent state [slots, local value heads, dk, dv] in fp32."""
+        self.conv_state = torch.zeros(num_slots, *self.conv1d.state_shape(), dtype=dtype,
+                                      device=device)
+        self.recurrent_state = torch.zeros(num_slots, self.num_v_heads, self.head_k_dim,
+                                           self.head_v_dim, dtype=torch.float32, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ctx = get_forward_context()
+        if ctx.seq_slots is None:
+            raise RuntimeError("GatedDeltaNet needs linear-state slots in the forward context")
+        tokens = x.shape[0]
+        qkv, z, b, a = self.in_proj(x).split(self.local_sizes, dim=-1)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        starts = [c - q for q, c in zip(ctx.query_lens, ctx.context_lens)]
+        slots = torch.tensor(ctx.seq_slots, dtype=torch.long, device=x.device)
+        if all(q == 1 for q in ctx.query_lens) and all(starts):
+            # Decode: one token per sequence, all continuing; one batched step.
+            core = self._mix(qkv[:, None], g[:, None], beta[:, None], slots, False)[:, 0]
+        else:
+            core = x.new_empty(tokens, self.num_v_heads, self.head_v_dim)
+            offset = 0
+            for i, (qlen, start) in enumerate(zip(ctx.query_lens, starts)):
+                part = slice(offset, offset + qlen)
+                core[part] = self._mix(qkv[None, part], g[None, part], beta[None, part],
+                                       slots[i : i + 1], start == 0)[0]
+                offset += qlen
+        z = z.view(tokens, self.num_v_heads, self.head_v_dim)
+        return self.out_proj(self.norm(core, z).reshape(tokens, -1))
+
+    def _mix(self, qkv, g, beta, slots: torch.Tensor, fresh: bool) -> torch.Tensor:
+        """Conv, then the delta rule, for B sequences of equal length T: qkv [B, T, C],
+        g and beta [B, T, value heads]. Reads (unless `fresh`) and writes the slots' state.
+        Returns [B, T, value heads, dv] in qkv's dtype."""
+        mixed, conv_state = self.conv1d(qkv, None if fresh else self.conv_state[slots])
+        self.conv_state[slots] = conv_state.to(self.conv_state.dtype)
+        q, k, v = self._heads(mixed)
+        initial = None if fresh else self.recurrent_state[slots]
+        # As HF: the recurrent rule for a single continuing token, the chunked rule otherwise.
+        rule = recurrent_gated_delta_rule if qkv.shape[1] == 1 and not fresh \
+            else chunk_gated_delta_rule
+        out, state = rule(q, k, v, g, beta, initial)
+        self.recurrent_state[slots] = state
+        return out.to(qkv.dtype)
+
+    def _heads(self, mixed: torch.Tensor):
+        """q, k: fp32 [B, T, value heads, dk], L2-normalised (q also scaled by dk^-0.5) and
+        repeated so value head j sees key head j // group; v: [B, T, value heads, dv]."""
+        batch, length, _ = mixed.shape
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        shape = (batch, length, self.num_k_heads, self.head_k_dim)
+        q = l2norm(q.reshape(shape).float()) * self.head_k_dim**-0.5
+        k = l2norm(k.reshape(shape).float())
+        group = self.num_v_heads // self.num_k_heads
+        v = v.reshape(batch, length, self.num_v_heads, self.head_v_dim)
+        return q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2), v

@@ -1,0 +1,73 @@
+"""The Qwen3.5-MoE text model: per layer either GatedDeltaNet or gated full attention (the
+config's `layer_types`), then the MoE block; Gemma-style `1 + w` RMSNorms in fp32."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from freetoken.layers.attention import PagedAttention
+from freetoken.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from freetoken.layers.norm import RMSNorm
+from freetoken.models.qwen3_5_moe.attention import GatedAttention
+from freetoken.models.qwen3_5_moe.config import Qwen35MoeConfig
+from freetoken.models.qwen3_5_moe.gdn import GatedDeltaNet
+from freetoken.models.qwen3_5_moe.moe import SparseMoeBlock
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Qwen35MoeConfig, layer: int):
+        super().__init__()
+        self.is_linear = cfg.is_linear_layer(layer)
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(cfg)
+        else:
+            self.self_attn = GatedAttention(cfg)
+        self.mlp = SparseMoeBlock(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=True)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=True)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        x = self.input_layernorm(h)
+        h = h + (self.linear_attn(x) if self.is_linear else self.self_attn(positions, x))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class TextModel(nn.Module):
+    def __init__(self, cfg: Qwen35MoeConfig):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=True)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            h = layer(positions, h)
+        return self.norm(h)
+
+
+class Qwen35MoeForCausalLM(nn.Module):
+    """Token ids and positions of a flat batch -> hidden states; `compute_logits` -> full
+    vocab logits on every rank. Parameter names follow the text-only checkpoint layout
+    (`model.layers.N...`) whichever layout the weights come from."""
+
+    def __init__(self, cfg: Qwen35MoeConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = TextModel(cfg)
+        tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tied=tied)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [m for m in self.modules() if isinstance(m, PagedAttention)]
+
+    def linear_state_layers(self) -> list[GatedDeltaNet]:
+        """Layers that keep a per-sequence state (the engine allocates it)."""
+        return [m for m in self.modules() if isinstance(m, GatedDeltaNet)]

@@ -1,0 +1,44 @@
+"""Qwen3.5 MoE block: top-k routed experts plus a shared expert scaled by
+`sigmoid(shared_expert_gate(x))`. Experts and the shared expert are split on their
+intermediate dimension; router and shared-expert gate are replicated. Both paths produce
+rank-partial sums that are added first and all-reduced once."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from freetoken.distributed import get_communicator
+from freetoken.layers.activation import silu_and_mul
+from freetoken.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from freetoken.layers.moe import FusedExperts, route
+from freetoken.models.qwen3_5_moe.config import Qwen35MoeConfig
+
+
+class SharedExpert(nn.Module):
+    """A SiLU-gated MLP whose result is this rank's partial sum (no all-reduce)."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        what = "shared_expert_intermediate_size"
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, what=what)
+        self.down_proj = RowParallelLinear(intermediate, hidden, what=what, reduce=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, cfg: Qwen35MoeConfig):
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.gate = ReplicatedLinear(cfg.hidden_size, cfg.num_experts)
+        self.experts = FusedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.shared_expert = SharedExpert(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+        self.shared_expert_gate = ReplicatedLinear(cfg.hidden_size, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, True, x.dtype)
+        # The sigmoid gate is replicated, so scaling each rank's partial sum by it is exact.
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return get_communicator().all_reduce(self.experts(x, weights, ids) + shared)

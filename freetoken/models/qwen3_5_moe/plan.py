@@ -1,0 +1,112 @@
+"""The Qwen3.5-MoE shard plan, as data, for both checkpoint layouts (`model.` or
+`model.language_model.`); the vision tower (`model.visual.*`) and the multi-token-prediction
+head (`mtp.*`) are not part of the engine and are ignored."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from freetoken.layers.linear import local_kv_heads
+from freetoken.loading.plan import Rule, ShardPlan
+from freetoken.loading.specs import Heads, PaddedSplit, Replicate, Segments, Split
+from freetoken.models.qwen3_5_moe.config import Qwen35MoeConfig
+from freetoken.models.qwen3_5_moe.specs import InterleavedHeads
+
+DEST = r"model.layers.\g<l>"
+
+
+def qwen3_5_moe_plan(cfg: Qwen35MoeConfig, tp: int) -> ShardPlan:
+    """The plan at `tp` ranks."""
+    prefix = re.escape(cfg.checkpoint_prefix)
+    layer = rf"{prefix}\.layers\.(?P<l>\d+)"
+    rules = [
+        Rule(rf"{prefix}\.embed_tokens\.weight", PaddedSplit(cfg.vocab_size),
+             "model.embed_tokens.weight"),
+        Rule(rf"{prefix}\.norm\.weight", Replicate(), "model.norm.weight"),
+        # A tied checkpoint may still carry lm_head.weight; HF ignores it, so do we.
+        Rule(r"lm_head\.weight", PaddedSplit(cfg.vocab_size),
+             None if cfg.tie_word_embeddings else "lm_head.weight"),
+        Rule(rf"{layer}\.(?P<n>input_layernorm|post_attention_layernorm)\.weight", Replicate(),
+             rf"{DEST}.\g<n>.weight"),
+        Rule(r"model\.visual\..+", param=None),
+        Rule(r"mtp\..+", param=None),
+    ]
+    return ShardPlan(rules + attention_rules(cfg, tp, layer) + gdn_rules(cfg, tp, layer)
+                     + moe_rules(cfg, tp, layer), tp)
+
+
+def attention_rules(cfg: Qwen35MoeConfig, tp: int, layer: str) -> list[Rule]:
+    """q_proj (per-head [q | gate] rows) by head into the q and gate slots of the fused
+    projection; k and v by KV head, replicated when fewer than ranks; o_proj on its input."""
+    hd, src, dest = cfg.head_dim, rf"{layer}\.self_attn", rf"{DEST}.self_attn"
+    q = cfg.num_attention_heads // tp * hd
+    kv = local_kv_heads(cfg.num_key_value_heads, tp) * hd
+    kinds = ["weight", "bias"] if cfg.attention_bias else ["weight"]
+    specs = {"q": (InterleavedHeads(cfg.num_attention_heads), slice(0, 2 * q)),
+             "k": (Heads(cfg.num_key_value_heads), slice(2 * q, 2 * q + kv)),
+             "v": (Heads(cfg.num_key_value_heads), slice(2 * q + kv, 2 * q + 2 * kv))}
+    rules = [Rule(rf"{src}\.{x}_proj\.{kind}", spec, f"{dest}.qkv_proj.{kind}", (slot,))
+             for x, (spec, slot) in specs.items() for kind in kinds]
+    rules.append(Rule(rf"{src}\.o_proj\.weight", Split(1), f"{dest}.o_proj.weight"))
+    if cfg.attention_bias:
+        rules.append(Rule(rf"{src}\.o_proj\.bias", Replicate(), f"{dest}.o_proj.bias"))
+    rules.append(Rule(rf"{src}\.(?P<n>q_norm|k_norm)\.weight", Replicate(),
+                      rf"{dest}.\g<n>.weight"))
+    return rules
+
+
+def gdn_packed_spec(cfg: Qwen35MoeConfig) -> Segments:
+    """`[q | k | v]` rows of in_proj_qkv and conv1d, each segment split by head."""
+    key = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+    value = cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    return Segments((key, key, value), dim=0,
+                    unit=math.gcd(cfg.linear_key_head_dim, cfg.linear_value_head_dim))
+
+
+def gdn_rules(cfg: Qwen35MoeConfig, tp: int, layer: str) -> list[Rule]:
+    """in_proj_qkv per q/k/v segment, in_proj_z/b/a by value head, into the slots of the
+    fused in_proj; conv1d per segment; A_log and dt_bias by value head; out_proj on its input;
+    the gated norm (over one head's dv channels) replicated."""
+    src, dest = rf"{layer}\.linear_attn", rf"{DEST}.linear_attn"
+    key = cfg.linear_num_key_heads // tp * cfg.linear_key_head_dim
+    heads = cfg.linear_num_value_heads // tp
+    value = heads * cfg.linear_value_head_dim
+    slots, start = {}, 0
+    for name, width in (("qkv", 2 * key + value), ("z", value), ("b", heads), ("a", heads)):
+        slots[name], start = (slice(start, start + width),), start + width
+    packed = gdn_packed_spec(cfg)
+    return [
+        Rule(rf"{src}\.in_proj_qkv\.weight", packed, f"{dest}.in_proj.weight", slots["qkv"]),
+        *(Rule(rf"{src}\.in_proj_{x}\.weight", Split(0), f"{dest}.in_proj.weight", slots[x])
+          for x in "zba"),
+        Rule(rf"{src}\.conv1d\.weight", packed, f"{dest}.conv1d.weight"),
+        Rule(rf"{src}\.(?P<n>A_log|dt_bias)", Split(0), rf"{dest}.\g<n>"),
+        Rule(rf"{src}\.norm\.weight", Replicate(), f"{dest}.norm.weight"),
+        Rule(rf"{src}\.out_proj\.weight", Split(1), f"{dest}.out_proj.weight"),
+    ]
+
+
+def moe_rules(cfg: Qwen35MoeConfig, tp: int, layer: str) -> list[Rule]:
+    """Router and shared-expert gate replicated; the shared expert like a dense MLP (gate and
+    up split separately into gate_up_proj, down on its input); per-expert keys into the
+    stacked w13 / w2, split on the intermediate dimension."""
+    src, dest = rf"{layer}\.mlp", rf"{DEST}.mlp"
+    i = cfg.moe_intermediate_size // tp
+    s = cfg.shared_expert_intermediate_size // tp
+    expert = rf"{src}\.experts\.(?P<e>\d+)"
+    return [
+        Rule(rf"{src}\.(?P<n>gate|shared_expert_gate)\.weight", Replicate(),
+             rf"{dest}.\g<n>.weight"),
+        Rule(rf"{src}\.shared_expert\.gate_proj\.weight", Split(0),
+             f"{dest}.shared_expert.gate_up_proj.weight", (slice(0, s),)),
+        Rule(rf"{src}\.shared_expert\.up_proj\.weight", Split(0),
+             f"{dest}.shared_expert.gate_up_proj.weight", (slice(s, 2 * s),)),
+        Rule(rf"{src}\.shared_expert\.down_proj\.weight", Split(1),
+             f"{dest}.shared_expert.down_proj.weight"),
+        Rule(rf"{expert}\.gate_proj\.weight", Split(0), f"{dest}.experts.w13",
+             ("e", slice(0, i))),
+        Rule(rf"{expert}\.up_proj\.weight", Split(0), f"{dest}.experts.w13",
+             ("e", slice(i, 2 * i))),
+        Rule(rf"{expert}\.down_proj\.weight", Split(1), f"{dest}.experts.w2", ("e",)),
+    ]
