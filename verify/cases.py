@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from verify.case_models import qwen3_5_moe_tiny, write_realdims
+
 GOLDEN = Path(__file__).resolve().parent.parent / "golden"
 VOCAB = 301
 PROMPT_LENS = (5, 23, 70)
@@ -69,17 +71,30 @@ CASES: dict[str, CaseSpec] = {
     "tiny-llama": CaseSpec("tiny-llama", _llama, seed=11),
     "tiny-qwen3": CaseSpec("tiny-qwen3", _qwen3, seed=12),
     "tiny-qwen3-moe": CaseSpec("tiny-qwen3-moe", _qwen3_moe, seed=13),
+    # 24 greedy tokens: decode runs long enough through the GatedDeltaNet conv and recurrent
+    # states; the 70-token prompt spans two 64-token prefill chunks.
+    "tiny-qwen3.5-moe": CaseSpec("tiny-qwen3.5-moe", qwen3_5_moe_tiny, seed=14, num_greedy=24),
 }
 
 
 def rerandomise(model: torch.nn.Module, seed: int) -> None:
     """Replace HF's init (norms at 1, routers near uniform) with values that make every
-    parameter matter: norms 1 + N(0, 0.2), embeddings N(0, 1), routers N(0, 2/sqrt(fan_in)),
-    other matrices N(0, 1/sqrt(fan_in))."""
+    parameter matter: norms 1 + N(0, 0.2) (for `1 + w` norms, which HF initialises at 0,
+    w ~ N(0, 0.2): the same effective scale), embeddings N(0, 1), routers N(0, 2/sqrt(fan_in)),
+    other matrices N(0, 1/sqrt(fan_in)). GatedDeltaNet decay parameters get
+    A_log ~ N(-1.5, 0.8) and dt_bias ~ N(-1, 0.5), so heads range from forgetting within a
+    few tokens to remembering across the whole prompt (HF's init forgets almost at once)."""
     gen = torch.Generator().manual_seed(seed)
+    offset_norms = _offset_norm_weights(model)
     for name, p in sorted(model.named_parameters()):
         noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
-        if p.dim() == 1:
+        if name.endswith("A_log"):
+            value = -1.5 + 0.8 * noise
+        elif name.endswith("dt_bias"):
+            value = -1.0 + 0.5 * noise
+        elif name in offset_norms:
+            value = 0.2 * noise
+        elif p.dim() == 1:
             value = 1.0 + 0.2 * noise
         elif "embed_tokens" in name:
             value = noise
@@ -89,6 +104,14 @@ def rerandomise(model: torch.nn.Module, seed: int) -> None:
             value = noise / p.shape[-1] ** 0.5
         with torch.no_grad():
             p.copy_(value.to(p.dtype))
+
+
+def _offset_norm_weights(model: torch.nn.Module) -> set[str]:
+    """RMSNorm weights applied as `1 + w`: the ones HF initialises to zero."""
+    return {f"{prefix}.weight" for prefix, m in model.named_modules()
+            if "RMSNorm" in type(m).__name__ and isinstance(getattr(m, "weight", None),
+                                                             torch.nn.Parameter)
+            and not bool(m.weight.detach().any())}
 
 
 def make_prompts(seed: int, lens: tuple[int, ...], vocab: int) -> list[list[int]]:
@@ -215,7 +238,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Regenerate the bundled verification cases.")
     parser.add_argument("--write", type=Path, default=GOLDEN, help="output root (golden/)")
     parser.add_argument("--case", action="append", choices=sorted(CASES), help="only these")
+    parser.add_argument("--realdims", type=Path, metavar="FOLDER",
+                        help="instead, write qwen3.5-moe-realdims (not bundled) into FOLDER")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="weight dtype of --realdims")
     args = parser.parse_args(argv)
+    if args.realdims is not None:
+        print(f"writing {write_realdims(args.realdims, args.dtype)}")
+        return
     torch.set_num_threads(1)
     for name in args.case or sorted(CASES):
         print(f"writing {write_case(CASES[name], args.write / name)}")
