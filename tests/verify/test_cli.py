@@ -133,3 +133,17 @@ def test_bad_input_exits_2_with_one_line(capsys, args, needle, monkeypatch, tmp_
     lines = err.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], f"expected one line with {needle!r}: {err!r}"
     assert "Traceback" not in out + err
+
+
+def test_num_layers_truncates_engine_and_hf_reference(capsys, tmp_path):
+    """`--num-layers 1` runs the first decoder layer only, in the engine and in the live HF
+    reference alike, so golden passes; the stored full-depth golden is refused for it."""
+    report = tmp_path / "r.json"
+    code, out, _ = _run(capsys, "--model", "tiny-qwen3-moe", "--tp", "2", "--num-layers", "1",
+                        "--checks", "golden", "--report-json", str(report))
+    assert code == 0, out
+    truncated = json.loads(report.read_text())["results"][0]
+    assert truncated["status"] == "pass" and truncated["metrics"]["greedy_match"] > 0, truncated
+    code, out, _ = _run(capsys, "--model", "tiny-qwen3-moe", "--tp", "2", "--num-layers", "1",
+                        "--reference", "golden")
+    assert code == 2, "a stored full-depth golden cannot serve a truncated model"
