@@ -1,0 +1,296 @@
+"""Decode throughput of the FreeToken engine against HF transformers on the same model.
+
+    .venv/bin/python bench/engine_decode.py [--device cpu|cuda] [--dtype float32|bfloat16]
+        [--tp 1,2] [--batches 1,8] [--prompt-len 32] [--new-tokens 32]
+        [--size small|medium | --model FOLDER] [--repeats 3] [--threads N]
+
+Without `--model` a Llama checkpoint is generated with HF transformers itself (`LlamaConfig`,
+`LlamaForCausalLM`, random init under a fixed seed, `save_pretrained` into a temporary folder)
+in one of two presets, `small` or `medium`.
+
+Method. Each configuration gets a batch of `batch` random prompts of exactly `prompt_len`
+tokens (same prompts for the engine and for HF, so HF needs no padding) and generates
+`new_tokens` tokens greedily with EOS ignored:
+
+* FreeToken: `LLM.generate(prompts, SamplingParams(max_tokens=N, temperature=0,
+  ignore_eos=True))`.
+* HF: `model.generate(ids, max_new_tokens=N, min_new_tokens=N, do_sample=False,
+  eos_token_id=None, pad_token_id=0)` under `torch.inference_mode()`.
+
+Time to first token (TTFT) is measured by a separate run of the same prompts with one new
+token (`max_tokens=1` / `max_new_tokens=1`): that run is the prefill plus one sampling.
+The full run is `new_tokens` tokens, i.e. the same prefill plus `new_tokens - 1` decode steps,
+so
+
+    decode tok/s = batch * (new_tokens - 1) / (t_full - t_ttft)
+
+Each of the two runs is warmed up once and then timed three times (`--repeats`), the TTFT and
+full runs interleaved; the medians are used. A warning goes to stderr when a measurement's
+slowest run is over 1.5x its fastest, and at the start when the load average says other
+processes are busy (on a shared CPU machine: rerun when it is quiet, or raise `--repeats`). On
+CUDA the device is synchronised around every timed run. Both sides run in this process with
+the same `torch.get_num_threads()` at TP=1; TP>1 ranks are separate processes, each of which
+the engine pins to one intra-op thread.
+
+The `match` column checks that the engine's greedy tokens equal HF's (at every batch size,
+every sequence), so the speed comparison is of equivalent work; it is meant for float32 (in
+bfloat16 the near-flat logits of a randomly initialised model can tip greedy picks either way,
+so `no` there is not by itself a bug). The last column is the engine's decode tok/s divided by
+HF's at the same batch size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from tabulate import tabulate
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from freetoken import LLM, SamplingParams  # noqa: E402
+
+PRESETS = {
+    "small": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=2, intermediate_size=1536, vocab_size=8192),
+    "medium": dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=16,
+                   num_key_value_heads=4, intermediate_size=2816, vocab_size=32000),
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+NOISY = 1.5  # warn when the slowest timed run exceeds the fastest by this factor
+SEED = 0
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    p.add_argument("--tp", type=int_list, default=[1], help="TP sizes, e.g. 1,2 (default 1)")
+    p.add_argument("--batches", type=int_list, default=[1, 8], help="batch sizes (default 1,8)")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--size", choices=list(PRESETS), default="small",
+                   help="preset of the generated checkpoint (ignored with --model)")
+    p.add_argument("--model", type=Path, default=None,
+                   help="an existing Llama-family checkpoint folder instead of a generated one")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads in this process (default: torch's choice)")
+    args = p.parse_args(argv)
+    if args.prompt_len < 1:
+        p.error("--prompt-len must be >= 1")
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
+    if args.new_tokens < 2:
+        p.error("--new-tokens must be >= 2 (decode needs at least one step after the first)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda but no CUDA device is visible")
+    return args
+
+
+def make_checkpoint(size: str, folder: Path) -> Path:
+    """A randomly initialised Llama saved by HF transformers (float32 weights)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**PRESETS[size], max_position_embeddings=2048, rms_norm_eps=1e-5,
+                         rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(folder)
+    return folder
+
+
+def make_prompts(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(SEED + batch)
+    ids = torch.randint(3, vocab, (batch, prompt_len), generator=gen)
+    return ids.tolist()
+
+
+def timed(fn: Callable[[], object], device: str) -> tuple[float, object]:
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0, out
+
+
+def measure(run: Callable[[int | None], object], device: str, repeats: int, what: str
+            ) -> tuple[float, float, object]:
+    """(median TTFT s, median full-run s, tokens of the last full run). `run(1)` generates one
+    new token, `run(None)` all of them; both are warmed up once, then timed `repeats` times,
+    interleaved so a slow spell of the machine hits both alike. Warns on a noisy spread."""
+    run(1)
+    run(None)
+    ttfts, fulls, tokens = [], [], None
+    for _ in range(repeats):
+        seconds, _ = timed(lambda: run(1), device)
+        ttfts.append(seconds)
+        seconds, tokens = timed(lambda: run(None), device)
+        fulls.append(seconds)
+    for name, times in (("ttft", ttfts), ("full", fulls)):
+        if max(times) > NOISY * min(times):
+            print(f"warning: {what}: noisy {name} timings "
+                  f"({', '.join(f'{t * 1e3:.0f}' for t in times)} ms)", file=sys.stderr)
+    return statistics.median(ttfts), statistics.median(fulls), tokens
+
+
+def bench_hf(folder: Path, args, prompts: dict[int, list[list[int]]]) -> dict[int, dict]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[args.dtype])
+    model = model.to(args.device).eval()
+    # greedy and length-bound only: no EOS stopping, no EOS suppression, no sampling defaults
+    model.generation_config.eos_token_id = None
+    results = {}
+    for batch, ps in prompts.items():
+        ids = torch.tensor(ps, device=args.device)
+
+        def run(n, ids=ids):
+            n = n or args.new_tokens
+            with torch.inference_mode():
+                out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                     eos_token_id=None, pad_token_id=0)
+            return out[:, ids.shape[1]:].cpu().tolist()
+
+        ttft, full, tokens = measure(run, args.device, args.repeats, f"hf batch={batch}")
+        results[batch] = dict(ttft=ttft, full=full, tokens=tokens)
+    return results
+
+
+def bench_engine(folder: Path, tp: int, args, prompts: dict[int, list[list[int]]]
+                 ) -> dict[int, dict]:
+    results = {}
+    with LLM(folder, tp=tp, device=args.device, dtype=args.dtype, progress=False,
+             max_num_seqs=max(16, *prompts)) as llm:
+        for batch, ps in prompts.items():
+
+            def run(n, ps=ps):
+                params = SamplingParams(max_tokens=n or args.new_tokens, temperature=0.0,
+                                        ignore_eos=True)
+                return [r.token_ids for r in llm.generate(ps, params)]
+
+            ttft, full, tokens = measure(run, args.device, args.repeats,
+                                         f"engine tp={tp} batch={batch}")
+            results[batch] = dict(ttft=ttft, full=full, tokens=tokens)
+    return results
+
+
+def decode_tok_s(r: dict, batch: int, new_tokens: int) -> float:
+    """NaN when the timings are too noisy to leave a positive decode time."""
+    decode = r["full"] - r["ttft"]
+    return batch * (new_tokens - 1) / decode if decode > 0 else float("nan")
+
+
+def ratio(engine: float, hf: float) -> str:
+    value = engine / hf
+    return f"{value:.2f}x" if math.isfinite(value) else "n/a"
+
+
+def match(engine_rows: list[list[int]], hf_rows: list[list[int]]) -> str:
+    """`yes` when every sequence's greedy tokens equal HF's; else where the first differs."""
+    if engine_rows == hf_rows:
+        return "yes"
+    bad = [i for i, (e, h) in enumerate(zip(engine_rows, hf_rows, strict=True)) if e != h]
+    e, h = engine_rows[bad[0]], hf_rows[bad[0]]
+    first = next((i for i, (a, b) in enumerate(zip(e, h, strict=False)) if a != b),
+                 min(len(e), len(h)))
+    where = (f"token {first}" if len(engine_rows) == 1
+             else f"{len(bad)} seqs, seq {bad[0]} token {first}")
+    return f"no ({where})"
+
+
+def cpu_name() -> str:
+    """platform.processor(), or the model name from /proc/cpuinfo where that is empty."""
+    name = platform.processor()
+    if not name or name == platform.machine():
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+        except OSError:
+            pass
+    return name or "?"
+
+
+def machine(args) -> str:
+    lines = [
+        f"machine: {platform.machine()} {cpu_name()}, "
+        f"os.cpu_count()={os.cpu_count()}, torch {torch.__version__}, "
+        f"threads={torch.get_num_threads()}",
+        f"device: {args.device}"
+        + (f" ({torch.cuda.get_device_name(0)})" if args.device == "cuda" else ""),
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if hasattr(os, "getloadavg") and os.getloadavg()[0] > 0.5 * (os.cpu_count() or 1):
+        print(f"warning: load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs: other "
+              "processes are running, timings will be noisy", file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="freetoken-bench-") as tmp:
+        if args.model is not None:
+            folder, label = args.model, str(args.model)
+        else:
+            folder = make_checkpoint(args.size, Path(tmp) / f"llama-{args.size}")
+            label = f"generated Llama ({args.size}: " + ", ".join(
+                f"{k}={v}" for k, v in PRESETS[args.size].items()) + ")"
+        from freetoken.config import ModelConfig
+
+        vocab = ModelConfig.from_folder(folder).vocab_size
+        prompts = {b: make_prompts(b, args.prompt_len, vocab) for b in args.batches}
+
+        hf = bench_hf(folder, args, prompts)
+        engine = {tp: bench_engine(folder, tp, args, prompts) for tp in args.tp}
+
+    rows = []
+    for batch in args.batches:
+        h = hf[batch]
+        hf_speed = decode_tok_s(h, batch, args.new_tokens)
+        rows.append(["hf", "-", batch, args.prompt_len, args.new_tokens, h["ttft"] * 1e3,
+                     hf_speed, "", ""])
+        for tp in args.tp:
+            e = engine[tp][batch]
+            speed = decode_tok_s(e, batch, args.new_tokens)
+            same = match(e["tokens"], h["tokens"])
+            rows.append(["engine", tp, batch, args.prompt_len, args.new_tokens, e["ttft"] * 1e3,
+                         speed, same, ratio(speed, hf_speed)])
+
+    print(machine(args))
+    print(f"model: {label}, dtype {args.dtype}")
+    print(f"decode tok/s = batch*(new_tokens-1) / (t_full - t_ttft); medians of {args.repeats} "
+          "timed runs after one warm-up")
+    print()
+    print(tabulate(rows, headers=["impl", "tp", "batch", "prompt_len", "new_tokens", "ttft_ms",
+                                  "decode_tok_s", "match", "engine/hf"],
+                   floatfmt=".1f", disable_numparse=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
