@@ -14,11 +14,18 @@ import torch
 
 @dataclass(frozen=True)
 class Tolerance:
-    """Allowed error for one dtype: elementwise (rtol, atol) and logit noise for near-ties."""
+    """Allowed error for one dtype: elementwise (rtol, atol) and logit noise for near-ties.
+
+    With `max_rel_l2` set (low-precision dtypes) logits are judged as distributions instead of
+    element by element: relative L2 and KL(reference || engine) bounded, and every top-1
+    disagreement must be a near-tie in the reference. Elementwise mismatches are still counted
+    and reported."""
 
     rtol: float
     atol: float
     logit_noise: float
+    max_rel_l2: float | None = None
+    max_kl: float | None = None
 
 
 # fp32: TP only changes the order of reductions; relative errors of ~1e-6 on logits of magnitude
@@ -26,10 +33,15 @@ class Tolerance:
 # bf16: an 8-bit mantissa (~4e-3 per rounding) and TP changes the rounding of every partial sum,
 # which compounds over layers; logits can move by a few tenths.
 # fp16: 11-bit mantissa, in between.
+# On a large vocabulary (248k) a few tenths of drift leave some elements outside any fixed
+# elementwise band while the distribution is intact, so bf16 / fp16 are judged by relative L2,
+# KL and near-tie-only top-1 flips (docs/verification.md has the measurements).
 TOLERANCES: dict[torch.dtype, Tolerance] = {
     torch.float32: Tolerance(rtol=1e-4, atol=1e-4, logit_noise=1e-3),
-    torch.bfloat16: Tolerance(rtol=5e-2, atol=5e-2, logit_noise=0.25),
-    torch.float16: Tolerance(rtol=1e-2, atol=1e-2, logit_noise=5e-2),
+    torch.bfloat16: Tolerance(rtol=5e-2, atol=5e-2, logit_noise=0.25, max_rel_l2=5e-2,
+                              max_kl=5e-2),
+    torch.float16: Tolerance(rtol=1e-2, atol=1e-2, logit_noise=5e-2, max_rel_l2=1e-2,
+                             max_kl=1e-2),
 }
 
 
@@ -269,3 +281,43 @@ def greedy_check(actual_ids: list[int], expected_ids: list[int],
     benign = gap <= noise and actual_ids[n] in top2.indices.tolist()
     return GreedyResult(n, n, benign, gap, noise, passed=benign, actual_token=actual_ids[n],
                         expected_token=expected_ids[n], **lengths)
+
+
+def _decisive_top1_flip(a: torch.Tensor, e: torch.Tensor, noise: float):
+    """The first position whose top-1 differs while the reference preferred its own token by
+    more than `noise`: (position, engine token, reference token, margin), or None."""
+    a_top, e_top = a.argmax(dim=1), e.argmax(dim=1)
+    margin = e.gather(1, e_top[:, None])[:, 0] - e.gather(1, a_top[:, None])[:, 0]
+    bad = ((a_top != e_top) & (margin > noise)).nonzero().flatten()
+    if not len(bad):
+        return None
+    p = int(bad[0])
+    return p, int(a_top[p]), int(e_top[p]), float(margin[p])
+
+
+def judge_logits(name: str, actual: torch.Tensor, expected: torch.Tensor,
+                 dtype: torch.dtype) -> tuple[bool, str, Comparison]:
+    """Pass/fail for engine logits [P, V] against reference logits under `dtype`'s tolerance:
+    elementwise for fp32, as distributions for bf16 / fp16 (see `Tolerance`)."""
+    tol = tolerance_for(dtype)
+    cmp = compare_tensors(name, actual, expected, rtol=tol.rtol, atol=tol.atol)
+    if tol.max_rel_l2 is None or actual.shape != expected.shape:
+        return cmp.passed, cmp.message(), cmp
+    a = actual.detach().to("cpu", torch.float64)
+    e = expected.detach().to("cpu", torch.float64)
+    m = logit_metrics(a, e)
+    problems = []
+    if m.rel_l2 > tol.max_rel_l2:
+        problems.append(f"relative L2 {m.rel_l2:.2e} > allowed {tol.max_rel_l2:.0e}")
+    if tol.max_kl is not None and m.kl_max > tol.max_kl:
+        problems.append(f"KL max {m.kl_max:.2e} at position {m.worst_kl_position} > allowed "
+                        f"{tol.max_kl:.0e}")
+    flip = _decisive_top1_flip(a, e, tol.logit_noise)
+    if flip is not None:
+        problems.append(f"position {flip[0]}: engine top-1 {flip[1]}, reference {flip[2]} "
+                        f"preferred by {flip[3]:.2e} > noise {tol.logit_noise:.2e}")
+    summary = (f"{cmp.num_mismatched} / {cmp.numel} elements outside rtol={tol.rtol:.0e} "
+               f"atol={tol.atol:.0e}, worst abs {cmp.max_abs:.1e}")
+    if problems:
+        return False, f"{name}: {'; '.join(problems)} ({summary})", cmp
+    return True, f"{name}: distribution within tolerance ({summary})", cmp

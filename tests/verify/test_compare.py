@@ -240,3 +240,39 @@ def test_greedy_needs_the_divergence_row():
     """Reference logits too short to judge the divergence are a usage error."""
     with pytest.raises(ValueError, match="row 2"):
         greedy_check([1, 1, 2], [1, 1, 3], torch.zeros(2, 8), torch.float32)
+
+
+def _make_logits(positions: int = 6, vocab: int = 50, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(positions, vocab, generator=gen, dtype=torch.float64) * 3
+    logits[:, 7] += 10.0  # a clear winner at every position, far above any noise
+    return logits
+
+
+def test_judge_logits_bf16_tolerates_scattered_drift_but_not_a_decisive_flip():
+    """bf16 judges distributions: drift that leaves elements outside rtol/atol but keeps
+    relative L2, KL and top-1 passes; a top-1 flip the reference did not nearly tie fails and
+    names the position and both tokens; fp32 stays elementwise."""
+    from verify.compare import judge_logits
+
+    expected = _make_logits()
+    drift = expected.clone()
+    drift[:, 20] += 0.3  # outside rtol/atol=5e-2 elementwise, harmless to the distribution
+    passed, message, cmp = judge_logits("logits", drift, expected, torch.bfloat16)
+    assert passed and cmp.num_mismatched > 0, message
+    assert not judge_logits("logits", drift, expected, torch.float32)[0], "fp32 is elementwise"
+    flipped = expected.clone()
+    flipped[3, 11] = flipped[3, 7] + 1.0  # engine now prefers token 11 at position 3
+    passed, message, _ = judge_logits("logits", flipped, expected, torch.bfloat16)
+    assert not passed and "position 3: engine top-1 11, reference 7" in message, message
+
+
+def test_judge_logits_bf16_fails_on_large_relative_error():
+    """Noise well above bf16 precision fails on relative L2 even with top-1 intact."""
+    from verify.compare import judge_logits
+
+    expected = _make_logits()
+    noisy = expected + 0.5 * torch.randn(expected.shape, generator=torch.Generator().manual_seed(1),
+                                         dtype=torch.float64)
+    passed, message, _ = judge_logits("logits", noisy, expected, torch.bfloat16)
+    assert not passed and "relative L2" in message, message

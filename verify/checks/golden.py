@@ -8,7 +8,7 @@ import time
 
 from freetoken.engine.core import resolve_dtype
 from verify.checks import CheckContext
-from verify.compare import compare_tensors, greedy_check, logit_metrics, tolerance_for
+from verify.compare import greedy_check, judge_logits, logit_metrics
 from verify.engine import engine_on_rank
 from verify.references import Reference, prompts_for, reference_for
 from verify.report import CheckResult
@@ -52,15 +52,15 @@ def _engine_outputs(rank_ctx, engine_args: dict, prompts, num_greedy: int) -> di
 
 
 def _against_reference(outputs: dict, ref: Reference, dtype) -> tuple[dict, list[str]]:
-    tol = tolerance_for(dtype)
     failures, per_prompt, greedy_match, greedy_total, mismatched = [], [], 0, 0, 0
     for i, out in enumerate(outputs["outputs"]):
         expected = ref.prefill_logits[i]
-        cmp = compare_tensors(f"prompt {i} ({len(ref.prompts[i])} tokens) prefill logits",
-                              out["prompt_logits"], expected, rtol=tol.rtol, atol=tol.atol)
+        passed, message, cmp = judge_logits(
+            f"prompt {i} ({len(ref.prompts[i])} tokens) prefill logits", out["prompt_logits"],
+            expected, dtype)
         mismatched += cmp.num_mismatched
-        if not cmp.passed:
-            failures.append(cmp.message())
+        if not passed:
+            failures.append(message)
         if out["prompt_logits"].shape != expected.shape:
             continue
         per_prompt.append(logit_metrics(out["prompt_logits"], expected))
@@ -99,13 +99,12 @@ def _against_tp1(ctx: CheckContext, outputs: dict, dtype, failures: list[str]) -
     base = ctx.cache.get(key)
     if base is None:
         return {}
-    tol = tolerance_for(dtype)
     worst = 0.0
     for i, (a, b) in enumerate(zip(outputs["outputs"], base["outputs"])):
-        cmp = compare_tensors(f"prompt {i} prefill logits vs engine tp=1", a["prompt_logits"],
-                              b["prompt_logits"], rtol=tol.rtol, atol=tol.atol)
+        passed, message, cmp = judge_logits(f"prompt {i} prefill logits vs engine tp=1",
+                                            a["prompt_logits"], b["prompt_logits"], dtype)
         worst = max(worst, cmp.max_abs)
-        if not cmp.passed:
-            failures.append(cmp.message())
+        if not passed:
+            failures.append(message)
     return {"tp1_max_abs": worst}
 

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The GPU gate: freetoken-verify on CUDA over the bundled cases (fp32 against the stored golden,
+# bf16 against HF bf16 on the same GPU) and over qwen3.5-moe-realdims in bf16. Ranks use NCCL
+# when there are as many GPUs as ranks and share GPUs over gloo otherwise (--oversubscribe).
+#
+#   TP=1,2,4,8 PYTHON=python3 bash bench/gpu_gate.sh REPORT_DIR [REALDIMS_DIR]
+#
+# Writes one JSON report per run into REPORT_DIR; exits non-zero if any run failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+TP=${TP:-1,2}
+REPORTS=${1:?usage: gpu_gate.sh REPORT_DIR [REALDIMS_DIR]}
+REALDIMS=${2:-$(mktemp -d)/qwen3.5-moe-realdims}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+mkdir -p "$REPORTS"
+status=0
+
+verify() {
+    local name=$1
+    shift
+    echo "=== $name: freetoken-verify $*"
+    "$PY" -m verify.cli --device cuda --oversubscribe --tp "$TP" "$@" \
+        --report-json "$REPORTS/$name.json" --junit-xml "$REPORTS/$name.xml" || status=1
+}
+
+verify bundled-fp32
+verify bundled-bf16 --dtype bfloat16 --reference hf --checks golden
+[ -f "$REALDIMS/config.json" ] || "$PY" -m verify.cases --realdims "$REALDIMS" --dtype bfloat16
+verify realdims-bf16 --model "$REALDIMS" --dtype bfloat16 --reference hf --checks golden,memory,shards
+exit $status
