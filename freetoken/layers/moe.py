@@ -34,11 +34,14 @@ class FusedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, i), requires_grad=False)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
+        """Each token's weighted expert outputs summed in fp32 and rounded once to x's dtype,
+        as HF's default (grouped_mm) experts do; summing in bf16 rounds once per expert and
+        moves bf16 logits by as much as HF's eager and grouped_mm paths differ."""
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         hit = torch.bincount(ids.flatten(), minlength=self.num_experts).nonzero().flatten()
         for e in hit.tolist():
             token, slot = torch.where(ids == e)
             h = silu_and_mul(F.linear(x[token], self.w13[e]))
             h = F.linear(h, self.w2[e]) * weights[token, slot, None]
-            out.index_add_(0, token, h.to(out.dtype))
-        return out
+            out.index_add_(0, token, h.float())
+        return out.to(x.dtype)
