@@ -1,0 +1,1 @@
+"""Quantized weight formats and the layers that compute with them (NVFP4 so far)."""

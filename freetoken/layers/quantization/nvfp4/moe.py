@@ -1,0 +1,73 @@
+"""NVFP4 routed experts: the drop-in for `FusedExperts` when a checkpoint stores its experts
+in NVFP4 (W4A16: weights stay 4-bit, activations keep the model's dtype)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from freetoken.distributed import get_tp_info
+from freetoken.layers.quantization.nvfp4.backend import TRITON, choose_backend
+from freetoken.layers.quantization.nvfp4.format import GROUP
+from freetoken.layers.quantization.nvfp4.reference import reference_moe
+from freetoken.layers.quantization.nvfp4.specs import local_inputs
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class NVFP4FusedExperts(nn.Module):
+    """All experts of one layer in NVFP4, split on the intermediate dimension like
+    `FusedExperts`; `forward(x, topk_weights, topk_ids)` returns this rank's partial sum.
+
+    Parameters (normalised ModelOpt fields, I = TP-local intermediate size):
+    `w13_weight` uint8 [E, 2I, H/2] (gate rows, then up rows), `w13_weight_scale` e4m3
+    [E, 2I, H/16], `w13_weight_scale_2` float32 [E, 2] (gate and up carry different global
+    scales); `w2_weight` uint8 [E, H, I/2], `w2_weight_scale` e4m3 [E, H, I/16],
+    `w2_weight_scale_2` float32 [E]. With `global_scale_is_reciprocal` (compressed-tensors)
+    the stored global scales divide; they are inverted per forward, which keeps the shard
+    specs bitwise invertible. `backend`: auto, triton or torch (see `choose_backend`).
+    """
+
+    def __init__(self, num_experts: int, hidden: int, full_intermediate: int,
+                 backend: str = "auto", global_scale_is_reciprocal: bool = False):
+        super().__init__()
+        if hidden % GROUP:
+            raise ValueError(f"hidden_size={hidden} is not a multiple of the {GROUP}-element "
+                             "NVFP4 group")
+        self.num_experts, self.hidden = num_experts, hidden
+        self.local_intermediate = i = local_inputs(full_intermediate, get_tp_info().size,
+                                                   "moe_intermediate_size")
+        self.backend = backend
+        self.global_scale_is_reciprocal = global_scale_is_reciprocal
+        e, fp8 = num_experts, torch.float8_e4m3fn
+        self.w13_weight = _param(e, 2 * i, hidden // 2, dtype=torch.uint8)
+        self.w13_weight_scale = _param(e, 2 * i, hidden // GROUP, dtype=fp8)
+        self.w13_weight_scale_2 = _param(e, 2, dtype=torch.float32)
+        self.w2_weight = _param(e, hidden, i // 2, dtype=torch.uint8)
+        self.w2_weight_scale = _param(e, hidden, i // GROUP, dtype=fp8)
+        self.w2_weight_scale_2 = _param(e, dtype=torch.float32)
+
+    def global_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13 [E, 2], w2 [E]) global scales as multipliers, float32."""
+        g13, g2 = self.w13_weight_scale_2.float(), self.w2_weight_scale_2.float()
+        if self.global_scale_is_reciprocal:
+            return 1.0 / g13, 1.0 / g2
+        return g13, g2
+
+    def backend_for(self, x: torch.Tensor):
+        """The backend serving `x` (its device and dtype) and why."""
+        return choose_backend(x.device, x.dtype, self.hidden, self.local_intermediate,
+                              self.backend)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor) -> torch.Tensor:
+        g13, g2 = self.global_scales()
+        args = (self.w13_weight, self.w13_weight_scale, g13, self.w2_weight,
+                self.w2_weight_scale, g2)
+        if self.backend_for(x).name == TRITON:
+            from freetoken.kernels import nvfp4_moe
+
+            return nvfp4_moe.fused_moe(x, topk_weights, topk_ids, *args)
+        return reference_moe(x, topk_weights, topk_ids, *args)

@@ -1,0 +1,127 @@
+"""Shard specs for NVFP4 tensors, in the style of `freetoken.loading.specs`: pure functions of
+(full checkpoint tensor, rank, size, name) returning a fresh, contiguous tensor, each with its
+bitwise inverse.
+
+Output rows (gate_proj / up_proj rows, the rows of their block scales) split like any weight:
+use `Split(0)`, or `Segments` for a fused gate|up tensor. Input columns are different: the
+packed weight holds 2 inputs per byte and the block scale 1 column per 16 inputs, so a split
+of the logical input dimension must fall on a 16-element group boundary (`InputSplit`).
+Global scales are per tensor: replicated, and kept float32 (`GlobalScale`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from freetoken.layers.quantization.nvfp4.checkpoint import COMPRESSED_TENSORS, tensor_suffixes
+from freetoken.layers.quantization.nvfp4.format import GROUP
+from freetoken.loading.plan import Rule
+from freetoken.loading.specs import ShardError, Split
+
+PACKED, SCALE = "packed", "scale"
+_INPUTS_PER_COLUMN = {PACKED: 2, SCALE: GROUP}
+_WHAT = {PACKED: "packed bytes", SCALE: "block-scale columns"}
+
+
+def _fresh(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy owning its storage: a narrow() view would pin the full tensor."""
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def local_inputs(full_inputs: int, size: int, name: str) -> int:
+    """Inputs per rank for `full_inputs` split across `size` ranks; ShardError naming `name`
+    unless every rank's share is a whole number of 16-element groups."""
+    if full_inputs % (size * GROUP):
+        raise ShardError(f"{name}: {full_inputs} NVFP4 inputs cannot be split across "
+                         f"tp_size={size}: {full_inputs / size:g} per rank is not a multiple "
+                         f"of the {GROUP}-element group")
+    return full_inputs // size
+
+
+@dataclass(frozen=True)
+class InputSplit:
+    """Split the input (last by default) dim of a packed NVFP4 weight (`kind="packed"`,
+    uint8, 2 inputs per column) or of its block scale (`kind="scale"`, 16 inputs per
+    column) into equal, group-aligned chunks; rank r takes chunk r."""
+
+    kind: str = PACKED
+    dim: int = -1
+
+    def __post_init__(self):
+        if self.kind not in _INPUTS_PER_COLUMN:
+            raise ValueError(f"InputSplit kind must be {PACKED!r} or {SCALE!r}, "
+                             f"got {self.kind!r}")
+
+    def shard(self, full: torch.Tensor, rank: int, size: int, name: str = "") -> torch.Tensor:
+        per_column = _INPUTS_PER_COLUMN[self.kind]
+        columns = full.shape[self.dim]
+        try:
+            local = local_inputs(columns * per_column, size, name)
+        except ShardError as e:
+            raise ShardError(f"{e} ({name} dim {self.dim} has {columns} "
+                             f"{_WHAT[self.kind]}, shape {tuple(full.shape)})") from None
+        step = local // per_column
+        return _fresh(full.narrow(self.dim, rank * step, step))
+
+    def unshard(self, parts: list[torch.Tensor], name: str = "") -> torch.Tensor:
+        return torch.cat(parts, dim=self.dim)
+
+
+@dataclass(frozen=True)
+class GlobalScale:
+    """A per-tensor global scale (`weight_scale_2`, CT's `weight_global_scale`): every rank
+    holds it whole, as a float32 scalar. `shape` is how the checkpoint stores it (ModelOpt: a
+    0-dim tensor, compressed-tensors: [1]); the inverse restores it, bit for bit."""
+
+    shape: tuple[int, ...] = ()
+
+    def shard(self, full: torch.Tensor, rank: int, size: int, name: str = "") -> torch.Tensor:
+        if full.dtype != torch.float32:
+            raise ShardError(f"{name}: NVFP4 global scale must be float32, got {full.dtype}")
+        if tuple(full.shape) != tuple(self.shape):
+            raise ShardError(f"{name}: NVFP4 global scale has shape {tuple(full.shape)}, "
+                             f"expected {tuple(self.shape)}")
+        return _fresh(full).reshape(())
+
+    def unshard(self, parts: list[torch.Tensor], name: str = "") -> torch.Tensor:
+        return parts[0].reshape(self.shape)
+
+
+def expert_rules(expert: str, dest: str, full_intermediate: int, tp: int, producer: str
+                 ) -> list[Rule]:
+    """Plan rules for per-expert NVFP4 checkpoint tensors into `NVFP4FusedExperts`.
+
+    `expert` is a regex of one expert's prefix with a group `e` for its index, `dest` the
+    module's parameter prefix as a `re` template (see `hf_expert_rules`). gate and up
+    rows split on their own into w13's two halves, their global scales into
+    w13_weight_scale_2[e, 0] and [e, 1]; down's inputs split on group boundaries. Input
+    scales are not used by W4A16 and are
+    ignored."""
+    i = local_inputs(full_intermediate, tp, "moe_intermediate_size")
+    names = {field: suffix for suffix, field in tensor_suffixes(producer).items()}
+    glob = GlobalScale((1,) if producer == COMPRESSED_TENSORS else ())
+    rules = []
+    for part, rows in (("gate", slice(0, i)), ("up", slice(i, 2 * i))):
+        src = rf"{expert}\.{part}_proj\."
+        index = 0 if part == "gate" else 1
+        rules += [Rule(src + names["weight"], Split(0), f"{dest}.w13_weight", ("e", rows)),
+                  Rule(src + names["weight_scale"], Split(0), f"{dest}.w13_weight_scale",
+                       ("e", rows)),
+                  Rule(src + names["weight_scale_2"], glob, f"{dest}.w13_weight_scale_2",
+                       ("e", index))]
+    src = rf"{expert}\.down_proj\."
+    rules += [Rule(src + names["weight"], InputSplit(PACKED, 1), f"{dest}.w2_weight", ("e",)),
+              Rule(src + names["weight_scale"], InputSplit(SCALE, 1), f"{dest}.w2_weight_scale",
+                   ("e",)),
+              Rule(src + names["weight_scale_2"], glob, f"{dest}.w2_weight_scale_2", ("e",))]
+    rules.append(Rule(rf"{expert}\.(gate|up|down)_proj\.{names['input_scale']}", param=None))
+    return rules
+
+
+def hf_expert_rules(full_intermediate: int, tp: int, producer: str) -> list[Rule]:
+    """`expert_rules` for the HF per-expert layout `model.layers.L.mlp.experts.E.*_proj.*`
+    into `model.layers.L.mlp.experts` (an `NVFP4FusedExperts`)."""
+    expert = r"(?P<p>model\.layers\.\d+)\.mlp\.experts\.(?P<e>\d+)"
+    return expert_rules(expert, r"\g<p>.mlp.experts", full_intermediate, tp, producer)

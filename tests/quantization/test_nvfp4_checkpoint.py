@@ -1,0 +1,135 @@
+"""NVFP4 checkpoints (freetoken.layers.quantization.nvfp4.checkpoint): ModelOpt and
+compressed-tensors forms of the same weights normalise to the same tensors and dequantize
+identically up to the one rounding of CT's reciprocal global scale; configs of both producers
+parse, and unsupported ones are refused with a message naming what is wrong."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from freetoken.layers.quantization.nvfp4.checkpoint import (
+    COMPRESSED_TENSORS,
+    MODELOPT,
+    NVFP4ConfigError,
+    canonical_field,
+    parse_quant_config,
+    read_nvfp4_weight,
+    read_quant_config,
+    to_checkpoint,
+)
+from freetoken.layers.quantization.nvfp4.format import dequantize
+from freetoken.layers.quantization.nvfp4.quantizer import quantize
+
+MODULE = "model.layers.3.mlp.experts.5.gate_proj"
+ULP = 2.0 ** -23
+
+
+def _make_weight(seed: int, rows: int = 8, cols: int = 64):
+    gen = torch.Generator().manual_seed(seed)
+    scale = float(torch.empty(()).log_normal_(0.0, 3.0, generator=gen))
+    return quantize(torch.randn(rows, cols, generator=gen) * scale)
+
+
+def _read(tensors: dict, producer: str):
+    return read_nvfp4_weight(tensors.__getitem__, set(tensors), MODULE, producer)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**31 - 1))
+def test_modelopt_and_compressed_tensors_forms_dequantize_identically(seed):
+    """Both forms of one weight: packed bytes and block scales normalise bit-identically; the
+    global scale after inverting CT's reciprocal is within one float32 ulp; dequantized values
+    (and CT's own code * scale / global) agree to 2 ulps relative."""
+    q = _make_weight(seed)
+    modelopt, _ = _read(to_checkpoint(q, MODULE, MODELOPT), MODELOPT)
+    ct_tensors = to_checkpoint(q, MODULE, COMPRESSED_TENSORS)
+    assert set(ct_tensors) == {f"{MODULE}.{s}" for s in
+                               ("weight_packed", "weight_scale", "weight_global_scale")}
+    ct, _ = _read(ct_tensors, COMPRESSED_TENSORS)
+    assert torch.equal(modelopt.packed, ct.packed)
+    assert torch.equal(modelopt.block_scale.view(torch.uint8), ct.block_scale.view(torch.uint8))
+    g_mo, g_ct = float(modelopt.global_scale), float(ct.global_scale)
+    assert abs(g_mo - g_ct) <= ULP * abs(g_mo), f"global scales {g_mo!r} vs {g_ct!r}"
+    a, b = modelopt.dequantize(), ct.dequantize()
+    torch.testing.assert_close(b, a, rtol=2 * ULP, atol=0)
+    raw = ct_tensors[f"{MODULE}.weight_global_scale"]
+    native = dequantize(ct.packed, ct.block_scale, torch.ones(())) / raw.reshape(())
+    torch.testing.assert_close(native, a, rtol=2 * ULP, atol=0)
+
+
+def test_missing_and_malformed_tensors_are_named():
+    """A missing tensor, a mis-shaped block scale and a non-scalar global name the tensors."""
+    tensors = to_checkpoint(_make_weight(1), MODULE, MODELOPT)
+    del tensors[f"{MODULE}.weight_scale_2"]
+    with pytest.raises(NVFP4ConfigError, match=rf"{MODULE}\.weight_scale_2"):
+        _read(tensors, MODELOPT)
+    tensors = to_checkpoint(_make_weight(1), MODULE, MODELOPT)
+    tensors[f"{MODULE}.weight_scale"] = tensors[f"{MODULE}.weight_scale"][:, :2]
+    with pytest.raises(ValueError, match=rf"{MODULE}\.weight_scale.*\(8, 2\).*\(8, 4\)"):
+        _read(tensors, MODELOPT)
+    tensors = to_checkpoint(_make_weight(1), MODULE, COMPRESSED_TENSORS)
+    tensors[f"{MODULE}.weight_global_scale"] = torch.ones(2)
+    with pytest.raises(NVFP4ConfigError, match="weight_global_scale.*1 element"):
+        _read(tensors, COMPRESSED_TENSORS)
+
+
+def test_input_scale_is_normalised():
+    """CT's input_global_scale is a reciprocal too; ModelOpt's input_scale is kept."""
+    tensors = to_checkpoint(_make_weight(2), MODULE, COMPRESSED_TENSORS)
+    tensors[f"{MODULE}.input_global_scale"] = torch.tensor([4.0])
+    _, input_scale = _read(tensors, COMPRESSED_TENSORS)
+    assert input_scale.shape == () and float(input_scale) == 0.25
+    assert canonical_field(f"{MODULE}.weight_packed", COMPRESSED_TENSORS) == (MODULE, "weight")
+    assert canonical_field(f"{MODULE}.bias", MODELOPT) is None
+
+
+def test_hf_quant_config_and_config_json(tmp_path):
+    """hf_quant_config.json wins over config.json; exclude patterns cover children."""
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {
+        "quant_method": "compressed-tensors"}}))
+    (tmp_path / "hf_quant_config.json").write_text(json.dumps({
+        "producer": {"name": "modelopt"}, "quantization": {
+            "quant_algo": "NVFP4", "group_size": 16,
+            "exclude_modules": ["lm_head", "*mlp.gate", "model.layers.0.self_attn"]}}))
+    cfg = read_quant_config(tmp_path)
+    assert cfg.producer == MODELOPT and not cfg.global_scale_is_reciprocal
+    assert cfg.is_quantized("model.layers.2.mlp.experts.0.up_proj")
+    assert cfg.is_quantized("model.layers.2.mlp.gate_proj")
+    for excluded in ("lm_head", "model.layers.2.mlp.gate", "model.layers.0.self_attn.q_proj"):
+        assert not cfg.is_quantized(excluded), excluded
+    (tmp_path / "hf_quant_config.json").unlink()
+    with pytest.raises(NVFP4ConfigError, match="without config_groups is not NVFP4"):
+        read_quant_config(tmp_path)
+
+
+def test_compressed_tensors_and_mixed_precision_configs():
+    """CT nvfp4-pack-quantized groups with targets and `re:` ignores; ModelOpt
+    MIXED_PRECISION with only NVFP4 layers; anything else refused, naming it."""
+    ct = parse_quant_config({"quant_method": "compressed-tensors",
+                             "format": "nvfp4-pack-quantized", "ignore": ["re:.*mlp\\.gate$"],
+                             "config_groups": {"group_0": {"targets": ["re:.*experts.*"],
+                                                           "weights": {
+                                                               "num_bits": 4, "type": "float",
+                                                               "strategy": "tensor_group",
+                                                               "group_size": 16}}}})
+    assert ct.producer == COMPRESSED_TENSORS and ct.global_scale_is_reciprocal
+    assert ct.is_quantized("model.layers.1.mlp.experts.7.down_proj")
+    assert not ct.is_quantized("model.layers.1.self_attn.o_proj")
+    assert not ct.is_quantized("model.layers.1.mlp.gate")
+    mixed = parse_quant_config({"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION",
+                                "quantized_layers": {"model.layers.0.mlp.experts": {
+                                    "quant_algo": "NVFP4", "group_size": 16}}})
+    assert mixed.is_quantized("model.layers.0.mlp.experts.3.gate_proj")
+    assert not mixed.is_quantized("model.layers.0.self_attn.q_proj")
+    with pytest.raises(NVFP4ConfigError, match="model.layers.0.self_attn.*'FP8'"):
+        parse_quant_config({"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION",
+                            "quantized_layers": {"model.layers.0.self_attn": {
+                                "quant_algo": "FP8"}}})
+    with pytest.raises(NVFP4ConfigError, match="group_size 32"):
+        parse_quant_config({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 32})
+    assert parse_quant_config(None) is None
