@@ -195,6 +195,59 @@ def keep_shard_copies() -> None:
     core.load_weights = load
 
 
+def _wrap_nvfp4_moe(transform: Callable[[dict], dict]) -> None:
+    """Pass `fused_moe`'s arguments through `transform` before the NVFP4 kernels see them, so
+    the kernels compute exactly what a kernel with the bug would."""
+    import inspect
+
+    from freetoken.kernels import nvfp4_moe
+
+    original = nvfp4_moe.fused_moe
+    signature = inspect.signature(original)
+
+    def fused_moe(*args, **kwargs):
+        return original(**transform(dict(signature.bind(*args, **kwargs).arguments)))
+
+    nvfp4_moe.fused_moe = fused_moe
+
+
+def _swap_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    return (packed << 4) | (packed >> 4)
+
+
+def nvfp4_nibble_swap() -> None:
+    """The NVFP4 kernels unpack element 2j from the high nibble and 2j + 1 from the low one
+    (ModelOpt stores the even element in the low nibble)."""
+    from freetoken.kernels import nvfp4_linear
+
+    _wrap_nvfp4_moe(lambda a: {**a, "w13": _swap_nibbles(a["w13"]),
+                               "w2": _swap_nibbles(a["w2"])})
+    original = nvfp4_linear.nvfp4_linear
+
+    def linear(x, packed, *args, **kwargs):
+        return original(x, _swap_nibbles(packed), *args, **kwargs)
+
+    nvfp4_linear.nvfp4_linear = linear
+
+
+def nvfp4_drop_global_scale() -> None:
+    """The NVFP4 down projection forgets its per-expert global scale (`weight_scale_2`)."""
+    _wrap_nvfp4_moe(lambda a: {**a, "w2_global": torch.ones_like(a["w2_global"])})
+
+
+def nvfp4_gate_up_globals_swapped() -> None:
+    """The NVFP4 gate rows get the up projection's global scale and vice versa."""
+    _wrap_nvfp4_moe(lambda a: {**a, "w13_global": a["w13_global"].flip(-1)})
+
+
+def nvfp4_intermediate_off_by_group() -> None:
+    """The NVFP4 kernels are told a TP-local intermediate size one 16-element group short:
+    the up rows start 16 rows early and the last group of down's inputs is dropped."""
+    from freetoken.kernels import nvfp4_moe
+
+    nvfp4_moe._local_intermediate = lambda w13, w2: w13.shape[1] // 2 - 16
+
+
 FAULTS: dict[str, Callable[[], None]] = {
     "plain-chunk-gate-up": plain_chunk_gate_up,
     "drop-allreduce": drop_row_parallel_allreduce,
@@ -208,6 +261,10 @@ FAULTS: dict[str, Callable[[], None]] = {
     "vocab-pad-dropped": vocab_pad_dropped,
     "pin-checkpoint-views": pin_checkpoint_views,
     "keep-shard-copies": keep_shard_copies,
+    "nvfp4-nibble-swap": nvfp4_nibble_swap,
+    "nvfp4-drop-global-scale": nvfp4_drop_global_scale,
+    "nvfp4-gate-up-globals-swapped": nvfp4_gate_up_globals_swapped,
+    "nvfp4-intermediate-off-by-group": nvfp4_intermediate_off_by_group,
 }
 
 
