@@ -3,7 +3,7 @@
 # bf16 against HF bf16 on the same GPU) and over qwen3.5-moe-realdims in bf16. Ranks use NCCL
 # when there are as many GPUs as ranks and share GPUs over gloo otherwise (--oversubscribe).
 #
-#   TP=1,2,4,8 PYTHON=python3 bash bench/gpu_gate.sh REPORT_DIR [REALDIMS_DIR]
+#   TP=1,2,4,8 PYTHON=python3 [PART=bundled|realdims] bash bench/gpu_gate.sh REPORT_DIR [REALDIMS_DIR]
 #
 # Writes one JSON report per run into REPORT_DIR; exits non-zero if any run failed.
 set -uo pipefail
@@ -24,8 +24,14 @@ verify() {
         --report-json "$REPORTS/$name.json" --junit-xml "$REPORTS/$name.xml" || status=1
 }
 
-verify bundled-fp32
-verify bundled-bf16 --dtype bfloat16 --reference hf --checks golden
-[ -f "$REALDIMS/config.json" ] || "$PY" -m verify.cases --realdims "$REALDIMS" --dtype bfloat16
-verify realdims-bf16 --model "$REALDIMS" --dtype bfloat16 --reference hf --checks golden,memory,shards
+if [ "${PART:-all}" != realdims ]; then
+    verify bundled-fp32
+    verify bundled-bf16 --dtype bfloat16 --reference hf --checks golden
+fi
+if [ "${PART:-all}" != bundled ]; then
+    [ -f "$REALDIMS/config.json" ] || "$PY" -m verify.cases --realdims "$REALDIMS" --dtype bfloat16
+    verify realdims-bf16 --model "$REALDIMS" --dtype bfloat16 --reference hf \
+        --checks golden,memory,shards
+    verify realdims-fp32 --model "$REALDIMS" --dtype float32 --reference hf --checks golden
+fi
 exit $status

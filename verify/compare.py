@@ -17,7 +17,7 @@ class Tolerance:
     """Allowed error for one dtype: elementwise (rtol, atol) and logit noise for near-ties.
 
     With `max_rel_l2` set (low-precision dtypes) logits are judged as distributions instead of
-    element by element: relative L2 and KL(reference || engine) bounded, and every top-1
+    element by element: relative L2 and mean KL(reference || engine) bounded, and every top-1
     disagreement must be a near-tie in the reference. Elementwise mismatches are still counted
     and reported."""
 
@@ -236,12 +236,11 @@ class GreedyResult:
         head = (f"greedy: step {self.diverged_at}: engine token {self.actual_token}, "
                 f"reference {self.expected_token}")
         if self.benign:
-            return (f"{head}; benign near-tie (reference top1-top2 gap {self.gap:.2e} "
-                    f"<= noise {self.noise:.2e}), later tokens not compared")
-        if self.gap is not None and self.gap <= self.noise:
-            return (f"{head}; engine token is outside the reference top-2 "
-                    f"(top1-top2 gap {self.gap:.2e})")
-        return f"{head}; reference top1-top2 gap {self.gap:.2e} > allowed noise {self.noise:.2e}"
+            return (f"{head}; benign near-tie (the reference rated the engine's token "
+                    f"{self.gap:.2e} below its best, within noise {self.noise:.2e}); later "
+                    "tokens not compared")
+        return (f"{head}; the reference preferred its token by {self.gap:.2e} > allowed noise "
+                f"{self.noise:.2e}")
 
     def as_metrics(self) -> dict:
         """The numbers a report records; `greedy_match`/`greedy_total` render as `16/16`."""
@@ -258,16 +257,17 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def greedy_check(actual_ids: list[int], expected_ids: list[int],
-                 expected_logits: torch.Tensor, dtype: torch.dtype) -> GreedyResult:
+                 expected_logits: torch.Tensor, dtype: torch.dtype,
+                 noise: float | None = None) -> GreedyResult:
     """Judge a greedy continuation against the reference's.
 
-    At the first differing step, a divergence is benign when the reference itself nearly tied
-    (top-1/top-2 gap within the dtype's logit noise) and the engine picked one of those two.
+    At the first differing step, a divergence is benign when the reference itself rated the
+    engine's token within the logit noise of its own choice (a near-tie); `gap` is that margin.
     Tokens after a divergence are not compared: the two contexts differ from there on.
     `expected_logits[i]` is the reference's logit row that chose `expected_ids[i]`.
     """
     actual_ids, expected_ids = [int(t) for t in actual_ids], [int(t) for t in expected_ids]
-    noise = tolerance_for(dtype).logit_noise
+    noise = tolerance_for(dtype).logit_noise if noise is None else noise
     n = _common_prefix(actual_ids, expected_ids)
     lengths = {"actual_len": len(actual_ids), "expected_len": len(expected_ids)}
     if n == min(len(actual_ids), len(expected_ids)):
@@ -276,9 +276,9 @@ def greedy_check(actual_ids: list[int], expected_ids: list[int],
     if expected_logits.shape[0] <= n:
         raise ValueError(f"greedy divergence at step {n} needs reference logits row {n}, "
                          f"but expected_logits has {expected_logits.shape[0]} rows")
-    top2 = expected_logits[n].detach().to("cpu", torch.float64).topk(2)
-    gap = float(top2.values[0] - top2.values[1])
-    benign = gap <= noise and actual_ids[n] in top2.indices.tolist()
+    row = expected_logits[n].detach().to("cpu", torch.float64)
+    gap = float(row.max() - row[actual_ids[n]])
+    benign = gap <= noise
     return GreedyResult(n, n, benign, gap, noise, passed=benign, actual_token=actual_ids[n],
                         expected_token=expected_ids[n], **lengths)
 
@@ -295,11 +295,26 @@ def _decisive_top1_flip(a: torch.Tensor, e: torch.Tensor, noise: float):
     return p, int(a_top[p]), int(e_top[p]), float(margin[p])
 
 
-def judge_logits(name: str, actual: torch.Tensor, expected: torch.Tensor,
-                 dtype: torch.dtype) -> tuple[bool, str, Comparison]:
-    """Pass/fail for engine logits [P, V] against reference logits under `dtype`'s tolerance:
-    elementwise for fp32, as distributions for bf16 / fp16 (see `Tolerance`)."""
+def effective_tolerance(dtype: torch.dtype, baseline: LogitMetrics | None = None) -> Tolerance:
+    """`dtype`'s tolerance, widened for low precision by the reference's own noise: the
+    engine's logits may be twice as far from the fp32 reference as HF's own run at this dtype
+    (relative L2; KL, being quadratic in the logit error, four times), and a near-tie is
+    anything within that run's largest logit deviation."""
     tol = tolerance_for(dtype)
+    if baseline is None or tol.max_rel_l2 is None:
+        return tol
+    return Tolerance(tol.rtol, tol.atol, max(tol.logit_noise, baseline.max_abs),
+                     max(tol.max_rel_l2, 2 * baseline.rel_l2),
+                     max(tol.max_kl, 4 * baseline.kl_mean))
+
+
+def judge_logits(name: str, actual: torch.Tensor, expected: torch.Tensor,
+                 dtype: torch.dtype, baseline: LogitMetrics | None = None,
+                 ) -> tuple[bool, str, Comparison]:
+    """Pass/fail for engine logits [P, V] against reference logits under `dtype`'s tolerance:
+    elementwise for fp32, as distributions for bf16 / fp16 (see `Tolerance`,
+    `effective_tolerance`)."""
+    tol = effective_tolerance(dtype, baseline)
     cmp = compare_tensors(name, actual, expected, rtol=tol.rtol, atol=tol.atol)
     if tol.max_rel_l2 is None or actual.shape != expected.shape:
         return cmp.passed, cmp.message(), cmp
@@ -308,10 +323,10 @@ def judge_logits(name: str, actual: torch.Tensor, expected: torch.Tensor,
     m = logit_metrics(a, e)
     problems = []
     if m.rel_l2 > tol.max_rel_l2:
-        problems.append(f"relative L2 {m.rel_l2:.2e} > allowed {tol.max_rel_l2:.0e}")
-    if tol.max_kl is not None and m.kl_max > tol.max_kl:
-        problems.append(f"KL max {m.kl_max:.2e} at position {m.worst_kl_position} > allowed "
-                        f"{tol.max_kl:.0e}")
+        problems.append(f"relative L2 {m.rel_l2:.2e} > allowed {tol.max_rel_l2:.1e}")
+    if tol.max_kl is not None and m.kl_mean > tol.max_kl:
+        problems.append(f"KL mean {m.kl_mean:.2e} (max {m.kl_max:.2e} at position "
+                        f"{m.worst_kl_position}) > allowed {tol.max_kl:.1e}")
     flip = _decisive_top1_flip(a, e, tol.logit_noise)
     if flip is not None:
         problems.append(f"position {flip[0]}: engine top-1 {flip[1]}, reference {flip[2]} "

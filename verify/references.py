@@ -1,5 +1,5 @@
 """Reference outputs the golden check compares with: the stored golden of a bundled case, or
-HF transformers run live on the same checkpoint (same dtype, same device as rank 0)."""
+HF transformers run live on the same checkpoint (same device as rank 0)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,16 @@ from verify.cases import NUM_GREEDY, PROMPT_LENS, hf_reference, load_reference, 
 
 @dataclass
 class Reference:
+    """What the engine is compared with. `baseline[i]` (live HF in bf16 / fp16 only) measures
+    how far HF itself at that dtype is from HF in fp32 on prompt i: the reference's own noise,
+    which widens the low-precision tolerances for a model that is numerically sensitive."""
+
     source: str
     prompts: list[list[int]]
     prefill_logits: list[torch.Tensor]
     greedy_ids: list[list[int]]
     greedy_logits: list[torch.Tensor]
+    baseline: list | None = None
 
     @classmethod
     def from_tensors(cls, source: str, prompts, tensors: dict) -> Reference:
@@ -56,17 +61,36 @@ def reference_for(ctx) -> Reference:
     return ctx.cache[key]
 
 
+def _hf_model(case, options, dtype, device):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(case.folder)
+    if options.num_layers is not None:
+        text = getattr(config, "text_config", None) or config
+        text.num_hidden_layers = options.num_layers
+        if getattr(text, "layer_types", None):
+            text.layer_types = text.layer_types[: options.num_layers]
+    model = AutoModelForCausalLM.from_pretrained(case.folder, config=config, dtype=dtype)
+    return model.to(device).eval()
+
+
 @torch.inference_mode()
 def live_hf_reference(case, options, device) -> Reference:
-    from transformers import AutoModelForCausalLM
-
+    """HF on the checkpoint, on the engine's device. In fp32 that is the reference. For an
+    engine in bf16 / fp16 the reference is still HF in fp32 (the exact answer both low-precision
+    runs approximate), and HF at the engine's dtype supplies the baseline: how far a correct
+    implementation at that precision lands from it."""
     from freetoken.engine.core import resolve_dtype
+    from verify.compare import logit_metrics
 
-    extra = {} if options.num_layers is None else {"num_hidden_layers": options.num_layers}
     dtype = resolve_dtype(options.dtype, case.model_config)
-    model = AutoModelForCausalLM.from_pretrained(case.folder, dtype=dtype, **extra)
-    model = model.to(device).eval()
     prompts, num_greedy = prompts_for(case, options)
-    tensors = hf_reference(model, prompts, num_greedy)
+    model = _hf_model(case, options, torch.float32, device)
+    ref = Reference.from_tensors("hf", prompts, hf_reference(model, prompts, num_greedy))
     del model
-    return Reference.from_tensors("hf", prompts, tensors)
+    if dtype != torch.float32:
+        model = _hf_model(case, options, dtype, device)
+        low = [model(torch.tensor([p], device=device)).logits[0].float().cpu() for p in prompts]
+        del model
+        ref.baseline = [logit_metrics(a, e) for a, e in zip(low, ref.prefill_logits)]
+    return ref

@@ -44,10 +44,13 @@ def test_bundled_cases_pass_with_table_and_count_line(capsys, tmp_path):
                         "--model", "tiny-qwen3-moe", "--report-json", str(report),
                         "--junit-xml", str(junit))
     assert code == 0, out
+    summary = json.loads(report.read_text())["summary"]
     results = json.loads(report.read_text())["results"]
     n = len(results)
     assert n == 3 * 2 * len({r["check"] for r in results}) and n >= 6, results
-    assert out.strip().splitlines()[-1] == f"{n} passed, 0 failed, 0 skipped"
+    assert summary["failed"] == summary["errors"] == 0 and summary["passed"] >= 6, summary
+    assert out.strip().splitlines()[-1] == (
+        f"{summary['passed']} passed, 0 failed, {summary['skipped']} skipped")
     for model in ("tiny-llama", "tiny-qwen3", "tiny-qwen3-moe"):
         assert len(_rows(out, model)) == n // 3, f"{model}: expected {n // 3} rows\n{out}"
     _assert_report_contract(json.loads(report.read_text()), expected_results=n)

@@ -8,7 +8,7 @@ import time
 
 from freetoken.engine.core import resolve_dtype
 from verify.checks import CheckContext
-from verify.compare import greedy_check, judge_logits, logit_metrics
+from verify.compare import effective_tolerance, greedy_check, judge_logits, logit_metrics
 from verify.engine import engine_on_rank
 from verify.references import Reference, prompts_for, reference_for
 from verify.report import CheckResult
@@ -24,7 +24,7 @@ def run(ctx: CheckContext) -> CheckResult:
     dtype = resolve_dtype(ctx.options.dtype, ctx.case.model_config)
     metrics, failures = _against_reference(outputs, ref, dtype)
     failures += _ranks_disagree([r.value for r in records])
-    metrics.update(_against_tp1(ctx, outputs, dtype, failures))
+    metrics.update(_against_tp1(ctx, outputs, dtype, failures, ref))
     if failures:
         return _result(ctx, start, "fail", metrics, f"{ctx.case.name} tp={ctx.tp}: {failures[0]}")
     return _result(ctx, start, "pass", metrics, "")
@@ -55,21 +55,25 @@ def _against_reference(outputs: dict, ref: Reference, dtype) -> tuple[dict, list
     failures, per_prompt, greedy_match, greedy_total, mismatched = [], [], 0, 0, 0
     for i, out in enumerate(outputs["outputs"]):
         expected = ref.prefill_logits[i]
+        baseline = ref.baseline[i] if ref.baseline else None
         passed, message, cmp = judge_logits(
             f"prompt {i} ({len(ref.prompts[i])} tokens) prefill logits", out["prompt_logits"],
-            expected, dtype)
+            expected, dtype, baseline)
         mismatched += cmp.num_mismatched
         if not passed:
             failures.append(message)
         if out["prompt_logits"].shape != expected.shape:
             continue
         per_prompt.append(logit_metrics(out["prompt_logits"], expected))
-        greedy = greedy_check(out["ids"], ref.greedy_ids[i], ref.greedy_logits[i], dtype)
+        greedy = greedy_check(out["ids"], ref.greedy_ids[i], ref.greedy_logits[i], dtype,
+                              effective_tolerance(dtype, baseline).logit_noise)
         greedy_match += greedy.match_len
         greedy_total += greedy.expected_len
         if not greedy.passed:
             failures.append(f"prompt {i} {greedy.message()}")
     metrics = _aggregate(per_prompt) if per_prompt else {}
+    if ref.baseline:
+        metrics["hf_self_rel_l2"] = max(b.rel_l2 for b in ref.baseline)
     metrics.update(mismatched=mismatched, greedy_match=greedy_match, greedy_total=greedy_total)
     return metrics, failures
 
@@ -91,7 +95,8 @@ def _ranks_disagree(values: list[dict]) -> list[str]:
             for r, v in enumerate(values) if v["digest"] != first][:1]
 
 
-def _against_tp1(ctx: CheckContext, outputs: dict, dtype, failures: list[str]) -> dict:
+def _against_tp1(ctx: CheckContext, outputs: dict, dtype, failures: list[str],
+                 ref: Reference) -> dict:
     key = ("golden-tp1", ctx.case.name)
     if ctx.tp == 1:
         ctx.cache[key] = outputs
@@ -101,8 +106,10 @@ def _against_tp1(ctx: CheckContext, outputs: dict, dtype, failures: list[str]) -
         return {}
     worst = 0.0
     for i, (a, b) in enumerate(zip(outputs["outputs"], base["outputs"])):
+        baseline = ref.baseline[i] if ref.baseline else None
         passed, message, cmp = judge_logits(f"prompt {i} prefill logits vs engine tp=1",
-                                            a["prompt_logits"], b["prompt_logits"], dtype)
+                                            a["prompt_logits"], b["prompt_logits"], dtype,
+                                            baseline)
         worst = max(worst, cmp.max_abs)
         if not passed:
             failures.append(message)
