@@ -32,6 +32,8 @@ class PagedAttention(nn.Module):
         v_flat = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
         k_flat[ctx.slot_mapping] = k.to(k_flat.dtype)
         v_flat[ctx.slot_mapping] = v.to(v_flat.dtype)
+        if not ctx.is_prefill:
+            return self._decode(q, k_flat, v_flat, *ctx.decode_layout(block_size, q.device))
         out = torch.empty_like(q)
         start = 0
         for qlen, clen, blocks in zip(ctx.query_lens, ctx.context_lens, ctx.block_tables):
@@ -40,6 +42,16 @@ class PagedAttention(nn.Module):
                                                      v_flat[slots])
             start += qlen
         return out
+
+    def _decode(self, q, k_flat, v_flat, slots, valid) -> torch.Tensor:
+        """One new token per sequence, all sequences in one call: keys padded to the longest
+        context and masked."""
+        groups = self.num_heads // self.num_kv_heads
+        k = k_flat[slots].to(q.dtype).transpose(1, 2).repeat_interleave(groups, dim=1)
+        v = v_flat[slots].to(q.dtype).transpose(1, 2).repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q[:, :, None, :], k, v,
+                                             attn_mask=valid[:, None, None, :], scale=self.scale)
+        return out[:, :, 0, :]
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         qlen, clen = q.shape[0], k.shape[0]
