@@ -53,6 +53,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from _common import int_list
 from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -68,16 +69,6 @@ PRESETS = {
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 NOISY = 1.5  # warn when the slowest timed run exceeds the fastest by this factor
 SEED = 0
-
-
-def int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -49,6 +49,7 @@ from pathlib import Path
 
 import psutil
 import torch
+from _common import int_list
 from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -65,16 +66,6 @@ MIB = 2**20
 SEED = 0
 
 _HELD: list[torch.Tensor] = []
-
-
-def int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def mode_list(text: str) -> list[str]:

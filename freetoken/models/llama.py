@@ -88,17 +88,15 @@ class DecoderModel(nn.Module):
         return self.norm(h)
 
 
-class LlamaForCausalLM(nn.Module):
-    """Token ids and positions of a flat batch -> hidden states; `compute_logits` -> full
-    vocab logits on every rank."""
+class CausalLM(nn.Module):
+    """A decoder stack plus the vocab-parallel LM head: token ids and positions of a flat batch
+    -> hidden states; `compute_logits` -> full vocab logits on every rank."""
 
-    layer_cls: type[nn.Module] = DecoderLayer
-
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg, model: nn.Module):
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg, self.layer_cls)
-        tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
+        self.model = model
+        tied = model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tied=tied)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -109,3 +107,10 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[PagedAttention]:
         return [m for m in self.modules() if isinstance(m, PagedAttention)]
+
+
+class LlamaForCausalLM(CausalLM):
+    layer_cls: type[nn.Module] = DecoderLayer
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg, DecoderModel(cfg, self.layer_cls))

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from freetoken.layers.attention import PagedAttention
-from freetoken.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from freetoken.layers.embedding import VocabParallelEmbedding
 from freetoken.layers.norm import RMSNorm
+from freetoken.models.llama import CausalLM
 from freetoken.models.qwen3_5_moe.attention import GatedAttention
 from freetoken.models.qwen3_5_moe.config import Qwen35MoeConfig
 from freetoken.models.qwen3_5_moe.gdn import GatedDeltaNet
@@ -47,26 +47,12 @@ class TextModel(nn.Module):
         return self.norm(h)
 
 
-class Qwen35MoeForCausalLM(nn.Module):
-    """Token ids and positions of a flat batch -> hidden states; `compute_logits` -> full
-    vocab logits on every rank. Parameter names follow the text-only checkpoint layout
-    (`model.layers.N...`) whichever layout the weights come from."""
+class Qwen35MoeForCausalLM(CausalLM):
+    """Parameter names follow the text-only checkpoint layout (`model.layers.N...`) whichever
+    layout the weights come from."""
 
     def __init__(self, cfg: Qwen35MoeConfig):
-        super().__init__()
-        self.config = cfg
-        self.model = TextModel(cfg)
-        tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tied=tied)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    def attention_layers(self) -> list[PagedAttention]:
-        return [m for m in self.modules() if isinstance(m, PagedAttention)]
+        super().__init__(cfg, TextModel(cfg))
 
     def linear_state_layers(self) -> list[GatedDeltaNet]:
         """Layers that keep a per-sequence state (the engine allocates it)."""
