@@ -1,0 +1,101 @@
+"""The `kernels` check's GPU matrix on one GPU, in bf16, as a table: one command to run on a GPU
+machine, no rank group needed.
+
+    python bench/gpu_kernels_check.py [--dtype bfloat16|float16|float32] [--quick] [--faults]
+        [--inject NAME] [--json FILE]
+
+Runs `verify.checks.kernels.gpu_matrix()` (tokens {1, 7, 64, 300} x experts {8, 64} x top-k
+{1, 2, 8} x H {2048, 1040} x TP-local I = 512 / tp for tp {1, 2, 4, 8}, plus dense linears)
+through the same `run_matrix` the check uses, and prints every case with its path, error
+metrics and status. `--quick` takes every 8th case. `--faults` then re-runs the quick matrix
+once per NVFP4 kernel fault, each in a fresh process (faults monkeypatch for good), and
+reports whether the check caught it. Exit status 1 when a case fails or a fault goes
+undetected, 2 without CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from verify.checks.kernels import gpu_matrix, run_matrix, summarize  # noqa: E402
+from verify.faults import FAULTS  # noqa: E402
+
+NVFP4_FAULTS = [name for name in FAULTS if name.startswith("nvfp4-")]
+DEVICE = "cuda:0"
+
+
+def _path(label: str) -> str:
+    from freetoken.kernels.nvfp4_moe import DECODE_MAX_TOKENS
+
+    tokens = int(label.split("tokens=")[1].split()[0])
+    return "decode" if tokens <= DECODE_MAX_TOKENS else "prefill"
+
+
+def _print_rows(rows: list[dict]) -> None:
+    from tabulate import tabulate
+
+    body = [[r["case"], _path(r["case"]), f"{r['max_abs']:.2e}", f"{r['rel_l2']:.2e}",
+             f"{100.0 * r['within'] / max(r['numel'], 1):.2f}", f"{r['seconds']:.2f}",
+             "FAIL" if r["failure"] else "ok"] for r in rows]
+    print(tabulate(body, headers=["case", "path", "max_abs", "rel_l2", "% within", "s",
+                                  "status"], tablefmt="simple", disable_numparse=True))
+
+
+def _run_faults(dtype: str) -> bool:
+    """Each NVFP4 fault in its own process on the quick matrix; True when all were caught."""
+    caught_all = True
+    for name in NVFP4_FAULTS:
+        proc = subprocess.run([sys.executable, __file__, "--quick", "--dtype", dtype,
+                               "--inject", name], capture_output=True, text=True)
+        failing = [line for line in proc.stdout.splitlines() if line.startswith("first failure")]
+        caught = proc.returncode == 1 and bool(failing)
+        caught_all &= caught
+        detail = failing[0] if failing else (proc.stdout + proc.stderr).strip()[-300:]
+        print(f"{name}: {'caught' if caught else 'NOT CAUGHT'} (exit {proc.returncode}); "
+              f"{detail}")
+    return caught_all
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--quick", action="store_true", help="every 8th case only")
+    p.add_argument("--faults", action="store_true", help="also prove each NVFP4 fault fails")
+    p.add_argument("--inject", choices=NVFP4_FAULTS, default=None)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/gpu_kernels_check.py needs a CUDA GPU; on CPU run "
+              "`freetoken-verify --checks kernels --model tiny-llama --tp 1`.", file=sys.stderr)
+        return 2
+    if args.inject:
+        FAULTS[args.inject]()
+    cases = gpu_matrix()[:: 8 if args.quick else 1]
+    print(f"{torch.cuda.get_device_name(0)}; torch {torch.__version__}, triton "
+          f"{__import__('triton').__version__}; {len(cases)} cases in {args.dtype}"
+          + (f"; injected {args.inject}" if args.inject else ""), flush=True)
+    rows = run_matrix(cases, torch.device(DEVICE), getattr(torch, args.dtype))
+    _print_rows(rows)
+    metrics, failures = summarize(rows)
+    print(f"\n{metrics}")
+    if failures:
+        print(f"first failure: {failures[0]}")
+    if args.json:
+        args.json.write_text(json.dumps({"metrics": metrics, "rows": rows}, indent=2,
+                                        default=str))
+    ok = not failures
+    if args.faults and not args.inject:
+        ok &= _run_faults(args.dtype)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""NVFP4 routed-expert kernels on one GPU: effective weight bandwidth and speedup over the torch
+reference, at Qwen3.6-35B-A3B's expert dimensions.
+
+    python bench/nvfp4_moe.py [--tp 1,2,4,8] [--decode 1,2,4,8,16] [--prefill 512,...,4096]
+        [--experts 256] [--top-k 8] [--hidden 2048] [--intermediate 512] [--no-graphs]
+        [--sweep] [--json FILE]
+
+Method. Rank 0's experts for each TP size (full I quantized per expert by the NVFP4 quantizer,
+then cut to I / tp by the shard specs), bf16 activations, router ids drawn uniformly without
+replacement per token. Times are CUDA-event medians over `--reps` runs after warm-up; decode
+runs are replayed from a CUDA graph (as an engine runs decode steps) unless `--no-graphs`.
+
+* bytes read: packed weights + block scales + global scales of the experts the batch hits
+  (each counted once, whatever the path re-reads from L2);
+* GB/s: bytes read / kernel time; `% copy`: that over the copy bandwidth measured here by a
+  1 GiB device-to-device copy, counted as bytes read + bytes written per second;
+* speedup: the torch reference (`reference_moe`: dequantize each hit expert, float32 matmul;
+  the engine's CPU backend) time over the kernel time; `rel_err` their relative L2 difference.
+`--sweep` also tries other tile sizes per row and prints the fastest (`Tiles(...)`).
+Target: decode at >= 60 % of copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from freetoken.kernels import nvfp4_moe  # noqa: E402
+from freetoken.layers.quantization.nvfp4.reference import reference_moe  # noqa: E402
+from verify.checks.kernels import make_experts  # noqa: E402
+
+DEVICE = "cuda"
+SWEEP_DECODE = [dict(decode_bytes=b, decode_min_programs=p, num_warps=w)
+                for b in (2048, 4096, 8192) for p in (256, 1024) for w in (4, 8)]
+SWEEP_PREFILL = [dict(prefill_m=m, prefill_n=n, prefill_groups=g, num_warps=w, num_stages=s)
+                 for m, n in ((64, 64), (64, 128), (128, 64), (128, 128)) for g in (2, 4)
+                 for w, s in ((4, 3), (8, 3), (4, 4))]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def time_ms(fn, reps: int, graph: bool) -> float:
+    """Median milliseconds of `fn()` (optionally replayed from a captured CUDA graph)."""
+    fn()
+    torch.cuda.synchronize()
+    if graph:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        fn = g.replay
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in GB/s, read + write bytes per second."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), reps=20, graph=False)
+    return 2 * nbytes / ms / 1e6
+
+
+def bytes_read(w: dict, ids: torch.Tensor) -> int:
+    """Packed weights + scales of the distinct experts in `ids`."""
+    hit = int(torch.unique(ids).numel())
+    per_expert = sum(w[k][0].numel() * w[k].element_size()
+                     for k in ("w13", "w13_scale", "w13_global", "w2", "w2_scale", "w2_global"))
+    return hit * per_expert
+
+
+def make_inputs(tokens: int, args, seed: int) -> tuple:
+    """Activations, normalised routing weights and distinct expert ids per token."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    x = torch.randn(tokens, args.hidden, generator=gen, device=DEVICE).to(args.dtype)
+    scores = torch.rand(tokens, args.experts, generator=gen, device=DEVICE)
+    ids = scores.topk(args.top_k, dim=-1).indices
+    weights = torch.rand(tokens, args.top_k, generator=gen, device=DEVICE)
+    return x, (weights / weights.sum(-1, keepdim=True)).to(args.dtype), ids
+
+
+def measure(w: dict, inputs: tuple, args, copy_gbs: float, ref: torch.Tensor,
+            tiles=None, reps: int | None = None) -> dict:
+    """One row: kernel time, bandwidth, and relative L2 error against `ref`."""
+    x, weights, ids = inputs
+    tokens = x.shape[0]
+    path = "decode" if tokens <= nvfp4_moe.DECODE_MAX_TOKENS else "prefill"
+    run = lambda: nvfp4_moe.fused_moe(x, weights, ids, **w, tiles=tiles)  # noqa: E731
+    ms = time_ms(run, reps or args.reps, graph=args.graphs and path == "decode")
+    out = run().float()
+    nbytes = bytes_read(w, ids)
+    gbs = nbytes / ms / 1e6
+    return {"tokens": tokens, "path": path, "experts_hit": int(torch.unique(ids).numel()),
+            "MiB": nbytes / 2**20, "us": ms * 1e3, "GB/s": gbs, "% copy": 100 * gbs / copy_gbs,
+            "rel_err": float((out - ref).norm() / ref.norm())}
+
+
+def sweep(w, inputs, args, copy_gbs, ref) -> tuple[dict, dict]:
+    """The fastest tile choice for one shape and its row ({} and the default's row when
+    every alternative was refused)."""
+    tokens = inputs[0].shape[0]
+    options = SWEEP_DECODE if tokens <= nvfp4_moe.DECODE_MAX_TOKENS else SWEEP_PREFILL
+    best = None
+    for change in options:
+        tiles = dataclasses.replace(nvfp4_moe.GPU_TILES, **change)
+        try:
+            row = measure(w, inputs, args, copy_gbs, ref, tiles, reps=20)
+        except Exception as e:  # a tile choice the compiler or the GPU refuses
+            print(f"  tokens={tokens} {change}: {type(e).__name__}: {e}", file=sys.stderr)
+            continue
+        if best is None or row["us"] < best[1]["us"]:
+            best = (change, row)
+    return best or ({}, measure(w, inputs, args, copy_gbs, ref))
+
+
+def row_for(w: dict, tokens: int, args, copy_gbs: float, seed: int) -> dict:
+    """Default tiles (or the sweep's best), the reference's time and the speedup."""
+    inputs = make_inputs(tokens, args, seed)
+    reference = lambda: reference_moe(*inputs, **w)  # noqa: E731
+    ref = reference().float()
+    row = measure(w, inputs, args, copy_gbs, ref)
+    if args.sweep:
+        change, best = sweep(w, inputs, args, copy_gbs, ref)
+        row = {**best, "tiles": change}
+    if not args.no_reference:
+        row["ref_ms"] = time_ms(reference, max(3, args.reps // 10), graph=False)
+        row["speedup"] = row["ref_ms"] * 1e3 / row["us"]
+    return row
+
+
+def _table(rows: list[dict]) -> str:
+    from tabulate import tabulate
+
+    keys = ["tp", "I_local", "path", "tokens", "experts_hit", "MiB", "us", "GB/s", "% copy",
+            "ref_ms", "speedup", "rel_err", "tiles"]
+    keys = [k for k in keys if any(k in r for r in rows)]
+    fmt = {"MiB": "{:.1f}", "us": "{:.1f}", "GB/s": "{:.0f}", "% copy": "{:.1f}",
+           "ref_ms": "{:.2f}", "speedup": "{:.1f}x", "rel_err": "{:.1e}"}
+    body = [[fmt.get(k, "{}").format(r[k]) if k in r else "" for k in keys] for r in rows]
+    return tabulate(body, headers=keys, tablefmt="simple", disable_numparse=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tp", type=_ints, default=[1, 2, 4, 8])
+    p.add_argument("--decode", type=_ints, default=[1, 2, 4, 8, 16])
+    p.add_argument("--prefill", type=_ints, default=[512, 1024, 2048, 4096])
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--intermediate", type=int, default=512)
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--dtype", type=lambda n: getattr(torch, n), default=torch.bfloat16,
+                   help="activation dtype (bfloat16, float16, float32)")
+    p.add_argument("--no-graphs", dest="graphs", action="store_false")
+    p.add_argument("--no-reference", action="store_true", help="skip timing the torch reference")
+    p.add_argument("--sweep", action="store_true", help="also search tile sizes per row")
+    p.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/nvfp4_moe.py needs a CUDA GPU (the kernels' CPU interpreter is for "
+              "correctness only); nothing measured.", file=sys.stderr)
+        return 2
+    props = torch.cuda.get_device_properties(0)
+    copy_gbs = copy_bandwidth()
+    print(f"{props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, "
+          f"triton {__import__('triton').__version__}; copy bandwidth {copy_gbs:.0f} GB/s "
+          f"(read + write); E={args.experts} top-{args.top_k} H={args.hidden} "
+          f"I={args.intermediate}, {args.dtype} activations", flush=True)
+    rows = []
+    for tp in args.tp:
+        w = make_experts(args.experts, args.hidden, args.intermediate, tp, seed=tp,
+                         device=DEVICE)
+        for tokens in args.decode + args.prefill:
+            rows.append({"tp": tp, "I_local": args.intermediate // tp,
+                         **row_for(w, tokens, args, copy_gbs, seed=tokens)})
+            print(_table(rows[-1:]).splitlines()[-1], flush=True)
+        del w
+        torch.cuda.empty_cache()
+    print("\n" + _table(rows))
+    decode = [r for r in rows if r["path"] == "decode"]
+    met = [r for r in decode if r["% copy"] >= 60]
+    print(f"\ndecode >= 60% of copy bandwidth: {len(met)} / {len(decode)} rows; worst relative "
+          f"L2 error vs reference {max(r['rel_err'] for r in rows):.1e}")
+    if args.json:
+        args.json.write_text(json.dumps({"copy_GBps": copy_gbs, "device": props.name,
+                                         "rows": rows}, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
