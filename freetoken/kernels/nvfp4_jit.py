@@ -13,8 +13,9 @@ arithmetic runs in float32: Triton's interpreter mis-computes bf16 arithmetic, a
 what the accumulation needs anyway.
 
 Kernels (the MoE ones take a flat list of (token, slot) pairs, pair p = token * top_k + slot):
-- `gate_up_decode` / `down_decode`: one program per (pair, block of output rows), streaming the
-  expert's weight rows once per pair: the few-token path, bound by weight bandwidth.
+- `gate_up_decode` / `down_decode`: one program per (pair, block of output rows), resp.
+  (token, block of output rows) looping over the token's slots, streaming each expert's weight
+  rows once per pair: the few-token path, bound by weight bandwidth.
 - `gate_up_prefill` / `down_prefill`: pairs sorted by expert into blocks of BLOCK_M rows, one
   program per (block, block of output rows), tensor-core `tl.dot` on dequantized tiles.
 gate_up applies the gate and up global scales separately, then SiLU(gate) * up; down applies
@@ -122,25 +123,29 @@ def gate_up_decode(x_ptr, ids_ptr, w_ptr, s_ptr, g_ptr, h_ptr, inter, k_groups, 
 
 
 @triton.jit
-def down_decode(h_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, out_ptr, n_rows, k_groups,
+def down_decode(h_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, out_ptr, n_rows, k_groups, top_k,
                 stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_out,
                 BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
-    """out[p, n] = weight_p * global_e * (w2_e[n] . h[p]) for pair p routed to expert e."""
-    pair = tl.program_id(0)
-    e = tl.load(ids_ptr + pair).to(tl.int64)
-    h_row = h_ptr + pair.to(tl.int64) * stride_h
+    """out[t, n] = sum over t's slots of weight_p * global_e * (w2_e[n] . h[p]), p = (t, slot)
+    routed to expert e: the top-k sum happens here, in float32, rounded once on store."""
+    token = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < n_rows
-    w, s = w_ptr + e * stride_we, s_ptr + e * stride_se
-    acc = tl.full([BLOCK_N, GROUPS], 0.0, tl.float32)
-    for g0 in range(0, k_groups, GROUPS):
-        grp = g0 + tl.arange(0, GROUPS)
-        g_ok = grp < k_groups
-        he, ho = _x_pairs(h_row, grp, g_ok)
-        acc = _gemv_groups(acc, w, s, n, n_ok, grp, g_ok, he, ho, stride_wn, stride_sn)
-    scale = tl.load(g_ptr + e) * _FP4_UNBIAS * tl.load(tw_ptr + pair).to(tl.float32)
-    tl.store(out_ptr + pair.to(tl.int64) * stride_out + n, _sum(acc, axis=1) * scale,
-             mask=n_ok)
+    total = tl.full([BLOCK_N], 0.0, tl.float32)
+    for slot in range(0, top_k):
+        pair = token * top_k + slot
+        e = tl.load(ids_ptr + pair).to(tl.int64)
+        h_row = h_ptr + pair.to(tl.int64) * stride_h
+        w, s = w_ptr + e * stride_we, s_ptr + e * stride_se
+        acc = tl.full([BLOCK_N, GROUPS], 0.0, tl.float32)
+        for g0 in range(0, k_groups, GROUPS):
+            grp = g0 + tl.arange(0, GROUPS)
+            g_ok = grp < k_groups
+            he, ho = _x_pairs(h_row, grp, g_ok)
+            acc = _gemv_groups(acc, w, s, n, n_ok, grp, g_ok, he, ho, stride_wn, stride_sn)
+        scale = tl.load(g_ptr + e) * _FP4_UNBIAS * tl.load(tw_ptr + pair).to(tl.float32)
+        total += _sum(acc, axis=1) * scale
+    tl.store(out_ptr + token.to(tl.int64) * stride_out + n, total, mask=n_ok)
 
 
 @triton.jit

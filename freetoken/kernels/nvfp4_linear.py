@@ -28,15 +28,17 @@ def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tenso
     ones = torch.ones(rows, dtype=torch.float32, device=device)
     w, s = packed.unsqueeze(0), block_scale.view(torch.uint8).unsqueeze(0)
     g = global_scale.to(torch.float32).reshape(1).contiguous()
-    out = torch.empty(rows, n_out, dtype=torch.float32, device=device)
     if path == "auto":
         path = "decode" if rows <= nvfp4_moe.DECODE_MAX_TOKENS else "prefill"
-    if rows and path == "decode":
-        nvfp4_moe.down_decode_launch(x2, ids, ones, w, s, g, out, k_inputs, tiles)
+    # With a bias, keep float32 until it is added: one rounding to x's dtype, not two.
+    out_dtype = x.dtype if bias is None and path == "decode" else torch.float32
+    out = torch.empty(rows, n_out, dtype=out_dtype, device=device)
+    if path == "decode" and rows:
+        nvfp4_moe.down_decode_launch(x2, ids, ones, w, s, g, out, k_inputs, 1, tiles)
     elif rows:
         order, blocks = nvfp4_moe.align_by_expert(ids, 1, tiles.prefill_m)
         nvfp4_moe.down_prefill_launch(x2, order, blocks, ones, w, s, g, out, rows, k_inputs,
                                       tiles)
     if bias is not None:
-        out += bias.to(torch.float32)
+        out = out + bias.to(torch.float32)
     return out.to(x.dtype).reshape(*lead, n_out)

@@ -144,13 +144,16 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
                 s13=w13_scale.view(torch.uint8), g13=w13_global.float().contiguous(), w2=w2,
                 s2=w2_scale.view(torch.uint8), g2=w2_global.float().contiguous(),
                 inter=_local_intermediate(w13, w2), top_k=top_k, tiles=tiles)
+    if tokens == 0:
+        return x.new_zeros(0, hidden)
+    if path == "decode":
+        return _decode(**args)
     out = torch.empty(tokens * top_k, hidden, dtype=torch.float32, device=x.device)
-    if tokens:
-        (_decode if path == "decode" else _prefill)(out=out, **args)
+    _prefill(out=out, **args)
     return out.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)
 
 
-def _decode(x, ids, tw, w13, s13, g13, w2, s2, g2, inter, top_k, tiles, out):
+def _decode(x, ids, tw, w13, s13, g13, w2, s2, g2, inter, top_k, tiles):
     jit, pairs, hidden = _jit(), ids.numel(), x.shape[1]
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     block_n, groups = decode_tile(inter, hidden // GROUP, pairs, tiles)
@@ -158,17 +161,20 @@ def _decode(x, ids, tw, w13, s13, g13, w2, s2, g2, inter, top_k, tiles, out):
         x, ids, w13, s13, g13, h, inter, hidden // GROUP, top_k, x.stride(0), w13.stride(0),
         w13.stride(1), s13.stride(0), s13.stride(1), h.stride(0), BLOCK_N=block_n,
         GROUPS=groups, num_warps=tiles.num_warps)
-    down_decode_launch(h, ids, tw, w2, s2, g2, out, inter, tiles)
+    out = torch.empty(x.shape[0], hidden, dtype=x.dtype, device=x.device)
+    down_decode_launch(h, ids, tw, w2, s2, g2, out, inter, top_k, tiles)
+    return out
 
 
-def down_decode_launch(h, ids, tw, w2, s2, g2, out, k_inputs, tiles):
-    """out[p] = tw[p] * g2[e] * (w2[e] @ h[p][:k_inputs]) for pairs p routed to e = ids[p]."""
-    pairs, n_rows = ids.numel(), w2.shape[1]
-    block_n, groups = decode_tile(n_rows, k_inputs // GROUP, pairs, tiles)
-    _jit().down_decode[(pairs, -(-n_rows // block_n))](
-        h, ids, tw, w2, s2, g2, out, n_rows, k_inputs // GROUP, h.stride(0), w2.stride(0),
-        w2.stride(1), s2.stride(0), s2.stride(1), out.stride(0), BLOCK_N=block_n,
-        GROUPS=groups, num_warps=tiles.num_warps)
+def down_decode_launch(h, ids, tw, w2, s2, g2, out, k_inputs, top_k, tiles):
+    """out[t] = sum over slots of tw[p] * g2[e] * (w2[e] @ h[p][:k_inputs]), p = t * top_k +
+    slot routed to e = ids[p]; `out` [T, rows] in any float dtype."""
+    tokens, n_rows = out.shape[0], w2.shape[1]
+    block_n, groups = decode_tile(n_rows, k_inputs // GROUP, tokens, tiles)
+    _jit().down_decode[(tokens, -(-n_rows // block_n))](
+        h, ids, tw, w2, s2, g2, out, n_rows, k_inputs // GROUP, top_k, h.stride(0),
+        w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), out.stride(0),
+        BLOCK_N=block_n, GROUPS=groups, num_warps=tiles.num_warps)
 
 
 def _precision(dtype: torch.dtype) -> str:
