@@ -21,9 +21,14 @@ rank process (`freetoken.kernels.use_interpreter`, before the first launch, re-i
 kernel module imported earlier as compiled code): rank groups are started once per TP size for
 every check, so the check cannot give its ranks a different environment.
 
-Per case: NaN / Inf in the kernel output fail it; elements must be within
+Per case: NaN / Inf in the kernel output fail it; elements are compared with
 |out - ref| <= atol * rms(ref) + rtol * |ref| (float32: 1e-4 / 1e-4, differences come from
 summation order only; bf16: 2e-2 / 2e-2, the output and SiLU(gate) * up are rounded to bf16).
+float32 requires every element within; bf16 / fp16 require the relative L2 error within
+LOW_PRECISION_REL_L2 and at least 99.9 % of elements within: rounding SiLU(gate) * up to bf16
+before the down projection moves a few elements where large terms cancel by a whole bf16 ulp
+of the terms (measured on an H200: 1 element in 131072 off by 1.0, relative L2 3e-3), while
+every injected kernel bug moves relative L2 by 0.3 or more.
 Metrics: max_abs and rel_l2 (worst case), pct_within_tol (all elements), cases, failed_cases.
 """
 
@@ -44,6 +49,8 @@ TP_SIZES = (1, 2, 4, 8)
 TOKENS = (1, 7, 64, 300)
 TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2),
              torch.float16: (1e-2, 1e-2)}
+LOW_PRECISION_REL_L2 = {torch.bfloat16: 1e-2, torch.float16: 5e-3}
+MIN_WITHIN = 0.999
 
 
 @dataclass(frozen=True)
@@ -193,6 +200,12 @@ def _compare(case: KernelCase, out: torch.Tensor, ref: torch.Tensor, dtype) -> d
         failure = f"{case.label}: the reference itself is not finite"
     elif nonfinite:
         failure = f"{case.label}: {nonfinite} non-finite values in the kernel output"
+    elif dtype in LOW_PRECISION_REL_L2 and cmp.actual_shape is None:
+        if rel_l2 > LOW_PRECISION_REL_L2[dtype]:
+            failure = (f"{case.label}: relative L2 {rel_l2:.2e} > allowed "
+                       f"{LOW_PRECISION_REL_L2[dtype]:.0e} ({cmp.message()})")
+        elif cmp.num_mismatched > (1 - MIN_WITHIN) * cmp.numel:
+            failure = f"more than {100 * (1 - MIN_WITHIN):.1f}% mismatched: {cmp.message()}"
     elif not cmp.passed:
         failure = cmp.message()
     within = cmp.numel - cmp.num_mismatched
