@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -53,6 +54,9 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()
     dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()
+    quantization: Any = None
+    """The checkpoint's `NVFP4Config` (which modules are NVFP4, in whose tensor naming), None
+    for an unquantized checkpoint; each model decides which of its modules may be quantized."""
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -78,19 +82,56 @@ class ModelConfig:
         if not path.is_file():
             raise ConfigError(f"{folder}: no config.json (not a checkpoint folder)")
         try:
-            return cls.from_hf(json.loads(path.read_text()))
+            hf = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: invalid JSON ({e})") from e
+        return cls.from_hf(hf, _read_quantization(Path(folder)))
 
     @classmethod
-    def from_hf(cls, hf: dict) -> ModelConfig:
+    def from_hf(cls, hf: dict, quantization: Any = None) -> ModelConfig:
+        """`quantization`: the checkpoint's NVFP4Config when read from its folder (which may
+        hold `hf_quant_config.json`); else config.json's `quantization_config`, if any."""
+        if quantization is None:
+            quantization = _parse_quantization(hf.get("quantization_config"))
         arch = architecture(hf)
         if arch == "qwen3_5_moe":
             # Imported here: the model package imports this module.
             from freetoken.models.qwen3_5_moe.config import qwen3_5_moe_config
 
-            return qwen3_5_moe_config(hf)
+            return qwen3_5_moe_config(hf, quantization)
+        if quantization is not None:
+            raise ConfigError(f"{arch}: NVFP4 checkpoints are supported for Qwen3.5-MoE experts "
+                              "only")
         return cls(**common_fields(hf, arch))
+
+
+def _parse_quantization(raw: dict | None):
+    """config.json's `quantization_config` as an NVFP4Config (None when absent)."""
+    if raw is None:
+        return None
+    from freetoken.layers.quantization.nvfp4.checkpoint import (
+        NVFP4ConfigError,
+        parse_quant_config,
+    )
+
+    try:
+        return parse_quant_config(raw, "config.json quantization_config")
+    except NVFP4ConfigError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _read_quantization(folder: Path):
+    """A checkpoint folder's NVFP4Config: `hf_quant_config.json` first, else config.json's
+    `quantization_config`; None when unquantized."""
+    from freetoken.layers.quantization.nvfp4.checkpoint import (
+        NVFP4ConfigError,
+        read_quant_config,
+    )
+
+    try:
+        return read_quant_config(folder)
+    except (NVFP4ConfigError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{folder}: {e}") from None
 
 
 def architecture(hf: dict) -> str:

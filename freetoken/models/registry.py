@@ -50,3 +50,17 @@ def check_tp(cfg: ModelConfig, tp_size: int) -> None:
         divide(cfg.linear_num_key_heads, tp_size, "linear_num_key_heads")
         divide(cfg.linear_num_value_heads, tp_size, "linear_num_value_heads")
         divide(cfg.shared_expert_intermediate_size, tp_size, "shared_expert_intermediate_size")
+    if getattr(cfg, "nvfp4_experts", False):
+        _check_nvfp4_experts(cfg, tp_size)
+
+
+def _check_nvfp4_experts(cfg: ModelConfig, tp_size: int) -> None:
+    """NVFP4 experts split their inputs (down_proj's) on 16-element group boundaries: a
+    ValueError naming the dimension before any rank starts."""
+    from freetoken.layers.quantization.nvfp4.format import GROUP
+    from freetoken.layers.quantization.nvfp4.specs import local_inputs
+
+    if cfg.hidden_size % GROUP:
+        raise ValueError(f"hidden_size={cfg.hidden_size} is not a multiple of the "
+                         f"{GROUP}-element NVFP4 group")
+    local_inputs(cfg.moe_intermediate_size, tp_size, "moe_intermediate_size")

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from freetoken.config import ConfigError, ModelConfig, common_fields
+from freetoken.models.qwen3_5_moe.quantization import nvfp4_experts
 
 LINEAR, FULL = "linear_attention", "full_attention"
 # HF's Qwen3_5MoeTextConfig defaults for keys a config.json may leave out.
@@ -28,6 +29,8 @@ class Qwen35MoeConfig(ModelConfig):
     linear_conv_kernel_dim: int = 4
     shared_expert_intermediate_size: int = 0
     checkpoint_prefix: str = "model"
+    nvfp4_experts: bool = False
+    """Routed experts stored in NVFP4 (`quantization` says how); everything else unquantized."""
 
     def is_linear_layer(self, layer: int) -> bool:
         return self.layer_types[layer] == LINEAR
@@ -37,8 +40,9 @@ class Qwen35MoeConfig(ModelConfig):
         return replace(cfg, layer_types=self.layer_types[:num_layers])
 
 
-def qwen3_5_moe_config(hf: dict) -> Qwen35MoeConfig:
-    """Parse either layout; the multimodal wrapper's vision tower is not part of the engine."""
+def qwen3_5_moe_config(hf: dict, quantization=None) -> Qwen35MoeConfig:
+    """Parse either layout; the multimodal wrapper's vision tower is not part of the engine.
+    `quantization`: the checkpoint's NVFP4Config, or None (see `ModelConfig.from_hf`)."""
     multimodal = isinstance(hf.get("text_config"), dict)
     text = hf["text_config"] if multimodal else hf
     fields = common_fields(text, "qwen3_5_moe")
@@ -56,18 +60,22 @@ def qwen3_5_moe_config(hf: dict) -> Qwen35MoeConfig:
         dtype=str(text.get("dtype") or text.get("torch_dtype") or hf.get("dtype")
                   or hf.get("torch_dtype") or "float32"),
         eos_token_ids=_eos(text.get("eos_token_id", hf.get("eos_token_id"))),
+        quantization=quantization,
         raw=hf,
     )
+    layer_types = _layer_types(text, num_layers)
+    prefix = "model.language_model" if multimodal else "model"
     cfg = Qwen35MoeConfig(
         **fields,
-        layer_types=_layer_types(text, num_layers),
+        layer_types=layer_types,
         linear_num_key_heads=_required(text, "linear_num_key_heads"),
         linear_num_value_heads=_required(text, "linear_num_value_heads"),
         linear_key_head_dim=_required(text, "linear_key_head_dim"),
         linear_value_head_dim=_required(text, "linear_value_head_dim"),
         linear_conv_kernel_dim=text.get("linear_conv_kernel_dim", 4),
         shared_expert_intermediate_size=_required(text, "shared_expert_intermediate_size"),
-        checkpoint_prefix="model.language_model" if multimodal else "model",
+        checkpoint_prefix=prefix,
+        nvfp4_experts=nvfp4_experts(quantization, prefix, layer_types, fields["num_experts"]),
     )
     _validate(cfg)
     return cfg

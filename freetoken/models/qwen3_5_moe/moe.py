@@ -28,12 +28,24 @@ class SharedExpert(nn.Module):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
+def _routed_experts(cfg: Qwen35MoeConfig) -> nn.Module:
+    """`NVFP4FusedExperts` (backend auto: torch on CPU, triton on CUDA) when the checkpoint
+    stores the experts in NVFP4, else `FusedExperts`; both split on the intermediate dim."""
+    if not cfg.nvfp4_experts:
+        return FusedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+    from freetoken.layers.quantization.nvfp4 import NVFP4FusedExperts
+
+    return NVFP4FusedExperts(
+        cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+        global_scale_is_reciprocal=cfg.quantization.global_scale_is_reciprocal)
+
+
 class SparseMoeBlock(nn.Module):
     def __init__(self, cfg: Qwen35MoeConfig):
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
         self.gate = ReplicatedLinear(cfg.hidden_size, cfg.num_experts)
-        self.experts = FusedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.experts = _routed_experts(cfg)
         self.shared_expert = SharedExpert(cfg.hidden_size, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = ReplicatedLinear(cfg.hidden_size, 1)
 

@@ -8,6 +8,7 @@ import math
 import re
 
 from freetoken.layers.linear import local_kv_heads
+from freetoken.layers.quantization.nvfp4.specs import expert_rules as nvfp4_expert_rules
 from freetoken.loading.plan import Rule, ShardPlan
 from freetoken.loading.specs import Heads, PaddedSplit, Replicate, Segments, Split
 from freetoken.models.qwen3_5_moe.config import Qwen35MoeConfig
@@ -92,7 +93,6 @@ def moe_rules(cfg: Qwen35MoeConfig, tp: int, layer: str) -> list[Rule]:
     up split separately into gate_up_proj, down on its input); per-expert keys into the
     stacked w13 / w2, split on the intermediate dimension."""
     src, dest = rf"{layer}\.mlp", rf"{DEST}.mlp"
-    i = cfg.moe_intermediate_size // tp
     s = cfg.shared_expert_intermediate_size // tp
     expert = rf"{src}\.experts\.(?P<e>\d+)"
     return [
@@ -104,9 +104,19 @@ def moe_rules(cfg: Qwen35MoeConfig, tp: int, layer: str) -> list[Rule]:
              f"{dest}.shared_expert.gate_up_proj.weight", (slice(s, 2 * s),)),
         Rule(rf"{src}\.shared_expert\.down_proj\.weight", Split(1),
              f"{dest}.shared_expert.down_proj.weight"),
-        Rule(rf"{expert}\.gate_proj\.weight", Split(0), f"{dest}.experts.w13",
-             ("e", slice(0, i))),
-        Rule(rf"{expert}\.up_proj\.weight", Split(0), f"{dest}.experts.w13",
-             ("e", slice(i, 2 * i))),
-        Rule(rf"{expert}\.down_proj\.weight", Split(1), f"{dest}.experts.w2", ("e",)),
+    ] + expert_rules(cfg, tp, expert, f"{dest}.experts")
+
+
+def expert_rules(cfg: Qwen35MoeConfig, tp: int, expert: str, dest: str) -> list[Rule]:
+    """Per-expert keys into the stacked experts, split on the intermediate dimension: w13
+    (gate rows, then up rows) and w2 on its input. NVFP4 experts use the NVFP4 rules (packed
+    inputs and block-scale columns split on 16-element groups, per-part global scales)."""
+    i = cfg.moe_intermediate_size // tp
+    if cfg.nvfp4_experts:
+        return nvfp4_expert_rules(expert, dest, cfg.moe_intermediate_size, tp,
+                                  cfg.quantization.producer)
+    return [
+        Rule(rf"{expert}\.gate_proj\.weight", Split(0), f"{dest}.w13", ("e", slice(0, i))),
+        Rule(rf"{expert}\.up_proj\.weight", Split(0), f"{dest}.w13", ("e", slice(i, 2 * i))),
+        Rule(rf"{expert}\.down_proj\.weight", Split(1), f"{dest}.w2", ("e",)),
     ]
