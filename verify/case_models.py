@@ -4,6 +4,7 @@ weights under `model.language_model.`, a vision tower under `model.visual.`, exp
 expert), built and saved by HF transformers itself.
 
 - `qwen3_5_moe_tiny`: the bundled `tiny-qwen3.5-moe` case (dimensions valid at TP 1, 2, 4, 8).
+- `qwen3_5_moe_tiny_nvfp4`: the same with NVFP4-splittable experts (`tiny-qwen3.5-moe-nvfp4`).
 - `write_realdims`: `qwen3.5-moe-realdims`, the real model's text dimensions with 2 layers
   (one GatedDeltaNet, one full attention), written on demand for GPU runs, never bundled."""
 
@@ -66,6 +67,13 @@ def _conditional_generation(text: dict, eos: int):
 def qwen3_5_moe_tiny(eos: int):
     """The bundled case's HF model (HF's init; `rerandomise` follows)."""
     return _conditional_generation(TINY_TEXT, eos)
+
+
+def qwen3_5_moe_tiny_nvfp4(eos: int):
+    """The `tiny-qwen3.5-moe-nvfp4` case's HF model: `tiny-qwen3.5-moe` with
+    moe_intermediate_size 128, so each of 8 ranks holds 16 of down_proj's NVFP4 inputs (one
+    whole group; 32 / 8 = 4 would cut one)."""
+    return _conditional_generation(dict(TINY_TEXT, moe_intermediate_size=128), eos)
 
 
 def write_realdims(folder: str | Path, dtype: str = "bfloat16") -> Path:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from verify.case_models import qwen3_5_moe_tiny, write_realdims
+from verify.case_models import qwen3_5_moe_tiny, qwen3_5_moe_tiny_nvfp4, write_realdims
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden"
 VOCAB = 301
@@ -39,6 +39,8 @@ class CaseSpec:
     prompt_lens: tuple[int, ...] = PROMPT_LENS
     num_greedy: int = NUM_GREEDY
     extra: dict = field(default_factory=dict)
+    nvfp4: bool = False
+    """Routed experts written in ModelOpt NVFP4; the reference runs on their dequantized values."""
 
 
 def _llama(eos: int):
@@ -74,6 +76,9 @@ CASES: dict[str, CaseSpec] = {
     # 24 greedy tokens: decode runs long enough through the GatedDeltaNet conv and recurrent
     # states; the 70-token prompt spans two 64-token prefill chunks.
     "tiny-qwen3.5-moe": CaseSpec("tiny-qwen3.5-moe", qwen3_5_moe_tiny, seed=14, num_greedy=24),
+    # Same seed as tiny-qwen3.5-moe; experts 128 wide so TP 8 splits whole NVFP4 groups.
+    "tiny-qwen3.5-moe-nvfp4": CaseSpec("tiny-qwen3.5-moe-nvfp4", qwen3_5_moe_tiny_nvfp4,
+                                       seed=14, num_greedy=24, nvfp4=True),
 }
 
 
@@ -169,6 +174,10 @@ def write_case(spec: CaseSpec, folder: Path) -> Path:
     eos = write_tokenizer(folder)
     model = build_hf_model(spec, eos)
     model.save_pretrained(folder)
+    if spec.nvfp4:
+        from verify.nvfp4_case import quantize_experts
+
+        quantize_experts(model, folder)
     prompts = make_prompts(spec.seed, spec.prompt_lens, VOCAB)
     save_file(hf_reference(model, prompts, spec.num_greedy), folder / "reference.safetensors")
     meta = {
@@ -177,6 +186,8 @@ def write_case(spec: CaseSpec, folder: Path) -> Path:
         "prompts": prompts, "num_greedy": spec.num_greedy,
         "weights_sha256": weights_sha256(folder),
     }
+    if spec.nvfp4:
+        meta["quantization"] = "NVFP4 experts (ModelOpt layout); reference on dequantized experts"
     (folder / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     return folder
 
