@@ -248,6 +248,24 @@ def nvfp4_intermediate_off_by_group() -> None:
     nvfp4_moe._local_intermediate = lambda w13, w2: w13.shape[1] // 2 - 16
 
 
+def nvfp4_load_globals_swapped() -> None:
+    """Loading NVFP4 experts puts each expert's up global scale (`weight_scale_2`) on its gate
+    rows and the gate's on its up rows."""
+    import freetoken.engine.core as core
+    from freetoken.layers.quantization.nvfp4.moe import NVFP4FusedExperts
+
+    original = core.load_weights
+
+    def load(model, reader, plan, progress=True):
+        out = original(model, reader, plan, progress)
+        for module in model.modules():
+            if isinstance(module, NVFP4FusedExperts):
+                module.w13_weight_scale_2.data = module.w13_weight_scale_2.data.flip(1)
+        return out
+
+    core.load_weights = load
+
+
 FAULTS: dict[str, Callable[[], None]] = {
     "plain-chunk-gate-up": plain_chunk_gate_up,
     "drop-allreduce": drop_row_parallel_allreduce,
@@ -261,6 +279,7 @@ FAULTS: dict[str, Callable[[], None]] = {
     "vocab-pad-dropped": vocab_pad_dropped,
     "pin-checkpoint-views": pin_checkpoint_views,
     "keep-shard-copies": keep_shard_copies,
+    "nvfp4-load-globals-swapped": nvfp4_load_globals_swapped,
     "nvfp4-nibble-swap": nvfp4_nibble_swap,
     "nvfp4-drop-global-scale": nvfp4_drop_global_scale,
     "nvfp4-gate-up-globals-swapped": nvfp4_gate_up_globals_swapped,

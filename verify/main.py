@@ -29,7 +29,7 @@ def _checks(requested: list[str]) -> dict:
     return {n: f for n, f in available.items() if not requested or n in requested}
 
 
-def _validate(cases, tp_sizes, options) -> None:
+def _validate(cases, tp_sizes, options, selected: dict) -> None:
     from freetoken.models.registry import check_tp
 
     for case in cases:
@@ -44,6 +44,11 @@ def _validate(cases, tp_sizes, options) -> None:
         source = reference_source(case, options)
         if source == "golden" and (not case.bundled or options.num_layers is not None):
             _fail_usage(f"{case.name}: --reference golden needs a bundled case at full depth")
+        if source == "hf" and case.model_config.quantization is not None and \
+                "golden" in selected:
+            _fail_usage(f"{case.name}: HF transformers cannot run this quantized checkpoint as a "
+                        "live reference; verify a bundled case against its stored golden, or "
+                        "use --checks shards,memory,kernels")
     for tp in tp_sizes:
         try:
             choose_placement(options.device, tp, options.oversubscribe)
@@ -64,7 +69,7 @@ def build_plan(models, tp, checks, device, oversubscribe, dtype, reference, num_
         cases = [resolve_case(m) for m in _split(models) or sorted(CASES)]
     except CaseError as e:
         _fail_usage(str(e))
-    _validate(cases, tp_sizes, options)
+    _validate(cases, tp_sizes, options, selected)
     return Plan(cases, tp_sizes, selected, options, tuple(faults))
 
 

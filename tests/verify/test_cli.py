@@ -150,3 +150,18 @@ def test_num_layers_truncates_engine_and_hf_reference(capsys, tmp_path):
     code, out, _ = _run(capsys, "--model", "tiny-qwen3-moe", "--tp", "2", "--num-layers", "1",
                         "--reference", "golden")
     assert code == 2, "a stored full-depth golden cannot serve a truncated model"
+
+
+def test_nvfp4_load_bug_fails_golden_on_the_nvfp4_case(capsys):
+    """Swapping each NVFP4 expert's gate and up global scales at load turns golden red on
+    tiny-qwen3.5-moe-nvfp4, naming the case, the TP size and the logits."""
+    code, out, _ = _run(capsys, "--model", "tiny-qwen3.5-moe-nvfp4", "--tp", "2", "--checks",
+                        "golden", "--inject", "nvfp4-load-globals-swapped")
+    _assert_fails_naming(out, code, "tiny-qwen3.5-moe-nvfp4", 2, "prefill logits")
+
+
+def test_live_hf_reference_refused_for_quantized_checkpoints(capsys):
+    """HF cannot load the NVFP4 layout as a live reference: a usage error, before any rank."""
+    code, _, err = _run(capsys, "--model", "tiny-qwen3.5-moe-nvfp4", "--reference", "hf",
+                        "--tp", "1")
+    assert code == 2 and "cannot run this quantized checkpoint" in err, err
