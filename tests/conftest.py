@@ -19,3 +19,18 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def golden() -> Path:
     return GOLDEN
+
+
+def assert_matches_hf(results, ref: dict, label: str, decode_logits: bool = False) -> None:
+    """Engine results agree with an HF reference (`verify.cases.hf_reference`): prefill logits
+    within rtol=atol=1e-4, greedy ids exactly, and optionally the decode-step logits."""
+    for i, result in enumerate(results):
+        torch.testing.assert_close(result.prompt_logits, ref[f"prefill_logits_{i}"], rtol=1e-4,
+                                   atol=1e-4, msg=lambda m, i=i: f"{label} prompt {i}: {m}")
+        assert result.token_ids == ref[f"greedy_ids_{i}"].tolist(), (
+            f"{label} prompt {i}: greedy {result.token_ids} != HF "
+            f"{ref[f'greedy_ids_{i}'].tolist()}")
+        if decode_logits:
+            torch.testing.assert_close(result.logits, ref[f"greedy_logits_{i}"], rtol=1e-4,
+                                       atol=1e-4,
+                                       msg=lambda m, i=i: f"{label} prompt {i} decode: {m}")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BUNDLED, GOLDEN
+from conftest import BUNDLED, GOLDEN, assert_matches_hf
 
 from freetoken import LLM, SamplingParams
 from verify.cases import hf_reference, make_prompts, rerandomise
@@ -29,15 +29,6 @@ def _engine_outputs(folder: Path, tp: int, prompts: list[list[int]]):
     params = SamplingParams(max_tokens=NUM_GREEDY, ignore_eos=True, return_prompt_logits=True)
     with LLM(folder, tp=tp, device="cpu", dtype="float32", progress=False) as llm:
         return llm.generate(prompts, params)
-
-
-def _assert_matches_hf(results, ref: dict, label: str) -> None:
-    for i, result in enumerate(results):
-        torch.testing.assert_close(result.prompt_logits, ref[f"prefill_logits_{i}"], rtol=1e-4,
-                                   atol=1e-4, msg=lambda m, i=i: f"{label} prompt {i}: {m}")
-        assert result.token_ids == ref[f"greedy_ids_{i}"].tolist(), (
-            f"{label} prompt {i}: greedy {result.token_ids} != HF "
-            f"{ref[f'greedy_ids_{i}'].tolist()}")
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +51,7 @@ def test_bundled_case_matches_hf(case, tp, live_reference):
     """Prefill logits at every position of 3 prompts (5, 23, 70 tokens) and a 16-token greedy
     continuation match HF for every bundled model at TP 1, 2 and 4."""
     prompts, ref = live_reference(case)
-    _assert_matches_hf(_engine_outputs(GOLDEN / case, tp, prompts), ref, f"{case} tp={tp}")
+    assert_matches_hf(_engine_outputs(GOLDEN / case, tp, prompts), ref, f"{case} tp={tp}")
 
 
 def _make_sharded_checkpoint(kind: str, folder: Path) -> Path:
@@ -92,7 +83,7 @@ def test_sharded_checkpoint_built_by_hf_matches(kind, tmp_path):
     prompts = make_prompts(7, (4, 17, 33), 203)
     ref = hf_reference(_hf_model(folder), prompts, NUM_GREEDY)
     for tp in (1, 2, 4):
-        _assert_matches_hf(_engine_outputs(folder, tp, prompts), ref, f"{kind} tp={tp}")
+        assert_matches_hf(_engine_outputs(folder, tp, prompts), ref, f"{kind} tp={tp}")
 
 
 def test_batched_generation_equals_each_prompt_alone():

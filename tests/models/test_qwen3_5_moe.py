@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import GOLDEN
+from conftest import GOLDEN, assert_matches_hf
 
 from freetoken import LLM, SamplingParams
 from verify.cases import hf_reference, load_reference, make_prompts, rerandomise
@@ -29,17 +29,6 @@ def _hf_model(folder: Path):
 
 def _params(**kw) -> SamplingParams:
     return SamplingParams(max_tokens=NUM_GREEDY, ignore_eos=True, **kw)
-
-
-def _assert_matches_hf(results, ref: dict, label: str) -> None:
-    for i, result in enumerate(results):
-        torch.testing.assert_close(result.prompt_logits, ref[f"prefill_logits_{i}"], rtol=1e-4,
-                                   atol=1e-4, msg=lambda m, i=i: f"{label} prompt {i}: {m}")
-        assert result.token_ids == ref[f"greedy_ids_{i}"].tolist(), (
-            f"{label} prompt {i}: greedy {result.token_ids} != HF "
-            f"{ref[f'greedy_ids_{i}'].tolist()}")
-        torch.testing.assert_close(result.logits, ref[f"greedy_logits_{i}"], rtol=1e-4,
-                                   atol=1e-4, msg=lambda m, i=i: f"{label} prompt {i} decode: {m}")
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +123,7 @@ def test_checkpoint_built_by_hf_matches(tmp_path):
         with LLM(folder, tp=tp, device="cpu", dtype="float32", progress=False) as llm:
             results = llm.generate(prompts, _params(return_logits=True,
                                                     return_prompt_logits=True))
-        _assert_matches_hf(results, ref, f"hf-built tp={tp}")
+        assert_matches_hf(results, ref, f"hf-built tp={tp}", decode_logits=True)
 
 
 def test_bundled_case_matches_hf(engine, bundled):
@@ -144,7 +133,7 @@ def test_bundled_case_matches_hf(engine, bundled):
     tp, llm = engine
     _, prompts, ref = bundled
     results = llm.generate(prompts, _params(return_logits=True, return_prompt_logits=True))
-    _assert_matches_hf(results, ref, f"{CASE} tp={tp}")
+    assert_matches_hf(results, ref, f"{CASE} tp={tp}", decode_logits=True)
 
 
 @pytest.mark.parametrize("engine", [1, 2], indirect=True, ids=lambda tp: f"tp{tp}")
