@@ -7,11 +7,10 @@ import click
 from freetoken.distributed import PlacementError, choose_placement
 from verify.cases import CASES, CaseError, resolve_case
 from verify.checks import ALL_CHECK_NAMES, VerifyOptions, available_checks
+from verify.cli import EXIT_FAILED, EXIT_OK, _parse_tp, _split
 from verify.references import reference_source
 from verify.report import count_line, environment, render_table, write_json, write_junit
 from verify.runner import Plan, run_plan
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 def _fail_usage(message: str) -> None:
@@ -58,8 +57,6 @@ def _validate(cases, tp_sizes, options, selected: dict) -> None:
 
 def build_plan(models, tp, checks, device, oversubscribe, dtype, reference, num_layers,
                timeout, faults) -> Plan:
-    from verify.cli import _parse_tp, _split
-
     tp_sizes = _parse_tp(tp)
     if not tp_sizes:
         _fail_usage("--tp: no TP sizes given")
