@@ -207,6 +207,11 @@ def _worker_main(rank, size, placement, tmp, conn, parent_pid, env) -> None:
 
     torch.set_num_threads(1)
     os.environ.update(env)
+    # tqdm's default lock is a multiprocessing semaphore; a rank killed at teardown would leave
+    # it registered and the resource tracker would warn about it after the command's last line.
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
     stack_file = open(Path(tmp) / f"stack-{rank}.txt", "w")  # noqa: SIM115 - lives with the process
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()

@@ -1,0 +1,70 @@
+"""`freetoken generate` from the command line: a working run, a TP size that cannot split the
+model (exit 2, one line, quickly), and a rank that fails while loading (exit 1 naming the rank,
+no rank process left behind)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+
+import psutil
+import torch
+from conftest import GOLDEN
+from safetensors.torch import load_file, save_file
+
+
+def _run_cli(*args: str, tag: str = "") -> subprocess.CompletedProcess:
+    env = dict(os.environ, FREETOKEN_TEST_TAG=tag or uuid.uuid4().hex)
+    return subprocess.run([sys.executable, "-m", "freetoken.cli", "generate", *args],
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+def _tagged_processes(tag: str) -> list[int]:
+    found = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if proc.environ().get("FREETOKEN_TEST_TAG") == tag:
+                found.append(proc.pid)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def test_generate_prints_text_and_ids():
+    """A TP=2 run over the bundled tokenizer prints the decoded text and the new token ids."""
+    result = _run_cli("--model", str(GOLDEN / "tiny-qwen3"), "--tp", "2", "--prompt", "hello",
+                      "--prompt-ids", "1,2,3", "--max-tokens", "4")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("ids:") == 2 and "text:" in result.stdout, result.stdout
+
+
+def test_unsplittable_tp_is_a_one_line_usage_error():
+    """tp=3 cannot split 8 attention heads: exit 2 with one line naming the dimension, before
+    any rank starts."""
+    result = _run_cli("--model", str(GOLDEN / "tiny-llama"), "--tp", "3", "--prompt-ids", "1")
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines == ["error: num_attention_heads=8 cannot be split across tp_size=3"], lines
+
+
+def test_rank_failing_while_loading_names_the_rank_and_leaves_nothing(tmp_path):
+    """A checkpoint whose k_proj has the wrong shape makes the ranks raise while loading: the
+    command exits 1 naming a rank and the tensor, and no process it started survives."""
+    folder = tmp_path / "broken"
+    shutil.copytree(GOLDEN / "tiny-llama", folder)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(48, 64)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    tag = uuid.uuid4().hex
+    result = _run_cli("--model", str(folder), "--tp", "2", "--prompt-ids", "1,2", tag=tag)
+    assert result.returncode == 1, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: rank ") and "k_proj.weight" in last, result.stderr
+    deadline = time.monotonic() + 10
+    while _tagged_processes(tag) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _tagged_processes(tag), "rank processes survived the failed command"
