@@ -53,7 +53,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from _common import int_list
+from _common import cpu_name, int_list
 from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -211,19 +211,6 @@ def match(engine_rows: list[list[int]], hf_rows: list[list[int]]) -> str:
     where = (f"token {first}" if len(engine_rows) == 1
              else f"{len(bad)} seqs, seq {bad[0]} token {first}")
     return f"no ({where})"
-
-
-def cpu_name() -> str:
-    """platform.processor(), or the model name from /proc/cpuinfo where that is empty."""
-    name = platform.processor()
-    if not name or name == platform.machine():
-        try:
-            for line in Path("/proc/cpuinfo").read_text().splitlines():
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-        except OSError:
-            pass
-    return name or "?"
 
 
 def machine(args) -> str:

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import psutil
 import torch
-from _common import int_list
+from _common import cpu_name, int_list
 from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -231,16 +231,6 @@ def run_one(folder: Path, tp: int, mode: str, dtype: str) -> list[dict]:
         if mode != "clone":
             group.run(_use_views, mode == "view-held")
         return group.run(_measure_load, str(folder), dtype)
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
 
 
 def machine() -> str:

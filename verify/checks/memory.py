@@ -18,6 +18,7 @@ import time
 import torch
 
 from verify.checks import CheckContext
+from verify.checks.shards import owns_storage
 from verify.report import CheckResult
 
 MiB = 1 << 20
@@ -179,10 +180,10 @@ def _ownership_failures(core, rank: int) -> list[str]:
     failures, seen = [], {}
     for name, t in _tensors(core):
         storage = t.untyped_storage()
-        own = t.numel() * t.element_size()
-        if storage.nbytes() != own:
+        if not owns_storage(t):
             failures.append(f"rank {rank}: {name} does not own its storage ({storage.nbytes()} "
-                            f"bytes held for {own} bytes of data: a view pins its parent)")
+                            f"bytes held for {t.numel() * t.element_size()} bytes of data: a "
+                            "view pins its parent)")
         elif storage.data_ptr() in seen:
             failures.append(f"rank {rank}: {name} shares storage with {seen[storage.data_ptr()]}")
         seen[storage.data_ptr()] = name
