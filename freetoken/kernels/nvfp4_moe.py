@@ -2,14 +2,16 @@
 
 `fused_moe` is the whole routed-expert computation of one rank: gate_up with SiLU-and-mul,
 then down, weighted by the routing weights and summed over each token's top-k slots (a
-partial sum; the MoE block all-reduces it). Few tokens take the decode kernels (one program
-per (token, slot) pair); more take the prefill kernels, on pairs sorted by expert into blocks.
-Nothing here synchronises with the host, so decode steps can be captured in CUDA graphs.
+partial sum; the MoE block all-reduces it). Few tokens take the decode kernels (GEMVs, one
+program per (token, slot) pair and block of rows, gate_up split over K when that leaves too
+few programs); more take the prefill kernels, on pairs sorted by expert into blocks. Nothing
+here synchronises with the host, so decode steps can be captured in CUDA graphs.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass
 
 import torch
@@ -22,11 +24,20 @@ DECODE_MAX_TOKENS = 16
 
 @dataclass(frozen=True)
 class Tiles:
-    """Block sizes. decode: rows per program and 16-input groups per step; prefill: pairs per
-    block (BLOCK_M), output rows per program (BLOCK_N), 16-input groups per step."""
+    """Block sizes. decode: weight rows per program (`decode_n`), packed bytes per row per
+    step and warps (`decode_kb`, `decode_warps`; `few_kb`, `few_warps` when a launch has at
+    most `few_pairs` pairs), and the program count below which gate_up splits K
+    (`decode_programs`: a few pairs of small TP-local experts otherwise leave the GPU with
+    a few programs each walking the whole K); prefill: pairs per block (BLOCK_M), output
+    rows per program (BLOCK_N), 16-input groups per step."""
 
-    decode_bytes: int = 4096
-    decode_min_programs: int = 512
+    decode_n: int = 16
+    decode_kb: int = 64
+    decode_warps: int = 2
+    few_pairs: int = 16
+    few_kb: int = 128
+    few_warps: int = 4
+    decode_programs: int = 256
     prefill_m: int = 64
     prefill_n: int = 64
     prefill_groups: int = 4
@@ -36,8 +47,8 @@ class Tiles:
 
 GPU_TILES = Tiles()
 # The interpreter runs programs one after another in numpy: fewer, larger programs are faster.
-INTERPRETER_TILES = Tiles(decode_bytes=1 << 20, decode_min_programs=1, prefill_m=64,
-                          prefill_n=128, prefill_groups=8)
+INTERPRETER_TILES = Tiles(decode_n=128, decode_kb=512, prefill_m=64, prefill_n=128,
+                          prefill_groups=8)
 
 
 def _jit():
@@ -49,20 +60,29 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def decode_tile(rows: int, k_groups: int, pairs: int, tiles: Tiles) -> tuple[int, int]:
-    """(BLOCK_N, GROUPS) for `pairs` GEMVs over `rows` weight rows of `k_groups` 16-input
-    groups: about `tiles.decode_bytes` weight bytes per step, fewer rows per program when
-    that leaves fewer than `tiles.decode_min_programs` programs to fill the GPU."""
-    groups = min(32, _pow2(k_groups))
-    block_n = min(max(4, tiles.decode_bytes // (8 * groups)), _pow2(rows))
-    while block_n > 4 and pairs * -(-rows // block_n) < tiles.decode_min_programs:
-        block_n //= 2
-    return block_n, groups
-
-
 def tiles_for(device: torch.device) -> Tiles:
     """GPU tiles on CUDA, interpreter tiles elsewhere."""
     return GPU_TILES if torch.device(device).type == "cuda" else INTERPRETER_TILES
+
+
+def dequant_mode(x: torch.Tensor) -> int:
+    """Which dequantization the kernels compile for activations `x`: 1 (bf16) or 2 (fp16)
+    for the PTX lookup tables, which need `cvt.rn.f16x2.e4m3x2` (compute capability 8.9+),
+    else 0 (portable float32 bit arithmetic: the interpreter, fp32 activations, older GPUs)."""
+    from freetoken.kernels import interpreter_requested
+
+    if x.device.type != "cuda" or interpreter_requested():
+        return 0
+    if os.environ.get("FREETOKEN_NVFP4_PTX", "1") == "0":  # A/B timing, or a PTX problem
+        return 0
+    if torch.cuda.get_device_capability(x.device) < (8, 9):
+        return 0
+    return {torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 0)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 activations must not silently drop to TF32 on a GPU; 16-bit ones are exact anyway.
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def _local_intermediate(w13: torch.Tensor, w2: torch.Tensor) -> int:
@@ -154,32 +174,61 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
 
 
 def _decode(x, ids, tw, w13, s13, g13, w2, s2, g2, inter, top_k, tiles):
-    jit, pairs, hidden = _jit(), ids.numel(), x.shape[1]
+    jit, pairs, tokens, hidden = _jit(), ids.numel(), x.shape[0], x.shape[1]
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-    block_n, groups = decode_tile(inter, hidden // GROUP, pairs, tiles)
-    jit.gate_up_decode[(pairs, -(-inter // block_n))](
-        x, ids, w13, s13, g13, h, inter, hidden // GROUP, top_k, x.stride(0), w13.stride(0),
-        w13.stride(1), s13.stride(0), s13.stride(1), h.stride(0), BLOCK_N=block_n,
-        GROUPS=groups, num_warps=tiles.num_warps)
-    out = torch.empty(x.shape[0], hidden, dtype=x.dtype, device=x.device)
+    block_n = min(tiles.decode_n, _pow2(inter))
+    meta = _decode_meta(block_n, hidden // 2, pairs, x, tiles)
+    n_blocks, steps = -(-inter // block_n), -(-(hidden // 2) // meta["KB"])
+    splits = 1
+    while pairs * n_blocks * splits < tiles.decode_programs and 2 * splits <= steps:
+        splits *= 2
+    k_split = -(-steps // splits) * meta["KB"]
+    splits = -(-(hidden // 2) // k_split)
+    gu = (torch.empty(splits, pairs, 2 * inter, dtype=torch.float32, device=x.device)
+          if splits > 1 else h)
+    jit.gate_up_decode[(pairs, n_blocks, splits)](
+        x, ids, w13, s13, g13, h, gu, inter, hidden // 2, k_split, top_k, x.stride(0),
+        w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), h.stride(0),
+        gu.stride(0) if splits > 1 else 0, gu.stride(1) if splits > 1 else 0,
+        SPLIT=splits > 1, **meta)
+    if splits > 1:
+        block = min(1024, _pow2(inter))
+        jit.silu_mul_splits[(pairs, -(-inter // block))](
+            gu, ids, g13, h, inter, splits, gu.stride(0), gu.stride(1), h.stride(0),
+            BLOCK=block, num_warps=4)
+    out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     down_decode_launch(h, ids, tw, w2, s2, g2, out, inter, top_k, tiles)
     return out
 
 
+def _decode_meta(block_n, k_bytes, pairs, x, tiles) -> dict:
+    few = pairs <= tiles.few_pairs
+    kb = min(tiles.few_kb if few else tiles.decode_kb, max(8, _pow2(k_bytes)))
+    warps = tiles.few_warps if few else tiles.decode_warps
+    # The PTX works on 4 bytes at a time: tiles too small to give every thread 4 bytes (a
+    # tiny TP-local expert) take the portable dequantization.
+    asm = dequant_mode(x) if block_n * kb >= 4 * 32 * warps else 0
+    return dict(BLOCK_N=block_n, KB=kb, ASM=asm, num_warps=warps)
+
+
 def down_decode_launch(h, ids, tw, w2, s2, g2, out, k_inputs, top_k, tiles):
-    """out[t] = sum over slots of tw[p] * g2[e] * (w2[e] @ h[p][:k_inputs]), p = t * top_k +
-    slot routed to e = ids[p]; `out` [T, rows] in any float dtype."""
-    tokens, n_rows = out.shape[0], w2.shape[1]
-    block_n, groups = decode_tile(n_rows, k_inputs // GROUP, tokens, tiles)
-    _jit().down_decode[(tokens, -(-n_rows // block_n))](
-        h, ids, tw, w2, s2, g2, out, n_rows, k_inputs // GROUP, top_k, h.stride(0),
-        w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), out.stride(0),
-        BLOCK_N=block_n, GROUPS=groups, num_warps=tiles.num_warps)
-
-
-def _precision(dtype: torch.dtype) -> str:
-    # fp32 activations must not silently drop to TF32 on a GPU; 16-bit ones are exact anyway.
-    return "ieee" if dtype == torch.float32 else "tf32"
+    """out[t] = sum over t's slots of tw[p] * g2[e] * (w2[e] @ h[p][:k_inputs]), p = t * top_k
+    + slot routed to e = ids[p]; `out` [T, rows] in any float dtype. With top_k > 1 each pair
+    writes a float32 partial row and `sum_slots` adds a token's rows in slot order."""
+    jit, tokens, n_rows = _jit(), out.shape[0], w2.shape[1]
+    block_n = min(tiles.decode_n, _pow2(n_rows))
+    by_pair = top_k > 1
+    dest = out if not by_pair else torch.empty(ids.numel(), n_rows, dtype=torch.float32,
+                                               device=out.device)
+    jit.down_decode[(ids.numel(), -(-n_rows // block_n))](
+        h, ids, tw, w2, s2, g2, dest, n_rows, k_inputs // 2, top_k, h.stride(0),
+        w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), dest.stride(0),
+        BY_PAIR=by_pair, **_decode_meta(block_n, k_inputs // 2, ids.numel(), h, tiles))
+    if by_pair:
+        block = min(1024, _pow2(n_rows))
+        jit.sum_slots[(tokens, -(-n_rows // block))](
+            dest, out, n_rows, top_k, dest.stride(0), out.stride(0), BLOCK=block,
+            TOPK=_pow2(top_k), num_warps=4)
 
 
 def _prefill(x, ids, tw, w13, s13, g13, w2, s2, g2, inter, top_k, tiles, out):

@@ -51,6 +51,43 @@ def test_both_moe_paths_match_reference(tokens, experts, top_k, hidden, inter):
     assert nvfp4_moe.fused_moe(x[:0], weights[:0], ids[:0], **w).shape == (0, hidden)
 
 
+def test_decode_split_k_matches_reference():
+    """With tiles that force gate_up to split K into several programs (partials summed by
+    `silu_mul_splits`), the decode path still gives the reference's sum, and so does the
+    dense linear."""
+    from freetoken.kernels import nvfp4_linear, nvfp4_moe
+    from freetoken.layers.quantization.nvfp4.reference import reference_linear
+
+    tiles = nvfp4_moe.Tiles(decode_n=16, decode_kb=8, few_kb=8, decode_programs=10**6)
+    w = make_experts(4, 80, 32, 1, seed=5)      # 40 packed bytes: splits of 3 and 2 steps
+    x, weights, ids = _make_routing(2, 4, 2, 80, seed=5)
+    want = reference_moe(x, weights, ids, **w)
+    _assert_close(nvfp4_moe.fused_moe(x, weights, ids, **w, path="decode", tiles=tiles), want,
+                  "split decode")
+    q = quantize(torch.randn(24, 80, generator=torch.Generator().manual_seed(6)))
+    lin = dict(packed=q.packed, block_scale=q.block_scale, global_scale=q.global_scale)
+    _assert_close(nvfp4_linear.nvfp4_linear(x, **lin, path="decode", tiles=tiles),
+                  reference_linear(x, **lin), "split linear")
+
+
+def test_ptx_lookup_tables_hold_the_e2m1_magnitudes():
+    """The prmt tables of the GPU dequantization (which the interpreter cannot run) give
+    byte-exact bf16 and fp16 for every e2m1 magnitude code."""
+    from freetoken.kernels import nvfp4_jit
+    from freetoken.layers.quantization.nvfp4.format import E2M1_VALUES
+
+    def table(words, code):
+        return (words[code // 4] >> (8 * (code % 4))) & 0xFF
+
+    for code in range(8):
+        want = float(E2M1_VALUES[code])
+        bf16 = table(nvfp4_jit.BF16_HIGH, code) << 8 | table(nvfp4_jit.BF16_LOW, code)
+        fp16 = table(nvfp4_jit.FP16_HIGH, code) << 8
+        for bits, dtype in ((bf16, torch.bfloat16), (fp16, torch.float16)):
+            got = torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(dtype).item()
+            assert got == want, f"code {code}: {dtype} table gives {got}, want {want}"
+
+
 def test_align_by_expert_places_every_pair_once():
     """Sorted rows hold each pair exactly once, every used block holds one expert's pairs
     only, padding rows hold the sentinel, unused blocks are -1."""
