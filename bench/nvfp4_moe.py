@@ -7,8 +7,13 @@ reference, at Qwen3.6-35B-A3B's expert dimensions.
 
 Method. Rank 0's experts for each TP size (full I quantized per expert by the NVFP4 quantizer,
 then cut to I / tp by the shard specs), bf16 activations, router ids drawn uniformly without
-replacement per token. Times are CUDA-event medians over `--reps` runs after warm-up; decode
-runs are replayed from a CUDA graph (as an engine runs decode steps) unless `--no-graphs`.
+replacement per token. Times are CUDA-event medians over `--reps` runs after warm-up. Decode
+runs as an engine runs a decode step: inside a CUDA graph, here one graph of L calls that
+cycles through L copies of the expert weights (enough that one token's experts over a cycle
+are >= 4 x the L2 cache, at most 64 copies; a cyclic sweep larger than the cache finds
+nothing in it), timed per call; host launch latency is not counted, the gaps
+between kernels in a graph are. `--no-graphs` times single eager calls instead. The header
+also reports the floor: a graph of L x 3 trivial kernels, per 3 (a decode call launches 3).
 
 * bytes read: packed weights + block scales + global scales of the experts the batch hits
   (each counted once, whatever the path re-reads from L2);
@@ -38,8 +43,8 @@ from freetoken.layers.quantization.nvfp4.reference import reference_moe  # noqa:
 from verify.checks.kernels import make_experts  # noqa: E402
 
 DEVICE = "cuda"
-SWEEP_DECODE = [dict(decode_bytes=b, decode_min_programs=p, num_warps=w)
-                for b in (2048, 4096, 8192) for p in (256, 1024) for w in (4, 8)]
+SWEEP_DECODE = [dict(decode_n=n, decode_kb=kb, decode_warps=w, few_kb=kb, few_warps=w)
+                for n in (16, 32, 64) for kb in (64, 128, 256) for w in (2, 4)]
 SWEEP_PREFILL = [dict(prefill_m=m, prefill_n=n, prefill_groups=g, num_warps=w, num_stages=s)
                  for m, n in ((64, 64), (64, 128), (128, 64), (128, 128)) for g in (2, 4)
                  for w, s in ((4, 3), (8, 3), (4, 4))]
@@ -49,20 +54,10 @@ def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v.strip()]
 
 
-def time_ms(fn, reps: int, graph: bool) -> float:
-    """Median milliseconds of `fn()` (optionally replayed from a captured CUDA graph)."""
+def time_ms(fn, reps: int) -> float:
+    """Median milliseconds of one eager `fn()`."""
     fn()
     torch.cuda.synchronize()
-    if graph:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        fn = g.replay
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -74,11 +69,42 @@ def time_ms(fn, reps: int, graph: bool) -> float:
     return statistics.median(times)
 
 
+def time_graph_ms(fns: list, reps: int) -> float:
+    """Median milliseconds per call of a CUDA graph that calls each of `fns` once, in order."""
+    for fn in fns:
+        fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    return time_ms(graph.replay, reps) / len(fns)
+
+
+def weight_copies(w: dict, hit_bytes: int, limit: int = 64) -> list[dict]:
+    """`w` and clones of it, enough that a cycle reads >= 4 x L2 (at most `limit`)."""
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    count = min(limit, max(2, -(-4 * l2 // max(hit_bytes, 1))))
+    return [w] + [{k: v.clone() for k, v in w.items()} for _ in range(count - 1)]
+
+
+def launch_floor_us(calls: int) -> float:
+    """Per-3-kernel time of a graph of `calls` x 3 trivial kernels."""
+    z = torch.zeros(16, device=DEVICE)
+    return time_graph_ms([lambda: (z.add_(1), z.add_(1), z.add_(1))] * calls, 50) * 1e3
+
+
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     """Device-to-device copy bandwidth in GB/s, read + write bytes per second."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
     dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), reps=20, graph=False)
+    ms = time_ms(lambda: dst.copy_(src), reps=20)
     return 2 * nbytes / ms / 1e6
 
 
@@ -100,15 +126,18 @@ def make_inputs(tokens: int, args, seed: int) -> tuple:
     return x, (weights / weights.sum(-1, keepdim=True)).to(args.dtype), ids
 
 
-def measure(w: dict, inputs: tuple, args, copy_gbs: float, ref: torch.Tensor,
+def measure(copies: list[dict], inputs: tuple, args, copy_gbs: float, ref: torch.Tensor,
             tiles=None, reps: int | None = None) -> dict:
     """One row: kernel time, bandwidth, and relative L2 error against `ref`."""
     x, weights, ids = inputs
-    tokens = x.shape[0]
+    tokens, w = x.shape[0], copies[0]
     path = "decode" if tokens <= nvfp4_moe.DECODE_MAX_TOKENS else "prefill"
-    run = lambda: nvfp4_moe.fused_moe(x, weights, ids, **w, tiles=tiles)  # noqa: E731
-    ms = time_ms(run, reps or args.reps, graph=args.graphs and path == "decode")
-    out = run().float()
+    runs = [lambda c=c: nvfp4_moe.fused_moe(x, weights, ids, **c, tiles=tiles) for c in copies]
+    if args.graphs and path == "decode":
+        ms = time_graph_ms(runs, reps or args.reps)
+    else:
+        ms = time_ms(runs[0], reps or args.reps)
+    out = runs[0]().float()
     nbytes = bytes_read(w, ids)
     gbs = nbytes / ms / 1e6
     return {"tokens": tokens, "path": path, "experts_hit": int(torch.unique(ids).numel()),
@@ -116,7 +145,7 @@ def measure(w: dict, inputs: tuple, args, copy_gbs: float, ref: torch.Tensor,
             "rel_err": float((out - ref).norm() / ref.norm())}
 
 
-def sweep(w, inputs, args, copy_gbs, ref) -> tuple[dict, dict]:
+def sweep(copies, inputs, args, copy_gbs, ref) -> tuple[dict, dict]:
     """The fastest tile choice for one shape and its row ({} and the default's row when
     every alternative was refused)."""
     tokens = inputs[0].shape[0]
@@ -125,26 +154,26 @@ def sweep(w, inputs, args, copy_gbs, ref) -> tuple[dict, dict]:
     for change in options:
         tiles = dataclasses.replace(nvfp4_moe.GPU_TILES, **change)
         try:
-            row = measure(w, inputs, args, copy_gbs, ref, tiles, reps=20)
+            row = measure(copies, inputs, args, copy_gbs, ref, tiles, reps=20)
         except Exception as e:  # a tile choice the compiler or the GPU refuses
             print(f"  tokens={tokens} {change}: {type(e).__name__}: {e}", file=sys.stderr)
             continue
         if best is None or row["us"] < best[1]["us"]:
             best = (change, row)
-    return best or ({}, measure(w, inputs, args, copy_gbs, ref))
+    return best or ({}, measure(copies, inputs, args, copy_gbs, ref))
 
 
-def row_for(w: dict, tokens: int, args, copy_gbs: float, seed: int) -> dict:
+def row_for(copies: list[dict], tokens: int, args, copy_gbs: float, seed: int) -> dict:
     """Default tiles (or the sweep's best), the reference's time and the speedup."""
     inputs = make_inputs(tokens, args, seed)
-    reference = lambda: reference_moe(*inputs, **w)  # noqa: E731
+    reference = lambda: reference_moe(*inputs, **copies[0])  # noqa: E731
     ref = reference().float()
-    row = measure(w, inputs, args, copy_gbs, ref)
+    row = measure(copies, inputs, args, copy_gbs, ref)
     if args.sweep:
-        change, best = sweep(w, inputs, args, copy_gbs, ref)
+        change, best = sweep(copies, inputs, args, copy_gbs, ref)
         row = {**best, "tiles": change}
     if not args.no_reference:
-        row["ref_ms"] = time_ms(reference, max(3, args.reps // 10), graph=False)
+        row["ref_ms"] = time_ms(reference, max(3, args.reps // 10))
         row["speedup"] = row["ref_ms"] * 1e3 / row["us"]
     return row
 
@@ -184,19 +213,23 @@ def main() -> int:
         return 2
     props = torch.cuda.get_device_properties(0)
     copy_gbs = copy_bandwidth()
-    print(f"{props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, "
-          f"triton {__import__('triton').__version__}; copy bandwidth {copy_gbs:.0f} GB/s "
-          f"(read + write); E={args.experts} top-{args.top_k} H={args.hidden} "
+    floor = launch_floor_us(64)
+    print(f"{props.name}, {props.multi_processor_count} SMs, L2 {props.L2_cache_size >> 20} MiB; "
+          f"torch {torch.__version__}, triton {__import__('triton').__version__}; copy "
+          f"bandwidth {copy_gbs:.0f} GB/s (read + write); 3 trivial kernels in a graph "
+          f"{floor:.1f} us; E={args.experts} top-{args.top_k} H={args.hidden} "
           f"I={args.intermediate}, {args.dtype} activations", flush=True)
     rows = []
     for tp in args.tp:
         w = make_experts(args.experts, args.hidden, args.intermediate, tp, seed=tp,
                          device=DEVICE)
+        one_token = bytes_read(w, torch.arange(args.top_k, device=DEVICE))
+        copies = weight_copies(w, one_token) if args.graphs else [w]
         for tokens in args.decode + args.prefill:
             rows.append({"tp": tp, "I_local": args.intermediate // tp,
-                         **row_for(w, tokens, args, copy_gbs, seed=tokens)})
+                         **row_for(copies, tokens, args, copy_gbs, seed=tokens)})
             print(_table(rows[-1:]).splitlines()[-1], flush=True)
-        del w
+        del w, copies
         torch.cuda.empty_cache()
     print("\n" + _table(rows))
     decode = [r for r in rows if r["path"] == "decode"]
@@ -205,7 +238,8 @@ def main() -> int:
           f"L2 error vs reference {max(r['rel_err'] for r in rows):.1e}")
     if args.json:
         args.json.write_text(json.dumps({"copy_GBps": copy_gbs, "device": props.name,
-                                         "rows": rows}, indent=2, default=str))
+                                         "graph_floor_us": floor, "rows": rows}, indent=2,
+                                        default=str))
     return 0
 
 
