@@ -144,6 +144,35 @@ def hf_reference(model, prompts: list[list[int]], num_greedy: int) -> dict[str, 
     return {k: v.cpu().contiguous() for k, v in out.items()}
 
 
+LOW_PRECISION = ("bfloat16", "float16")
+
+
+@torch.inference_mode()
+def low_precision_baselines(model, prompts: list[list[int]], reference: dict) -> dict:
+    """For bf16 and fp16: how far HF at that dtype lands from HF in fp32 (`reference`) on each
+    prompt's prefill logits, as `logit_metrics` dicts rounded to 3 significant digits (None
+    where HF itself gives non-finite logits). Stored with the golden, it is the yardstick the
+    golden check widens low-precision bounds by when it does not run HF live."""
+    import copy
+
+    from verify.compare import logit_metrics
+
+    out = {}
+    for name in LOW_PRECISION:
+        low = copy.deepcopy(model).to(getattr(torch, name))
+        rows = []
+        for i, prompt in enumerate(prompts):
+            logits = low(torch.tensor([prompt])).logits[0].float()
+            if not bool(torch.isfinite(logits).all()):
+                rows = None
+                break
+            metrics = logit_metrics(logits, reference[f"prefill_logits_{i}"]).as_dict()
+            rows.append({k: v if isinstance(v, int) else float(f"{v:.3g}")
+                         for k, v in metrics.items()})
+        out[name] = rows
+    return out
+
+
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -179,12 +208,14 @@ def write_case(spec: CaseSpec, folder: Path) -> Path:
 
         quantize_experts(model, folder)
     prompts = make_prompts(spec.seed, spec.prompt_lens, VOCAB)
-    save_file(hf_reference(model, prompts, spec.num_greedy), folder / "reference.safetensors")
+    reference = hf_reference(model, prompts, spec.num_greedy)
+    save_file(reference, folder / "reference.safetensors")
     meta = {
         "case": spec.name, "seed": spec.seed, "dtype": "float32",
         "torch": torch.__version__.split("+")[0], "transformers": transformers.__version__,
         "prompts": prompts, "num_greedy": spec.num_greedy,
         "weights_sha256": weights_sha256(folder),
+        "baselines": low_precision_baselines(model, prompts, reference),
     }
     if spec.nvfp4:
         meta["quantization"] = "NVFP4 experts (ModelOpt layout); reference on dequantized experts"

@@ -10,6 +10,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 import torch
+from conftest import GOLDEN
 from safetensors.torch import load_file, save_file
 
 from verify.cli import main
@@ -158,6 +159,24 @@ def test_nvfp4_load_bug_fails_golden_on_the_nvfp4_case(capsys):
     code, out, _ = _run(capsys, "--model", "tiny-qwen3.5-moe-nvfp4", "--tp", "2", "--checks",
                         "golden", "--inject", "nvfp4-load-globals-swapped")
     _assert_fails_naming(out, code, "tiny-qwen3.5-moe-nvfp4", 2, "prefill logits")
+
+
+def test_bf16_against_stored_golden_uses_the_stored_baseline(capsys, tmp_path):
+    """In bf16 the stored golden brings HF's own bf16 error (meta.json `baselines`), so the
+    numerically sensitive qwen3.5 cases pass without a live HF run (which the NVFP4 case
+    cannot have); the widened bounds still fail a real TP bug."""
+    report = tmp_path / "r.json"
+    code, out, _ = _run(capsys, "--model", "tiny-qwen3.5-moe-nvfp4,tiny-qwen3.5-moe", "--tp",
+                        "2", "--dtype", "bfloat16", "--checks", "golden", "--report-json",
+                        str(report))
+    assert code == 0, out
+    meta = json.loads((GOLDEN / "tiny-qwen3.5-moe-nvfp4" / "meta.json").read_text())
+    stored = max(m["rel_l2"] for m in meta["baselines"]["bfloat16"])
+    results = {r["model"]: r for r in json.loads(report.read_text())["results"]}
+    assert results["tiny-qwen3.5-moe-nvfp4"]["metrics"]["hf_self_rel_l2"] == stored
+    code, out, _ = _run(capsys, "--model", "tiny-qwen3.5-moe", "--tp", "2", "--dtype",
+                        "bfloat16", "--checks", "golden", "--inject", "plain-chunk-gdn-qkv")
+    _assert_fails_naming(out, code, "tiny-qwen3.5-moe", 2, "prefill logits")
 
 
 def test_live_hf_reference_refused_for_quantized_checkpoints(capsys):
