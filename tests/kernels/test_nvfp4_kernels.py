@@ -70,6 +70,19 @@ def test_decode_split_k_matches_reference():
                   reference_linear(x, **lin), "split linear")
 
 
+def test_decode_adds_a_token_routed_twice_to_one_expert():
+    """ids that repeat an expert within a token (not what top-k gives, but fused_moe takes any
+    ids) count once per slot, with each slot's weight, on both paths."""
+    from freetoken.kernels import nvfp4_moe
+
+    w = make_experts(4, 48, 32, 1, seed=7)
+    x, weights, _ = _make_routing(3, 4, 3, 48, seed=7)
+    ids = torch.tensor([[1, 1, 2], [0, 3, 0], [2, 2, 2]])
+    want = reference_moe(x, weights, ids, **w)
+    for path in ("decode", "prefill"):
+        _assert_close(nvfp4_moe.fused_moe(x, weights, ids, **w, path=path), want, path)
+
+
 def test_ptx_lookup_tables_hold_the_e2m1_magnitudes():
     """The prmt tables of the GPU dequantization (which the interpreter cannot run) give
     byte-exact bf16 and fp16 for every e2m1 magnitude code."""
