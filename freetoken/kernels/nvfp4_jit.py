@@ -198,6 +198,24 @@ def _dequant_tiles(w_ptr, s_ptr, row, row_ok, grp, g_ok, stride_w, stride_s,
 
 
 @triton.jit
+def _silu_mul(gate, up, g_ptr, e):
+    """SiLU(gate * g_gate) * (up * g_up), with expert e's gate and up global scales."""
+    gate = gate * tl.load(g_ptr + 2 * e)
+    return gate / (1.0 + tl.exp(-gate)) * (up * tl.load(g_ptr + 2 * e + 1))
+
+
+@triton.jit
+def _sorted_block(block_expert_ptr, rows_ptr, num_pairs, BLOCK_M: tl.constexpr):
+    """This program's block of the expert-sorted layout: its expert (-1: unused block), its
+    sorted rows, the pair each holds and which hold one."""
+    blk = tl.program_id(0)
+    e = tl.load(block_expert_ptr + blk).to(tl.int64)
+    m = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(rows_ptr + m)
+    return e, m, pair, pair < num_pairs
+
+
+@triton.jit
 def _gemv_step(acc, b, s, x_row, kb0, k_bytes, BLOCK_N: tl.constexpr, KB: tl.constexpr,
                ASM: tl.constexpr):
     """acc [rows, 2 * KB] += dequantized weights * the matching inputs of one activation row
@@ -247,9 +265,7 @@ def gate_up_decode(x_ptr, ids_ptr, w_ptr, s_ptr, g_ptr, h_ptr, gu_ptr, inter, k_
         tl.store(part + n, _sum(acc_g, 1), mask=n_ok)
         tl.store(part + inter + n, _sum(acc_u, 1), mask=n_ok)
     else:
-        gate = _sum(acc_g, 1) * tl.load(g_ptr + 2 * e)
-        up = _sum(acc_u, 1) * tl.load(g_ptr + 2 * e + 1)
-        h = gate / (1.0 + tl.exp(-gate)) * up
+        h = _silu_mul(_sum(acc_g, 1), _sum(acc_u, 1), g_ptr, e)
         tl.store(h_ptr + pair.to(tl.int64) * stride_h + n, h, mask=n_ok)
 
 
@@ -268,9 +284,7 @@ def silu_mul_splits(gu_ptr, ids_ptr, g_ptr, h_ptr, inter, splits, stride_gs, str
         part = gu_ptr + sp * stride_gs + pair.to(tl.int64) * stride_gp
         gate += tl.load(part + n, mask=n_ok, other=0.0)
         up += tl.load(part + inter + n, mask=n_ok, other=0.0)
-    gate = gate * tl.load(g_ptr + 2 * e)
-    up = up * tl.load(g_ptr + 2 * e + 1)
-    h = gate / (1.0 + tl.exp(-gate)) * up
+    h = _silu_mul(gate, up, g_ptr, e)
     tl.store(h_ptr + pair.to(tl.int64) * stride_h + n, h, mask=n_ok)
 
 
@@ -316,7 +330,7 @@ def sum_slots(part_ptr, out_ptr, n_rows, top_k, stride_part, stride_out,
 
 
 @triton.jit
-def _x_cols_groups(x_ptr, row, row_ok, g0, k_groups, stride_x, GROUPS: tl.constexpr):
+def _x_cols(x_ptr, row, row_ok, g0, k_groups, stride_x, GROUPS: tl.constexpr):
     """Even and odd inputs of activation rows `row` for K-groups g0.., transposed:
     [8 * groups, rows] each, in the activations' dtype (the tensor-core operand)."""
     byte = g0 * 8 + tl.arange(0, 8 * GROUPS)
@@ -332,13 +346,9 @@ def gate_up_prefill(x_ptr, rows_ptr, block_expert_ptr, w_ptr, s_ptr, g_ptr, h_pt
                     GROUPS: tl.constexpr, PRECISION: tl.constexpr):
     """Like `gate_up_decode` for BLOCK_M pairs of one expert at a time (sorted row r of the
     aligned layout holds pair rows[r]); h is written in that sorted order."""
-    blk = tl.program_id(0)
-    e = tl.load(block_expert_ptr + blk).to(tl.int64)
+    e, m, pair, p_ok = _sorted_block(block_expert_ptr, rows_ptr, num_pairs, BLOCK_M)
     if e < 0:
         return
-    m = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(rows_ptr + m)
-    p_ok = pair < num_pairs
     token = tl.where(p_ok, pair // top_k, 0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < inter
@@ -348,7 +358,7 @@ def gate_up_prefill(x_ptr, rows_ptr, block_expert_ptr, w_ptr, s_ptr, g_ptr, h_pt
     for g0 in range(0, k_groups, GROUPS):
         grp = g0 + tl.arange(0, GROUPS)
         g_ok = grp < k_groups
-        xe, xo = _x_cols_groups(x_ptr, token, p_ok, g0, k_groups, stride_x, GROUPS)
+        xe, xo = _x_cols(x_ptr, token, p_ok, g0, k_groups, stride_x, GROUPS)
         lo, hi = _dequant_tiles(w, s, n, n_ok, grp, g_ok, stride_wn, stride_sn, BLOCK_N,
                                 GROUPS, xe.dtype)
         acc_g = tl.dot(lo, xe, acc_g, input_precision=PRECISION)
@@ -357,9 +367,7 @@ def gate_up_prefill(x_ptr, rows_ptr, block_expert_ptr, w_ptr, s_ptr, g_ptr, h_pt
                                 BLOCK_N, GROUPS, xe.dtype)
         acc_u = tl.dot(lo, xe, acc_u, input_precision=PRECISION)
         acc_u = tl.dot(hi, xo, acc_u, input_precision=PRECISION)
-    gate = acc_g * tl.load(g_ptr + 2 * e)
-    up = acc_u * tl.load(g_ptr + 2 * e + 1)
-    h = gate / (1.0 + tl.exp(-gate)) * up
+    h = _silu_mul(acc_g, acc_u, g_ptr, e)
     ptr = h_ptr + m[None, :].to(tl.int64) * stride_h + n[:, None]
     tl.store(ptr, h, mask=n_ok[:, None] & p_ok[None, :])
 
@@ -371,13 +379,9 @@ def down_prefill(h_ptr, rows_ptr, block_expert_ptr, tw_ptr, w_ptr, s_ptr, g_ptr,
                  GROUPS: tl.constexpr, PRECISION: tl.constexpr):
     """Like `down_decode` for BLOCK_M sorted rows of one expert; h row r belongs to pair
     rows[r], and out is written by pair."""
-    blk = tl.program_id(0)
-    e = tl.load(block_expert_ptr + blk).to(tl.int64)
+    e, m, pair, p_ok = _sorted_block(block_expert_ptr, rows_ptr, num_pairs, BLOCK_M)
     if e < 0:
         return
-    m = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(rows_ptr + m)
-    p_ok = pair < num_pairs
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < n_rows
     w, s = w_ptr + e * stride_we, s_ptr + e * stride_se
@@ -385,7 +389,7 @@ def down_prefill(h_ptr, rows_ptr, block_expert_ptr, tw_ptr, w_ptr, s_ptr, g_ptr,
     for g0 in range(0, k_groups, GROUPS):
         grp = g0 + tl.arange(0, GROUPS)
         g_ok = grp < k_groups
-        he, ho = _x_cols_groups(h_ptr, m.to(tl.int64), p_ok, g0, k_groups, stride_h, GROUPS)
+        he, ho = _x_cols(h_ptr, m.to(tl.int64), p_ok, g0, k_groups, stride_h, GROUPS)
         lo, hi = _dequant_tiles(w, s, n, n_ok, grp, g_ok, stride_wn, stride_sn, BLOCK_N,
                                 GROUPS, he.dtype)
         acc = tl.dot(lo, he, acc, input_precision=PRECISION)

@@ -10,6 +10,7 @@ here synchronises with the host, so decode steps can be captured in CUDA graphs.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from dataclasses import dataclass
@@ -75,9 +76,16 @@ def dequant_mode(x: torch.Tensor) -> int:
         return 0
     if os.environ.get("FREETOKEN_NVFP4_PTX", "1") == "0":  # A/B timing, or a PTX problem
         return 0
-    if torch.cuda.get_device_capability(x.device) < (8, 9):
+    if not _ptx_capable(x.device.index if x.device.index is not None else
+                        torch.cuda.current_device()):
         return 0
     return {torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 0)
+
+
+@functools.cache
+def _ptx_capable(device_index: int) -> bool:
+    """Compute capability 8.9+ (asked once per device, not on every decode launch)."""
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 
 def _precision(dtype: torch.dtype) -> str:
