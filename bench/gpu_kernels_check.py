@@ -7,8 +7,8 @@ machine, no rank group needed.
 Runs `verify.checks.kernels.gpu_matrix()` (tokens {1, 7, 64, 300} x experts {8, 64} x top-k
 {1, 2, 8} x H {2048, 1040} x TP-local I = 512 / tp for tp {1, 2, 4, 8}, plus dense linears)
 through the same `run_matrix` the check uses, and prints every case with its path, error
-metrics and status; first it compares the PTX dequantization with the portable one bit for
-bit (bf16 and fp16). `--quick` takes every 8th case. `--faults` then re-runs the quick matrix
+metrics and status; first it compares the decode kernels' PTX word decode with the portable
+one bit for bit. `--quick` takes every 8th case. `--faults` then re-runs the quick matrix
 once per NVFP4 kernel fault, each in a fresh process (faults monkeypatch for good), and
 reports whether the check caught it. Exit status 1 when a case fails or a fault goes
 undetected, 2 without CUDA.
@@ -57,35 +57,40 @@ def _print_rows(rows: list[dict]) -> None:
 
 
 @triton.jit
-def _dequant_tile(w_ptr, s_ptr, out_ptr, ROWS: tl.constexpr, KB: tl.constexpr,
-                  DTYPE: tl.constexpr, ASM: tl.constexpr):
-    row = tl.arange(0, ROWS)
-    b, s = nvfp4_jit._load_w(w_ptr, s_ptr, row, row < ROWS, 0, KB, KB, KB // 8, ROWS, KB)
-    k = tl.arange(0, 2 * KB)
-    tl.store(out_ptr + row[:, None] * (2 * KB) + k[None, :],
-             nvfp4_jit._dequant(b, s, ROWS, KB, DTYPE, ASM))
+def _word_tile_values(w_ptr, out_ptr, ROWS: tl.constexpr, KW: tl.constexpr, ASM: tl.constexpr):
+    row = tl.arange(0, ROWS)[:, None]
+    col = tl.arange(0, KW)[None, :]
+    b = tl.load(w_ptr + row * KW + col)
+    t = nvfp4_jit.word_tables(0, ROWS, KW)
+    f = nvfp4_jit._word_values(b, t[0], t[1], t[2], t[3], t[4], ASM)
+    scale = 1.0 if ASM else 16384.0   # the portable values are e2m1 * 2^-14
+    base = out_ptr + row * (8 * KW) + 8 * col
+    tl.store(base, f[0] * scale)
+    tl.store(base + 1, f[1] * scale)
+    tl.store(base + 2, f[2] * scale)
+    tl.store(base + 3, f[3] * scale)
+    tl.store(base + 4, f[4] * scale)
+    tl.store(base + 5, f[5] * scale)
+    tl.store(base + 6, f[6] * scale)
+    tl.store(base + 7, f[7] * scale)
 
 
 def ptx_dequant_matches_portable() -> bool:
-    """The PTX lookup-table dequantization (bf16 and fp16) equals the portable one bit for bit
-    on a tile holding every byte value with block scales 0..126 (subnormals included)."""
-    if torch.cuda.get_device_capability() < (8, 9):
-        print("PTX dequantization: needs compute capability 8.9+, not used here")
-        return True
-    rows, kb = 32, 64
-    w = (torch.arange(rows * kb, device=DEVICE) % 256).to(torch.uint8).view(rows, kb)
-    s = (torch.arange(rows * kb // 8, device=DEVICE) * 5 % 127).to(torch.uint8).view(rows, -1)
-    ok = True
-    for dtype, tdtype, asm in ((torch.bfloat16, tl.bfloat16, 1), (torch.float16, tl.float16, 2)):
-        want = torch.empty(rows, 2 * kb, dtype=dtype, device=DEVICE)
-        got = torch.empty_like(want)
-        _dequant_tile[(1,)](w, s, want, ROWS=rows, KB=kb, DTYPE=tdtype, ASM=0)
-        _dequant_tile[(1,)](w, s, got, ROWS=rows, KB=kb, DTYPE=tdtype, ASM=asm)
-        bad = int((want.view(torch.int16) != got.view(torch.int16)).sum())
-        print(f"PTX dequantization, {dtype}: {bad} of {want.numel()} values differ from the "
-              f"portable path")
-        ok &= bad == 0
-    return ok
+    """The PTX word decode equals the portable one bit for bit (signed zeros included), on
+    words holding every nibble value at every position plus random words."""
+    rows, kw = 32, 64
+    g = torch.Generator().manual_seed(0)
+    words = torch.randint(-2**31, 2**31, (rows * kw,), generator=g, dtype=torch.int64)
+    every = torch.tensor([sum(((v + 3 * j) % 16) << 4 * j for j in range(8)) for v in range(16)])
+    words[:16] = every - (every >= 2**31).long() * 2**32
+    w = words.to(torch.int32).view(rows, kw).to(DEVICE)
+    want = torch.empty(rows, 8 * kw, dtype=torch.float32, device=DEVICE)
+    got = torch.empty_like(want)
+    _word_tile_values[(1,)](w, want, ROWS=rows, KW=kw, ASM=0)
+    _word_tile_values[(1,)](w, got, ROWS=rows, KW=kw, ASM=1)
+    bad = int((want.view(torch.int32) != got.view(torch.int32)).sum())
+    print(f"PTX word decode: {bad} of {want.numel()} values differ from the portable path")
+    return bad == 0
 
 
 def _run_faults(dtype: str) -> bool:

@@ -5,23 +5,27 @@ Weight layout (ModelOpt): bytes [rows, K / 2] with element 2j in the low nibble 
 block scales e4m3 [rows, K / 16], passed as their raw bytes (uint8) so that no kernel needs
 Triton's fp8 types; one float32 global scale per (expert, part).
 
-Decode dequantization (`_dequant`, on 2-D tiles [rows, KB bytes]), two implementations with
-identical results (an e2m1 value times an e4m3 block scale has at most 6 significant bits,
-so it is exact in bf16 and fp16):
-- PTX (`ASM` 1: bf16, 2: fp16; compute capability 8.9+): per 4 bytes, `prmt` byte permutes
-  used as 8-entry lookup tables give the 16-bit magnitudes of all 8 nibbles, a third `prmt`
-  the sign bytes, `cvt.rn.f16x2.e4m3x2` the block scales, and one packed multiply per 2
-  weights applies them: about 3.5 instructions per weight.
-- portable (`ASM` 0: the interpreter, fp32 activations, older GPUs; also the prefill path):
-  an e2m1 code `s e1 e0 m` placed at fp16 bits 15 and 11..9 is the fp16 number e2m1 * 2^-14
-  exactly (codes 0 and 1 land on fp16 subnormals, which fp16 -> fp32 converts exactly, and
-  no float32 subnormal ever appears, so flush-to-zero cannot bite); an e4m3 byte `s eeee
-  mmm` at fp16 bits 15 and 13..7 is e4m3 * 2^-8 the same way. All arithmetic runs in float32:
-  Triton's interpreter mis-computes bf16 arithmetic.
+Decode (few tokens) reads weights as int32 words of 8 nibbles and never multiplies a weight by
+its block scale: each word's 8 products with the inputs are summed in float32 and the sum is
+scaled (two words share a 16-input block scale). The activations come in word order, float32
+(`x[j * xs + w]` = input 8w + j), so the j-th weight of every word meets its input with no
+shuffle. A word's weights as float32, two implementations:
+- PTX (`ASM` 1, any CUDA GPU): `prmt` byte permutes used as 8-entry lookup tables give the
+  upper 16 bits of each value (a float32 e2m1 value has zero lower bits) and the signs:
+  about 3 instructions per weight, 4 with its multiply-add. Exact.
+- portable (`ASM` 0: the interpreter; `FREETOKEN_NVFP4_PTX=0`): an e2m1 code `s e1 e0 m`
+  placed at fp16 bits 15 and 11..9 is the fp16 number e2m1 * 2^-14 exactly (codes 0 and 1
+  land on fp16 subnormals, which fp16 -> fp32 converts exactly); the power of two is undone
+  once per output.
+Block scales: an e4m3 byte `s eeee mmm` at fp16 bits 15 and 13..7 is e4m3 * 2^-8 the same
+way. Prefill dequantizes tiles with the same bit arithmetic, in float32 (Triton's interpreter
+mis-computes bf16 arithmetic), and casts them to the activations' dtype for `tl.dot` (exact:
+e2m1 * e4m3 has at most 6 significant bits).
 
 Kernels (the MoE ones take a flat list of (token, slot) pairs, pair p = token * top_k + slot):
 - `gate_up_decode` / `down_decode` (few tokens): GEMVs on CUDA cores, one program per (pair,
-  block of output rows), weights loaded two K-steps ahead of their use. gate_up splits K
+  block of output rows), weights loaded two K-steps ahead of their use; gate_up writes h in
+  word order for down. gate_up splits K
   over programs when there are too few of them (small TP-local experts, one or two tokens);
   `silu_mul_splits` then adds the splits in order. down writes a float32 partial row per
   pair and `sum_slots` adds a token's slots in slot order (with top_k 1 down writes the
@@ -54,60 +58,54 @@ def _imm(value: int) -> str:
     return str(value - (1 << 32) if value >= 1 << 31 else value)
 
 
-def _lut_asm(high_a: int, high_b: int, low: tuple[int, int] | None, scale: list[str],
-             mul: str) -> str:
-    """PTX for 4 packed bytes ($4) and their 4 block-scale bytes ($5) -> the 4 low-nibble
-    weights ($0, $1) and the 4 high-nibble weights ($2, $3), 16-bit pairs in byte order.
-    `high_a`/`high_b`: high bytes of the 16-bit magnitudes of codes 0-3 / 4-7 (byte k of
-    the word = code k); `low`: the same for the low bytes (None: all zero); `scale`: PTX
-    leaving the scales of bytes (0, 1) in `sa` and of bytes (2, 3) in `sb`; `mul` the packed
-    multiply-add (with -0 added: exact)."""
+def _word_asm() -> str:
+    """PTX: one int32 word of 8 packed e2m1 nibbles ($8) -> their 8 values as float32 ($0..$7,
+    element order), exact. A float32 e2m1 value has its low 16 bits zero, so two `prmt` byte
+    lookups give the high and low bytes of its upper half (tables in $9, $10 and $11, $12),
+    a third the sign bytes (table $13); one more `prmt` pairs them up, and a shift or a mask
+    places each in a float32. 25 instructions per 8 weights."""
     lines = [
-        ".reg .b32 m, mh, sg, sl, sh, h0, h1, l0, l1, g0, g1, sa, sb, nz, t;",
-        ".reg .b16 q01, q23, f0, f1, f2, f3;",
-        ".reg .f32 c0, c1, c2, c3;",
-        f"and.b32 m, $4, {_imm(0x77777777)};",     # magnitude codes, one per nibble
+        ".reg .b32 m, mh, sg, sl, sh, h0, h1, l0, l1, g0, g1, u;",
+        f"and.b32 m, $8, {_imm(0x77777777)};",     # magnitude codes, one per nibble
         "shr.u32 mh, m, 16;",                       # codes of nibbles 4-7 at nibbles 0-3
-        f"and.b32 sg, $4, {_imm(0x88888888)};",    # sign bits
+        f"and.b32 sg, $8, {_imm(0x88888888)};",    # sign bits
         "shr.u32 sl, sg, 3;",                       # signs of nibbles 0-3 as selectors 0/1
         "shr.u32 sh, sg, 19;",                      # signs of nibbles 4-7
-        f"prmt.b32 h0, {_imm(high_a)}, {_imm(high_b)}, m;",
-        f"prmt.b32 h1, {_imm(high_a)}, {_imm(high_b)}, mh;",
-        f"prmt.b32 g0, {_imm(0x8000)}, 0, sl;",    # 0x80 where negative
-        f"prmt.b32 g1, {_imm(0x8000)}, 0, sh;",
+        "prmt.b32 h0, $9, $10, m;",
+        "prmt.b32 h1, $9, $10, mh;",
+        "prmt.b32 g0, $13, 0, sl;",                 # 0x80 where negative
+        "prmt.b32 g1, $13, 0, sh;",
         "or.b32 h0, h0, g0;",
         "or.b32 h1, h1, g1;",
+        "prmt.b32 l0, $11, $12, m;",
+        "prmt.b32 l1, $11, $12, mh;",
     ]
-    if low is None:
-        lines += ["mov.b32 l0, 0;", "mov.b32 l1, 0;"]
-    else:
-        lines += [f"prmt.b32 l0, {_imm(low[0])}, {_imm(low[1])}, m;",
-                  f"prmt.b32 l1, {_imm(low[0])}, {_imm(low[1])}, mh;"]
-    lines += ["mov.b32 {q01, q23}, $5;", *scale, f"mov.b32 nz, {_imm(0x80008000)};"]
-    # nibbles (0, 2) of l/h pair up as bytes (0, 4, 2, 6); nibbles (1, 3) as (1, 5, 3, 7)
-    pairs = (("l0", "h0", 0x6240, "sa"), ("l1", "h1", 0x6240, "sb"),
-             ("l0", "h0", 0x7351, "sa"), ("l1", "h1", 0x7351, "sb"))
-    for out, (lo, hi, sel, s) in enumerate(pairs):
-        lines += [f"prmt.b32 t, {lo}, {hi}, {sel};", f"{mul} ${out}, t, {s}, nz;"]
+    out = 0
+    for lo, hi in (("l0", "h0"), ("l1", "h1")):
+        # (low, high) bytes of nibbles (0, 1) and (2, 3) of this half: bytes (0, 4, 1, 5)
+        # and (2, 6, 3, 7); the first of each pair goes to the upper half by a shift
+        for sel in (0x5140, 0x7362):
+            lines += [f"prmt.b32 u, {lo}, {hi}, {_imm(sel)};",
+                      f"shl.b32 ${out}, u, 16;",
+                      f"and.b32 ${out + 1}, u, {_imm(0xFFFF0000)};"]
+            out += 2
     return "{\n" + "\n".join(lines) + "\n}"
 
 
-# 16-bit magnitudes of e2m1 codes 0-7 (0, 0.5, 1, 1.5, 2, 3, 4, 6) as prmt tables: byte k of
-# the (codes 0-3, codes 4-7) words is the high (or low) byte for code k.
+# Bytes of the upper 16 bits of the e2m1 magnitudes 0-7 (0, 0.5, 1, 1.5, 2, 3, 4, 6) as prmt
+# tables: byte k of the (codes 0-3, codes 4-7) words is the high (or low) byte for code k.
 BF16_HIGH = (0x3F3F3F00, 0x40404040)   # 0x0000 0x3F00 0x3F80 0x3FC0 0x4000 0x4040 0x4080 0x40C0
 BF16_LOW = (0xC0800000, 0xC0804000)
-FP16_HIGH = (0x3E3C3800, 0x46444240)   # 0x0000 0x3800 0x3C00 0x3E00 0x4000 0x4200 0x4400 0x4600
-# bf16 scales: e4m3 -> f16 (exact) -> f32 -> bf16 (exact).
-_BF16_ASM = tl.constexpr(_lut_asm(
-    *BF16_HIGH, BF16_LOW,
-    ["cvt.rn.f16x2.e4m3x2 sa, q01;", "cvt.rn.f16x2.e4m3x2 sb, q23;",
-     "mov.b32 {f0, f1}, sa;", "mov.b32 {f2, f3}, sb;",
-     "cvt.f32.f16 c0, f0;", "cvt.f32.f16 c1, f1;", "cvt.f32.f16 c2, f2;", "cvt.f32.f16 c3, f3;",
-     "cvt.rn.bf16x2.f32 sa, c1, c0;", "cvt.rn.bf16x2.f32 sb, c3, c2;"],
-    "fma.rn.bf16x2"))
-_FP16_ASM = tl.constexpr(_lut_asm(
-    *FP16_HIGH, None, ["cvt.rn.f16x2.e4m3x2 sa, q01;", "cvt.rn.f16x2.e4m3x2 sb, q23;"],
-    "fma.rn.f16x2"))
+SIGN_TABLE = 0x8000                      # selector 1 (negative) -> 0x80
+# the tables as signed int32 constants for `word_tables`
+BF16_HIGH_0, BF16_HIGH_1 = (tl.constexpr(int(_imm(v))) for v in BF16_HIGH)
+BF16_LOW_0, BF16_LOW_1 = (tl.constexpr(int(_imm(v))) for v in BF16_LOW)
+SIGN_TABLE_C = tl.constexpr(SIGN_TABLE)
+_WORD_ASM = tl.constexpr(_word_asm())
+# The word path's block scales are e4m3 * 2^-8 (`_e4m3_low`), its portable nibbles e2m1 *
+# 2^-14 (`_fp4_word`): these undo that at the end.
+_PTX_UNBIAS = tl.constexpr(256.0)
+_PORTABLE_UNBIAS = tl.constexpr(256.0 * 16384.0)
 
 
 @triton.jit
@@ -130,46 +128,39 @@ def _fp4_high(b):
 
 
 @triton.jit
-def _e4m3(s):
-    """float32 value of e4m3 bytes in int32 `s` (NaN encodings never occur in NVFP4 scales)."""
+def _e4m3_low(s):
+    """float32 value * 2^-8 of e4m3 bytes in int32 `s` (NaN encodings never occur in NVFP4
+    scales)."""
     bits = ((s & 0x80) << 8) | ((s & 0x7F) << 7)
-    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
-def _load_w(w_ptr, s_ptr, row, row_ok, kb0, k_bytes, stride_w, stride_s, BLOCK_N: tl.constexpr,
-            KB: tl.constexpr):
-    """Packed bytes [rows, KB] of rows `row` from byte kb0, and their block-scale bytes
-    broadcast to the same shape (one load per 16-input group; zeros past k_bytes)."""
-    kb = kb0 + tl.arange(0, KB)
-    b = tl.load(w_ptr + row[:, None] * stride_w + kb[None, :],
-                mask=row_ok[:, None] & (kb < k_bytes)[None, :], other=0)
-    g = kb0 // 8 + tl.arange(0, KB // 8)
-    s8 = tl.load(s_ptr + row[:, None] * stride_s + g[None, :],
-                 mask=row_ok[:, None] & (g < k_bytes // 8)[None, :], other=0)
-    s = tl.reshape(tl.broadcast_to(s8[:, :, None], (BLOCK_N, KB // 8, 8)), (BLOCK_N, KB))
-    return b, s
+def _e4m3(s):
+    """float32 value of e4m3 bytes in int32 `s`."""
+    return _e4m3_low(s) * 256.0
 
 
 @triton.jit
-def _dequant(b, s, BLOCK_N: tl.constexpr, KB: tl.constexpr, DTYPE: tl.constexpr,
-             ASM: tl.constexpr):
-    """Weights (block scale applied, global scale not) of packed bytes `b` [rows, KB] with
-    block-scale bytes `s`, as [rows, 2 * KB] in `DTYPE`, in input order."""
-    if ASM == 1:
-        lo, hi = tl.inline_asm_elementwise(_BF16_ASM, "=r,=r,=r,=r,r,r", [b, s],
-                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
-                                           pack=4)
-    elif ASM == 2:
-        lo, hi = tl.inline_asm_elementwise(_FP16_ASM, "=r,=r,=r,=r,r,r", [b, s],
-                                           dtype=(tl.float16, tl.float16), is_pure=True,
-                                           pack=4)
-    else:
-        bi = b.to(tl.int32)
-        scale = _e4m3(s.to(tl.int32)) * _FP4_UNBIAS
-        lo = (_fp4_low(bi) * scale).to(DTYPE)
-        hi = (_fp4_high(bi) * scale).to(DTYPE)
-    return tl.reshape(tl.join(lo, hi), (BLOCK_N, 2 * KB))
+def _fp4_word(b, shift: tl.constexpr):
+    """e2m1 value * 2^-14 of the nibble at bit `shift` of int32 words `b`, as float32."""
+    n = b >> shift
+    bits = ((n & 0x8) << 12) | ((n & 0x7) << 9)
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _word_values(b, t0, t1, t2, t3, t4, ASM: tl.constexpr):
+    """The 8 weights packed in each int32 word of `b`, as 8 float32 tensors shaped like `b`
+    (element 8w + j in the j-th); block scale and global scale not applied. ASM: the PTX
+    lookup tables (t0..t4, see `word_tables`), exact values; else bit arithmetic, values
+    times 2^-14."""
+    if ASM:
+        return tl.inline_asm_elementwise(_WORD_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r",
+                                         [b, t0, t1, t2, t3, t4], dtype=(tl.float32,) * 8,
+                                         is_pure=True, pack=1)
+    return (_fp4_word(b, 0), _fp4_word(b, 4), _fp4_word(b, 8), _fp4_word(b, 12),
+            _fp4_word(b, 16), _fp4_word(b, 20), _fp4_word(b, 24), _fp4_word(b, 28))
 
 
 @triton.jit
@@ -216,117 +207,211 @@ def _sorted_block(block_expert_ptr, rows_ptr, num_pairs, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _gemv_step(acc, b, s, x_row, kb0, k_bytes, BLOCK_N: tl.constexpr, KB: tl.constexpr,
-               ASM: tl.constexpr):
-    """acc [rows, 2 * KB] += dequantized weights * the matching inputs of one activation row
-    (float32 products and sums)."""
-    k = 2 * kb0 + tl.arange(0, 2 * KB)
-    x = tl.load(x_row + k, mask=k < 2 * k_bytes, other=0.0)
-    w = _dequant(b, s, BLOCK_N, KB, x.dtype, ASM)
-    return acc + w.to(tl.float32) * x.to(tl.float32)[None, :]
+def word_tables(zero, BLOCK_N: tl.constexpr, KW: tl.constexpr):
+    """The five prmt tables of `_WORD_ASM` as [BLOCK_N, KW] int32 operands. `zero` is a
+    kernel argument that is always 0: built from it the tables stay in registers across
+    the loop, where immediates would be re-materialised before every use."""
+    z = tl.full([BLOCK_N, KW], 0, tl.int32) + zero
+    return (z + BF16_HIGH_0, z + BF16_HIGH_1, z + BF16_LOW_0, z + BF16_LOW_1, z + SIGN_TABLE_C)
 
 
 @triton.jit
-def gate_up_decode(x_ptr, ids_ptr, w_ptr, s_ptr, g_ptr, h_ptr, gu_ptr, inter, k_bytes, k_split,
-                   top_k, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
-                   stride_gs, stride_gp, BLOCK_N: tl.constexpr, KB: tl.constexpr,
-                   ASM: tl.constexpr, SPLIT: tl.constexpr):
-    """h[p, n] = silu(gate_e[n] . x_t) * (up_e[n] . x_t) for pair p = (t, slot) routed to e,
-    one program per (pair, block of rows, K split), on CUDA cores. SPLIT: the program covers
-    packed bytes [k_split * split, ...) only and writes its raw gate and up sums to
-    gu[split, p] (columns n and inter + n) for `silu_mul_splits`."""
+def _word_tile(w_ptr, s_ptr, row, row_ok, w0, k_words, stride_w, stride_s, KW: tl.constexpr):
+    """int32 words [rows, KW] (8 weights each) of rows `row` from word w0 (even), and their
+    block-scale bytes [rows, KW / 2] (one per 16 inputs = 2 words); zeros past k_words (the
+    prefetch runs two steps past the end)."""
+    kw = w0 + tl.arange(0, KW)
+    ok = row_ok[:, None] & (kw < k_words)[None, :]
+    b = tl.load(w_ptr + row[:, None] * stride_w + kw[None, :], mask=ok, other=0)
+    g = w0 // 2 + tl.arange(0, KW // 2)
+    s = tl.load(s_ptr + row[:, None] * stride_s + g[None, :],
+                mask=row_ok[:, None] & (g < k_words // 2)[None, :], other=0)
+    return b, s
+
+
+@triton.jit
+def _x_words(x_row, xs, w0, k_words, live, BLOCK_N: tl.constexpr, KW: tl.constexpr,
+             EVEN: tl.constexpr):
+    """Activations matching `_word_tile`'s words, from a row in word order (`x_row[j * xs +
+    w]` = input 8w + j, float32): 8 tensors [BLOCK_N, KW], the j-th holding input 8w + j;
+    zeros where the step is not `live` or (unless EVEN: every step whole) past k_words."""
+    kw = w0 + tl.arange(0, KW)
+    ptr = x_row + (kw[None, :] + tl.full([BLOCK_N, 1], 0, tl.int32))
+    ok = tl.full([BLOCK_N, KW], 1, tl.int1) & live
+    if not EVEN:
+        ok = ok & (kw < k_words)[None, :]
+    return (tl.load(ptr, mask=ok, other=0.0), tl.load(ptr + xs, mask=ok, other=0.0),
+            tl.load(ptr + 2 * xs, mask=ok, other=0.0), tl.load(ptr + 3 * xs, mask=ok, other=0.0),
+            tl.load(ptr + 4 * xs, mask=ok, other=0.0), tl.load(ptr + 5 * xs, mask=ok, other=0.0),
+            tl.load(ptr + 6 * xs, mask=ok, other=0.0), tl.load(ptr + 7 * xs, mask=ok, other=0.0))
+
+
+@triton.jit
+def _word_step(acc, b, s, x, t, ASM: tl.constexpr):
+    """acc [rows, KW / 2] += block scale * (the group's 16 weights . their 16 inputs), float32:
+    the block scale multiplies a group's sum (two words), not each weight."""
+    f = _word_values(b, t[0], t[1], t[2], t[3], t[4], ASM)
+    p = f[0] * x[0]
+    p += f[1] * x[1]
+    p += f[2] * x[2]
+    p += f[3] * x[3]
+    p += f[4] * x[4]
+    p += f[5] * x[5]
+    p += f[6] * x[6]
+    p += f[7] * x[7]
+    p = _sum(tl.reshape(p, (p.shape[0], p.shape[1] // 2, 2)), 2)
+    return acc + p * _e4m3_low(s.to(tl.int32))
+
+
+@triton.jit
+def _unbias(ASM: tl.constexpr):
+    if ASM:
+        return _PTX_UNBIAS
+    return _PORTABLE_UNBIAS
+
+
+@triton.jit
+def _store_words(h_ptr, pair, stride_h, hs, n, n_ok, h):
+    """Store h[n] of row `pair` in word order (position (n % 8) * hs + n // 8), the layout
+    `down_decode` reads."""
+    tl.store(h_ptr + pair.to(tl.int64) * stride_h + (n % 8) * hs + n // 8, h, mask=n_ok)
+
+
+@triton.jit
+def _gate_up_tiles(w, s, n, n_ok, inter, w0, k_words, stride_wn, stride_sn, KW: tl.constexpr):
+    """Gate and up `_word_tile`s of one step."""
+    bg, sg = _word_tile(w, s, n, n_ok, w0, k_words, stride_wn, stride_sn, KW)
+    bu, su = _word_tile(w, s, n + inter, n_ok, w0, k_words, stride_wn, stride_sn, KW)
+    return bg, sg, bu, su
+
+
+@triton.jit
+def _gate_up_step(acc_g, acc_u, tiles, x_row, xs, w0, k_words, tab, BLOCK_N: tl.constexpr,
+                  KW: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr):
+    x = _x_words(x_row, xs, w0, k_words, w0 < k_words, BLOCK_N, KW, EVEN)
+    return (_word_step(acc_g, tiles[0], tiles[1], x, tab, ASM),
+            _word_step(acc_u, tiles[2], tiles[3], x, tab, ASM))
+
+
+@triton.jit
+def gate_up_decode(x_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, g2_ptr, h_ptr, zero, inter,
+                   k_words, top_k, stride_x, xs, stride_we, stride_wn, stride_se, stride_sn,
+                   stride_h, hs, BLOCK_N: tl.constexpr, KW: tl.constexpr, ASM: tl.constexpr,
+                   EVEN: tl.constexpr, VEC: tl.constexpr):
+    """h[p, n] = silu(gate_e[n] . x_t) * (up_e[n] . x_t) * tw[p] * g2[e] for pair p = (t,
+    slot) routed to e (the routing weight and down's global scale are applied here, so that
+    down is one dot product over all of a token's slots), one program per (pair, block of
+    rows), on CUDA cores. x in word order (float32, j-stride xs), weights as int32 words
+    (strides in words); h written in word order (j-stride hs).
+
+    Weights are loaded two steps before their use, into three buffers that the loop body
+    (three steps) names explicitly: a loop that rotated buffers would copy each one, and the
+    copy waits for its load, which leaves one step of latency hiding instead of two."""
     pair = tl.program_id(0)
     e = tl.load(ids_ptr + pair).to(tl.int64)
     x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_x
+    stride_wn = tl.multiple_of(stride_wn, VEC)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < inter
-    k_lo = tl.program_id(2) * k_split
-    k_hi = tl.minimum(k_lo + k_split, k_bytes)
-    w, s = w_ptr + e * stride_we, s_ptr + e * stride_se
-    acc_g = tl.full([BLOCK_N, 2 * KB], 0.0, tl.float32)
-    acc_u = tl.full([BLOCK_N, 2 * KB], 0.0, tl.float32)
-    # weights are loaded two steps before they are used: their latency hides behind the
-    # two steps in between (a GEMV keeps few bytes in flight per SM otherwise)
-    bg, sg = _load_w(w, s, n, n_ok, k_lo, k_hi, stride_wn, stride_sn, BLOCK_N, KB)
-    bu, su = _load_w(w, s, n + inter, n_ok, k_lo, k_hi, stride_wn, stride_sn, BLOCK_N, KB)
-    bg1, sg1 = _load_w(w, s, n, n_ok, k_lo + KB, k_hi, stride_wn, stride_sn, BLOCK_N, KB)
-    bu1, su1 = _load_w(w, s, n + inter, n_ok, k_lo + KB, k_hi, stride_wn, stride_sn, BLOCK_N,
-                       KB)
-    for kb0 in range(k_lo, k_hi, KB):
-        bg2, sg2 = _load_w(w, s, n, n_ok, kb0 + 2 * KB, k_hi, stride_wn, stride_sn, BLOCK_N,
-                           KB)
-        bu2, su2 = _load_w(w, s, n + inter, n_ok, kb0 + 2 * KB, k_hi, stride_wn, stride_sn,
-                           BLOCK_N, KB)
-        acc_g = _gemv_step(acc_g, bg, sg, x_row, kb0, k_hi, BLOCK_N, KB, ASM)
-        acc_u = _gemv_step(acc_u, bu, su, x_row, kb0, k_hi, BLOCK_N, KB, ASM)
-        bg, sg, bu, su, bg1, sg1, bu1, su1 = bg1, sg1, bu1, su1, bg2, sg2, bu2, su2
-    if SPLIT:
-        part = gu_ptr + tl.program_id(2).to(tl.int64) * stride_gs + pair.to(tl.int64) * stride_gp
-        tl.store(part + n, _sum(acc_g, 1), mask=n_ok)
-        tl.store(part + inter + n, _sum(acc_u, 1), mask=n_ok)
-    else:
-        h = _silu_mul(_sum(acc_g, 1), _sum(acc_u, 1), g_ptr, e)
-        tl.store(h_ptr + pair.to(tl.int64) * stride_h + n, h, mask=n_ok)
+    w = w_ptr.to(tl.pointer_type(tl.int32)) + e * stride_we
+    s = s_ptr + e * stride_se
+    tab = word_tables(zero, BLOCK_N, KW)
+    acc_g = tl.full([BLOCK_N, KW // 2], 0.0, tl.float32)
+    acc_u = tl.full([BLOCK_N, KW // 2], 0.0, tl.float32)
+    a = _gate_up_tiles(w, s, n, n_ok, inter, 0, k_words, stride_wn, stride_sn, KW)
+    b = _gate_up_tiles(w, s, n, n_ok, inter, KW, k_words, stride_wn, stride_sn, KW)
+    for w0 in range(0, k_words, 3 * KW):
+        w0 = tl.multiple_of(w0, KW)
+        c = _gate_up_tiles(w, s, n, n_ok, inter, w0 + 2 * KW, k_words, stride_wn, stride_sn,
+                           KW)
+        acc_g, acc_u = _gate_up_step(acc_g, acc_u, a, x_row, xs, w0, k_words, tab, BLOCK_N,
+                                     KW, ASM, EVEN)
+        a = _gate_up_tiles(w, s, n, n_ok, inter, w0 + 3 * KW, k_words, stride_wn, stride_sn,
+                           KW)
+        acc_g, acc_u = _gate_up_step(acc_g, acc_u, b, x_row, xs, w0 + KW, k_words, tab,
+                                     BLOCK_N, KW, ASM, EVEN)
+        b = _gate_up_tiles(w, s, n, n_ok, inter, w0 + 4 * KW, k_words, stride_wn, stride_sn,
+                           KW)
+        acc_g, acc_u = _gate_up_step(acc_g, acc_u, c, x_row, xs, w0 + 2 * KW, k_words, tab,
+                                     BLOCK_N, KW, ASM, EVEN)
+    h = _silu_mul(_sum(acc_g, 1) * _unbias(ASM), _sum(acc_u, 1) * _unbias(ASM), g_ptr, e)
+    h = h * (tl.load(g2_ptr + e) * tl.load(tw_ptr + pair).to(tl.float32))
+    _store_words(h_ptr, pair, stride_h, hs, n, n_ok, h)
 
 
 @triton.jit
-def silu_mul_splits(gu_ptr, ids_ptr, g_ptr, h_ptr, inter, splits, stride_gs, stride_gp,
-                    stride_h, BLOCK: tl.constexpr):
-    """h[p, n] = silu(g_gate * sum of gate partials) * (g_up * sum of up partials), the
-    splits added in order (deterministic)."""
-    pair = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    n_ok = n < inter
-    e = tl.load(ids_ptr + pair).to(tl.int64)
-    gate = tl.full([BLOCK], 0.0, tl.float32)
-    up = tl.full([BLOCK], 0.0, tl.float32)
-    for sp in range(0, splits):
-        part = gu_ptr + sp * stride_gs + pair.to(tl.int64) * stride_gp
-        gate += tl.load(part + n, mask=n_ok, other=0.0)
-        up += tl.load(part + inter + n, mask=n_ok, other=0.0)
-    h = _silu_mul(gate, up, g_ptr, e)
-    tl.store(h_ptr + pair.to(tl.int64) * stride_h + n, h, mask=n_ok)
+def _slot_tile(ids_ptr, w_ptr, s_ptr, t, top_k, slot, w0, n, n_ok, k_words, stride_we,
+               stride_wn, stride_se, stride_sn, KW: tl.constexpr):
+    """`_word_tile` of token t's slot `slot` (its expert's words from w0); zeros once `slot`
+    is past the last one (the prefetch runs two steps past the end)."""
+    e = tl.load(ids_ptr + t * top_k + tl.minimum(slot, top_k - 1)).to(tl.int64)
+    return _word_tile(w_ptr + e * stride_we, s_ptr + e * stride_se, n, n_ok & (slot < top_k),
+                      tl.multiple_of(w0, KW), k_words, stride_wn, stride_sn, KW)
 
 
 @triton.jit
-def down_decode(h_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, out_ptr, n_rows, k_bytes, top_k,
-                stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_out,
-                BLOCK_N: tl.constexpr, KB: tl.constexpr, ASM: tl.constexpr,
-                BY_PAIR: tl.constexpr):
-    """tw[p] * global_e * (w2_e[n] . h[p]) for pair p routed to e, one program per (pair,
-    block of rows), written to out row p (BY_PAIR: float32 partials) or row p // top_k."""
-    pair = tl.program_id(0)
-    e = tl.load(ids_ptr + pair).to(tl.int64)
-    h_row = h_ptr + pair.to(tl.int64) * stride_h
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < n_rows
-    w, s = w_ptr + e * stride_we, s_ptr + e * stride_se
-    acc = tl.full([BLOCK_N, 2 * KB], 0.0, tl.float32)
-    bw, sw = _load_w(w, s, n, n_ok, 0, k_bytes, stride_wn, stride_sn, BLOCK_N, KB)
-    bw1, sw1 = _load_w(w, s, n, n_ok, KB, k_bytes, stride_wn, stride_sn, BLOCK_N, KB)
-    for kb0 in range(0, k_bytes, KB):
-        bw2, sw2 = _load_w(w, s, n, n_ok, kb0 + 2 * KB, k_bytes, stride_wn, stride_sn,
-                           BLOCK_N, KB)
-        acc = _gemv_step(acc, bw, sw, h_row, kb0, k_bytes, BLOCK_N, KB, ASM)
-        bw, sw, bw1, sw1 = bw1, sw1, bw2, sw2
-    out = _sum(acc, 1) * (tl.load(g_ptr + e) * tl.load(tw_ptr + pair).to(tl.float32))
-    row = pair if BY_PAIR else pair // top_k
-    tl.store(out_ptr + row.to(tl.int64) * stride_out + n, out, mask=n_ok)
+def _next_step(slot, w0, k_words, KW: tl.constexpr):
+    """(slot, first word) of the step after (slot, w0) in `down_decode`'s walk."""
+    w0 += KW
+    wrap = w0 >= k_words
+    return tl.where(wrap, slot + 1, slot), tl.where(wrap, 0, w0)
 
 
 @triton.jit
-def sum_slots(part_ptr, out_ptr, n_rows, top_k, stride_part, stride_out,
-              BLOCK: tl.constexpr, TOPK: tl.constexpr):
-    """out[t] = the sum of t's top_k partial rows, in slot order (deterministic)."""
+def _down_step(acc, tile, h_ptr, t, top_k, slot, w0, stride_h, hs, k_words, tab,
+               BLOCK_N: tl.constexpr, KW: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr):
+    h_row = h_ptr + (t * top_k + tl.minimum(slot, top_k - 1)).to(tl.int64) * stride_h
+    x = _x_words(h_row, hs, tl.multiple_of(w0, KW), k_words, slot < top_k, BLOCK_N, KW, EVEN)
+    return _word_step(acc, tile[0], tile[1], x, tab, ASM)
+
+
+@triton.jit
+def down_decode(h_ptr, ids_ptr, w_ptr, s_ptr, out_ptr, zero, n_rows, k_words, top_k, steps,
+                stride_h, hs, stride_we, stride_wn, stride_se, stride_sn, stride_out,
+                BLOCK_N: tl.constexpr, KW: tl.constexpr, ASM: tl.constexpr,
+                EVEN: tl.constexpr, VEC: tl.constexpr):
+    """out[t, n] = sum over t's slots p (routed to e) of w2_e[n] . h[p], h already scaled by
+    the routing weight and global scale, in word order (float32, j-stride hs). One program
+    per (token, block of rows) walks all of the token's slots as one long dot product
+    (`steps` K-steps per slot), so the slots are added in order in one float32 sum, with no
+    partial rows in memory. Loads run two steps ahead in three named buffers, as in
+    `gate_up_decode`."""
     t = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < n_rows
-    slot = tl.arange(0, TOPK)
-    s_ok = slot < top_k
-    pair = (t * top_k + slot).to(tl.int64)
-    part = tl.load(part_ptr + pair[:, None] * stride_part + n[None, :],
-                   mask=s_ok[:, None] & n_ok[None, :], other=0.0)
-    tl.store(out_ptr + t.to(tl.int64) * stride_out + n, _sum(part, 0), mask=n_ok)
+    stride_wn = tl.multiple_of(stride_wn, VEC)
+    w = w_ptr.to(tl.pointer_type(tl.int32))
+    tab = word_tables(zero, BLOCK_N, KW)
+    acc = tl.full([BLOCK_N, KW // 2], 0.0, tl.float32)
+    slot = 0                                    # the step being computed
+    w0 = 0
+    a = _slot_tile(ids_ptr, w, s_ptr, t, top_k, slot, w0, n, n_ok, k_words, stride_we,
+                   stride_wn, stride_se, stride_sn, KW)
+    ps, pw = _next_step(slot, w0, k_words, KW)  # the step being loaded
+    b = _slot_tile(ids_ptr, w, s_ptr, t, top_k, ps, pw, n, n_ok, k_words, stride_we,
+                   stride_wn, stride_se, stride_sn, KW)
+    ps, pw = _next_step(ps, pw, k_words, KW)
+    for _ in range(0, top_k * steps, 3):
+        c = _slot_tile(ids_ptr, w, s_ptr, t, top_k, ps, pw, n, n_ok, k_words, stride_we,
+                       stride_wn, stride_se, stride_sn, KW)
+        ps, pw = _next_step(ps, pw, k_words, KW)
+        acc = _down_step(acc, a, h_ptr, t, top_k, slot, w0, stride_h, hs, k_words, tab,
+                         BLOCK_N, KW, ASM, EVEN)
+        slot, w0 = _next_step(slot, w0, k_words, KW)
+        a = _slot_tile(ids_ptr, w, s_ptr, t, top_k, ps, pw, n, n_ok, k_words, stride_we,
+                       stride_wn, stride_se, stride_sn, KW)
+        ps, pw = _next_step(ps, pw, k_words, KW)
+        acc = _down_step(acc, b, h_ptr, t, top_k, slot, w0, stride_h, hs, k_words, tab,
+                         BLOCK_N, KW, ASM, EVEN)
+        slot, w0 = _next_step(slot, w0, k_words, KW)
+        b = _slot_tile(ids_ptr, w, s_ptr, t, top_k, ps, pw, n, n_ok, k_words, stride_we,
+                       stride_wn, stride_se, stride_sn, KW)
+        ps, pw = _next_step(ps, pw, k_words, KW)
+        acc = _down_step(acc, c, h_ptr, t, top_k, slot, w0, stride_h, hs, k_words, tab,
+                         BLOCK_N, KW, ASM, EVEN)
+        slot, w0 = _next_step(slot, w0, k_words, KW)
+    out = _sum(acc, 1) * _unbias(ASM)
+    tl.store(out_ptr + t.to(tl.int64) * stride_out + n, out, mask=n_ok)
 
 
 @triton.jit

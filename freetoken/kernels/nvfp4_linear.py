@@ -24,8 +24,6 @@ def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tenso
     rows = x2.shape[0]
     tiles = tiles or nvfp4_moe.tiles_for(x.device)
     device = x.device
-    ids = torch.zeros(rows, dtype=torch.int32, device=device)
-    ones = torch.ones(rows, dtype=torch.float32, device=device)
     w, s = packed.unsqueeze(0), block_scale.view(torch.uint8).unsqueeze(0)
     g = global_scale.to(torch.float32).reshape(1).contiguous()
     if path == "auto":
@@ -34,8 +32,10 @@ def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tenso
     out_dtype = x.dtype if bias is None and path == "decode" else torch.float32
     out = torch.empty(rows, n_out, dtype=out_dtype, device=device)
     if path == "decode" and rows:
-        nvfp4_moe.down_decode_launch(x2, ids, ones, w, s, g, out, k_inputs, 1, tiles)
+        nvfp4_moe.down_decode_launch(x2, w, s, g, out, k_inputs, tiles)
     elif rows:
+        ids = torch.zeros(rows, dtype=torch.int32, device=device)
+        ones = torch.ones(rows, dtype=torch.float32, device=device)
         order, blocks = nvfp4_moe.align_by_expert(ids, 1, tiles.prefill_m)
         nvfp4_moe.down_prefill_launch(x2, order, blocks, ones, w, s, g, out, rows, k_inputs,
                                       tiles)

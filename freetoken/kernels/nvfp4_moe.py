@@ -2,15 +2,16 @@
 
 `fused_moe` is the whole routed-expert computation of one rank: gate_up with SiLU-and-mul,
 then down, weighted by the routing weights and summed over each token's top-k slots (a
-partial sum; the MoE block all-reduces it). Few tokens take the decode kernels (GEMVs, one
-program per (token, slot) pair and block of rows, gate_up split over K when that leaves too
-few programs); more take the prefill kernels, on pairs sorted by expert into blocks. Nothing
-here synchronises with the host, so decode steps can be captured in CUDA graphs.
+partial sum; the MoE block all-reduces it). Few tokens take the decode kernels (GEMVs on
+CUDA cores: gate_up one program per (token, slot) pair and block of rows, down one per
+(token, block of rows) walking all of the token's slots; blocks shrink to fewer rows when
+that leaves too few programs); more take the prefill kernels, on pairs sorted by expert into
+blocks. Nothing here synchronises with the host, so decode steps can be captured in CUDA
+graphs.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
 import os
 from dataclasses import dataclass
@@ -25,20 +26,16 @@ DECODE_MAX_TOKENS = 16
 
 @dataclass(frozen=True)
 class Tiles:
-    """Block sizes. decode: weight rows per program (`decode_n`), packed bytes per row per
-    step and warps (`decode_kb`, `decode_warps`; `few_kb`, `few_warps` when a launch has at
-    most `few_pairs` pairs), and the program count below which gate_up splits K
-    (`decode_programs`: a few pairs of small TP-local experts otherwise leave the GPU with
-    a few programs each walking the whole K); prefill: pairs per block (BLOCK_M), output
-    rows per program (BLOCK_N), 16-input groups per step."""
+    """Block sizes. decode: at most `decode_n` weight rows per program, halved while a launch
+    has fewer than `decode_programs` programs (one or two tokens of small TP-local experts);
+    every thread takes `decode_words` int32 words (8 weights each) per row and step, so a
+    step covers decode_words * 32 * decode_warps / rows words of each row. prefill: pairs per
+    block (BLOCK_M), output rows per program (BLOCK_N), 16-input groups per step."""
 
     decode_n: int = 16
-    decode_kb: int = 64
+    decode_words: int = 8
     decode_warps: int = 2
-    few_pairs: int = 16
-    few_kb: int = 128
-    few_warps: int = 4
-    decode_programs: int = 256
+    decode_programs: int = 1024
     prefill_m: int = 64
     prefill_n: int = 64
     prefill_groups: int = 4
@@ -48,8 +45,8 @@ class Tiles:
 
 GPU_TILES = Tiles()
 # The interpreter runs programs one after another in numpy: fewer, larger programs are faster.
-INTERPRETER_TILES = Tiles(decode_n=128, decode_kb=512, prefill_m=64, prefill_n=128,
-                          prefill_groups=8)
+INTERPRETER_TILES = Tiles(decode_n=128, decode_words=16, decode_programs=1, prefill_m=64,
+                          prefill_n=128, prefill_groups=8)
 
 
 def _jit():
@@ -67,25 +64,15 @@ def tiles_for(device: torch.device) -> Tiles:
 
 
 def dequant_mode(x: torch.Tensor) -> int:
-    """Which dequantization the kernels compile for activations `x`: 1 (bf16) or 2 (fp16)
-    for the PTX lookup tables, which need `cvt.rn.f16x2.e4m3x2` (compute capability 8.9+),
-    else 0 (portable float32 bit arithmetic: the interpreter, fp32 activations, older GPUs)."""
+    """How the decode kernels turn packed words into weights for activations `x`: 1, the PTX
+    lookup tables (any CUDA GPU), or 0, portable bit arithmetic (the interpreter, or
+    `FREETOKEN_NVFP4_PTX=0`). Both give the same weights; only the instruction count
+    differs."""
     from freetoken.kernels import interpreter_requested
 
     if x.device.type != "cuda" or interpreter_requested():
         return 0
-    if os.environ.get("FREETOKEN_NVFP4_PTX", "1") == "0":  # A/B timing, or a PTX problem
-        return 0
-    if not _ptx_capable(x.device.index if x.device.index is not None else
-                        torch.cuda.current_device()):
-        return 0
-    return {torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 0)
-
-
-@functools.cache
-def _ptx_capable(device_index: int) -> bool:
-    """Compute capability 8.9+ (asked once per device, not on every decode launch)."""
-    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+    return 0 if os.environ.get("FREETOKEN_NVFP4_PTX", "1") == "0" else 1
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -181,62 +168,87 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
     return out.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)
 
 
+def word_order(x: torch.Tensor, k: int, scale: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, int]:
+    """Rows of `x` [T, >= k] as the decode kernels read activations: float32, in word order
+    (`out[t, j * xs + w]` = x[t, 8w + j] for the first k inputs), optionally times the
+    float32 scalar tensor `scale`; the j-stride xs is k / 8 rounded up to 16 (the padding is
+    never read). One kernel."""
+    tokens, words = x.shape[0], k // 8
+    xs = _word_stride(words)
+    out = torch.empty(tokens, 8, xs, dtype=torch.float32, device=x.device)
+    src = x[:, :k].reshape(tokens, words, 8).transpose(1, 2)
+    if scale is None:
+        out[:, :, :words].copy_(src)
+    else:
+        torch.mul(src, scale, out=out[:, :, :words])
+    return out.view(tokens, 8 * xs), xs
+
+
+def _word_stride(words: int) -> int:
+    # a multiple of 16: Triton then knows every j-run is 16-byte aligned (vector loads)
+    return -(-words // 16) * 16
+
+
+def _word_strides(name: str, w: torch.Tensor) -> tuple[int, int, int]:
+    """Expert and row strides of packed weights `w` in int32 words, and the vector width the
+    kernel may assume for a row (4 words when every row starts 16-byte aligned)."""
+    if w.stride(-1) != 1 or w.stride(0) % 4 or w.stride(1) % 4 or w.data_ptr() % 4:
+        raise NVFP4FormatError(f"fused_moe decode: {name} must be 4-byte aligned rows of packed "
+                               f"bytes (strides {tuple(w.stride())}, rows of {w.shape[-1]} "
+                               f"bytes); pass a contiguous tensor with a multiple of 8 inputs "
+                               f"per row")
+    aligned = w.stride(0) % 16 == 0 and w.stride(1) % 16 == 0 and w.data_ptr() % 16 == 0
+    return w.stride(0) // 4, w.stride(1) // 4, 4 if aligned else 1
+
+
+def _decode_shape(units: int, rows: int, k_words: int, x: torch.Tensor, tiles: Tiles
+                  ) -> tuple[int, dict]:
+    """Rows per program (decode_n, halved while `units` x row blocks < decode_programs) and
+    the launch meta of a decode kernel over `rows` output rows of `k_words` words each."""
+    block_n = min(tiles.decode_n, _pow2(rows))
+    while block_n > 1 and units * -(-rows // block_n) < tiles.decode_programs:
+        block_n //= 2
+    per_step = max(2, tiles.decode_words * 32 * tiles.decode_warps // block_n)
+    # a power of two, and whole 16-input groups (2 words) per step
+    kw = max(2, min(_pow2(k_words), 1 << (per_step.bit_length() - 1)))
+    return block_n, dict(BLOCK_N=block_n, KW=kw, ASM=dequant_mode(x),
+                         EVEN=k_words % kw == 0, num_warps=tiles.decode_warps)
+
+
 def _decode(x, ids, tw, w13, s13, g13, w2, s2, g2, inter, top_k, tiles):
     jit, pairs, tokens, hidden = _jit(), ids.numel(), x.shape[0], x.shape[1]
-    h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-    block_n = min(tiles.decode_n, _pow2(inter))
-    meta = _decode_meta(block_n, hidden // 2, pairs, x, tiles)
-    n_blocks, steps = -(-inter // block_n), -(-(hidden // 2) // meta["KB"])
-    splits = 1
-    while pairs * n_blocks * splits < tiles.decode_programs and 2 * splits <= steps:
-        splits *= 2
-    k_split = -(-steps // splits) * meta["KB"]
-    splits = -(-(hidden // 2) // k_split)
-    gu = (torch.empty(splits, pairs, 2 * inter, dtype=torch.float32, device=x.device)
-          if splits > 1 else h)
-    jit.gate_up_decode[(pairs, n_blocks, splits)](
-        x, ids, w13, s13, g13, h, gu, inter, hidden // 2, k_split, top_k, x.stride(0),
-        w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), h.stride(0),
-        gu.stride(0) if splits > 1 else 0, gu.stride(1) if splits > 1 else 0,
-        SPLIT=splits > 1, **meta)
-    if splits > 1:
-        block = min(1024, _pow2(inter))
-        jit.silu_mul_splits[(pairs, -(-inter // block))](
-            gu, ids, g13, h, inter, splits, gu.stride(0), gu.stride(1), h.stride(0),
-            BLOCK=block, num_warps=4)
+    xw, xs = word_order(x, hidden)
+    hs = _word_stride(inter // 8)
+    h = torch.empty(pairs, 8 * hs, dtype=torch.float32, device=x.device)
+    block_n, meta = _decode_shape(pairs, inter, hidden // 8, x, tiles)
+    we, wn, vec = _word_strides("w13", w13)
+    jit.gate_up_decode[(pairs, -(-inter // block_n))](
+        xw, ids, tw, w13, s13, g13, g2, h, 0, inter, hidden // 8, top_k, xw.stride(0), xs,
+        we, wn, s13.stride(0), s13.stride(1), h.stride(0), hs, VEC=vec, **meta)
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
-    down_decode_launch(h, ids, tw, w2, s2, g2, out, inter, top_k, tiles)
+    _down_words(h, hs, ids, w2, s2, out, inter, top_k, tiles)
     return out
 
 
-def _decode_meta(block_n, k_bytes, pairs, x, tiles) -> dict:
-    few = pairs <= tiles.few_pairs
-    kb = min(tiles.few_kb if few else tiles.decode_kb, max(8, _pow2(k_bytes)))
-    warps = tiles.few_warps if few else tiles.decode_warps
-    # The PTX works on 4 bytes at a time: tiles too small to give every thread 4 bytes (a
-    # tiny TP-local expert) take the portable dequantization.
-    asm = dequant_mode(x) if block_n * kb >= 4 * 32 * warps else 0
-    return dict(BLOCK_N=block_n, KB=kb, ASM=asm, num_warps=warps)
+def down_decode_launch(x, w, s, g, out, k_inputs, tiles):
+    """out = g * (w[0] @ x[:, :k_inputs].T).T for the dense NVFP4 linear (one expert: w [1,
+    rows, k_inputs / 2], s its block scales, g [1] its global scale); `out` [T, rows] in any
+    float dtype."""
+    xw, xs = word_order(x, k_inputs, scale=g)
+    ids = torch.zeros(x.shape[0], dtype=torch.int32, device=x.device)
+    _down_words(xw, xs, ids, w, s, out, k_inputs, 1, tiles)
 
 
-def down_decode_launch(h, ids, tw, w2, s2, g2, out, k_inputs, top_k, tiles):
-    """out[t] = sum over t's slots of tw[p] * g2[e] * (w2[e] @ h[p][:k_inputs]), p = t * top_k
-    + slot routed to e = ids[p]; `out` [T, rows] in any float dtype. With top_k > 1 each pair
-    writes a float32 partial row and `sum_slots` adds a token's rows in slot order."""
+def _down_words(h, hs, ids, w2, s2, out, k_inputs, top_k, tiles):
+    """out[t] = sum over t's slots p of w2[ids[p]] @ h[p][:k_inputs], h in word order (j-stride
+    hs) and already scaled."""
     jit, tokens, n_rows = _jit(), out.shape[0], w2.shape[1]
-    block_n = min(tiles.decode_n, _pow2(n_rows))
-    by_pair = top_k > 1
-    dest = out if not by_pair else torch.empty(ids.numel(), n_rows, dtype=torch.float32,
-                                               device=out.device)
-    jit.down_decode[(ids.numel(), -(-n_rows // block_n))](
-        h, ids, tw, w2, s2, g2, dest, n_rows, k_inputs // 2, top_k, h.stride(0),
-        w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), dest.stride(0),
-        BY_PAIR=by_pair, **_decode_meta(block_n, k_inputs // 2, ids.numel(), h, tiles))
-    if by_pair:
-        block = min(1024, _pow2(n_rows))
-        jit.sum_slots[(tokens, -(-n_rows // block))](
-            dest, out, n_rows, top_k, dest.stride(0), out.stride(0), BLOCK=block,
-            TOPK=_pow2(top_k), num_warps=4)
+    block_n, meta = _decode_shape(tokens, n_rows, k_inputs // 8, h, tiles)
+    we, wn, vec = _word_strides("w2", w2)
+    jit.down_decode[(tokens, -(-n_rows // block_n))](
+        h, ids, w2, s2, out, 0, n_rows, k_inputs // 8, top_k, -(-(k_inputs // 8) // meta["KW"]),
+        h.stride(0), hs, we, wn, s2.stride(0), s2.stride(1), out.stride(0), VEC=vec, **meta)
 
 
 def _prefill(x, ids, tw, w13, s13, g13, w2, s2, g2, inter, top_k, tiles, out):

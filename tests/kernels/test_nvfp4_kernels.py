@@ -51,23 +51,27 @@ def test_both_moe_paths_match_reference(tokens, experts, top_k, hidden, inter):
     assert nvfp4_moe.fused_moe(x[:0], weights[:0], ids[:0], **w).shape == (0, hidden)
 
 
-def test_decode_split_k_matches_reference():
-    """With tiles that force gate_up to split K into several programs (partials summed by
-    `silu_mul_splits`), the decode path still gives the reference's sum, and so does the
-    dense linear."""
+def test_decode_tile_shapes_match_reference():
+    """The decode path gives the reference's sum whatever its tiles: one 16-input group per
+    step (5 steps over 80 inputs, and down walks 2 steps per slot across the slots' experts),
+    one row per program (rows halved down to 1 for want of programs), and a last step cut by
+    the row's end; the dense linear too."""
     from freetoken.kernels import nvfp4_linear, nvfp4_moe
     from freetoken.layers.quantization.nvfp4.reference import reference_linear
 
-    tiles = nvfp4_moe.Tiles(decode_n=16, decode_kb=8, few_kb=8, decode_programs=10**6)
-    w = make_experts(4, 80, 32, 1, seed=5)      # 40 packed bytes: splits of 3 and 2 steps
-    x, weights, ids = _make_routing(2, 4, 2, 80, seed=5)
+    w = make_experts(4, 80, 32, 1, seed=5)      # 10 words per gate_up row, 4 per down row
+    x, weights, ids = _make_routing(2, 4, 3, 80, seed=5)
     want = reference_moe(x, weights, ids, **w)
-    _assert_close(nvfp4_moe.fused_moe(x, weights, ids, **w, path="decode", tiles=tiles), want,
-                  "split decode")
     q = quantize(torch.randn(24, 80, generator=torch.Generator().manual_seed(6)))
     lin = dict(packed=q.packed, block_scale=q.block_scale, global_scale=q.global_scale)
-    _assert_close(nvfp4_linear.nvfp4_linear(x, **lin, path="decode", tiles=tiles),
-                  reference_linear(x, **lin), "split linear")
+    for tiles in (nvfp4_moe.Tiles(decode_n=32, decode_words=1, decode_warps=1,
+                                  decode_programs=1),
+                  nvfp4_moe.Tiles(decode_n=16, decode_words=3, decode_warps=1,
+                                  decode_programs=10**6)):
+        _assert_close(nvfp4_moe.fused_moe(x, weights, ids, **w, path="decode", tiles=tiles),
+                      want, f"decode {tiles}")
+        _assert_close(nvfp4_linear.nvfp4_linear(x, **lin, path="decode", tiles=tiles),
+                      reference_linear(x, **lin), f"linear {tiles}")
 
 
 def test_decode_adds_a_token_routed_twice_to_one_expert():
@@ -83,22 +87,67 @@ def test_decode_adds_a_token_routed_twice_to_one_expert():
         _assert_close(nvfp4_moe.fused_moe(x, weights, ids, **w, path=path), want, path)
 
 
-def test_ptx_lookup_tables_hold_the_e2m1_magnitudes():
-    """The prmt tables of the GPU dequantization (which the interpreter cannot run) give
-    byte-exact bf16 and fp16 for every e2m1 magnitude code."""
+def _run_ptx(program: str, operands: dict[str, int]) -> dict[str, int]:
+    """Execute the PTX subset `_word_asm` uses (and, or, shl, shr.u32, prmt in its default
+    mode; 32-bit registers) on Python ints: the interpreter cannot run inline PTX."""
+    regs = dict(operands)
+    mask = 0xFFFFFFFF
+
+    def val(tok: str) -> int:
+        return regs[tok] if tok in regs else int(tok) & mask
+
+    for line in program.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        d, *src = [a.strip() for a in args.split(",")]
+        x = [val(t) for t in src]
+        if op == "and.b32":
+            r = x[0] & x[1]
+        elif op == "or.b32":
+            r = x[0] | x[1]
+        elif op == "shl.b32":
+            r = (x[0] << x[1]) & mask
+        elif op == "shr.u32":
+            r = x[0] >> x[1]
+        elif op == "prmt.b32":
+            pool = (x[1] << 32 | x[0]).to_bytes(8, "little")
+            r = 0
+            for i in range(4):
+                sel = (x[2] >> 4 * i) & 0xF
+                byte = pool[sel & 7]
+                if sel & 8:
+                    byte = 0xFF if byte & 0x80 else 0
+                r |= byte << 8 * i
+        else:
+            raise AssertionError(f"PTX op {op} is not emulated")
+        regs[d] = r
+    return regs
+
+
+def test_ptx_word_decode_gives_every_e2m1_value_exactly():
+    """The PTX of the GPU decode kernels, executed instruction by instruction on the CPU with
+    the tables the kernels pass it, turns every nibble value at every position of a word into
+    the float32 e2m1 value bit for bit (signs and zeros included)."""
     from freetoken.kernels import nvfp4_jit
     from freetoken.layers.quantization.nvfp4.format import E2M1_VALUES
 
-    def table(words, code):
-        return (words[code // 4] >> (8 * (code % 4))) & 0xFF
-
-    for code in range(8):
-        want = float(E2M1_VALUES[code])
-        bf16 = table(nvfp4_jit.BF16_HIGH, code) << 8 | table(nvfp4_jit.BF16_LOW, code)
-        fp16 = table(nvfp4_jit.FP16_HIGH, code) << 8
-        for bits, dtype in ((bf16, torch.bfloat16), (fp16, torch.float16)):
-            got = torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(dtype).item()
-            assert got == want, f"code {code}: {dtype} table gives {got}, want {want}"
+    program = nvfp4_jit._word_asm()
+    tables = {"$9": nvfp4_jit.BF16_HIGH[0], "$10": nvfp4_jit.BF16_HIGH[1],
+              "$11": nvfp4_jit.BF16_LOW[0], "$12": nvfp4_jit.BF16_LOW[1],
+              "$13": nvfp4_jit.SIGN_TABLE}
+    rng = torch.Generator().manual_seed(0)
+    words = [sum(((v + 3 * j) % 16) << 4 * j for j in range(8)) for v in range(16)]
+    words += torch.randint(0, 2**32, (64,), generator=rng, dtype=torch.int64).tolist()
+    for word in words:
+        out = _run_ptx(program, {**tables, "$8": word})
+        for j in range(8):
+            code = (word >> 4 * j) & 0xF
+            want = float(E2M1_VALUES[code & 7]) * (-1.0 if code & 8 else 1.0)
+            bits = torch.tensor([want], dtype=torch.float32).view(torch.int32).item() & 0xFFFFFFFF
+            assert out[f"${j}"] == bits, (f"word {word:#010x} nibble {j} (code {code}): PTX "
+                                          f"gives {out[f'${j}']:#010x}, want {bits:#010x}")
 
 
 def test_align_by_expert_places_every_pair_once():
