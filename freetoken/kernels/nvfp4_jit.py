@@ -23,19 +23,17 @@ mis-computes bf16 arithmetic), and casts them to the activations' dtype for `tl.
 e2m1 * e4m3 has at most 6 significant bits).
 
 Kernels (the MoE ones take a flat list of (token, slot) pairs, pair p = token * top_k + slot):
-- `gate_up_decode` / `down_decode` (few tokens): GEMVs on CUDA cores, one program per (pair,
-  block of output rows), weights loaded two K-steps ahead of their use; gate_up writes h in
-  word order for down. gate_up splits K
-  over programs when there are too few of them (small TP-local experts, one or two tokens);
-  `silu_mul_splits` then adds the splits in order. down writes a float32 partial row per
-  pair and `sum_slots` adds a token's slots in slot order (with top_k 1 down writes the
-  output directly): deterministic, and no program walks a token's slots one after another.
+- `gate_up_decode` / `down_decode` (few tokens): GEMVs on CUDA cores, weights loaded two
+  K-steps ahead of their use. gate_up: one program per (pair, block of output rows); it
+  applies the gate and up global scales separately, then SiLU(gate) * up, times the pair's
+  routing weight and down's global scale, and writes h in word order. down: one program per
+  (token, block of output rows) walks the token's slots as one long dot product, so the
+  slots are added in order in one float32 sum (deterministic, no partial rows in memory).
 - `gate_up_prefill` / `down_prefill` (many tokens): pairs sorted by expert into blocks of
   BLOCK_M rows, one program per (block, block of output rows), tensor-core `tl.dot` on
-  dequantized tiles.
-gate_up applies the gate and up global scales separately, then SiLU(gate) * up; down applies
-its global scale and the pair's routing weight. A dense NVFP4 linear is `down_*` with one
-expert and unit routing weights.
+  dequantized tiles; down_prefill applies its global scale and the pair's routing weight.
+A dense NVFP4 linear is `down_*` with one expert (decode: its activations times its global
+scale, in word order; prefill: unit routing weights).
 """
 
 from __future__ import annotations
@@ -114,20 +112,6 @@ def _sum(x, axis: tl.constexpr):
 
 
 @triton.jit
-def _fp4_low(b):
-    """e2m1 value * 2^-14 of the low nibble of each byte in int32 `b`, as float32."""
-    bits = ((b & 0x8) << 12) | ((b & 0x7) << 9)
-    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _fp4_high(b):
-    """e2m1 value * 2^-14 of the high nibble of each byte in int32 `b`, as float32."""
-    bits = ((b & 0x80) << 8) | ((b & 0x70) << 5)
-    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
 def _e4m3_low(s):
     """float32 value * 2^-8 of e4m3 bytes in int32 `s` (NaN encodings never occur in NVFP4
     scales)."""
@@ -143,7 +127,8 @@ def _e4m3(s):
 
 @triton.jit
 def _fp4_word(b, shift: tl.constexpr):
-    """e2m1 value * 2^-14 of the nibble at bit `shift` of int32 words `b`, as float32."""
+    """e2m1 value * 2^-14 of the nibble at bit `shift` of int32 `b` (a word, or a byte: shift
+    0 its low nibble, 4 its high one), as float32."""
     n = b >> shift
     bits = ((n & 0x8) << 12) | ((n & 0x7) << 9)
     return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
@@ -183,8 +168,8 @@ def _dequant_tiles(w_ptr, s_ptr, row, row_ok, grp, g_ok, stride_w, stride_s,
     cast to bf16 is exact."""
     b, s = _load_tile(w_ptr, s_ptr, row, row_ok, grp, g_ok, stride_w, stride_s)
     s = (s * _FP4_UNBIAS)[:, :, None]
-    low = tl.reshape(_fp4_low(b) * s, (BLOCK_N, 8 * GROUPS))
-    high = tl.reshape(_fp4_high(b) * s, (BLOCK_N, 8 * GROUPS))
+    low = tl.reshape(_fp4_word(b, 0) * s, (BLOCK_N, 8 * GROUPS))
+    high = tl.reshape(_fp4_word(b, 4) * s, (BLOCK_N, 8 * GROUPS))
     return low.to(dtype), high.to(dtype)
 
 

@@ -35,7 +35,7 @@ class Tiles:
     decode_n: int = 16
     decode_words: int = 8
     decode_warps: int = 2
-    decode_programs: int = 1024
+    decode_programs: int = 512
     prefill_m: int = 64
     prefill_n: int = 64
     prefill_groups: int = 4
@@ -204,16 +204,25 @@ def _word_strides(name: str, w: torch.Tensor) -> tuple[int, int, int]:
 
 def _decode_shape(units: int, rows: int, k_words: int, x: torch.Tensor, tiles: Tiles
                   ) -> tuple[int, dict]:
-    """Rows per program (decode_n, halved while `units` x row blocks < decode_programs) and
-    the launch meta of a decode kernel over `rows` output rows of `k_words` words each."""
+    """Rows per program and the launch meta of a decode kernel over `rows` output rows of
+    `k_words` words each, `units` independent row sets (pairs or tokens). Rows per program
+    start at decode_n and halve while the launch has fewer than decode_programs programs,
+    but not below one word per thread of a warp (short rows: TP-local down); warps drop
+    when a step's tile would leave threads with fewer than 2 words."""
     block_n = min(tiles.decode_n, _pow2(rows))
-    while block_n > 1 and units * -(-rows // block_n) < tiles.decode_programs:
+    while (block_n > 1 and units * -(-rows // block_n) < tiles.decode_programs
+           and (block_n // 2) * _pow2(k_words) >= 32):
         block_n //= 2
-    per_step = max(2, tiles.decode_words * 32 * tiles.decode_warps // block_n)
-    # a power of two, and whole 16-input groups (2 words) per step
-    kw = max(2, min(_pow2(k_words), 1 << (per_step.bit_length() - 1)))
-    return block_n, dict(BLOCK_N=block_n, KW=kw, ASM=dequant_mode(x),
-                         EVEN=k_words % kw == 0, num_warps=tiles.decode_warps)
+    warps = tiles.decode_warps
+    while True:
+        per_step = max(2, tiles.decode_words * 32 * warps // block_n)
+        # a power of two, and whole 16-input groups (2 words) per step
+        kw = max(2, min(_pow2(k_words), 1 << (per_step.bit_length() - 1)))
+        if warps == 1 or block_n * kw >= 2 * 32 * warps:
+            break
+        warps //= 2
+    return block_n, dict(BLOCK_N=block_n, KW=kw, ASM=dequant_mode(x), EVEN=k_words % kw == 0,
+                         num_warps=warps)
 
 
 def _decode(x, ids, tw, w13, s13, g13, w2, s2, g2, inter, top_k, tiles):

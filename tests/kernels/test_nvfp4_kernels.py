@@ -203,3 +203,26 @@ def test_layers_triton_backend_matches_torch_backend():
         layer.weight_scale_2.data.copy_(q.global_scale)
         layer.bias.data.copy_(torch.arange(32.0))
     _assert_close(linears["triton"](x), linears["torch"](x), "linear")
+
+
+def test_decode_kernels_compile_for_sm90_with_their_ptx():
+    """`bench/nvfp4_sass.py` compiles the decode kernels' PTX path for sm_90 on this CPU
+    machine (ptxas validates the inline PTX the interpreter never runs) and finds their inner
+    loop: every row has registers, no spills and a plausible instruction count per weight."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(root / "bench" / "nvfp4_sass.py"), "--tp", "1,8",
+                           "--tokens", "1"], capture_output=True, text=True, env=env, cwd=root,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if line[:1].isdigit()]
+    assert len(rows) == 4, proc.stdout
+    for row in rows:
+        regs, spill, per_weight = int(row[6]), int(row[7]), float(row[9])
+        assert 0 < regs <= 255 and spill == 0, row
+        assert 2.0 < per_weight < 40.0, row

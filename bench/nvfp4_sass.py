@@ -1,0 +1,133 @@
+"""Instruction mix of the NVFP4 decode kernels' inner loop, compiled for a GPU architecture
+without a GPU: registers, spills and SASS instructions per weight, as a table.
+
+    python bench/nvfp4_sass.py [--arch 90] [--tp 1,8] [--tokens 1,16]
+
+Method. For each (TP, tokens) the launcher's own tile choice (`_decode_shape` with the GPU
+tiles) at Qwen3.6-35B-A3B's expert dimensions (H=2048, I=512/tp, top-8) is compiled by
+Triton for `--arch` (ptxas and cuobjdump come with the triton wheel), with the integer
+arguments the launcher passes marked divisible by 16 as Triton's own specialisation would.
+The loop is the longest backward branch of the SASS; `instr/weight` is its instruction count
+over the weights a thread handles per trip (three K-steps per trip). Counts, not times: the
+kernels run at about half the SMs' issue rate (docs/performance.md), so the count is what a
+change to the decode arithmetic moves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import inspect
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import int_list  # noqa: E402
+
+# Arguments the launcher passes as multiples of 16 at these dimensions (pointers from torch
+# allocations, strides and word counts); Triton specialises them the same way at run time.
+DIVISIBLE = {"x_ptr", "w_ptr", "s_ptr", "h_ptr", "out_ptr", "inter", "k_words", "stride_x",
+             "xs", "hs", "stride_we", "stride_se", "stride_sn", "stride_h", "stride_out",
+             "n_rows"}
+POINTERS = {"x_ptr": "*fp32", "h_ptr": "*fp32", "ids_ptr": "*i32", "tw_ptr": "*bf16",
+            "w_ptr": "*u8", "s_ptr": "*u8", "g_ptr": "*fp32", "g2_ptr": "*fp32",
+            "out_ptr": "*bf16"}
+
+
+def compile_sass(fn, constexprs: dict, num_warps: int, arch: int) -> tuple[str, int, int]:
+    """(SASS text, registers, spill bytes) of `fn` compiled for sm_`arch`."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    params = list(inspect.signature(fn.fn).parameters)
+    signature = {p: "constexpr" if p in constexprs else POINTERS.get(p, "i32") for p in params}
+    attrs = {(params.index(p),): [["tt.divisibility", 16]] for p in DIVISIBLE if p in params}
+    src = ASTSource(fn=fn, signature=signature, attrs=attrs,
+                    constexprs={(params.index(k),): v for k, v in constexprs.items()})
+    kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                            options={"num_warps": num_warps})
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        sass = subprocess.run([str(tools / "cuobjdump"), "-sass", str(cubin)],
+                              capture_output=True, text=True, check=True).stdout
+        ptx = Path(tmp) / "k.ptx"
+        ptx.write_text(kernel.asm["ptx"])
+        info = subprocess.run([str(tools / "ptxas"), "-v", f"--gpu-name=sm_{arch}a", str(ptx),
+                               "-o", os.devnull], capture_output=True, text=True).stderr
+    regs = re.search(r"Used (\d+) registers", info)
+    spill = re.search(r"(\d+) bytes spill stores", info)
+    return sass, int(regs.group(1)) if regs else -1, int(spill.group(1)) if spill else 0
+
+
+def loop_mix(sass: str) -> tuple[int, collections.Counter]:
+    """Instruction count and opcode counts of the longest backward-branch loop."""
+    pattern = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
+    ops = [(int(m.group(1), 16), m.group(2), line) for line in sass.splitlines()
+           if (m := pattern.match(line))]
+    best = (0, -1)
+    for addr, op, line in ops:
+        target = re.search(r"BRA (?:\S+ )?0x([0-9a-f]+)", line)
+        if op == "BRA" and target and int(target.group(1), 16) < addr:
+            start = int(target.group(1), 16)
+            if addr - start > best[1] - best[0]:
+                best = (start, addr)
+    body = collections.Counter(op for addr, op, _ in ops if best[0] <= addr <= best[1])
+    return sum(body.values()), body
+
+
+def rows(tps: list[int], tokens: list[int], arch: int) -> list[dict]:
+    from freetoken.kernels import nvfp4_jit, nvfp4_moe
+
+    tiles, top_k, hidden, inter_full = nvfp4_moe.GPU_TILES, 8, 2048, 512
+    x = type("X", (), {"device": type("D", (), {"type": "cuda"})(), "dtype": None})()
+    out = []
+    for tp in tps:
+        inter = inter_full // tp
+        for count in tokens:
+            for name, fn, units, n_rows, k_words, weights_per_row in (
+                    ("gate_up", nvfp4_jit.gate_up_decode, count * top_k, inter, hidden // 8, 2),
+                    ("down", nvfp4_jit.down_decode, count, hidden, inter // 8, 1)):
+                block_n, meta = nvfp4_moe._decode_shape(units, n_rows, k_words, x, tiles)
+                meta = {**meta, "ASM": 1, "VEC": 4}
+                warps = meta.pop("num_warps")
+                sass, regs, spill = compile_sass(fn, meta, warps, arch)
+                total, mix = loop_mix(sass)
+                # three K-steps per trip; gate_up handles a gate and an up row per row
+                weights = 3 * weights_per_row * block_n * meta["KW"] * 8 / (32 * warps)
+                out.append({"tp": tp, "tokens": count, "kernel": name, "rows": block_n,
+                            "words/step": meta["KW"], "warps": warps, "regs": regs,
+                            "spill": spill, "loop instr": total,
+                            "instr/weight": total / weights,
+                            "top ops": ", ".join(f"{op} {n}" for op, n in mix.most_common(6))})
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200)")
+    p.add_argument("--tp", type=int_list, default=[1, 8])
+    p.add_argument("--tokens", type=int_list, default=[1, 16])
+    args = p.parse_args()
+    # the decode PTX path is what a GPU runs: make sure the kernels are not interpreted
+    os.environ.pop("TRITON_INTERPRET", None)
+    from tabulate import tabulate
+
+    table = rows(args.tp, args.tokens, args.arch)
+    print(f"sm_{args.arch}, triton {__import__('triton').__version__}, GPU tiles "
+          f"(`nvfp4_moe.GPU_TILES`), E=256 top-8 H=2048 I=512/tp")
+    print(tabulate([[r[k] if not isinstance(r[k], float) else f"{r[k]:.2f}" for k in r]
+                    for r in table], headers=list(table[0]), tablefmt="simple",
+                   disable_numparse=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
