@@ -226,3 +226,20 @@ def test_decode_kernels_compile_for_sm90_with_their_ptx():
         regs, spill, per_weight = int(row[6]), int(row[7]), float(row[9])
         assert 0 < regs <= 255 and spill == 0, row
         assert 2.0 < per_weight < 40.0, row
+
+
+def test_decode_refuses_weights_whose_rows_are_not_whole_words():
+    """The decode kernels read packed weights as int32 words: a w13 view whose rows do not
+    start on 4-byte boundaries is refused with an error naming it, not read misaligned."""
+    from freetoken.kernels import nvfp4_moe
+
+    w = make_experts(4, 48, 32, 1, seed=9)
+    x, weights, ids = _make_routing(2, 4, 2, 48, seed=9)
+    padded = torch.zeros(*w["w13"].shape[:2], w["w13"].shape[2] + 1, dtype=torch.uint8)
+    padded[..., :-1] = w["w13"]
+    bad = {**w, "w13": padded[..., :-1]}        # rows 25 bytes apart
+    with pytest.raises(NVFP4FormatError, match="w13"):
+        nvfp4_moe.fused_moe(x, weights, ids, **bad, path="decode")
+    want = reference_moe(x, weights, ids, **w)   # the same weights, contiguous: accepted
+    _assert_close(nvfp4_moe.fused_moe(x, weights, ids, **{**bad, "w13": bad["w13"].contiguous()},
+                                      path="decode"), want, "contiguous copy")
