@@ -63,7 +63,7 @@ def _word_tile_values(w_ptr, out_ptr, ROWS: tl.constexpr, KW: tl.constexpr, ASM:
     b = tl.load(w_ptr + row * KW + col)
     t = nvfp4_jit.word_tables(0, ROWS, KW)
     f = nvfp4_jit._word_values(b, t[0], t[1], t[2], t[3], t[4], ASM)
-    scale = 1.0 if ASM else 16384.0   # the portable values are e2m1 * 2^-14
+    scale = 1.0 if ASM else nvfp4_jit._FP4_UNBIAS   # the portable values are e2m1 * 2^-14
     base = out_ptr + row * (8 * KW) + 8 * col
     tl.store(base, f[0] * scale)
     tl.store(base + 1, f[1] * scale)

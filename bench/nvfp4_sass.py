@@ -84,10 +84,12 @@ def loop_mix(sass: str) -> tuple[int, collections.Counter]:
 
 
 def rows(tps: list[int], tokens: list[int], arch: int) -> list[dict]:
+    import torch
+
     from freetoken.kernels import nvfp4_jit, nvfp4_moe
 
     tiles, top_k, hidden, inter_full = nvfp4_moe.GPU_TILES, 8, 2048, 512
-    x = type("X", (), {"device": type("D", (), {"type": "cuda"})(), "dtype": None})()
+    x = torch.empty(0)   # only picks the decode mode, which is set to the GPU's below
     out = []
     for tp in tps:
         inter = inter_full // tp

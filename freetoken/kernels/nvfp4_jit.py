@@ -41,8 +41,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# e2m1 nibbles decode to e2m1 * 2^-14 (portable path); this undoes it in the block scale.
+# e2m1 nibbles decode to e2m1 * 2^-14 and e4m3 scales (`_e4m3_low`) to e4m3 * 2^-8 in the
+# portable bit arithmetic; these undo it.
 _FP4_UNBIAS = tl.constexpr(16384.0)
+_E4M3_UNBIAS = tl.constexpr(256.0)
 
 # tl.sum and tl.zeros are @jit functions of triton.language, and whether a @jit function is
 # interpreted is fixed when its module is imported: triton may have been imported (by
@@ -101,9 +103,8 @@ BF16_LOW_0, BF16_LOW_1 = (tl.constexpr(int(_imm(v))) for v in BF16_LOW)
 SIGN_TABLE_C = tl.constexpr(SIGN_TABLE)
 _WORD_ASM = tl.constexpr(_word_asm())
 # The word path's block scales are e4m3 * 2^-8 (`_e4m3_low`), its portable nibbles e2m1 *
-# 2^-14 (`_fp4_word`): these undo that at the end.
-_PTX_UNBIAS = tl.constexpr(256.0)
-_PORTABLE_UNBIAS = tl.constexpr(256.0 * 16384.0)
+# 2^-14 (`_fp4_word`): `_unbias` undoes that at the end.
+_PORTABLE_UNBIAS = tl.constexpr(_E4M3_UNBIAS.value * _FP4_UNBIAS.value)
 
 
 @triton.jit
@@ -122,7 +123,7 @@ def _e4m3_low(s):
 @triton.jit
 def _e4m3(s):
     """float32 value of e4m3 bytes in int32 `s`."""
-    return _e4m3_low(s) * 256.0
+    return _e4m3_low(s) * _E4M3_UNBIAS
 
 
 @triton.jit
@@ -251,7 +252,7 @@ def _word_step(acc, b, s, x, t, ASM: tl.constexpr):
 @triton.jit
 def _unbias(ASM: tl.constexpr):
     if ASM:
-        return _PTX_UNBIAS
+        return _E4M3_UNBIAS
     return _PORTABLE_UNBIAS
 
 
@@ -325,16 +326,6 @@ def gate_up_decode(x_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, g2_ptr, h_ptr, z
 
 
 @triton.jit
-def _slot_tile(ids_ptr, w_ptr, s_ptr, t, top_k, slot, w0, n, n_ok, k_words, stride_we,
-               stride_wn, stride_se, stride_sn, KW: tl.constexpr):
-    """`_word_tile` of token t's slot `slot` (its expert's words from w0); zeros once `slot`
-    is past the last one (the prefetch runs two steps past the end)."""
-    e = tl.load(ids_ptr + t * top_k + tl.minimum(slot, top_k - 1)).to(tl.int64)
-    return _word_tile(w_ptr + e * stride_we, s_ptr + e * stride_se, n, n_ok & (slot < top_k),
-                      tl.multiple_of(w0, KW), k_words, stride_wn, stride_sn, KW)
-
-
-@triton.jit
 def _next_step(slot, w0, k_words, KW: tl.constexpr):
     """(slot, first word) of the step after (slot, w0) in `down_decode`'s walk."""
     w0 += KW
@@ -343,11 +334,23 @@ def _next_step(slot, w0, k_words, KW: tl.constexpr):
 
 
 @triton.jit
+def _slot_tile(ids_ptr, w_ptr, s_ptr, t, top_k, slot, w0, n, n_ok, k_words, stride_we,
+               stride_wn, stride_se, stride_sn, KW: tl.constexpr):
+    """`_word_tile` of token t's slot `slot` (its expert's words from w0; zeros once `slot`
+    is past the last one: the prefetch runs two steps past the end), and the step after."""
+    e = tl.load(ids_ptr + t * top_k + tl.minimum(slot, top_k - 1)).to(tl.int64)
+    tile = _word_tile(w_ptr + e * stride_we, s_ptr + e * stride_se, n, n_ok & (slot < top_k),
+                      tl.multiple_of(w0, KW), k_words, stride_wn, stride_sn, KW)
+    return tile, _next_step(slot, w0, k_words, KW)
+
+
+@triton.jit
 def _down_step(acc, tile, h_ptr, t, top_k, slot, w0, stride_h, hs, k_words, tab,
                BLOCK_N: tl.constexpr, KW: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr):
+    """`_word_step` of the walk's step (slot, w0), and the step after."""
     h_row = h_ptr + (t * top_k + tl.minimum(slot, top_k - 1)).to(tl.int64) * stride_h
     x = _x_words(h_row, hs, tl.multiple_of(w0, KW), k_words, slot < top_k, BLOCK_N, KW, EVEN)
-    return _word_step(acc, tile[0], tile[1], x, tab, ASM)
+    return _word_step(acc, tile[0], tile[1], x, tab, ASM), _next_step(slot, w0, k_words, KW)
 
 
 @triton.jit
@@ -360,7 +363,7 @@ def down_decode(h_ptr, ids_ptr, w_ptr, s_ptr, out_ptr, zero, n_rows, k_words, to
     per (token, block of rows) walks all of the token's slots as one long dot product
     (`steps` K-steps per slot), so the slots are added in order in one float32 sum, with no
     partial rows in memory. Loads run two steps ahead in three named buffers, as in
-    `gate_up_decode`."""
+    `gate_up_decode`; `cur` is the step being computed, `ld` the step being loaded."""
     t = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < n_rows
@@ -368,33 +371,24 @@ def down_decode(h_ptr, ids_ptr, w_ptr, s_ptr, out_ptr, zero, n_rows, k_words, to
     w = w_ptr.to(tl.pointer_type(tl.int32))
     tab = word_tables(zero, BLOCK_N, KW)
     acc = tl.full([BLOCK_N, KW // 2], 0.0, tl.float32)
-    slot = 0                                    # the step being computed
-    w0 = 0
-    a = _slot_tile(ids_ptr, w, s_ptr, t, top_k, slot, w0, n, n_ok, k_words, stride_we,
-                   stride_wn, stride_se, stride_sn, KW)
-    ps, pw = _next_step(slot, w0, k_words, KW)  # the step being loaded
-    b = _slot_tile(ids_ptr, w, s_ptr, t, top_k, ps, pw, n, n_ok, k_words, stride_we,
-                   stride_wn, stride_se, stride_sn, KW)
-    ps, pw = _next_step(ps, pw, k_words, KW)
+    cur = (0, 0)
+    a, ld = _slot_tile(ids_ptr, w, s_ptr, t, top_k, cur[0], cur[1], n, n_ok, k_words,
+                       stride_we, stride_wn, stride_se, stride_sn, KW)
+    b, ld = _slot_tile(ids_ptr, w, s_ptr, t, top_k, ld[0], ld[1], n, n_ok, k_words,
+                       stride_we, stride_wn, stride_se, stride_sn, KW)
     for _ in range(0, top_k * steps, 3):
-        c = _slot_tile(ids_ptr, w, s_ptr, t, top_k, ps, pw, n, n_ok, k_words, stride_we,
-                       stride_wn, stride_se, stride_sn, KW)
-        ps, pw = _next_step(ps, pw, k_words, KW)
-        acc = _down_step(acc, a, h_ptr, t, top_k, slot, w0, stride_h, hs, k_words, tab,
-                         BLOCK_N, KW, ASM, EVEN)
-        slot, w0 = _next_step(slot, w0, k_words, KW)
-        a = _slot_tile(ids_ptr, w, s_ptr, t, top_k, ps, pw, n, n_ok, k_words, stride_we,
-                       stride_wn, stride_se, stride_sn, KW)
-        ps, pw = _next_step(ps, pw, k_words, KW)
-        acc = _down_step(acc, b, h_ptr, t, top_k, slot, w0, stride_h, hs, k_words, tab,
-                         BLOCK_N, KW, ASM, EVEN)
-        slot, w0 = _next_step(slot, w0, k_words, KW)
-        b = _slot_tile(ids_ptr, w, s_ptr, t, top_k, ps, pw, n, n_ok, k_words, stride_we,
-                       stride_wn, stride_se, stride_sn, KW)
-        ps, pw = _next_step(ps, pw, k_words, KW)
-        acc = _down_step(acc, c, h_ptr, t, top_k, slot, w0, stride_h, hs, k_words, tab,
-                         BLOCK_N, KW, ASM, EVEN)
-        slot, w0 = _next_step(slot, w0, k_words, KW)
+        c, ld = _slot_tile(ids_ptr, w, s_ptr, t, top_k, ld[0], ld[1], n, n_ok, k_words,
+                           stride_we, stride_wn, stride_se, stride_sn, KW)
+        acc, cur = _down_step(acc, a, h_ptr, t, top_k, cur[0], cur[1], stride_h, hs, k_words,
+                              tab, BLOCK_N, KW, ASM, EVEN)
+        a, ld = _slot_tile(ids_ptr, w, s_ptr, t, top_k, ld[0], ld[1], n, n_ok, k_words,
+                           stride_we, stride_wn, stride_se, stride_sn, KW)
+        acc, cur = _down_step(acc, b, h_ptr, t, top_k, cur[0], cur[1], stride_h, hs, k_words,
+                              tab, BLOCK_N, KW, ASM, EVEN)
+        b, ld = _slot_tile(ids_ptr, w, s_ptr, t, top_k, ld[0], ld[1], n, n_ok, k_words,
+                           stride_we, stride_wn, stride_se, stride_sn, KW)
+        acc, cur = _down_step(acc, c, h_ptr, t, top_k, cur[0], cur[1], stride_h, hs, k_words,
+                              tab, BLOCK_N, KW, ASM, EVEN)
     out = _sum(acc, 1) * _unbias(ASM)
     tl.store(out_ptr + t.to(tl.int64) * stride_out + n, out, mask=n_ok)
 
