@@ -16,7 +16,7 @@ import importlib.util
 import os
 import sys
 
-JIT_MODULES = ("freetoken.kernels.nvfp4_jit",)
+JIT_MODULES = ("freetoken.kernels.nvfp4_jit", "freetoken.kernels.nvfp4_mma")
 
 
 def triton_available() -> bool:

@@ -1,13 +1,16 @@
-"""Launchers for the NVFP4 routed-expert kernels (`freetoken.kernels.nvfp4_jit`).
+"""Launchers for the NVFP4 routed-expert kernels (`freetoken.kernels.nvfp4_jit`,
+`freetoken.kernels.nvfp4_mma`).
 
 `fused_moe` is the whole routed-expert computation of one rank: gate_up with SiLU-and-mul,
 then down, weighted by the routing weights and summed over each token's top-k slots (a
-partial sum; the MoE block all-reduces it). Few tokens take the decode kernels (GEMVs on
-CUDA cores: gate_up one program per (token, slot) pair and block of rows, down one per
-(token, block of rows) walking all of the token's slots; blocks shrink to fewer rows when
-that leaves too few programs); more take the prefill kernels, on pairs sorted by expert into
-blocks. Nothing here synchronises with the host, so decode steps can be captured in CUDA
-graphs.
+partial sum; the MoE block all-reduces it). Few tokens take the decode kernels: gate_up one
+program per (token, slot) pair and block of rows, down one per (token, block of rows)
+walking all of the token's slots. 16-bit activations on a GPU decode on tensor cores
+(`nvfp4_mma`: a warp per 16 rows, warps splitting K when a launch has few warps); float32
+activations and CPUs take the CUDA-core GEMVs of `nvfp4_jit` (blocks shrink to fewer rows
+when that leaves too few programs). More tokens take the prefill kernels, on pairs sorted by
+expert into blocks. Nothing here synchronises with the host, so decode steps can be captured
+in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -30,7 +33,10 @@ class Tiles:
     has fewer than `decode_programs` programs (one or two tokens of small TP-local experts);
     every thread takes `decode_words` int32 words (8 weights each) per row and step, so a
     step covers decode_words * 32 * decode_warps / rows words of each row. prefill: pairs per
-    block (BLOCK_M), output rows per program (BLOCK_N), 16-input groups per step."""
+    block (BLOCK_M), output rows per program (BLOCK_N), 16-input groups per step. mma (the
+    tensor-core decode, on unless `mma` is False): `mma_tiles` 16-row tiles per program, and
+    the warps of a program split K while a launch has fewer than `mma_warps` warps, up to
+    `mma_max_split` ways."""
 
     decode_n: int = 16
     decode_words: int = 8
@@ -41,6 +47,10 @@ class Tiles:
     prefill_groups: int = 4
     num_warps: int = 4
     num_stages: int = 3
+    mma: bool = True
+    mma_warps: int = 1024
+    mma_max_split: int = 8
+    mma_tiles: int = 1
 
 
 GPU_TILES = Tiles()
@@ -52,6 +62,10 @@ INTERPRETER_TILES = Tiles(decode_n=128, decode_words=16, decode_programs=1, pref
 def _jit():
     """The kernel module, imported on first use (see `freetoken.kernels.use_interpreter`)."""
     return importlib.import_module("freetoken.kernels.nvfp4_jit")
+
+
+def _mma_jit():
+    return importlib.import_module("freetoken.kernels.nvfp4_mma")
 
 
 def _pow2(n: int) -> int:
@@ -73,6 +87,73 @@ def dequant_mode(x: torch.Tensor) -> int:
     if x.device.type != "cuda" or interpreter_requested():
         return 0
     return 0 if os.environ.get("FREETOKEN_NVFP4_PTX", "1") == "0" else 1
+
+
+def uses_mma(x: torch.Tensor, tiles: Tiles) -> bool:
+    """Whether decode runs on tensor cores (`freetoken.kernels.nvfp4_mma`): 16-bit activations
+    on a GPU with e4m3 conversions (compute capability >= 8.9) and the PTX decode on.
+    float32 activations keep the CUDA-core kernels, whose products are exact in float32."""
+    return (tiles.mma and dequant_mode(x) == 1 and x.dtype in (torch.bfloat16, torch.float16)
+            and torch.cuda.get_device_capability(x.device) >= (8, 9))
+
+
+def _mma_shape(units: int, rows: int, k_inputs: int, walk: int, tiles: Tiles
+               ) -> tuple[int, int, int, int]:
+    """(V, S, CHUNKS, TILES) of an mma decode launch: V words per lane and chunk (the largest of
+    4, 2, 1 that divides the row into whole chunks of 32 V inputs), CHUNKS chunks per row,
+    TILES 16-row tiles per program, and the K split S: warps per program, doubled (up to
+    `mma_max_split`) while the launch has fewer than `mma_warps` warps and each warp keeps
+    at least one of the `walk * CHUNKS` steps."""
+    v = next((v for v in (4, 2) if k_inputs % (32 * v) == 0), 1)
+    chunks = -(-k_inputs // (32 * v))
+    row_tiles = min(tiles.mma_tiles, _pow2(-(-rows // 16)))
+    split, warps = 1, units * -(-rows // 16)
+    while (split < tiles.mma_max_split and warps * split < tiles.mma_warps
+           and 2 * split <= walk * chunks):
+        split *= 2
+    return v, split, chunks, row_tiles
+
+
+def _fragments(x: torch.Tensor, k_inputs: int, v: int, g: torch.Tensor | None = None):
+    """`to_fragments` of x's rows: (x16 [T, padded K] fp16, xf [T] float32, count [T] int32)."""
+    tokens, chunks = x.shape[0], -(-k_inputs // (32 * v))
+    x16 = torch.empty(tokens, chunks * 32 * v, dtype=torch.float16, device=x.device)
+    xf = torch.empty(tokens, dtype=torch.float32, device=x.device)
+    count = torch.empty(tokens, dtype=torch.int32, device=x.device)
+    _mma_jit().to_fragments[(tokens,)](
+        x, x16, xf, count, g if g is not None else xf, k_inputs, x.stride(0), x16.stride(0),
+        V=v, BLOCK=_pow2(x16.shape[1]), HAS_G=g is not None, num_warps=4)
+    return x16, xf, count
+
+
+def _decode_mma(x, ids, tw, w13, s13, g13, w2, s2, g2, inter, top_k, tiles):
+    jit, pairs, tokens, hidden = _mma_jit(), ids.numel(), x.shape[0], x.shape[1]
+    v, split, _, row_tiles = _mma_shape(pairs, inter, hidden, 1, tiles)
+    x16, xf, count = _fragments(x, hidden, v)
+    vh, _, chunks_h, _ = _mma_shape(tokens, hidden, inter, top_k, tiles)
+    h = torch.empty(pairs, inter, dtype=torch.float32, device=x.device)
+    h16 = torch.empty(pairs, chunks_h * 32 * vh, dtype=torch.float16, device=x.device)
+    hf = torch.empty(tokens, dtype=torch.float32, device=x.device)
+    we, wn, _ = _word_strides("w13", w13)
+    blocks = -(-inter // (16 * row_tiles))
+    jit.gate_up_mma[(pairs, blocks)](
+        x16, xf, ids, tw, w13, s13, g13, g2, h, h16, hf, count, inter, hidden // 8, top_k,
+        blocks, x16.stride(0), we, wn, s13.stride(0), s13.stride(1), h.stride(0),
+        h16.stride(0), V=v, TILES=row_tiles, S=split, VH=vh, IP=_pow2(inter),
+        KP=_pow2(top_k), num_warps=split * row_tiles)
+    out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    _down_mma(h16, hf, ids, w2, s2, out, inter, top_k, tiles)
+    return out
+
+
+def _down_mma(h16, hf, ids, w2, s2, out, k_inputs, top_k, tiles):
+    tokens, n_rows = out.shape[0], w2.shape[1]
+    v, split, chunks, row_tiles = _mma_shape(tokens, n_rows, k_inputs, top_k, tiles)
+    we, wn, _ = _word_strides("w2", w2)
+    _mma_jit().down_mma[(tokens, -(-n_rows // (16 * row_tiles)))](
+        h16, hf, ids, w2, s2, out, n_rows, k_inputs // 8, top_k, h16.stride(0), we, wn,
+        s2.stride(0), s2.stride(1), out.stride(0), V=v, TILES=row_tiles, S=split,
+        CHUNKS=chunks, num_warps=split * row_tiles)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -162,7 +243,7 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
     if tokens == 0:
         return x.new_zeros(0, hidden)
     if path == "decode":
-        return _decode(**args)
+        return _decode_mma(**args) if uses_mma(x, tiles) else _decode(**args)
     out = torch.empty(tokens * top_k, hidden, dtype=torch.float32, device=x.device)
     _prefill(out=out, **args)
     return out.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)

@@ -1,0 +1,393 @@
+"""Tensor-core NVFP4 decode kernels for 16-bit activations on CUDA GPUs (W4A16: weights
+decoded in registers, fp16 products accumulated in float32 by `mma.m16n8k16`).
+
+Why: the CUDA-core decode (`nvfp4_jit.gate_up_decode`) issues ~5.5 instructions per weight,
+of which the multiply-add is one and turning a nibble into a float32 three. Here a warp's
+`mma` consumes 256 weights per instruction and a weight becomes an fp16 value in ~1.4
+instructions: gate_up's loop issues 2.65 instructions per weight, down's 3.2-3.6
+(`bench/nvfp4_sass.py`). float32 activations keep the CUDA-core kernels (products exact in
+float32); these serve bf16 and fp16 ones.
+
+Fragments. A warp computes a 16-row tile of the output; lane (g, t) = (lane / 4, lane % 4)
+holds rows g and g + 8. The mma's K order within a 16-input step is free as long as A
+(weights) and B (activations) agree, so each lane takes 8 *consecutive* inputs of its two
+rows per int32 word, straight from the checkpoint's bytes (no repacked copy of the weights):
+a chunk of 32 V inputs gives lane t the words t V .. t V + V - 1 of each row, and every word
+is one inside one 16-input scale group. Of a word's bytes b0..b3 (element 2j in the low
+nibble of b_j) the decoder builds four fp16 pairs, inputs (0, 4), (2, 6), (1, 5) and
+(3, 7): two mma steps per word. The activations are stored in that order by
+`to_fragments`, fp16, scaled per token by a power of two that keeps them in fp16's range:
+exact for bf16 inputs down to 2^-29 of the row's largest magnitude (fp16 keeps 11
+significant bits, bf16 has 8; smaller ones lose bits as fp16 subnormals).
+
+Decode. An e2m1 code `s e1 e0 m` at fp16 bits 15 and 11..9 is the fp16 number e2m1 * 2^-14
+exactly (codes 0 and 1 on subnormals). A word's high nibbles are placed for both pairs they
+feed by one bit-select of the word and the word shifted right by 3 (signs from the first,
+magnitudes from the second), then a mask (and a shift by 8 for the even bytes); the low
+nibbles likewise after a shift by 4: 11 instructions per 8 weights. The block scale pair of
+rows (g, g + 8) converts with `cvt.rn.f16x2.e4m3x2` and is multiplied by 2^7, so that
+e2m1 * 2^-14 * e4m3 * 2^7 (at most 6 significant bits, between 2^-17 and 21) is exact in fp16.
+
+h between gate_up and down: gate_up writes float32 h (already times the routing weight and
+down's global scale), and the last of a token's gate_up programs (an atomic count per token)
+converts the token's h to fp16 fragments (11 significant bits; the model's own h is bf16)
+with one power-of-two scale for all its slots, so that down walks all of a token's slots as
+one float32 dot product.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+FP16_MAX_EXP = tl.constexpr(15)
+"""Activations are scaled by 2^-e so that their largest magnitude is below 2^15."""
+W_BIAS_EXP = tl.constexpr(7)
+"""Decoded weights are e2m1 * e4m3 * 2^-7: outputs are multiplied by 2^(7 + e)."""
+
+_M = 0x8E008E00     # fp16 sign bit and e2m1 magnitude bits (15, 11..9) of both halves
+_SEL = 0xE4         # lop3 table of (a & c) | (b & ~c)
+
+
+def _mma_asm() -> str:
+    """PTX for one word position of a lane: $4 / $5 the int32 words of rows g / g + 8, $6 their
+    block scale bytes (row g in bits 0..7, row g + 8 in 8..15), $7 the activation pairs for
+    inputs (0, 4), (2, 6) and $8 those for (1, 5), (3, 7) (int64 each), $9..$12 the
+    accumulator in; $0..$3 out."""
+
+    def decode(word: str, r02h: str, r13h: str, r02l: str, r13l: str) -> list[str]:
+        return [
+            f"shr.b32 t, {word}, 3;",
+            f"lop3.b32 u, {word}, t, {0x80808080 - (1 << 32)}, {_SEL};",
+            f"and.b32 {r13h}, u, {_M - (1 << 32)};",
+            "shl.b32 u, u, 8;",
+            f"and.b32 {r02h}, u, {_M - (1 << 32)};",
+            f"shl.b32 v, {word}, 4;",
+            f"shl.b32 t, {word}, 1;",
+            f"lop3.b32 u, v, t, {0x80808080 - (1 << 32)}, {_SEL};",
+            f"and.b32 {r13l}, u, {_M - (1 << 32)};",
+            "shl.b32 u, u, 8;",
+            f"and.b32 {r02l}, u, {_M - (1 << 32)};",
+        ]
+
+    mma = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+    lines = [
+        ".reg .b32 t, u, v, ga, gb, gc, gd, ha, hb, hc, hd, sf, sg, sh, k;",
+        ".reg .b16 q, lo, hi;",
+        ".reg .b32 b0, b1, b2, b3;",
+        "mov.b64 {b0, b1}, $7;",
+        "mov.b64 {b2, b3}, $8;",
+        "cvt.u16.u32 q, $6;",
+        "cvt.rn.f16x2.e4m3x2 sf, q;",
+        "mov.b32 k, 0x58005800;",                # (2^7, 2^7) in fp16
+        "mul.rn.f16x2 sf, sf, k;",
+        "mov.b32 {lo, hi}, sf;",
+        "mov.b32 sg, {lo, lo};",
+        "mov.b32 sh, {hi, hi};",
+    ]
+    lines += decode("$4", "ga", "gb", "gc", "gd")
+    lines += decode("$5", "ha", "hb", "hc", "hd")
+    for r in ("ga", "gb", "gc", "gd"):
+        lines.append(f"mul.rn.f16x2 {r}, {r}, sg;")
+    for r in ("ha", "hb", "hc", "hd"):
+        lines.append(f"mul.rn.f16x2 {r}, {r}, sh;")
+    lines += [
+        f"{mma} {{$0, $1, $2, $3}}, {{gc, hc, gd, hd}}, {{b0, b1}}, {{$9, $10, $11, $12}};",
+        f"{mma} {{$0, $1, $2, $3}}, {{ga, ha, gb, hb}}, {{b2, b3}}, {{$0, $1, $2, $3}};",
+    ]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+_MMA_ASM = tl.constexpr(_mma_asm())
+
+
+@triton.jit
+def _frag_pos(k, V: tl.constexpr):
+    """Where input k of a row goes in the fragment order of chunks of 32 V inputs, in fp16
+    units: lane t's V words of a chunk, each word's inputs as the int64s ((0, 4), (2, 6))
+    then ((1, 5), (3, 7)) that `_b_tile` loads (the first of each word position's steps, then
+    the second)."""
+    c = k // (32 * V)
+    rem = k % (32 * V)
+    t = rem // (8 * V)
+    rem = rem % (8 * V)
+    i = rem // 8
+    q = rem % 8
+    return 2 * ((c * 4 + t) * 4 * V + (q & 1) * 2 * V + i * 2 + ((q >> 1) & 1)) + (q >> 2)
+
+
+@triton.jit
+def _sum(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, tl.standard._sum_combine)
+
+
+@triton.jit
+def _max(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, tl.standard._elementwise_max)
+
+
+@triton.jit
+def _pow2(e):
+    """2^e as float32 for int32 e in the normal range."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _exponent(amax):
+    """e with amax * 2^-e < 2^15 (and >= 2^14 for amax > 0, unless amax < 2^-86, where e stops
+    at -100 so that 2^-e stays a float32); 0 for amax == 0."""
+    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 + 1 - FP16_MAX_EXP
+    return tl.where(amax > 0, tl.maximum(e, -100), 0)
+
+
+@triton.jit
+def to_fragments(x_ptr, x16_ptr, xf_ptr, count_ptr, g_ptr, k_inputs, stride_x, stride_x16,
+                 V: tl.constexpr, BLOCK: tl.constexpr, HAS_G: tl.constexpr):
+    """Row t of x (times g[0] if HAS_G) as fp16 fragments (`_frag_pos`) scaled by 2^-e,
+    e per row; xf[t] = 2^(7 + e) undoes both biases; count[t] = 0 for gate_up's last-program
+    count. Inputs past k_inputs up to the row's padded length (<= BLOCK) are zeros."""
+    t = tl.program_id(0)
+    k = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + t.to(tl.int64) * stride_x + k, mask=k < k_inputs, other=0.0)
+    x = x.to(tl.float32)
+    if HAS_G:
+        x = x * tl.load(g_ptr)
+    e = _exponent(_max(tl.abs(x), 0))
+    padded = (k_inputs + 32 * V - 1) // (32 * V) * (32 * V)
+    tl.store(x16_ptr + t.to(tl.int64) * stride_x16 + _frag_pos(k, V),
+             (x * _pow2(-e)).to(tl.float16), mask=k < padded)
+    tl.store(xf_ptr + t, _pow2(e + W_BIAS_EXP))
+    tl.store(count_ptr + t, 0)
+
+
+@triton.jit
+def _lanes(NW: tl.constexpr, S: tl.constexpr):
+    """Per tensor row r (one per thread: lane r % 32 of warp r / 32): g, t, row tile, K split."""
+    r = tl.arange(0, 32 * NW)
+    lane = r % 32
+    warp = r // 32
+    return lane // 4, lane % 4, warp // S, warp % S
+
+
+@triton.jit
+def _rows_tile(w_ptr, s_ptr, we, se, row, lim, live, c, t, k_words, stride_wn, stride_sn,
+               V: tl.constexpr):
+    """int32 words [R, V] of weight rows `row` and `row + 8` (valid below `lim`, where `live`)
+    of the expert at word offset `we` (scale byte offset `se`; scalars or per row) for chunk
+    c (lane t's words c 4V + t V + i), and per word the block scale bytes of its group in
+    both rows, packed as (row) | (row + 8) << 8. A lane's words span V / 2 groups (one for
+    V <= 2): its scale bytes of a row are one load."""
+    i = tl.arange(0, V)
+    kw0 = c * (4 * V) + t * V
+    kw = kw0[:, None] + i[None, :]
+    ok_g1 = (row < lim) & live & (kw0 < k_words)          # [R]: rows g, g + 8 and the
+    ok_h1 = (row + 8 < lim) & live & (kw0 < k_words)      # lane's first word
+    ok_g = ok_g1[:, None] & (kw < k_words)
+    ok_h = ok_h1[:, None] & (kw < k_words)
+    base = w_ptr + (we + row.to(tl.int64) * stride_wn)[:, None] + kw
+    wg = tl.load(base, mask=ok_g, other=0)
+    wh = tl.load(base + 8 * stride_wn, mask=ok_h, other=0)
+    if V >= 4:
+        j = tl.arange(0, 2)
+        grp = tl.multiple_of(kw0 // 2, 2)[:, None] + j[None, :]
+        sb = s_ptr + (se + row.to(tl.int64) * stride_sn)[:, None] + grp
+        sg = tl.load(sb, mask=ok_g1[:, None], other=0).to(tl.int32)
+        sh = tl.load(sb + 8 * stride_sn, mask=ok_h1[:, None], other=0)
+        first, second = tl.split(sg | (sh.to(tl.int32) << 8))
+        sc = tl.where(i[None, :] < V // 2, first[:, None], second[:, None])
+    else:
+        sb = s_ptr + se + row.to(tl.int64) * stride_sn + kw0 // 2
+        sg = tl.load(sb, mask=ok_g1, other=0).to(tl.int32)
+        sh = tl.load(sb + 8 * stride_sn, mask=ok_h1, other=0).to(tl.int32)
+        sc = (sg | (sh << 8))[:, None] + tl.full(wg.shape, 0, tl.int32)
+    return wg, wh, sc
+
+
+@triton.jit
+def _b_tile(b_ptr, c, t, live, k_words, V: tl.constexpr):
+    """Activation fragments of chunk c for lane t from the fragment-ordered fp16 row `b_ptr`
+    (as int64): the two fp16 pairs of each mma step in one int64, so that they load into the
+    register pair the mma reads; (first steps, second steps) of the V word positions, [R, V]
+    each. Every lane loads its column's row (lanes of other columns only feed mma columns
+    that are never read); zeros past k_words or where not `live` [R]."""
+    i = tl.arange(0, V)
+    off = ((c * 4 + t) * (2 * V))[:, None] + i[None, :]
+    ok = live[:, None] & (((c * (4 * V) + t * V)[:, None] + i[None, :]) < k_words)
+    return (tl.load(b_ptr + off, mask=ok, other=0), tl.load(b_ptr + off + V, mask=ok, other=0))
+
+
+@triton.jit
+def _mma(acc, w, b):
+    """acc (4 float32 [R, V]) += the mma of weight words w = (wg, wh, scales) and fragments b."""
+    return tl.inline_asm_elementwise(
+        _MMA_ASM, "=f,=f,=f,=f,r,r,r,l,l,f,f,f,f",
+        [w[0], w[1], w[2], b[0], b[1], acc[0], acc[1], acc[2], acc[3]],
+        dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+
+
+@triton.jit
+def _tile_sum(d, TILES: tl.constexpr, S: tl.constexpr):
+    """[R, V] accumulator -> [TILES, 32]: summed over the word positions and the K splits."""
+    d = _sum(d, 1)
+    return _sum(tl.reshape(d, (TILES, S, 32)), 1)
+
+
+@triton.jit
+def _gu_load(w, s, b_row, row, inter, step, split, t, k_words, stride_wn, stride_sn,
+             V: tl.constexpr, S: tl.constexpr):
+    """Gate rows, up rows and the token's fragments of step `step` (chunk step S + split)."""
+    c = step * S + split
+    live = t >= 0
+    return (_rows_tile(w, s, 0, 0, row, inter, live, c, t, k_words, stride_wn, stride_sn, V),
+            _rows_tile(w, s, inter * stride_wn, inter * stride_sn, row, inter, live, c, t,
+                       k_words, stride_wn, stride_sn, V),
+            _b_tile(b_row, c, t, live, k_words, V))
+
+
+@triton.jit
+def _gu_step(acc_g, acc_u, buf):
+    return _mma(acc_g, buf[0], buf[2]), _mma(acc_u, buf[1], buf[2])
+
+
+@triton.jit
+def gate_up_mma(x16_ptr, xf_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, g2_ptr, h_ptr, h16_ptr,
+                hf_ptr, count_ptr, inter, k_words, top_k, blocks, stride_x16, stride_we,
+                stride_wn, stride_se, stride_sn, stride_h, stride_h16, V: tl.constexpr,
+                TILES: tl.constexpr, S: tl.constexpr, VH: tl.constexpr, IP: tl.constexpr,
+                KP: tl.constexpr):
+    """h[p, n] = silu(gate_e[n] . x_t) * (up_e[n] . x_t) * tw[p] * g2[e] for pair p = (t, slot)
+    routed to e, one program per (pair, block of 16 TILES rows); warps split K S ways. The
+    last program of token t (count) converts t's h rows to fp16 fragments for down (VH)."""
+    pair = tl.program_id(0)
+    tok = pair // top_k
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    g, t, tile, split = _lanes(TILES * S, S)
+    row = tl.program_id(1) * (16 * TILES) + 16 * tile + g
+    w = w_ptr.to(tl.pointer_type(tl.int32)) + e * stride_we
+    s = s_ptr + e * stride_se
+    b_row = x16_ptr.to(tl.pointer_type(tl.int64)) + tok.to(tl.int64) * (stride_x16 // 4)
+    z = tl.full([32 * TILES * S, V], 0.0, tl.float32)
+    acc_g = (z, z, z, z)
+    acc_u = (z, z, z, z)
+    steps = ((k_words + 4 * V - 1) // (4 * V) + S - 1) // S
+    # Loads run two steps ahead in three buffers that the loop body names (as in
+    # nvfp4_jit.gate_up_decode). Triton's own pipelining of these loads through shared
+    # memory (tl.range num_stages) measured 2-3x slower.
+    a = _gu_load(w, s, b_row, row, inter, 0, split, t, k_words, stride_wn, stride_sn, V, S)
+    b = _gu_load(w, s, b_row, row, inter, 1, split, t, k_words, stride_wn, stride_sn, V, S)
+    for j in range(0, steps - 2, 3):
+        c = _gu_load(w, s, b_row, row, inter, j + 2, split, t, k_words, stride_wn, stride_sn,
+                     V, S)
+        acc_g, acc_u = _gu_step(acc_g, acc_u, a)
+        a = _gu_load(w, s, b_row, row, inter, j + 3, split, t, k_words, stride_wn, stride_sn,
+                     V, S)
+        acc_g, acc_u = _gu_step(acc_g, acc_u, b)
+        b = _gu_load(w, s, b_row, row, inter, j + 4, split, t, k_words, stride_wn, stride_sn,
+                     V, S)
+        acc_g, acc_u = _gu_step(acc_g, acc_u, c)
+    # the last steps % 3 steps are loaded (a, then b) but not computed yet
+    if steps % 3 >= 1:
+        acc_g, acc_u = _gu_step(acc_g, acc_u, a)
+    if steps % 3 == 2:
+        acc_g, acc_u = _gu_step(acc_g, acc_u, b)
+    # lane (g, t) holds column 2t of rows g (d0) and g + 8 (d2): the pair is column 0
+    f = tl.load(xf_ptr + tok)
+    fg = f * tl.load(g_ptr + 2 * e)
+    fu = f * tl.load(g_ptr + 2 * e + 1)
+    scale = tl.load(g2_ptr + e) * tl.load(tw_ptr + pair).to(tl.float32)
+    lane = tl.arange(0, 32)[None, :]
+    n = tl.program_id(1) * (16 * TILES) + 16 * tl.arange(0, TILES)[:, None] + lane // 4
+    keep = (lane % 4) == 0
+    h_out = h_ptr + pair.to(tl.int64) * stride_h
+    for half in tl.static_range(2):
+        gate = _tile_sum(acc_g[2 * half], TILES, S) * fg
+        up = _tile_sum(acc_u[2 * half], TILES, S) * fu
+        h = gate / (1.0 + tl.exp(-gate)) * up * scale
+        rows = n + 8 * half
+        tl.store(h_out + rows, h, mask=keep & (rows < inter))
+    # every program's h is stored before it counts itself done
+    tl.debug_barrier()
+    done = tl.atomic_add(count_ptr + tok, 1, sem="acq_rel", scope="gpu")
+    if done == top_k * blocks - 1:
+        _h_fragments(h_ptr, h16_ptr, hf_ptr, tok, top_k, inter, stride_h, stride_h16, VH, IP,
+                     KP)
+
+
+@triton.jit
+def _h_fragments(h_ptr, h16_ptr, hf_ptr, tok, top_k, inter, stride_h, stride_h16,
+                 VH: tl.constexpr, IP: tl.constexpr, KP: tl.constexpr):
+    """Token tok's h rows (float32, one per slot) -> fp16 fragments scaled by 2^-e with one e
+    for all its slots; hf[tok] = 2^(7 + e). All KP >= top_k rows are loaded at once: one
+    memory latency, not one per slot."""
+    k = tl.arange(0, IP)[None, :]
+    slot = tl.arange(0, KP)[:, None]
+    p = (tok * top_k + slot).to(tl.int64)
+    ok = (slot < top_k) & (k < inter)
+    h = tl.load(h_ptr + p * stride_h + k, mask=ok, other=0.0, cache_modifier=".cg")
+    e = _exponent(_max(_max(tl.abs(h), 1), 0))
+    padded = (inter + 32 * VH - 1) // (32 * VH) * (32 * VH)
+    tl.store(h16_ptr + p * stride_h16 + _frag_pos(k, VH), (h * _pow2(-e)).to(tl.float16),
+             mask=(slot < top_k) & (k < padded))
+    tl.store(hf_ptr + tok, _pow2(e + W_BIAS_EXP))
+
+
+@triton.jit
+def _down_load(ids_ptr, w_ptr, s_ptr, h16_ptr, tok, top_k, q, row, n_rows, t, k_words,
+               stride_we, stride_wn, stride_se, stride_sn, stride_h16, V: tl.constexpr,
+               CHUNKS: tl.constexpr):
+    """Weights and fragments of walk step q (per tensor row: slot q / CHUNKS, chunk
+    q % CHUNKS; zeros past the last slot)."""
+    slot = q // CHUNKS
+    live = slot < top_k
+    p = tok * top_k + tl.minimum(slot, top_k - 1)
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    c = q % CHUNKS
+    w = _rows_tile(w_ptr, s_ptr, e * stride_we, e * stride_se, row, n_rows, live, c, t,
+                   k_words, stride_wn, stride_sn, V)
+    b_row = h16_ptr.to(tl.pointer_type(tl.int64)) + (p.to(tl.int64) * (stride_h16 // 4))[:, None]
+    return w, _b_tile(b_row, c, t, live, k_words, V)
+
+
+@triton.jit
+def down_mma(h16_ptr, hf_ptr, ids_ptr, w_ptr, s_ptr, out_ptr, n_rows, k_words, top_k,
+             stride_h16, stride_we, stride_wn, stride_se, stride_sn, stride_out,
+             V: tl.constexpr, TILES: tl.constexpr, S: tl.constexpr, CHUNKS: tl.constexpr):
+    """out[t, n] = hf[t] * sum over t's slots p (routed to e) of w2_e[n] . h16[p]: one program
+    per (token, block of 16 TILES rows) walks all of the token's slots (CHUNKS chunks each)
+    as one float32 dot product, its warps taking every S-th step of the walk."""
+    tok = tl.program_id(0)
+    g, t, tile, split = _lanes(TILES * S, S)
+    row = tl.program_id(1) * (16 * TILES) + 16 * tile + g
+    w = w_ptr.to(tl.pointer_type(tl.int32))
+    steps = (top_k * CHUNKS + S - 1) // S
+    z = tl.full([32 * TILES * S, V], 0.0, tl.float32)
+    acc = (z, z, z, z)
+    a = _down_load(ids_ptr, w, s_ptr, h16_ptr, tok, top_k, split, row, n_rows, t, k_words,
+                   stride_we, stride_wn, stride_se, stride_sn, stride_h16, V, CHUNKS)
+    b = _down_load(ids_ptr, w, s_ptr, h16_ptr, tok, top_k, split + S, row, n_rows, t, k_words,
+                   stride_we, stride_wn, stride_se, stride_sn, stride_h16, V, CHUNKS)
+    for j in range(0, steps - 2, 3):
+        q = (j + 2) * S + split
+        c = _down_load(ids_ptr, w, s_ptr, h16_ptr, tok, top_k, q, row, n_rows, t, k_words,
+                       stride_we, stride_wn, stride_se, stride_sn, stride_h16, V, CHUNKS)
+        acc = _mma(acc, a[0], a[1])
+        a = _down_load(ids_ptr, w, s_ptr, h16_ptr, tok, top_k, q + S, row, n_rows, t, k_words,
+                       stride_we, stride_wn, stride_se, stride_sn, stride_h16, V, CHUNKS)
+        acc = _mma(acc, b[0], b[1])
+        b = _down_load(ids_ptr, w, s_ptr, h16_ptr, tok, top_k, q + 2 * S, row, n_rows, t,
+                       k_words, stride_we, stride_wn, stride_se, stride_sn, stride_h16, V,
+                       CHUNKS)
+        acc = _mma(acc, c[0], c[1])
+    if steps % 3 >= 1:
+        acc = _mma(acc, a[0], a[1])
+    if steps % 3 == 2:
+        acc = _mma(acc, b[0], b[1])
+    f = tl.load(hf_ptr + tok)
+    lane = tl.arange(0, 32)[None, :]
+    n = tl.program_id(1) * (16 * TILES) + 16 * tl.arange(0, TILES)[:, None] + lane // 4
+    keep = (lane % 4) == 0
+    out = out_ptr + tok.to(tl.int64) * stride_out
+    for half in tl.static_range(2):
+        rows = n + 8 * half
+        tl.store(out + rows, _tile_sum(acc[2 * half], TILES, S) * f,
+                 mask=keep & (rows < n_rows))

@@ -1,0 +1,166 @@
+"""The tensor-core NVFP4 decode kernels (`freetoken.kernels.nvfp4_mma`) on a CPU: their inline
+PTX executed for a whole warp by `ptx_emulator` (decode, scales, the mma's fragments) against
+the reference dequantization, the activation fragments written by `to_fragments` in Triton's
+interpreter, and the launcher's shape rule. The kernels themselves run on GPUs only (compiled
+for sm_90 by test_nvfp4_kernels; checked in bf16 by bench/gpu_kernels_check.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import ptx_emulator
+import pytest
+import torch
+
+from freetoken.layers.quantization.nvfp4.format import E2M1_VALUES
+
+
+def fragment_position(k: int, v: int) -> int:
+    """Where input k of a row goes in the fragment order of chunks of 32 v inputs (fp16 units),
+    as the mma kernels' docs lay it out: chunk c, lane t's words i, each word's inputs in the
+    int64s ((0, 4), (2, 6)) then ((1, 5), (3, 7))."""
+    c, rem = k // (32 * v), k % (32 * v)
+    t, rem = rem // (8 * v), rem % (8 * v)
+    i, q = rem // 8, rem % 8
+    return 2 * ((c * 4 + t) * 4 * v + (q & 1) * 2 * v + i * 2 + ((q >> 1) & 1)) + (q >> 2)
+
+
+def _e2m1(code: int) -> float:
+    return float(E2M1_VALUES[code & 7]) * (-1.0 if code & 8 else 1.0)
+
+
+def _f16_pair(lo: float, hi: float) -> int:
+    return int(np.array([lo, hi], dtype=np.float16).view(np.uint32)[0])
+
+
+def test_mma_ptx_decodes_scales_and_multiplies_a_warps_fragments():
+    """One word position of a warp: lane (g, t) holds words of rows g and g + 8 (8 inputs each,
+    inputs 8t..8t+7 of a 32-input chunk), their rows' scale bytes, and for column n = g the
+    activations in fragment order (`fragment_position`). The emulated PTX gives every lane the
+    D entries (rows g, g + 8; columns 2t, 2t + 1) of C + W X^T with W = e2m1 * e4m3 * 2^-7,
+    for every nibble value and scales including zero, subnormals and 448 (up to float32
+    rounding of the sums)."""
+    from freetoken.kernels import nvfp4_mma
+
+    _check_mma_ptx(nvfp4_mma._mma_asm())
+
+
+@pytest.mark.parametrize("bug, good, bad", [
+    ("activation pairs of a step swapped", "{b0, b1}, {$9", "{b1, b0}, {$9"),
+    ("block scales without their 2^7", "0x58005800", "0x3C003C00"),
+    ("magnitudes shifted by 2, not 3", "shr.b32 t, $4, 3", "shr.b32 t, $4, 2"),
+    ("rows g and g + 8 swapped", "{gc, hc, gd, hd}", "{hc, gc, gd, hd}"),
+])
+def test_mma_ptx_check_fails_on_injected_bugs(bug, good, bad):
+    """The warp emulation above fails on each of these bugs in the PTX."""
+    from freetoken.kernels import nvfp4_mma
+
+    program = nvfp4_mma._mma_asm()
+    assert good in program
+    with pytest.raises(AssertionError, match="PTX"):
+        _check_mma_ptx(program.replace(good, bad))
+
+
+def _check_mma_ptx(program: str) -> None:
+    gen = np.random.default_rng(0)
+    scale_bytes = [0x00, 0x01, 0x07, 0x08, 0x38, 0x7E] + gen.integers(0, 0x7F, 10).tolist()
+    for trial in range(8):
+        words = gen.integers(0, 2**32, (16, 4), dtype=np.uint64)
+        if trial == 0:   # every code at every position
+            words[:] = [[sum(((r + 5 * t + j) % 16) << 4 * j for j in range(8)) for t in range(4)]
+                        for r in range(16)]
+        scales = gen.choice(scale_bytes, 16)
+        x = gen.standard_normal((8, 32)).astype(np.float16)   # column n, input k
+        c = gen.standard_normal((16, 8)).astype(np.float32)
+        # x in fragment order, as to_fragments writes it, then each lane's two int64 pairs
+        # as _b_tile reads them (V = 1, chunk 0: lane t's int64s 2t and 2t + 1)
+        frag = np.zeros((8, 32), dtype=np.float16)
+        for k in range(32):
+            frag[:, fragment_position(k, 1)] = x[:, k]
+        as64 = frag.view(np.uint64)
+        lanes = []
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            lanes.append({"$4": int(words[g, t]), "$5": int(words[g + 8, t]),
+                          "$6": int(scales[g]) | int(scales[g + 8]) << 8,
+                          "$7": int(as64[g, 2 * t]), "$8": int(as64[g, 2 * t + 1]),
+                          **{f"${9 + i}": int(np.float32(c[g + 8 * (i // 2), 2 * t + i % 2])
+                                              .view(np.uint32)) for i in range(4)}})
+        out = ptx_emulator.run(program, lanes)
+        w = np.zeros((16, 32))
+        for r in range(16):
+            s = float(torch.tensor([int(scales[r])], dtype=torch.uint8)
+                      .view(torch.float8_e4m3fn).float())
+            for t in range(4):
+                for j in range(8):
+                    w[r, 8 * t + j] = _e2m1((int(words[r, t]) >> 4 * j) & 0xF) * s / 128.0
+        want = w @ x.astype(np.float64).T + c
+        # the mma rounds to float32 (between its two steps too): bound by the terms' size
+        size = np.abs(w) @ np.abs(x.astype(np.float64)).T + np.abs(c)
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            for i in range(4):
+                got = float(np.uint32(out[lane][f"${i}"]).view(np.float32))
+                at = (g + 8 * (i // 2), 2 * t + i % 2)
+                ref = want[at]
+                assert abs(got - ref) <= 1e-6 * size[at], (
+                    f"trial {trial} lane {lane} d{i}: PTX {got}, reference {ref}")
+
+
+@pytest.mark.parametrize("v", [1, 2, 4])
+def test_fragment_positions_are_a_permutation(v):
+    """Every input of a padded row has its own fragment position, inside the row (the kernels'
+    `_frag_pos` is checked against this layout by the to_fragments test)."""
+    padded = 3 * 32 * v
+    assert sorted(fragment_position(k, v) for k in range(padded)) == list(range(padded))
+
+
+def test_to_fragments_writes_scaled_fp16_fragments():
+    """`to_fragments` (in Triton's interpreter) stores x * 2^-e in fp16 at each input's
+    fragment position with e per row such that the row's largest magnitude lands in
+    [2^14, 2^15) (rows of 1e6 and 1e-6 alike; e = 0 for a zero row, -100 at the least),
+    zero padding, and
+    2^(7 + e) as the row's output factor; with a global scale, x * g."""
+    from freetoken.kernels import nvfp4_moe, use_interpreter
+
+    use_interpreter()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 80, generator=gen)
+    x[1] *= 1e6
+    x[2] *= 1e-6
+    x[3] = 0
+    x[4] *= 1e-32    # e stops at -100
+    for g in (None, torch.tensor([0.25])):
+        x16, xf, count = nvfp4_moe._fragments(x, 80, 1, g)
+        assert x16.shape == (5, 96) and count.tolist() == [0] * 5
+        xs = x * (g if g is not None else 1.0)
+        for row in range(5):
+            amax = float(xs[row].abs().max())
+            e = 0 if amax == 0 else max(int(np.floor(np.log2(amax))) + 1 - 15, -100)
+            assert float(xf[row]) == 2.0 ** (7 + e), row
+            if amax and e > -100:
+                assert 2**14 <= amax * 2.0**-e < 2**15
+            want = (xs[row] * 2.0**-e).to(torch.float16)
+            pos = torch.tensor([fragment_position(k, 1) for k in range(80)])
+            assert torch.equal(x16[row, pos], want), row
+            pad = torch.tensor([fragment_position(k, 1) for k in range(80, 96)])
+            assert not x16[row, pad].any(), row
+
+
+def test_mma_shape_rule():
+    """V is the largest of 4, 2, 1 with whole chunks of 32 V inputs; the K split doubles
+    while a launch has few warps, up to mma_max_split, keeping >= 1 step per warp."""
+    from freetoken.kernels.nvfp4_moe import GPU_TILES, Tiles, _mma_shape
+
+    assert _mma_shape(128, 512, 2048, 1, GPU_TILES) == (4, 1, 16, 1)      # many warps
+    v, split, chunks, _ = _mma_shape(8, 512, 2048, 1, GPU_TILES)          # one token
+    assert (v, chunks, split) == (4, 16, 4)                                 # 256 x 4 warps
+    assert _mma_shape(1, 2048, 64, 8, GPU_TILES)[:3] == (2, 8, 1)           # TP 8 down
+    assert _mma_shape(1, 32, 80, 1, GPU_TILES)[:3] == (1, 2, 3)             # 2.5 chunks
+    assert _mma_shape(1, 64, 2048, 1, Tiles(mma_tiles=2))[3] == 2
+
+
+def test_mma_path_is_for_16_bit_activations_on_gpus():
+    """On a CPU (and for float32 activations anywhere) decode keeps the CUDA-core kernels."""
+    from freetoken.kernels.nvfp4_moe import GPU_TILES, uses_mma
+
+    assert not uses_mma(torch.zeros(1, 16, dtype=torch.bfloat16), GPU_TILES)
