@@ -1,5 +1,6 @@
 """Instruction mix of the NVFP4 decode kernels' inner loop, compiled for a GPU architecture
-without a GPU: registers, spills and SASS instructions per weight, as a table.
+without a GPU: registers, spills and SASS instructions per weight, as a table (the CUDA-core
+kernels of float32 activations and the tensor-core kernels of 16-bit ones).
 
     python bench/nvfp4_sass.py [--arch 90] [--tp 1,8] [--tokens 1,16]
 
@@ -8,7 +9,8 @@ tiles) at Qwen3.6-35B-A3B's expert dimensions (H=2048, I=512/tp, top-8) is compi
 Triton for `--arch` (ptxas and cuobjdump come with the triton wheel), with the integer
 arguments the launcher passes marked divisible by 16 as Triton's own specialisation would.
 The loop is the longest backward branch of the SASS; `instr/weight` is its instruction count
-over the weights a thread handles per trip (three K-steps per trip). Counts, not times: the
+over the weights a thread handles per trip (three K-steps per trip; a tensor-core lane holds
+8 weights of each of two rows per word). Counts, not times: the
 kernels run at about half the SMs' issue rate (docs/performance.md), so the count is what a
 change to the decode arithmetic moves.
 """
@@ -33,10 +35,11 @@ from bench._common import int_list  # noqa: E402
 # allocations, strides and word counts); Triton specialises them the same way at run time.
 DIVISIBLE = {"x_ptr", "w_ptr", "s_ptr", "h_ptr", "out_ptr", "inter", "k_words", "stride_x",
              "xs", "hs", "stride_we", "stride_se", "stride_sn", "stride_h", "stride_out",
-             "n_rows"}
+             "n_rows", "x16_ptr", "h16_ptr", "stride_x16", "stride_h16", "stride_wn"}
 POINTERS = {"x_ptr": "*fp32", "h_ptr": "*fp32", "ids_ptr": "*i32", "tw_ptr": "*bf16",
             "w_ptr": "*u8", "s_ptr": "*u8", "g_ptr": "*fp32", "g2_ptr": "*fp32",
-            "out_ptr": "*bf16"}
+            "out_ptr": "*bf16", "x16_ptr": "*fp16", "h16_ptr": "*fp16", "xf_ptr": "*fp32",
+            "hf_ptr": "*fp32", "count_ptr": "*i32"}
 
 
 def compile_sass(fn, constexprs: dict, num_warps: int, arch: int) -> tuple[str, int, int]:
@@ -83,30 +86,57 @@ def loop_mix(sass: str) -> tuple[int, collections.Counter]:
     return sum(body.values()), body
 
 
-def rows(tps: list[int], tokens: list[int], arch: int) -> list[dict]:
+def _word_kernels(tiles, count: int, top_k: int, hidden: int, inter: int):
+    """(name, kernel, constexprs, warps, rows, weights per thread per loop trip) of the CUDA-core
+    decode kernels (float32 activations) as the launcher shapes them."""
     import torch
 
     from freetoken.kernels import nvfp4_jit, nvfp4_moe
 
-    tiles, top_k, hidden, inter_full = nvfp4_moe.GPU_TILES, 8, 2048, 512
     x = torch.empty(0)   # only picks the decode mode, which is set to the GPU's below
+    out = []
+    for name, fn, units, n_rows, k_words, weights_per_row in (
+            ("gate_up", nvfp4_jit.gate_up_decode, count * top_k, inter, hidden // 8, 2),
+            ("down", nvfp4_jit.down_decode, count, hidden, inter // 8, 1)):
+        block_n, meta = nvfp4_moe._decode_shape(units, n_rows, k_words, x, tiles)
+        meta = {**meta, "ASM": 1, "VEC": 4}
+        warps = meta.pop("num_warps")
+        # three K-steps per trip; gate_up handles a gate and an up row per row
+        weights = 3 * weights_per_row * block_n * meta["KW"] * 8 / (32 * warps)
+        out.append((name, fn, meta, warps, block_n, weights))
+    return out
+
+
+def _mma_kernels(tiles, count: int, top_k: int, hidden: int, inter: int):
+    """The same for the tensor-core decode kernels (16-bit activations): a lane handles rows g
+    and g + 8 of its tile, 8 inputs per word, V words per step, three steps per trip."""
+    from freetoken.kernels import nvfp4_mma, nvfp4_moe
+
+    v, split, _, row_tiles = nvfp4_moe._mma_shape(count * top_k, inter, hidden, 1, tiles)
+    vh, split_h, chunks_h, tiles_h = nvfp4_moe._mma_shape(count, hidden, inter, top_k, tiles)
+    pow2 = nvfp4_moe._pow2
+    return [("gate_up_mma", nvfp4_mma.gate_up_mma,
+             dict(V=v, TILES=row_tiles, S=split, VH=vh, IP=pow2(inter), KP=pow2(top_k)),
+             split * row_tiles, 16 * row_tiles, 3 * 2 * 2 * v * 8),
+            ("down_mma", nvfp4_mma.down_mma, dict(V=vh, TILES=tiles_h, S=split_h, CHUNKS=chunks_h),
+             split_h * tiles_h, 16 * tiles_h, 3 * 2 * vh * 8)]
+
+
+def rows(tps: list[int], tokens: list[int], arch: int) -> list[dict]:
+    from freetoken.kernels import nvfp4_moe
+
+    tiles, top_k, hidden, inter_full = nvfp4_moe.GPU_TILES, 8, 2048, 512
     out = []
     for tp in tps:
         inter = inter_full // tp
         for count in tokens:
-            for name, fn, units, n_rows, k_words, weights_per_row in (
-                    ("gate_up", nvfp4_jit.gate_up_decode, count * top_k, inter, hidden // 8, 2),
-                    ("down", nvfp4_jit.down_decode, count, hidden, inter // 8, 1)):
-                block_n, meta = nvfp4_moe._decode_shape(units, n_rows, k_words, x, tiles)
-                meta = {**meta, "ASM": 1, "VEC": 4}
-                warps = meta.pop("num_warps")
+            for name, fn, meta, warps, n_rows, weights in (
+                    _word_kernels(tiles, count, top_k, hidden, inter)
+                    + _mma_kernels(tiles, count, top_k, hidden, inter)):
                 sass, regs, spill = compile_sass(fn, meta, warps, arch)
                 total, mix = loop_mix(sass)
-                # three K-steps per trip; gate_up handles a gate and an up row per row
-                weights = 3 * weights_per_row * block_n * meta["KW"] * 8 / (32 * warps)
-                out.append({"tp": tp, "tokens": count, "kernel": name, "rows": block_n,
-                            "words/step": meta["KW"], "warps": warps, "regs": regs,
-                            "spill": spill, "loop instr": total,
+                out.append({"tp": tp, "tokens": count, "kernel": name, "rows": n_rows,
+                            "warps": warps, "regs": regs, "spill": spill, "loop instr": total,
                             "instr/weight": total / weights,
                             "top ops": ", ".join(f"{op} {n}" for op, n in mix.most_common(6))})
     return out
@@ -124,7 +154,8 @@ def main() -> int:
 
     table = rows(args.tp, args.tokens, args.arch)
     print(f"sm_{args.arch}, triton {__import__('triton').__version__}, GPU tiles "
-          f"(`nvfp4_moe.GPU_TILES`), E=256 top-8 H=2048 I=512/tp")
+          f"(`nvfp4_moe.GPU_TILES`), E=256 top-8 H=2048 I=512/tp; gate_up / down: CUDA-core "
+          f"kernels (float32 activations), *_mma: tensor-core kernels (16-bit activations)")
     print(tabulate([[r[k] if not isinstance(r[k], float) else f"{r[k]:.2f}" for k in r]
                     for r in table], headers=list(table[0]), tablefmt="simple",
                    disable_numparse=True))

@@ -5,6 +5,7 @@ exactly once, and the layers' triton backend matches their torch backend."""
 
 from __future__ import annotations
 
+import ptx_emulator
 import pytest
 import torch
 
@@ -87,45 +88,6 @@ def test_decode_adds_a_token_routed_twice_to_one_expert():
         _assert_close(nvfp4_moe.fused_moe(x, weights, ids, **w, path=path), want, path)
 
 
-def _run_ptx(program: str, operands: dict[str, int]) -> dict[str, int]:
-    """Execute the PTX subset `_word_asm` uses (and, or, shl, shr.u32, prmt in its default
-    mode; 32-bit registers) on Python ints: the interpreter cannot run inline PTX."""
-    regs = dict(operands)
-    mask = 0xFFFFFFFF
-
-    def val(tok: str) -> int:
-        return regs[tok] if tok in regs else int(tok) & mask
-
-    for line in program.splitlines():
-        line = line.strip().rstrip(";")
-        if not line or line in "{}" or line.startswith(".reg"):
-            continue
-        op, args = line.split(None, 1)
-        d, *src = [a.strip() for a in args.split(",")]
-        x = [val(t) for t in src]
-        if op == "and.b32":
-            r = x[0] & x[1]
-        elif op == "or.b32":
-            r = x[0] | x[1]
-        elif op == "shl.b32":
-            r = (x[0] << x[1]) & mask
-        elif op == "shr.u32":
-            r = x[0] >> x[1]
-        elif op == "prmt.b32":
-            pool = (x[1] << 32 | x[0]).to_bytes(8, "little")
-            r = 0
-            for i in range(4):
-                sel = (x[2] >> 4 * i) & 0xF
-                byte = pool[sel & 7]
-                if sel & 8:
-                    byte = 0xFF if byte & 0x80 else 0
-                r |= byte << 8 * i
-        else:
-            raise AssertionError(f"PTX op {op} is not emulated")
-        regs[d] = r
-    return regs
-
-
 def test_ptx_word_decode_gives_every_e2m1_value_exactly():
     """The PTX of the GPU decode kernels, executed instruction by instruction on the CPU with
     the tables the kernels pass it, turns every nibble value at every position of a word into
@@ -141,7 +103,7 @@ def test_ptx_word_decode_gives_every_e2m1_value_exactly():
     words = [sum(((v + 3 * j) % 16) << 4 * j for j in range(8)) for v in range(16)]
     words += torch.randint(0, 2**32, (64,), generator=rng, dtype=torch.int64).tolist()
     for word in words:
-        out = _run_ptx(program, {**tables, "$8": word})
+        out = ptx_emulator.run(program, [{**tables, "$8": word}])[0]
         for j in range(8):
             code = (word >> 4 * j) & 0xF
             want = float(E2M1_VALUES[code & 7]) * (-1.0 if code & 8 else 1.0)
@@ -207,8 +169,10 @@ def test_layers_triton_backend_matches_torch_backend():
 
 def test_decode_kernels_compile_for_sm90_with_their_ptx():
     """`bench/nvfp4_sass.py` compiles the decode kernels' PTX path for sm_90 on this CPU
-    machine (ptxas validates the inline PTX the interpreter never runs) and finds their inner
-    loop: every row has registers, no spills and a plausible instruction count per weight."""
+    machine (ptxas validates the inline PTX the interpreter never runs: the CUDA-core word
+    decode and the tensor-core mma) and finds their inner loop: every row has registers, no
+    spills and a plausible instruction count per weight, the tensor-core ones fewer than the
+    CUDA-core ones."""
     import os
     import subprocess
     import sys
@@ -221,11 +185,15 @@ def test_decode_kernels_compile_for_sm90_with_their_ptx():
                           timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [line.split() for line in proc.stdout.splitlines() if line[:1].isdigit()]
-    assert len(rows) == 4, proc.stdout
+    assert [r[2] for r in rows] == ["gate_up", "down", "gate_up_mma", "down_mma"] * 2, proc.stdout
+    per_weight = {}
     for row in rows:
-        regs, spill, per_weight = int(row[6]), int(row[7]), float(row[9])
+        regs, spill, per_weight[(row[0], row[2])] = int(row[5]), int(row[6]), float(row[8])
         assert 0 < regs <= 255 and spill == 0, row
-        assert 2.0 < per_weight < 40.0, row
+        assert 2.0 < per_weight[(row[0], row[2])] < 40.0, row
+    for tp in ("1", "8"):
+        for kernel in ("gate_up", "down"):
+            assert per_weight[(tp, kernel + "_mma")] < per_weight[(tp, kernel)], proc.stdout
 
 
 def test_decode_refuses_weights_whose_rows_are_not_whole_words():
