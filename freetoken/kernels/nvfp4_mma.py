@@ -217,12 +217,60 @@ def _b_tile(b_ptr, c, t, live, k_words, V: tl.constexpr):
 
 
 @triton.jit
-def _mma(acc, w, b):
-    """acc (4 float32 [R, V]) += the mma of weight words w = (wg, wh, scales) and fragments b."""
-    return tl.inline_asm_elementwise(
-        _MMA_ASM, "=f,=f,=f,=f,r,r,r,l,l,f,f,f,f",
-        [w[0], w[1], w[2], b[0], b[1], acc[0], acc[1], acc[2], acc[3]],
-        dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+def _mma(acc, w, b, NW: tl.constexpr, ASM: tl.constexpr):
+    """acc (4 float32 [R, V]) += the mma of weight words w = (wg, wh, scales) and fragments b:
+    the PTX (ASM 1), or its emulation over the whole tensor (ASM 0: Triton's interpreter,
+    which runs a program's NW warps as one tensor and cannot run PTX)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            _MMA_ASM, "=f,=f,=f,=f,r,r,r,l,l,f,f,f,f",
+            [w[0], w[1], w[2], b[0], b[1], acc[0], acc[1], acc[2], acc[3]],
+            dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+    return _mma_portable(acc, w, b, NW)
+
+
+@triton.jit
+def _half(x, shift: tl.constexpr):
+    """float32 value of the fp16 at bit `shift` of int64 x."""
+    return ((x >> shift) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _word_weights(word, scale):
+    """[R, V, 8] float32 e2m1 * e4m3 * 2^-7 of int32 words [R, V] (input j at nibble j) and
+    their scale bytes [R, V] (the PTX's values, by float bit arithmetic)."""
+    n = word[:, :, None] >> (4 * tl.arange(0, 8))[None, None, :]
+    e2m1 = (((n & 0x8) << 12) | ((n & 0x7) << 9)).to(tl.uint16).to(tl.float16, bitcast=True)
+    s = scale[:, :, None]
+    e4m3 = (((s & 0x80) << 8) | ((s & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True)
+    # e2m1 * 2^-14 times e4m3 * 2^-8, times 2^15: e2m1 * e4m3 * 2^-7, exact in float32
+    return e2m1.to(tl.float32) * e4m3.to(tl.float32) * 32768.0
+
+
+@triton.jit
+def _mma_portable(acc, w, b, NW: tl.constexpr):
+    """`_MMA_ASM` as tensor arithmetic: lane (g, t) of warp W is tensor row 32 W + 4 g + t;
+    D[row, n] of a warp = sum over its lanes t and their 8 inputs q of the row's weights
+    (lanes (row % 8, t)) times column n's activations (lanes (n, t))."""
+    R: tl.constexpr = acc[0].shape[0]
+    V: tl.constexpr = acc[0].shape[1]
+    wg = _word_weights(w[0], w[2] & 0xFF)
+    wh = _word_weights(w[1], (w[2] >> 8) & 0xFF)
+    # the int64 pairs hold inputs (0, 4, 2, 6) and (1, 5, 3, 7): back to input order q =
+    # 4 i2 + 2 i1 + i0 (each join adds a last axis: the innermost join's ends up first, i2)
+    even = tl.join(tl.join(_half(b[0], 0), _half(b[0], 16)),
+                   tl.join(_half(b[0], 32), _half(b[0], 48)))
+    odd = tl.join(tl.join(_half(b[1], 0), _half(b[1], 16)),
+                  tl.join(_half(b[1], 32), _half(b[1], 48)))
+    x = tl.reshape(tl.join(even, odd), (NW, 1, 8, 4, V, 8))
+    out = ()
+    for rows in tl.static_range(2):
+        a = tl.reshape(wh if rows else wg, (NW, 8, 1, 4, V, 8))
+        d = _sum(_sum(a * x, 5), 3)                         # [NW, g, n, V]
+        d = tl.permute(tl.reshape(d, (NW, 8, 4, 2, V)), (0, 1, 2, 4, 3))
+        even, odd = tl.split(d)                             # columns 2t, 2t + 1
+        out = out + (tl.reshape(even, (R, V)), tl.reshape(odd, (R, V)))
+    return (acc[0] + out[0], acc[1] + out[1], acc[2] + out[2], acc[3] + out[3])
 
 
 @triton.jit
@@ -245,8 +293,8 @@ def _gu_load(w, s, b_row, row, inter, step, split, t, k_words, stride_wn, stride
 
 
 @triton.jit
-def _gu_step(acc_g, acc_u, buf):
-    return _mma(acc_g, buf[0], buf[2]), _mma(acc_u, buf[1], buf[2])
+def _gu_step(acc_g, acc_u, buf, NW: tl.constexpr, ASM: tl.constexpr):
+    return _mma(acc_g, buf[0], buf[2], NW, ASM), _mma(acc_u, buf[1], buf[2], NW, ASM)
 
 
 @triton.jit
@@ -254,7 +302,7 @@ def gate_up_mma(x16_ptr, xf_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, g2_ptr, h
                 hf_ptr, count_ptr, inter, k_words, top_k, blocks, stride_x16, stride_we,
                 stride_wn, stride_se, stride_sn, stride_h, stride_h16, V: tl.constexpr,
                 TILES: tl.constexpr, S: tl.constexpr, VH: tl.constexpr, IP: tl.constexpr,
-                KP: tl.constexpr):
+                KP: tl.constexpr, ASM: tl.constexpr):
     """h[p, n] = silu(gate_e[n] . x_t) * (up_e[n] . x_t) * tw[p] * g2[e] for pair p = (t, slot)
     routed to e, one program per (pair, block of 16 TILES rows); warps split K S ways. The
     last program of token t (count) converts t's h rows to fp16 fragments for down (VH)."""
@@ -278,18 +326,18 @@ def gate_up_mma(x16_ptr, xf_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, g2_ptr, h
     for j in range(0, steps - 2, 3):
         c = _gu_load(w, s, b_row, row, inter, j + 2, split, t, k_words, stride_wn, stride_sn,
                      V, S)
-        acc_g, acc_u = _gu_step(acc_g, acc_u, a)
+        acc_g, acc_u = _gu_step(acc_g, acc_u, a, TILES * S, ASM)
         a = _gu_load(w, s, b_row, row, inter, j + 3, split, t, k_words, stride_wn, stride_sn,
                      V, S)
-        acc_g, acc_u = _gu_step(acc_g, acc_u, b)
+        acc_g, acc_u = _gu_step(acc_g, acc_u, b, TILES * S, ASM)
         b = _gu_load(w, s, b_row, row, inter, j + 4, split, t, k_words, stride_wn, stride_sn,
                      V, S)
-        acc_g, acc_u = _gu_step(acc_g, acc_u, c)
+        acc_g, acc_u = _gu_step(acc_g, acc_u, c, TILES * S, ASM)
     # the last steps % 3 steps are loaded (a, then b) but not computed yet
     if steps % 3 >= 1:
-        acc_g, acc_u = _gu_step(acc_g, acc_u, a)
+        acc_g, acc_u = _gu_step(acc_g, acc_u, a, TILES * S, ASM)
     if steps % 3 == 2:
-        acc_g, acc_u = _gu_step(acc_g, acc_u, b)
+        acc_g, acc_u = _gu_step(acc_g, acc_u, b, TILES * S, ASM)
     # lane (g, t) holds column 2t of rows g (d0) and g + 8 (d2): the pair is column 0
     f = tl.load(xf_ptr + tok)
     fg = f * tl.load(g_ptr + 2 * e)
@@ -351,7 +399,8 @@ def _down_load(ids_ptr, w_ptr, s_ptr, h16_ptr, tok, top_k, q, row, n_rows, t, k_
 @triton.jit
 def down_mma(h16_ptr, hf_ptr, ids_ptr, w_ptr, s_ptr, out_ptr, n_rows, k_words, top_k,
              stride_h16, stride_we, stride_wn, stride_se, stride_sn, stride_out,
-             V: tl.constexpr, TILES: tl.constexpr, S: tl.constexpr, CHUNKS: tl.constexpr):
+             V: tl.constexpr, TILES: tl.constexpr, S: tl.constexpr, CHUNKS: tl.constexpr,
+             ASM: tl.constexpr):
     """out[t, n] = hf[t] * sum over t's slots p (routed to e) of w2_e[n] . h16[p]: one program
     per (token, block of 16 TILES rows) walks all of the token's slots (CHUNKS chunks each)
     as one float32 dot product, its warps taking every S-th step of the walk."""
@@ -370,18 +419,18 @@ def down_mma(h16_ptr, hf_ptr, ids_ptr, w_ptr, s_ptr, out_ptr, n_rows, k_words, t
         q = (j + 2) * S + split
         c = _down_load(ids_ptr, w, s_ptr, h16_ptr, tok, top_k, q, row, n_rows, t, k_words,
                        stride_we, stride_wn, stride_se, stride_sn, stride_h16, V, CHUNKS)
-        acc = _mma(acc, a[0], a[1])
+        acc = _mma(acc, a[0], a[1], TILES * S, ASM)
         a = _down_load(ids_ptr, w, s_ptr, h16_ptr, tok, top_k, q + S, row, n_rows, t, k_words,
                        stride_we, stride_wn, stride_se, stride_sn, stride_h16, V, CHUNKS)
-        acc = _mma(acc, b[0], b[1])
+        acc = _mma(acc, b[0], b[1], TILES * S, ASM)
         b = _down_load(ids_ptr, w, s_ptr, h16_ptr, tok, top_k, q + 2 * S, row, n_rows, t,
                        k_words, stride_we, stride_wn, stride_se, stride_sn, stride_h16, V,
                        CHUNKS)
-        acc = _mma(acc, c[0], c[1])
+        acc = _mma(acc, c[0], c[1], TILES * S, ASM)
     if steps % 3 >= 1:
-        acc = _mma(acc, a[0], a[1])
+        acc = _mma(acc, a[0], a[1], TILES * S, ASM)
     if steps % 3 == 2:
-        acc = _mma(acc, b[0], b[1])
+        acc = _mma(acc, b[0], b[1], TILES * S, ASM)
     f = tl.load(hf_ptr + tok)
     lane = tl.arange(0, 32)[None, :]
     n = tl.program_id(1) * (16 * TILES) + 16 * tl.arange(0, TILES)[:, None] + lane // 4

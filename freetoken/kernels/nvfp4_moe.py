@@ -140,7 +140,7 @@ def _decode_mma(x, ids, tw, w13, s13, g13, w2, s2, g2, inter, top_k, tiles):
         x16, xf, ids, tw, w13, s13, g13, g2, h, h16, hf, count, inter, hidden // 8, top_k,
         blocks, x16.stride(0), we, wn, s13.stride(0), s13.stride(1), h.stride(0),
         h16.stride(0), V=v, TILES=row_tiles, S=split, VH=vh, IP=_pow2(inter),
-        KP=_pow2(top_k), num_warps=split * row_tiles)
+        KP=_pow2(top_k), ASM=dequant_mode(x), num_warps=split * row_tiles)
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     _down_mma(h16, hf, ids, w2, s2, out, inter, top_k, tiles)
     return out
@@ -153,7 +153,7 @@ def _down_mma(h16, hf, ids, w2, s2, out, k_inputs, top_k, tiles):
     _mma_jit().down_mma[(tokens, -(-n_rows // (16 * row_tiles)))](
         h16, hf, ids, w2, s2, out, n_rows, k_inputs // 8, top_k, h16.stride(0), we, wn,
         s2.stride(0), s2.stride(1), out.stride(0), V=v, TILES=row_tiles, S=split,
-        CHUNKS=chunks, num_warps=split * row_tiles)
+        CHUNKS=chunks, ASM=dequant_mode(h16), num_warps=split * row_tiles)
 
 
 def _precision(dtype: torch.dtype) -> str:
