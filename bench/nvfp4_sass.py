@@ -71,18 +71,19 @@ def compile_sass(fn, constexprs: dict, num_warps: int, arch: int) -> tuple[str, 
 
 
 def loop_mix(sass: str) -> tuple[int, collections.Counter]:
-    """Instruction count and opcode counts of the longest backward-branch loop."""
+    """Instruction count and opcode counts of the dot-product loop: the longest backward-branch
+    loop that multiplies (FFMA or HMMA; gate_up's h conversion has a loop of its own)."""
     pattern = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
     ops = [(int(m.group(1), 16), m.group(2), line) for line in sass.splitlines()
            if (m := pattern.match(line))]
-    best = (0, -1)
+    best, body = (0, -1), collections.Counter()
     for addr, op, line in ops:
         target = re.search(r"BRA (?:\S+ )?0x([0-9a-f]+)", line)
         if op == "BRA" and target and int(target.group(1), 16) < addr:
             start = int(target.group(1), 16)
-            if addr - start > best[1] - best[0]:
-                best = (start, addr)
-    body = collections.Counter(op for addr, op, _ in ops if best[0] <= addr <= best[1])
+            mix = collections.Counter(o for a, o, _ in ops if start <= a <= addr)
+            if (mix["FFMA"] or mix["HMMA"]) and addr - start > best[1] - best[0]:
+                best, body = (start, addr), mix
     return sum(body.values()), body
 
 

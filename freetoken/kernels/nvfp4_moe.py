@@ -127,6 +127,15 @@ def _fragments(x: torch.Tensor, k_inputs: int, v: int, g: torch.Tensor | None = 
 
 
 def _decode_mma(x, ids, tw, w13, s13, g13, w2, s2, g2, inter, top_k, tiles):
+    h16, hf, _ = _gate_up_mma(x, ids, tw, w13, s13, g13, g2, inter, top_k, tiles)
+    out = torch.empty(x.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
+    _down_mma(h16, hf, ids, w2, s2, out, inter, top_k, tiles)
+    return out
+
+
+def _gate_up_mma(x, ids, tw, w13, s13, g13, g2, inter, top_k, tiles):
+    """gate_up on tensor cores: (h16 fragments, hf [T], count [T]); every token's count ends
+    at top_k x the row blocks (each (pair, block) counted once: tested)."""
     jit, pairs, tokens, hidden = _mma_jit(), ids.numel(), x.shape[0], x.shape[1]
     v, split, _, row_tiles = _mma_shape(pairs, inter, hidden, 1, tiles)
     x16, xf, count = _fragments(x, hidden, v)
@@ -141,9 +150,7 @@ def _decode_mma(x, ids, tw, w13, s13, g13, w2, s2, g2, inter, top_k, tiles):
         blocks, x16.stride(0), we, wn, s13.stride(0), s13.stride(1), h.stride(0),
         h16.stride(0), V=v, TILES=row_tiles, S=split, VH=vh, IP=_pow2(inter),
         KP=_pow2(top_k), ASM=dequant_mode(x), num_warps=split * row_tiles)
-    out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
-    _down_mma(h16, hf, ids, w2, s2, out, inter, top_k, tiles)
-    return out
+    return h16, hf, count
 
 
 def _down_mma(h16, hf, ids, w2, s2, out, k_inputs, top_k, tiles):

@@ -193,20 +193,28 @@ def _rel_l2(got, want):
     (3, 6, 2, 48, 16, {}),                          # 1 word per lane, the last chunk half
     (5, 8, 3, 64, 64, {"mma_max_split": 1}),        # 2 words per lane, one warp per program
     (2, 4, 3, 256, 32, {"mma_tiles": 2}),           # 4 words per lane, split K, 2 tiles
+    (16, 4, 4, 64, 32, {}),                         # 16 pairs per expert
 ])
 def test_mma_decode_matches_reference(mma_in_interpreter, tokens, experts, top_k, hidden,
                                       inter, tiles):
     """gate_up and down on the mma path (K split across warps, partial chunks, rows past the
-    end of a tile, the last-program h conversion) give the reference's routed-expert sum up
-    to the fp16 rounding of the activations and of h."""
+    end of a tile, many pairs per expert, the last-program h conversion) give the
+    reference's routed-expert sum up to the fp16 rounding of the activations and of h."""
     from freetoken.kernels import nvfp4_moe
 
     w = make_experts(experts, hidden, inter, 1, seed=tokens)
     x, weights, ids = _routing(tokens, experts, top_k, hidden, seed=tokens)
     want = reference_moe(x, weights, ids, **w)
-    got = nvfp4_moe.fused_moe(x, weights, ids, **w, path="decode",
-                              tiles=nvfp4_moe.Tiles(**tiles))
+    tiles = nvfp4_moe.Tiles(**tiles)
+    got = nvfp4_moe.fused_moe(x, weights, ids, **w, path="decode", tiles=tiles)
     assert _rel_l2(got, want) < 2e-3
+    # each (pair, block of rows) counted once towards its token: the count that decides
+    # which program converts a token's h ends at top_k x blocks for every token
+    row_tiles = nvfp4_moe._mma_shape(ids.numel(), inter, hidden, 1, tiles)[3]
+    _, _, count = nvfp4_moe._gate_up_mma(
+        x, ids.reshape(-1).to(torch.int32), weights.reshape(-1), w["w13"],
+        w["w13_scale"].view(torch.uint8), w["w13_global"], w["w2_global"], inter, top_k, tiles)
+    assert count.tolist() == [top_k * -(-inter // (16 * row_tiles))] * tokens
 
 
 def test_mma_decode_with_an_expert_repeated_and_a_dense_linear(mma_in_interpreter):
