@@ -8,11 +8,11 @@ Method. For each (TP, tokens) the launcher's own tile choice (`_decode_shape` wi
 tiles) at Qwen3.6-35B-A3B's expert dimensions (H=2048, I=512/tp, top-8) is compiled by
 Triton for `--arch` (ptxas and cuobjdump come with the triton wheel), with the integer
 arguments the launcher passes marked divisible by 16 as Triton's own specialisation would.
-The loop is the longest backward branch of the SASS; `instr/weight` is its instruction count
-over the weights a thread handles per trip (three K-steps per trip; a tensor-core lane holds
-8 weights of each of two rows per word). Counts, not times: the
-kernels run at about half the SMs' issue rate (docs/performance.md), so the count is what a
-change to the decode arithmetic moves.
+The loop is the longest backward branch of the SASS that multiplies (FFMA or HMMA);
+`instr/weight` is its instruction count over the weights a thread handles per trip (three
+K-steps per trip; a tensor-core lane holds 8 weights of each of two rows per word). Counts,
+not times: what a change to the decode arithmetic moves (docs/performance.md says where
+else the time goes).
 """
 
 from __future__ import annotations
