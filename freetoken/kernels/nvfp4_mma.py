@@ -40,6 +40,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# `use_interpreter` reloads nvfp4_jit before this module, so these are interpreted with it
+from freetoken.kernels.nvfp4_jit import _e4m3_low, _fp4_word, _sum
+
 FP16_MAX_EXP = tl.constexpr(15)
 """Activations are scaled by 2^-e so that their largest magnitude is below 2^15."""
 W_BIAS_EXP = tl.constexpr(7)
@@ -117,11 +120,6 @@ def _frag_pos(k, V: tl.constexpr):
 
 
 @triton.jit
-def _sum(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, tl.standard._sum_combine)
-
-
-@triton.jit
 def _max(x, axis: tl.constexpr):
     return tl.reduce(x, axis, tl.standard._elementwise_max)
 
@@ -141,17 +139,15 @@ def _exponent(amax):
 
 
 @triton.jit
-def to_fragments(x_ptr, x16_ptr, xf_ptr, count_ptr, g_ptr, k_inputs, stride_x, stride_x16,
-                 V: tl.constexpr, BLOCK: tl.constexpr, HAS_G: tl.constexpr):
-    """Row t of x (times g[0] if HAS_G) as fp16 fragments (`_frag_pos`) scaled by 2^-e,
-    e per row; xf[t] = 2^(7 + e) undoes both biases; count[t] = 0 for gate_up's last-program
-    count. Inputs past k_inputs up to the row's padded length (<= BLOCK) are zeros."""
+def to_fragments(x_ptr, x16_ptr, xf_ptr, count_ptr, k_inputs, stride_x, stride_x16,
+                 V: tl.constexpr, BLOCK: tl.constexpr):
+    """Row t of x as fp16 fragments (`_frag_pos`) scaled by 2^-e, e per row; xf[t] = 2^(7 + e)
+    undoes both biases; count[t] = 0 for gate_up's last-program count. Inputs past k_inputs
+    up to the row's padded length (<= BLOCK) are zeros."""
     t = tl.program_id(0)
     k = tl.arange(0, BLOCK)
     x = tl.load(x_ptr + t.to(tl.int64) * stride_x + k, mask=k < k_inputs, other=0.0)
     x = x.to(tl.float32)
-    if HAS_G:
-        x = x * tl.load(g_ptr)
     e = _exponent(_max(tl.abs(x), 0))
     padded = (k_inputs + 32 * V - 1) // (32 * V) * (32 * V)
     tl.store(x16_ptr + t.to(tl.int64) * stride_x16 + _frag_pos(k, V),
@@ -238,13 +234,10 @@ def _half(x, shift: tl.constexpr):
 @triton.jit
 def _word_weights(word, scale):
     """[R, V, 8] float32 e2m1 * e4m3 * 2^-7 of int32 words [R, V] (input j at nibble j) and
-    their scale bytes [R, V] (the PTX's values, by float bit arithmetic)."""
-    n = word[:, :, None] >> (4 * tl.arange(0, 8))[None, None, :]
-    e2m1 = (((n & 0x8) << 12) | ((n & 0x7) << 9)).to(tl.uint16).to(tl.float16, bitcast=True)
-    s = scale[:, :, None]
-    e4m3 = (((s & 0x80) << 8) | ((s & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True)
+    their scale bytes [R, V] (the PTX's values, by the CUDA-core kernels' bit arithmetic)."""
+    e2m1 = _fp4_word(word[:, :, None] >> (4 * tl.arange(0, 8))[None, None, :], 0)
     # e2m1 * 2^-14 times e4m3 * 2^-8, times 2^15: e2m1 * e4m3 * 2^-7, exact in float32
-    return e2m1.to(tl.float32) * e4m3.to(tl.float32) * 32768.0
+    return e2m1 * _e4m3_low(scale[:, :, None]) * 32768.0
 
 
 @triton.jit

@@ -7,10 +7,10 @@ partial sum; the MoE block all-reduces it). Few tokens take the decode kernels: 
 program per (token, slot) pair and block of rows, down one per (token, block of rows)
 walking all of the token's slots. 16-bit activations on a GPU decode on tensor cores
 (`nvfp4_mma`: a warp per 16 rows, warps splitting K when a launch has few warps); float32
-activations and CPUs take the CUDA-core GEMVs of `nvfp4_jit` (blocks shrink to fewer rows
-when that leaves too few programs). More tokens take the prefill kernels, on pairs sorted by
-expert into blocks. Nothing here synchronises with the host, so decode steps can be captured
-in CUDA graphs.
+activations, CPUs and the dense NVFP4 linear take the CUDA-core GEMVs of `nvfp4_jit`
+(blocks shrink to fewer rows when that leaves too few programs). More tokens take the
+prefill kernels, on pairs sorted by expert into blocks. Nothing here synchronises with the
+host, so decode steps can be captured in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -114,15 +114,15 @@ def _mma_shape(units: int, rows: int, k_inputs: int, walk: int, tiles: Tiles
     return v, split, chunks, row_tiles
 
 
-def _fragments(x: torch.Tensor, k_inputs: int, v: int, g: torch.Tensor | None = None):
+def _fragments(x: torch.Tensor, k_inputs: int, v: int):
     """`to_fragments` of x's rows: (x16 [T, padded K] fp16, xf [T] float32, count [T] int32)."""
     tokens, chunks = x.shape[0], -(-k_inputs // (32 * v))
     x16 = torch.empty(tokens, chunks * 32 * v, dtype=torch.float16, device=x.device)
     xf = torch.empty(tokens, dtype=torch.float32, device=x.device)
     count = torch.empty(tokens, dtype=torch.int32, device=x.device)
     _mma_jit().to_fragments[(tokens,)](
-        x, x16, xf, count, g if g is not None else xf, k_inputs, x.stride(0), x16.stride(0),
-        V=v, BLOCK=_pow2(x16.shape[1]), HAS_G=g is not None, num_warps=4)
+        x, x16, xf, count, k_inputs, x.stride(0), x16.stride(0), V=v,
+        BLOCK=_pow2(x16.shape[1]), num_warps=4)
     return x16, xf, count
 
 
