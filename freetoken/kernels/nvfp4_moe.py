@@ -6,9 +6,10 @@ then down, weighted by the routing weights and summed over each token's top-k sl
 partial sum; the MoE block all-reduces it). Few tokens take the decode kernels: gate_up one
 program per (token, slot) pair and block of rows, down one per (token, block of rows)
 walking all of the token's slots. 16-bit activations on a GPU decode on tensor cores
-(`nvfp4_mma`: a warp per 16 rows, warps splitting K when a launch has few warps); float32
-activations, CPUs and the dense NVFP4 linear take the CUDA-core GEMVs of `nvfp4_jit`
-(blocks shrink to fewer rows when that leaves too few programs). More tokens take the
+(`nvfp4_mma`: a warp per 16 rows, warps splitting K when a launch has few warps), as does
+the dense NVFP4 linear's decode; float32 activations and CPUs take the CUDA-core GEMVs of
+`nvfp4_jit` (blocks shrink to fewer rows when that leaves too few programs). More tokens
+take the
 prefill kernels, on pairs sorted by expert into blocks. Nothing here synchronises with the
 host, so decode steps can be captured in CUDA graphs.
 """
@@ -331,9 +332,15 @@ def _decode(x, ids, tw, w13, s13, g13, w2, s2, g2, inter, top_k, tiles):
 def down_decode_launch(x, w, s, g, out, k_inputs, tiles):
     """out = g * (w[0] @ x[:, :k_inputs].T).T for the dense NVFP4 linear (one expert: w [1,
     rows, k_inputs / 2], s its block scales, g [1] its global scale); `out` [T, rows] in any
-    float dtype."""
-    xw, xs = word_order(x, k_inputs, scale=g)
+    float dtype. 16-bit activations on a GPU take the mma kernels (`down_mma` with one slot per
+    token, g folded into the fragments' float32 factor), others the CUDA-core ones."""
     ids = torch.zeros(x.shape[0], dtype=torch.int32, device=x.device)
+    if uses_mma(x, tiles):
+        v = _mma_shape(x.shape[0], w.shape[1], k_inputs, 1, tiles)[0]
+        x16, xf, _ = _fragments(x, k_inputs, v)
+        _down_mma(x16, xf.mul_(g), ids, w, s, out, k_inputs, 1, tiles)
+        return
+    xw, xs = word_order(x, k_inputs, scale=g)
     _down_words(xw, xs, ids, w, s, out, k_inputs, 1, tiles)
 
 

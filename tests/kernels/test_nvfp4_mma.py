@@ -220,8 +220,7 @@ def test_mma_decode_matches_reference(mma_in_interpreter, tokens, experts, top_k
 
 
 def test_mma_decode_with_an_expert_repeated(mma_in_interpreter):
-    """A token routed twice to one expert counts once per slot. (The dense NVFP4 linear keeps
-    the CUDA-core kernels: it has not run on the mma path on a GPU.)"""
+    """A token routed twice to one expert counts once per slot."""
     from freetoken.kernels import nvfp4_moe
 
     w = make_experts(4, 64, 32, 1, seed=7)
@@ -229,3 +228,19 @@ def test_mma_decode_with_an_expert_repeated(mma_in_interpreter):
     ids = torch.tensor([[1, 1, 2], [0, 3, 0], [2, 2, 2]])
     want = reference_moe(x, weights, ids, **w)
     assert _rel_l2(nvfp4_moe.fused_moe(x, weights, ids, **w, path="decode"), want) < 2e-3
+
+
+@pytest.mark.parametrize("tokens, rows, k_inputs", [(3, 24, 80), (16, 40, 256)])
+def test_dense_linear_decode_on_the_mma_path(mma_in_interpreter, tokens, rows, k_inputs):
+    """The dense NVFP4 linear's decode on the mma kernels (one slot per token, the global
+    scale in the fragments' scale; partial chunks, a partial row tile) gives the reference
+    up to the fp16 rounding of the activations."""
+    from freetoken.kernels.nvfp4_linear import nvfp4_linear
+    from freetoken.layers.quantization.nvfp4.quantizer import quantize
+    from freetoken.layers.quantization.nvfp4.reference import reference_linear
+
+    gen = torch.Generator().manual_seed(rows)
+    q = quantize(torch.randn(rows, k_inputs, generator=gen) * 3)
+    lin = dict(packed=q.packed, block_scale=q.block_scale, global_scale=q.global_scale)
+    x = torch.randn(tokens, k_inputs, generator=gen)
+    assert _rel_l2(nvfp4_linear(x, **lin, path="decode"), reference_linear(x, **lin)) < 2e-3
