@@ -4,7 +4,7 @@ decoded in registers, fp16 products accumulated in float32 by `mma.m16n8k16`).
 Why: the CUDA-core decode (`nvfp4_jit.gate_up_decode`) issues ~5.5 instructions per weight,
 of which the multiply-add is one and turning a nibble into a float32 three. Here a warp's
 `mma` consumes 256 weights per instruction and a weight becomes an fp16 value in ~1.4
-instructions: gate_up's loop issues 2.65 instructions per weight, down's 3.2-3.6
+instructions: gate_up's loop issues 2.7 instructions per weight, down's 3.2-4
 (`bench/nvfp4_sass.py`). float32 activations keep the CUDA-core kernels (products exact in
 float32); these serve bf16 and fp16 ones.
 
@@ -33,6 +33,14 @@ down's global scale), and the last of a token's gate_up programs (an atomic coun
 converts the token's h to fp16 fragments (11 significant bits; the model's own h is bf16)
 with one power-of-two scale for all its slots, so that down walks all of a token's slots as
 one float32 dot product.
+
+Registers. The weight bytes in flight, what a decode launch is bound by, are the warps an SM
+runs times the two steps each loads ahead, and registers bound the warps. So a lane's V word
+positions of a chunk are one PTX block chained through one accumulator (4 float32 per gate
+or up, not 4 V), the token's fragments load in the step that uses them (every warp reads
+the same row: L1 hits; only the weights run ahead), and the last program converts h a few
+slots at a time where all at once would take more registers than the loop. gate_up holds
+103 registers on sm_90 (19 warps per SM), down 64-96.
 """
 
 from __future__ import annotations
@@ -52,11 +60,23 @@ _M = 0x8E008E00     # fp16 sign bit and e2m1 magnitude bits (15, 11..9) of both 
 _SEL = 0xE4         # lop3 table of (a & c) | (b & ~c)
 
 
-def _mma_asm() -> str:
-    """PTX for one word position of a lane: $4 / $5 the int32 words of rows g / g + 8, $6 their
-    block scale bytes (row g in bits 0..7, row g + 8 in 8..15), $7 the activation pairs for
-    inputs (0, 4), (2, 6) and $8 those for (1, 5), (3, 7) (int64 each), $9..$12 the
-    accumulator in; $0..$3 out."""
+def mma_operands(v: int) -> dict[str, list[int]]:
+    """Operand numbers of `_mma_asm(v)`: out (the accumulator out, 4 float32), wg / wh (the
+    v int32 words of rows g / g + 8), scales (one per 16-input group of the lane's words:
+    rows g and g + 8's scale bytes in bits 0..7 and 8..15), b0 / b1 (per word, the int64
+    activation pairs of inputs (0, 4), (2, 6) and of (1, 5), (3, 7)), acc (4 float32 in)."""
+    groups = max(1, v // 2)
+    first = {"wg": 4, "wh": 4 + v, "scales": 4 + 2 * v, "b0": 4 + 2 * v + groups,
+             "b1": 4 + 3 * v + groups, "acc": 4 + 4 * v + groups}
+    sizes = {"wg": v, "wh": v, "scales": groups, "b0": v, "b1": v, "acc": 4}
+    return {"out": [0, 1, 2, 3], **{k: list(range(first[k], first[k] + sizes[k]))
+                                    for k in first}}
+
+
+def _mma_asm(v: int = 1) -> str:
+    """PTX for a lane's v word positions of one chunk (operands: `mma_operands`): each word
+    position's two mma steps, chained through one accumulator (word i takes scale i / 2)."""
+    ops = mma_operands(v)
 
     def decode(word: str, r02h: str, r13h: str, r02l: str, r13l: str) -> list[str]:
         return [
@@ -74,34 +94,48 @@ def _mma_asm() -> str:
         ]
 
     mma = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+    out = "{" + ", ".join(f"${n}" for n in ops["out"]) + "}"
+    acc = "{" + ", ".join(f"${n}" for n in ops["acc"]) + "}"
+    scales = range(len(ops["scales"]))
     lines = [
-        ".reg .b32 t, u, v, ga, gb, gc, gd, ha, hb, hc, hd, sf, sg, sh, k;",
+        ".reg .b32 t, u, v, ga, gb, gc, gd, ha, hb, hc, hd, sf, k;",
+        ".reg .b32 " + ", ".join(f"sg{j}, sh{j}" for j in scales) + ";",
         ".reg .b16 q, lo, hi;",
         ".reg .b32 b0, b1, b2, b3;",
-        "mov.b64 {b0, b1}, $7;",
-        "mov.b64 {b2, b3}, $8;",
-        "cvt.u16.u32 q, $6;",
-        "cvt.rn.f16x2.e4m3x2 sf, q;",
         "mov.b32 k, 0x58005800;",                # (2^7, 2^7) in fp16
-        "mul.rn.f16x2 sf, sf, k;",
-        "mov.b32 {lo, hi}, sf;",
-        "mov.b32 sg, {lo, lo};",
-        "mov.b32 sh, {hi, hi};",
     ]
-    lines += decode("$4", "ga", "gb", "gc", "gd")
-    lines += decode("$5", "ha", "hb", "hc", "hd")
-    for r in ("ga", "gb", "gc", "gd"):
-        lines.append(f"mul.rn.f16x2 {r}, {r}, sg;")
-    for r in ("ha", "hb", "hc", "hd"):
-        lines.append(f"mul.rn.f16x2 {r}, {r}, sh;")
-    lines += [
-        f"{mma} {{$0, $1, $2, $3}}, {{gc, hc, gd, hd}}, {{b0, b1}}, {{$9, $10, $11, $12}};",
-        f"{mma} {{$0, $1, $2, $3}}, {{ga, ha, gb, hb}}, {{b2, b3}}, {{$0, $1, $2, $3}};",
-    ]
+    for j, n in zip(scales, ops["scales"]):
+        lines += [
+            f"cvt.u16.u32 q, ${n};",
+            "cvt.rn.f16x2.e4m3x2 sf, q;",
+            "mul.rn.f16x2 sf, sf, k;",
+            "mov.b32 {lo, hi}, sf;",
+            f"mov.b32 sg{j}, {{lo, lo}};",
+            f"mov.b32 sh{j}, {{hi, hi}};",
+        ]
+    for i in range(v):
+        lines += [f"mov.b64 {{b0, b1}}, ${ops['b0'][i]};", f"mov.b64 {{b2, b3}}, ${ops['b1'][i]};"]
+        lines += decode(f"${ops['wg'][i]}", "ga", "gb", "gc", "gd")
+        lines += decode(f"${ops['wh'][i]}", "ha", "hb", "hc", "hd")
+        lines += [f"mul.rn.f16x2 {r}, {r}, sg{i // 2};" for r in ("ga", "gb", "gc", "gd")]
+        lines += [f"mul.rn.f16x2 {r}, {r}, sh{i // 2};" for r in ("ha", "hb", "hc", "hd")]
+        lines += [f"{mma} {out}, {{gc, hc, gd, hd}}, {{b0, b1}}, {acc if i == 0 else out};",
+                  f"{mma} {out}, {{ga, ha, gb, hb}}, {{b2, b3}}, {out};"]
     return "{\n" + "\n".join(lines) + "\n}"
 
 
-_MMA_ASM = tl.constexpr(_mma_asm())
+def _mma_constraints(v: int) -> str:
+    ops = mma_operands(v)
+    return ",".join(["=f"] * 4 + ["r"] * (2 * v + len(ops["scales"])) + ["l"] * (2 * v)
+                    + ["f"] * 4)
+
+
+_MMA_ASM_1 = tl.constexpr(_mma_asm(1))
+_MMA_ASM_2 = tl.constexpr(_mma_asm(2))
+_MMA_ASM_4 = tl.constexpr(_mma_asm(4))
+_MMA_CONSTRAINTS_1 = tl.constexpr(_mma_constraints(1))
+_MMA_CONSTRAINTS_2 = tl.constexpr(_mma_constraints(2))
+_MMA_CONSTRAINTS_4 = tl.constexpr(_mma_constraints(4))
 
 
 @triton.jit
@@ -170,9 +204,9 @@ def _rows_tile(w_ptr, s_ptr, we, se, row, lim, live, c, t, k_words, stride_wn, s
                V: tl.constexpr):
     """int32 words [R, V] of weight rows `row` and `row + 8` (valid below `lim`, where `live`)
     of the expert at word offset `we` (scale byte offset `se`; scalars or per row) for chunk
-    c (lane t's words c 4V + t V + i), and per word the block scale bytes of its group in
-    both rows, packed as (row) | (row + 8) << 8. A lane's words span V / 2 groups (one for
-    V <= 2): its scale bytes of a row are one load."""
+    c (lane t's words c 4V + t V + i), and the block scale bytes [R, max(1, V / 2)] of the
+    groups they span in both rows, packed as (row) | (row + 8) << 8 (word i in group i / 2;
+    a row's are one load)."""
     i = tl.arange(0, V)
     kw0 = c * (4 * V) + t * V
     kw = kw0[:, None] + i[None, :]
@@ -184,18 +218,17 @@ def _rows_tile(w_ptr, s_ptr, we, se, row, lim, live, c, t, k_words, stride_wn, s
     wg = tl.load(base, mask=ok_g, other=0)
     wh = tl.load(base + 8 * stride_wn, mask=ok_h, other=0)
     if V >= 4:
-        j = tl.arange(0, 2)
-        grp = tl.multiple_of(kw0 // 2, 2)[:, None] + j[None, :]
+        j = tl.arange(0, V // 2)
+        grp = tl.multiple_of(kw0 // 2, V // 2)[:, None] + j[None, :]
         sb = s_ptr + (se + row.to(tl.int64) * stride_sn)[:, None] + grp
         sg = tl.load(sb, mask=ok_g1[:, None], other=0).to(tl.int32)
         sh = tl.load(sb + 8 * stride_sn, mask=ok_h1[:, None], other=0)
-        first, second = tl.split(sg | (sh.to(tl.int32) << 8))
-        sc = tl.where(i[None, :] < V // 2, first[:, None], second[:, None])
+        sc = sg | (sh.to(tl.int32) << 8)
     else:
         sb = s_ptr + se + row.to(tl.int64) * stride_sn + kw0 // 2
         sg = tl.load(sb, mask=ok_g1, other=0).to(tl.int32)
         sh = tl.load(sb + 8 * stride_sn, mask=ok_h1, other=0).to(tl.int32)
-        sc = (sg | (sh << 8))[:, None] + tl.full(wg.shape, 0, tl.int32)
+        sc = (sg | (sh << 8))[:, None]
     return wg, wh, sc
 
 
@@ -213,15 +246,39 @@ def _b_tile(b_ptr, c, t, live, k_words, V: tl.constexpr):
 
 
 @triton.jit
+def _columns(x, N: tl.constexpr):
+    """The N columns of x [R, N] (N in 1, 2, 4) as a tuple of [R] tensors."""
+    if N == 1:
+        return (tl.reshape(x, (x.shape[0],)),)
+    elif N == 2:
+        a, b = tl.split(x)
+        return (a, b)
+    else:
+        even, odd = tl.split(tl.reshape(x, (x.shape[0], 2, 2)))    # (x0, x2), (x1, x3)
+        a, c = tl.split(even)
+        b, d = tl.split(odd)
+        return (a, b, c, d)
+
+
+@triton.jit
 def _mma(acc, w, b, NW: tl.constexpr, ASM: tl.constexpr):
-    """acc (4 float32 [R, V]) += the mma of weight words w = (wg, wh, scales) and fragments b:
-    the PTX (ASM 1), or its emulation over the whole tensor (ASM 0: Triton's interpreter,
-    which runs a program's NW warps as one tensor and cannot run PTX)."""
+    """acc (4 float32 [R]) += the mma of weight words w = (wg [R, V], wh [R, V], scales
+    [R, G]) and fragments b (2 int64 [R, V]): the PTX (ASM 1), or its emulation over the
+    whole tensor (ASM 0: Triton's interpreter, which runs a program's NW warps as one tensor
+    and cannot run PTX)."""
+    V: tl.constexpr = w[0].shape[1]
     if ASM:
-        return tl.inline_asm_elementwise(
-            _MMA_ASM, "=f,=f,=f,=f,r,r,r,l,l,f,f,f,f",
-            [w[0], w[1], w[2], b[0], b[1], acc[0], acc[1], acc[2], acc[3]],
-            dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+        args = (_columns(w[0], V) + _columns(w[1], V) + _columns(w[2], w[2].shape[1])
+                + _columns(b[0], V) + _columns(b[1], V) + acc)
+        if V == 4:
+            return tl.inline_asm_elementwise(_MMA_ASM_4, _MMA_CONSTRAINTS_4, args,
+                                             dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+        elif V == 2:
+            return tl.inline_asm_elementwise(_MMA_ASM_2, _MMA_CONSTRAINTS_2, args,
+                                             dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise(_MMA_ASM_1, _MMA_CONSTRAINTS_1, args,
+                                             dtype=(tl.float32,) * 4, is_pure=True, pack=1)
     return _mma_portable(acc, w, b, NW)
 
 
@@ -242,13 +299,16 @@ def _word_weights(word, scale):
 
 @triton.jit
 def _mma_portable(acc, w, b, NW: tl.constexpr):
-    """`_MMA_ASM` as tensor arithmetic: lane (g, t) of warp W is tensor row 32 W + 4 g + t;
+    """`_mma_asm` as tensor arithmetic: lane (g, t) of warp W is tensor row 32 W + 4 g + t;
     D[row, n] of a warp = sum over its lanes t and their 8 inputs q of the row's weights
     (lanes (row % 8, t)) times column n's activations (lanes (n, t))."""
-    R: tl.constexpr = acc[0].shape[0]
-    V: tl.constexpr = acc[0].shape[1]
-    wg = _word_weights(w[0], w[2] & 0xFF)
-    wh = _word_weights(w[1], (w[2] >> 8) & 0xFF)
+    R: tl.constexpr = w[0].shape[0]
+    V: tl.constexpr = w[0].shape[1]
+    G: tl.constexpr = w[2].shape[1]
+    # word i's scales: group i / 2 of the lane's
+    sc = tl.reshape(tl.broadcast_to(w[2][:, :, None], (R, G, V // G)), (R, V))
+    wg = _word_weights(w[0], sc & 0xFF)
+    wh = _word_weights(w[1], (sc >> 8) & 0xFF)
     # the int64 pairs hold inputs (0, 4, 2, 6) and (1, 5, 3, 7): back to input order q =
     # 4 i2 + 2 i1 + i0 (each join adds a last axis: the innermost join's ends up first, i2)
     even = tl.join(tl.join(_half(b[0], 0), _half(b[0], 16)),
@@ -262,32 +322,36 @@ def _mma_portable(acc, w, b, NW: tl.constexpr):
         d = _sum(_sum(a * x, 5), 3)                         # [NW, g, n, V]
         d = tl.permute(tl.reshape(d, (NW, 8, 4, 2, V)), (0, 1, 2, 4, 3))
         even, odd = tl.split(d)                             # columns 2t, 2t + 1
-        out = out + (tl.reshape(even, (R, V)), tl.reshape(odd, (R, V)))
+        out = out + (_sum(tl.reshape(even, (R, V)), 1), _sum(tl.reshape(odd, (R, V)), 1))
     return (acc[0] + out[0], acc[1] + out[1], acc[2] + out[2], acc[3] + out[3])
 
 
 @triton.jit
 def _tile_sum(d, TILES: tl.constexpr, S: tl.constexpr):
-    """[R, V] accumulator -> [TILES, 32]: summed over the word positions and the K splits."""
-    d = _sum(d, 1)
+    """[R] accumulator -> [TILES, 32]: summed over the K splits."""
     return _sum(tl.reshape(d, (TILES, S, 32)), 1)
 
 
 @triton.jit
 def _gu_load(w, s, b_row, row, inter, step, split, t, k_words, stride_wn, stride_sn,
              V: tl.constexpr, S: tl.constexpr):
-    """Gate rows, up rows and the token's fragments of step `step` (chunk step S + split)."""
+    """Gate rows and up rows of step `step` (chunk step S + split), and the chunk."""
     c = step * S + split
     live = t >= 0
     return (_rows_tile(w, s, 0, 0, row, inter, live, c, t, k_words, stride_wn, stride_sn, V),
             _rows_tile(w, s, inter * stride_wn, inter * stride_sn, row, inter, live, c, t,
                        k_words, stride_wn, stride_sn, V),
-            _b_tile(b_row, c, t, live, k_words, V))
+            c)
 
 
 @triton.jit
-def _gu_step(acc_g, acc_u, buf, NW: tl.constexpr, ASM: tl.constexpr):
-    return _mma(acc_g, buf[0], buf[2], NW, ASM), _mma(acc_u, buf[1], buf[2], NW, ASM)
+def _gu_step(acc_g, acc_u, buf, b_row, t, k_words, V: tl.constexpr, NW: tl.constexpr,
+             ASM: tl.constexpr):
+    """The gate and up mma of a loaded step. The token's fragments load here, not with the
+    weights two steps ahead: every warp of the SM reads the same row (L1), and registers
+    held across steps are what limits the warps an SM runs."""
+    b = _b_tile(b_row, buf[2], t, t >= 0, k_words, V)
+    return _mma(acc_g, buf[0], b, NW, ASM), _mma(acc_u, buf[1], b, NW, ASM)
 
 
 @triton.jit
@@ -295,7 +359,7 @@ def gate_up_mma(x16_ptr, xf_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, g2_ptr, h
                 hf_ptr, count_ptr, inter, k_words, top_k, blocks, stride_x16, stride_we,
                 stride_wn, stride_se, stride_sn, stride_h, stride_h16, V: tl.constexpr,
                 TILES: tl.constexpr, S: tl.constexpr, VH: tl.constexpr, IP: tl.constexpr,
-                KP: tl.constexpr, ASM: tl.constexpr):
+                KP: tl.constexpr, KC: tl.constexpr, ASM: tl.constexpr):
     """h[p, n] = silu(gate_e[n] . x_t) * (up_e[n] . x_t) * tw[p] * g2[e] for pair p = (t, slot)
     routed to e, one program per (pair, block of 16 TILES rows); warps split K S ways. The
     last program of token t (count) converts t's h rows to fp16 fragments for down (VH)."""
@@ -307,7 +371,7 @@ def gate_up_mma(x16_ptr, xf_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, g2_ptr, h
     w = w_ptr.to(tl.pointer_type(tl.int32)) + e * stride_we
     s = s_ptr + e * stride_se
     b_row = x16_ptr.to(tl.pointer_type(tl.int64)) + tok.to(tl.int64) * (stride_x16 // 4)
-    z = tl.full([32 * TILES * S, V], 0.0, tl.float32)
+    z = tl.full([32 * TILES * S], 0.0, tl.float32)
     acc_g = (z, z, z, z)
     acc_u = (z, z, z, z)
     steps = ((k_words + 4 * V - 1) // (4 * V) + S - 1) // S
@@ -319,18 +383,18 @@ def gate_up_mma(x16_ptr, xf_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, g2_ptr, h
     for j in range(0, steps - 2, 3):
         c = _gu_load(w, s, b_row, row, inter, j + 2, split, t, k_words, stride_wn, stride_sn,
                      V, S)
-        acc_g, acc_u = _gu_step(acc_g, acc_u, a, TILES * S, ASM)
+        acc_g, acc_u = _gu_step(acc_g, acc_u, a, b_row, t, k_words, V, TILES * S, ASM)
         a = _gu_load(w, s, b_row, row, inter, j + 3, split, t, k_words, stride_wn, stride_sn,
                      V, S)
-        acc_g, acc_u = _gu_step(acc_g, acc_u, b, TILES * S, ASM)
+        acc_g, acc_u = _gu_step(acc_g, acc_u, b, b_row, t, k_words, V, TILES * S, ASM)
         b = _gu_load(w, s, b_row, row, inter, j + 4, split, t, k_words, stride_wn, stride_sn,
                      V, S)
-        acc_g, acc_u = _gu_step(acc_g, acc_u, c, TILES * S, ASM)
+        acc_g, acc_u = _gu_step(acc_g, acc_u, c, b_row, t, k_words, V, TILES * S, ASM)
     # the last steps % 3 steps are loaded (a, then b) but not computed yet
     if steps % 3 >= 1:
-        acc_g, acc_u = _gu_step(acc_g, acc_u, a, TILES * S, ASM)
+        acc_g, acc_u = _gu_step(acc_g, acc_u, a, b_row, t, k_words, V, TILES * S, ASM)
     if steps % 3 == 2:
-        acc_g, acc_u = _gu_step(acc_g, acc_u, b, TILES * S, ASM)
+        acc_g, acc_u = _gu_step(acc_g, acc_u, b, b_row, t, k_words, V, TILES * S, ASM)
     # lane (g, t) holds column 2t of rows g (d0) and g + 8 (d2): the pair is column 0
     f = tl.load(xf_ptr + tok)
     fg = f * tl.load(g_ptr + 2 * e)
@@ -351,25 +415,47 @@ def gate_up_mma(x16_ptr, xf_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, g2_ptr, h
     done = tl.atomic_add(count_ptr + tok, 1, sem="acq_rel", scope="gpu")
     if done == top_k * blocks - 1:
         _h_fragments(h_ptr, h16_ptr, hf_ptr, tok, top_k, inter, stride_h, stride_h16, VH, IP,
-                     KP)
+                     KP, KC)
 
 
 @triton.jit
 def _h_fragments(h_ptr, h16_ptr, hf_ptr, tok, top_k, inter, stride_h, stride_h16,
-                 VH: tl.constexpr, IP: tl.constexpr, KP: tl.constexpr):
+                 VH: tl.constexpr, IP: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr):
     """Token tok's h rows (float32, one per slot) -> fp16 fragments scaled by 2^-e with one e
-    for all its slots; hf[tok] = 2^(7 + e). All KP >= top_k rows are loaded at once: one
-    memory latency, not one per slot."""
+    for all its slots; hf[tok] = 2^(7 + e). KC = KP >= top_k: all rows loaded at once (one
+    memory latency, not one per slot); KC < KP: KC rows at a time, a pass for e and one to
+    convert, so that this epilogue does not set the kernel's registers (KC x IP values)."""
     k = tl.arange(0, IP)[None, :]
-    slot = tl.arange(0, KP)[:, None]
-    p = (tok * top_k + slot).to(tl.int64)
-    ok = (slot < top_k) & (k < inter)
-    h = tl.load(h_ptr + p * stride_h + k, mask=ok, other=0.0, cache_modifier=".cg")
-    e = _exponent(_max(_max(tl.abs(h), 1), 0))
+    rows = tok.to(tl.int64) * top_k + tl.arange(0, KC)[:, None]     # slots s0 .. s0 + KC - 1
+    last = tok.to(tl.int64) * top_k + top_k
     padded = (inter + 32 * VH - 1) // (32 * VH) * (32 * VH)
-    tl.store(h16_ptr + p * stride_h16 + _frag_pos(k, VH), (h * _pow2(-e)).to(tl.float16),
-             mask=(slot < top_k) & (k < padded))
+    if KC == KP:
+        h = _h_rows(h_ptr, rows, last, k, inter, stride_h)
+        e = _exponent(_max(_max(tl.abs(h), 1), 0))
+        _h_store(h16_ptr, h, e, rows, last, k, padded, stride_h16, VH)
+    else:
+        amax = 0.0
+        for s0 in range(0, top_k, KC):
+            h = _h_rows(h_ptr, rows + s0, last, k, inter, stride_h)
+            amax = tl.maximum(amax, _max(_max(tl.abs(h), 1), 0))
+        e = _exponent(amax)
+        for s0 in range(0, top_k, KC):
+            h = _h_rows(h_ptr, rows + s0, last, k, inter, stride_h)
+            _h_store(h16_ptr, h, e, rows + s0, last, k, padded, stride_h16, VH)
     tl.store(hf_ptr + tok, _pow2(e + W_BIAS_EXP))
+
+
+@triton.jit
+def _h_rows(h_ptr, rows, last, k, inter, stride_h):
+    # written by other programs of this launch: read past L1
+    return tl.load(h_ptr + rows * stride_h + k, mask=(rows < last) & (k < inter), other=0.0,
+                   cache_modifier=".cg")
+
+
+@triton.jit
+def _h_store(h16_ptr, h, e, rows, last, k, padded, stride_h16, VH: tl.constexpr):
+    tl.store(h16_ptr + rows * stride_h16 + _frag_pos(k, VH), (h * _pow2(-e)).to(tl.float16),
+             mask=(rows < last) & (k < padded))
 
 
 @triton.jit
@@ -402,7 +488,7 @@ def down_mma(h16_ptr, hf_ptr, ids_ptr, w_ptr, s_ptr, out_ptr, n_rows, k_words, t
     row = tl.program_id(1) * (16 * TILES) + 16 * tile + g
     w = w_ptr.to(tl.pointer_type(tl.int32))
     steps = (top_k * CHUNKS + S - 1) // S
-    z = tl.full([32 * TILES * S, V], 0.0, tl.float32)
+    z = tl.full([32 * TILES * S], 0.0, tl.float32)
     acc = (z, z, z, z)
     a = _down_load(ids_ptr, w, s_ptr, h16_ptr, tok, top_k, split, row, n_rows, t, k_words,
                    stride_we, stride_wn, stride_se, stride_sn, stride_h16, V, CHUNKS)

@@ -9,9 +9,8 @@ walking all of the token's slots. 16-bit activations on a GPU decode on tensor c
 (`nvfp4_mma`: a warp per 16 rows, warps splitting K when a launch has few warps), as does
 the dense NVFP4 linear's decode; float32 activations and CPUs take the CUDA-core GEMVs of
 `nvfp4_jit` (blocks shrink to fewer rows when that leaves too few programs). More tokens
-take the
-prefill kernels, on pairs sorted by expert into blocks. Nothing here synchronises with the
-host, so decode steps can be captured in CUDA graphs.
+take the prefill kernels, on pairs sorted by expert into blocks. Nothing here synchronises
+with the host, so decode steps can be captured in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -49,7 +48,7 @@ class Tiles:
     num_warps: int = 4
     num_stages: int = 3
     mma: bool = True
-    mma_warps: int = 1024
+    mma_warps: int = 2048
     mma_max_split: int = 8
     mma_tiles: int = 1
 
@@ -150,8 +149,17 @@ def _gate_up_mma(x, ids, tw, w13, s13, g13, g2, inter, top_k, tiles):
         x16, xf, ids, tw, w13, s13, g13, g2, h, h16, hf, count, inter, hidden // 8, top_k,
         blocks, x16.stride(0), we, wn, s13.stride(0), s13.stride(1), h.stride(0),
         h16.stride(0), V=v, TILES=row_tiles, S=split, VH=vh, IP=_pow2(inter),
-        KP=_pow2(top_k), ASM=dequant_mode(x), num_warps=split * row_tiles)
+        KP=_pow2(top_k), KC=_h_slots(_pow2(top_k), _pow2(inter), split * row_tiles),
+        ASM=dequant_mode(x), num_warps=split * row_tiles)
     return h16, hf, count
+
+
+def _h_slots(slots: int, inputs: int, warps: int, per_thread: int = 32) -> int:
+    """Slots of h the last gate_up program converts at a time: all of them unless that is
+    more than `per_thread` values per thread (registers the loop itself does not need)."""
+    while slots > 1 and slots * inputs > per_thread * 32 * warps:
+        slots //= 2
+    return slots
 
 
 def _down_mma(h16, hf, ids, w2, s2, out, k_inputs, top_k, tiles):

@@ -34,69 +34,83 @@ def _f16_pair(lo: float, hi: float) -> int:
     return int(np.array([lo, hi], dtype=np.float16).view(np.uint32)[0])
 
 
-def test_mma_ptx_decodes_scales_and_multiplies_a_warps_fragments():
-    """One word position of a warp: lane (g, t) holds words of rows g and g + 8 (8 inputs each,
-    inputs 8t..8t+7 of a 32-input chunk), their rows' scale bytes, and for column n = g the
-    activations in fragment order (`fragment_position`). The emulated PTX gives every lane the
-    D entries (rows g, g + 8; columns 2t, 2t + 1) of C + W X^T with W = e2m1 * e4m3 * 2^-7,
-    for every nibble value and scales including zero, subnormals and 448 (up to float32
-    rounding of the sums)."""
+@pytest.mark.parametrize("v", [1, 2, 4])
+def test_mma_ptx_decodes_scales_and_multiplies_a_warps_fragments(v):
+    """A lane's v word positions of a chunk: lane (g, t) holds words t v .. t v + v - 1 of rows
+    g and g + 8 (8 inputs each), the scale bytes of the groups they span, and for column
+    n = g the activations in fragment order (`fragment_position`). The emulated PTX gives
+    every lane the D entries (rows g, g + 8; columns 2t, 2t + 1) of C + W X^T with
+    W = e2m1 * e4m3 * 2^-7, for every nibble value and scales including zero, subnormals and
+    448 (up to float32 rounding of the sums), the word positions chained in one accumulator."""
     from freetoken.kernels import nvfp4_mma
 
-    _check_mma_ptx(nvfp4_mma._mma_asm())
+    _check_mma_ptx(nvfp4_mma._mma_asm(v), v)
 
 
-@pytest.mark.parametrize("bug, good, bad", [
-    ("activation pairs of a step swapped", "{b0, b1}, {$9", "{b1, b0}, {$9"),
-    ("block scales without their 2^7", "0x58005800", "0x3C003C00"),
-    ("magnitudes shifted by 2, not 3", "shr.b32 t, $4, 3", "shr.b32 t, $4, 2"),
-    ("rows g and g + 8 swapped", "{gc, hc, gd, hd}", "{hc, gc, gd, hd}"),
+@pytest.mark.parametrize("v, bug, good, bad", [
+    (1, "activation pairs of a step swapped", "{b0, b1}, {$9", "{b1, b0}, {$9"),
+    (1, "block scales without their 2^7", "0x58005800", "0x3C003C00"),
+    (1, "magnitudes shifted by 2, not 3", "shr.b32 t, $4, 3", "shr.b32 t, $4, 2"),
+    (1, "rows g and g + 8 swapped", "{gc, hc, gd, hd}", "{hc, gc, gd, hd}"),
+    (4, "words 2, 3 scaled by the first group", "sg1;", "sg0;"),
+    (2, "the second word restarts from the input accumulator",
+     "{b0, b1}, {$0, $1, $2, $3}", "{b0, b1}, {$13, $14, $15, $16}"),
 ])
-def test_mma_ptx_check_fails_on_injected_bugs(bug, good, bad):
+def test_mma_ptx_check_fails_on_injected_bugs(v, bug, good, bad):
     """The warp emulation above fails on each of these bugs in the PTX."""
     from freetoken.kernels import nvfp4_mma
 
-    program = nvfp4_mma._mma_asm()
-    assert good in program
+    program = nvfp4_mma._mma_asm(v)
+    assert good in program and nvfp4_mma.mma_operands(2)["acc"] == [13, 14, 15, 16]
     with pytest.raises(AssertionError, match="PTX"):
-        _check_mma_ptx(program.replace(good, bad))
+        _check_mma_ptx(program.replace(good, bad), v)
 
 
-def _check_mma_ptx(program: str) -> None:
-    gen = np.random.default_rng(0)
+def _check_mma_ptx(program: str, v: int) -> None:
+    from freetoken.kernels.nvfp4_mma import mma_operands
+
+    ops = mma_operands(v)
+    gen = np.random.default_rng(v)
     scale_bytes = [0x00, 0x01, 0x07, 0x08, 0x38, 0x7E] + gen.integers(0, 0x7F, 10).tolist()
     for trial in range(8):
-        words = gen.integers(0, 2**32, (16, 4), dtype=np.uint64)
+        words = gen.integers(0, 2**32, (16, 4 * v), dtype=np.uint64)
         if trial == 0:   # every code at every position
-            words[:] = [[sum(((r + 5 * t + j) % 16) << 4 * j for j in range(8)) for t in range(4)]
-                        for r in range(16)]
-        scales = gen.choice(scale_bytes, 16)
-        x = gen.standard_normal((8, 32)).astype(np.float16)   # column n, input k
+            words[:] = [[sum(((r + 5 * wd + j) % 16) << 4 * j for j in range(8))
+                         for wd in range(4 * v)] for r in range(16)]
+        scales = gen.choice(scale_bytes, (16, 2 * v))       # row, 16-input group
+        x = gen.standard_normal((8, 32 * v)).astype(np.float16)   # column n, input k
         c = gen.standard_normal((16, 8)).astype(np.float32)
-        # x in fragment order, as to_fragments writes it, then each lane's two int64 pairs
-        # as _b_tile reads them (V = 1, chunk 0: lane t's int64s 2t and 2t + 1)
-        frag = np.zeros((8, 32), dtype=np.float16)
-        for k in range(32):
-            frag[:, fragment_position(k, 1)] = x[:, k]
+        # x in fragment order, as to_fragments writes it, then each lane's int64 pairs as
+        # _b_tile reads them (chunk 0: lane t's int64s 2 v t + i and 2 v t + v + i)
+        frag = np.zeros((8, 32 * v), dtype=np.float16)
+        for k in range(32 * v):
+            frag[:, fragment_position(k, v)] = x[:, k]
         as64 = frag.view(np.uint64)
         lanes = []
         for lane in range(32):
             g, t = lane // 4, lane % 4
-            lanes.append({"$4": int(words[g, t]), "$5": int(words[g + 8, t]),
-                          "$6": int(scales[g]) | int(scales[g + 8]) << 8,
-                          "$7": int(as64[g, 2 * t]), "$8": int(as64[g, 2 * t + 1]),
-                          **{f"${9 + i}": int(np.float32(c[g + 8 * (i // 2), 2 * t + i % 2])
-                                              .view(np.uint32)) for i in range(4)}})
+            regs = {}
+            for i in range(v):
+                regs[f"${ops['wg'][i]}"] = int(words[g, t * v + i])
+                regs[f"${ops['wh'][i]}"] = int(words[g + 8, t * v + i])
+                regs[f"${ops['b0'][i]}"] = int(as64[g, 2 * v * t + i])
+                regs[f"${ops['b1'][i]}"] = int(as64[g, 2 * v * t + v + i])
+            for j, n in enumerate(ops["scales"]):
+                grp = t * v // 2 + j
+                regs[f"${n}"] = int(scales[g, grp]) | int(scales[g + 8, grp]) << 8
+            for i, n in enumerate(ops["acc"]):
+                regs[f"${n}"] = int(np.float32(c[g + 8 * (i // 2), 2 * t + i % 2])
+                                    .view(np.uint32))
+            lanes.append(regs)
         out = ptx_emulator.run(program, lanes)
-        w = np.zeros((16, 32))
+        w = np.zeros((16, 32 * v))
         for r in range(16):
-            s = float(torch.tensor([int(scales[r])], dtype=torch.uint8)
-                      .view(torch.float8_e4m3fn).float())
-            for t in range(4):
-                for j in range(8):
-                    w[r, 8 * t + j] = _e2m1((int(words[r, t]) >> 4 * j) & 0xF) * s / 128.0
+            for k in range(32 * v):
+                s = float(torch.tensor([int(scales[r, k // 16])], dtype=torch.uint8)
+                          .view(torch.float8_e4m3fn).float())
+                w[r, k] = _e2m1((int(words[r, k // 8]) >> 4 * (k % 8)) & 0xF) * s / 128.0
         want = w @ x.astype(np.float64).T + c
-        # the mma rounds to float32 (between its two steps too): bound by the terms' size
+        # the mma rounds to float32 (between its steps too): bound by the terms' size
         size = np.abs(w) @ np.abs(x.astype(np.float64)).T + np.abs(c)
         for lane in range(32):
             g, t = lane // 4, lane % 4
@@ -151,7 +165,7 @@ def test_mma_shape_rule():
 
     assert _mma_shape(128, 512, 2048, 1, GPU_TILES) == (4, 1, 16, 1)      # many warps
     v, split, chunks, _ = _mma_shape(8, 512, 2048, 1, GPU_TILES)          # one token
-    assert (v, chunks, split) == (4, 16, 4)                                 # 256 x 4 warps
+    assert (v, chunks, split) == (4, 16, 8)                                 # 256 x 8 warps
     assert _mma_shape(1, 2048, 64, 8, GPU_TILES)[:3] == (2, 8, 1)           # TP 8 down
     assert _mma_shape(1, 32, 80, 1, GPU_TILES)[:3] == (1, 2, 3)             # 2.5 chunks
     assert _mma_shape(1, 64, 2048, 1, Tiles(mma_tiles=2))[3] == 2
@@ -244,3 +258,27 @@ def test_dense_linear_decode_on_the_mma_path(mma_in_interpreter, tokens, rows, k
     lin = dict(packed=q.packed, block_scale=q.block_scale, global_scale=q.global_scale)
     x = torch.randn(tokens, k_inputs, generator=gen)
     assert _rel_l2(nvfp4_linear(x, **lin, path="decode"), reference_linear(x, **lin)) < 2e-3
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_mma_h_conversion_a_few_slots_at_a_time(mma_in_interpreter, monkeypatch, slots):
+    """When all of a token's h at once would take too many registers, the last gate_up program
+    converts it `slots` rows at a time (a pass for the exponent over every slot, one to
+    convert): the same sum, with slots 2^8 apart in size (an exponent taken from some slots
+    only overflows fp16)."""
+    from freetoken.kernels import nvfp4_moe
+
+    monkeypatch.setattr(nvfp4_moe, "_h_slots", lambda *args: slots)
+    w = make_experts(4, 64, 32, 1, seed=9)
+    x, _, _ = _routing(2, 4, 3, 64, seed=9)
+    ids = torch.tensor([[0, 1, 2], [3, 2, 1]])
+    weights = torch.tensor([[2.0**-8, 1.0, 2.0**8], [2.0**8, 2.0**-8, 1.0]])
+    want = reference_moe(x, weights, ids, **w)
+    assert _rel_l2(nvfp4_moe.fused_moe(x, weights, ids, **w, path="decode"), want) < 2e-3
+
+
+def test_h_slots_rule():
+    """All slots at once unless that is more than 32 values per thread."""
+    from freetoken.kernels.nvfp4_moe import _h_slots
+
+    assert _h_slots(8, 256, 2) == 8 and _h_slots(8, 512, 1) == 2 and _h_slots(8, 4096, 1) == 1
