@@ -118,10 +118,12 @@ def _mma_kernels(tiles, count: int, top_k: int, hidden: int, inter: int):
     pow2 = nvfp4_moe._pow2
     return [("gate_up_mma", nvfp4_mma.gate_up_mma,
              dict(V=v, TILES=row_tiles, S=split, VH=vh, IP=pow2(inter), KP=pow2(top_k),
-                  KC=nvfp4_moe._h_slots(pow2(top_k), pow2(inter), split * row_tiles), ASM=1),
+                  KC=nvfp4_moe._h_slots(pow2(top_k), pow2(inter), split * row_tiles), ASM=1,
+                  FULL=nvfp4_moe._full(inter, hidden, 1, v, split, row_tiles)),
              split * row_tiles, 16 * row_tiles, 3 * 2 * 2 * v * 8),
             ("down_mma", nvfp4_mma.down_mma,
-             dict(V=vh, TILES=tiles_h, S=split_h, CHUNKS=chunks_h, ASM=1),
+             dict(V=vh, TILES=tiles_h, S=split_h, CHUNKS=chunks_h, ASM=1,
+                  FULL=nvfp4_moe._full(hidden, inter, top_k, vh, split_h, tiles_h)),
              split_h * tiles_h, 16 * tiles_h, 3 * 2 * vh * 8)]
 
 

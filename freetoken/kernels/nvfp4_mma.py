@@ -201,12 +201,12 @@ def _lanes(NW: tl.constexpr, S: tl.constexpr):
 
 @triton.jit
 def _rows_tile(w_ptr, s_ptr, we, se, row, lim, live, c, t, k_words, stride_wn, stride_sn,
-               V: tl.constexpr):
+               V: tl.constexpr, FULL: tl.constexpr):
     """int32 words [R, V] of weight rows `row` and `row + 8` (valid below `lim`, where `live`)
     of the expert at word offset `we` (scale byte offset `se`; scalars or per row) for chunk
     c (lane t's words c 4V + t V + i), and the block scale bytes [R, max(1, V / 2)] of the
     groups they span in both rows, packed as (row) | (row + 8) << 8 (word i in group i / 2;
-    a row's are one load)."""
+    a row's are one load). FULL: every row and word exists and is live, nothing masked."""
     i = tl.arange(0, V)
     kw0 = c * (4 * V) + t * V
     kw = kw0[:, None] + i[None, :]
@@ -215,32 +215,43 @@ def _rows_tile(w_ptr, s_ptr, we, se, row, lim, live, c, t, k_words, stride_wn, s
     ok_g = ok_g1[:, None] & (kw < k_words)
     ok_h = ok_h1[:, None] & (kw < k_words)
     base = w_ptr + (we + row.to(tl.int64) * stride_wn)[:, None] + kw
-    wg = tl.load(base, mask=ok_g, other=0)
-    wh = tl.load(base + 8 * stride_wn, mask=ok_h, other=0)
     if V >= 4:
         j = tl.arange(0, V // 2)
         grp = tl.multiple_of(kw0 // 2, V // 2)[:, None] + j[None, :]
         sb = s_ptr + (se + row.to(tl.int64) * stride_sn)[:, None] + grp
-        sg = tl.load(sb, mask=ok_g1[:, None], other=0).to(tl.int32)
-        sh = tl.load(sb + 8 * stride_sn, mask=ok_h1[:, None], other=0)
-        sc = sg | (sh.to(tl.int32) << 8)
+        ok_sg = ok_g1[:, None]
+        ok_sh = ok_h1[:, None]
     else:
         sb = s_ptr + se + row.to(tl.int64) * stride_sn + kw0 // 2
-        sg = tl.load(sb, mask=ok_g1, other=0).to(tl.int32)
-        sh = tl.load(sb + 8 * stride_sn, mask=ok_h1, other=0).to(tl.int32)
-        sc = (sg | (sh << 8))[:, None]
+        ok_sg = ok_g1
+        ok_sh = ok_h1
+    if FULL:
+        wg = tl.load(base)
+        wh = tl.load(base + 8 * stride_wn)
+        sg = tl.load(sb).to(tl.int32)
+        sh = tl.load(sb + 8 * stride_sn).to(tl.int32)
+    else:
+        wg = tl.load(base, mask=ok_g, other=0)
+        wh = tl.load(base + 8 * stride_wn, mask=ok_h, other=0)
+        sg = tl.load(sb, mask=ok_sg, other=0).to(tl.int32)
+        sh = tl.load(sb + 8 * stride_sn, mask=ok_sh, other=0).to(tl.int32)
+    sc = sg | (sh << 8)
+    if V < 4:
+        sc = sc[:, None]
     return wg, wh, sc
 
 
 @triton.jit
-def _b_tile(b_ptr, c, t, live, k_words, V: tl.constexpr):
+def _b_tile(b_ptr, c, t, live, k_words, V: tl.constexpr, FULL: tl.constexpr):
     """Activation fragments of chunk c for lane t from the fragment-ordered fp16 row `b_ptr`
     (as int64): the two fp16 pairs of each mma step in one int64, so that they load into the
     register pair the mma reads; (first steps, second steps) of the V word positions, [R, V]
     each. Every lane loads its column's row (lanes of other columns only feed mma columns
-    that are never read); zeros past k_words or where not `live` [R]."""
+    that are never read); zeros past k_words or where not `live` [R] (unless FULL)."""
     i = tl.arange(0, V)
     off = ((c * 4 + t) * (2 * V))[:, None] + i[None, :]
+    if FULL:
+        return tl.load(b_ptr + off), tl.load(b_ptr + off + V)
     ok = live[:, None] & (((c * (4 * V) + t * V)[:, None] + i[None, :]) < k_words)
     return (tl.load(b_ptr + off, mask=ok, other=0), tl.load(b_ptr + off + V, mask=ok, other=0))
 
@@ -334,23 +345,28 @@ def _tile_sum(d, TILES: tl.constexpr, S: tl.constexpr):
 
 @triton.jit
 def _gu_load(w, s, b_row, row, inter, step, split, t, k_words, stride_wn, stride_sn,
-             V: tl.constexpr, S: tl.constexpr):
-    """Gate rows and up rows of step `step` (chunk step S + split), and the chunk."""
+             V: tl.constexpr, S: tl.constexpr, FULL: tl.constexpr):
+    """Gate rows and up rows of step `step` (chunk step S + split), and the chunk. FULL:
+    every step of the warps is a whole chunk of whole row tiles, and the loads ahead of the
+    last step re-read the last chunk (never used) instead of being masked."""
     c = step * S + split
+    if FULL:
+        c = tl.minimum(c, k_words // (4 * V) - 1)
     live = t >= 0
-    return (_rows_tile(w, s, 0, 0, row, inter, live, c, t, k_words, stride_wn, stride_sn, V),
+    return (_rows_tile(w, s, 0, 0, row, inter, live, c, t, k_words, stride_wn, stride_sn, V,
+                       FULL),
             _rows_tile(w, s, inter * stride_wn, inter * stride_sn, row, inter, live, c, t,
-                       k_words, stride_wn, stride_sn, V),
+                       k_words, stride_wn, stride_sn, V, FULL),
             c)
 
 
 @triton.jit
 def _gu_step(acc_g, acc_u, buf, b_row, t, k_words, V: tl.constexpr, NW: tl.constexpr,
-             ASM: tl.constexpr):
+             ASM: tl.constexpr, FULL: tl.constexpr):
     """The gate and up mma of a loaded step. The token's fragments load here, not with the
     weights two steps ahead: every warp of the SM reads the same row (L1), and registers
     held across steps are what limits the warps an SM runs."""
-    b = _b_tile(b_row, buf[2], t, t >= 0, k_words, V)
+    b = _b_tile(b_row, buf[2], t, t >= 0, k_words, V, FULL)
     return _mma(acc_g, buf[0], b, NW, ASM), _mma(acc_u, buf[1], b, NW, ASM)
 
 
@@ -359,7 +375,7 @@ def gate_up_mma(x16_ptr, xf_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, g2_ptr, h
                 hf_ptr, count_ptr, inter, k_words, top_k, blocks, stride_x16, stride_we,
                 stride_wn, stride_se, stride_sn, stride_h, stride_h16, V: tl.constexpr,
                 TILES: tl.constexpr, S: tl.constexpr, VH: tl.constexpr, IP: tl.constexpr,
-                KP: tl.constexpr, KC: tl.constexpr, ASM: tl.constexpr):
+                KP: tl.constexpr, KC: tl.constexpr, ASM: tl.constexpr, FULL: tl.constexpr):
     """h[p, n] = silu(gate_e[n] . x_t) * (up_e[n] . x_t) * tw[p] * g2[e] for pair p = (t, slot)
     routed to e, one program per (pair, block of 16 TILES rows); warps split K S ways. The
     last program of token t (count) converts t's h rows to fp16 fragments for down (VH)."""
@@ -378,23 +394,23 @@ def gate_up_mma(x16_ptr, xf_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, g2_ptr, h
     # Loads run two steps ahead in three buffers that the loop body names (as in
     # nvfp4_jit.gate_up_decode). Triton's own pipelining of these loads through shared
     # memory (tl.range num_stages) measured 2-3x slower.
-    a = _gu_load(w, s, b_row, row, inter, 0, split, t, k_words, stride_wn, stride_sn, V, S)
-    b = _gu_load(w, s, b_row, row, inter, 1, split, t, k_words, stride_wn, stride_sn, V, S)
+    a = _gu_load(w, s, b_row, row, inter, 0, split, t, k_words, stride_wn, stride_sn, V, S, FULL)
+    b = _gu_load(w, s, b_row, row, inter, 1, split, t, k_words, stride_wn, stride_sn, V, S, FULL)
     for j in range(0, steps - 2, 3):
         c = _gu_load(w, s, b_row, row, inter, j + 2, split, t, k_words, stride_wn, stride_sn,
-                     V, S)
-        acc_g, acc_u = _gu_step(acc_g, acc_u, a, b_row, t, k_words, V, TILES * S, ASM)
+                     V, S, FULL)
+        acc_g, acc_u = _gu_step(acc_g, acc_u, a, b_row, t, k_words, V, TILES * S, ASM, FULL)
         a = _gu_load(w, s, b_row, row, inter, j + 3, split, t, k_words, stride_wn, stride_sn,
-                     V, S)
-        acc_g, acc_u = _gu_step(acc_g, acc_u, b, b_row, t, k_words, V, TILES * S, ASM)
+                     V, S, FULL)
+        acc_g, acc_u = _gu_step(acc_g, acc_u, b, b_row, t, k_words, V, TILES * S, ASM, FULL)
         b = _gu_load(w, s, b_row, row, inter, j + 4, split, t, k_words, stride_wn, stride_sn,
-                     V, S)
-        acc_g, acc_u = _gu_step(acc_g, acc_u, c, b_row, t, k_words, V, TILES * S, ASM)
+                     V, S, FULL)
+        acc_g, acc_u = _gu_step(acc_g, acc_u, c, b_row, t, k_words, V, TILES * S, ASM, FULL)
     # the last steps % 3 steps are loaded (a, then b) but not computed yet
     if steps % 3 >= 1:
-        acc_g, acc_u = _gu_step(acc_g, acc_u, a, b_row, t, k_words, V, TILES * S, ASM)
+        acc_g, acc_u = _gu_step(acc_g, acc_u, a, b_row, t, k_words, V, TILES * S, ASM, FULL)
     if steps % 3 == 2:
-        acc_g, acc_u = _gu_step(acc_g, acc_u, b, b_row, t, k_words, V, TILES * S, ASM)
+        acc_g, acc_u = _gu_step(acc_g, acc_u, b, b_row, t, k_words, V, TILES * S, ASM, FULL)
     # lane (g, t) holds column 2t of rows g (d0) and g + 8 (d2): the pair is column 0
     f = tl.load(xf_ptr + tok)
     fg = f * tl.load(g_ptr + 2 * e)
@@ -461,25 +477,28 @@ def _h_store(h16_ptr, h, e, rows, last, k, padded, stride_h16, VH: tl.constexpr)
 @triton.jit
 def _down_load(ids_ptr, w_ptr, s_ptr, h16_ptr, tok, top_k, q, row, n_rows, t, k_words,
                stride_we, stride_wn, stride_se, stride_sn, stride_h16, V: tl.constexpr,
-               CHUNKS: tl.constexpr):
+               CHUNKS: tl.constexpr, FULL: tl.constexpr):
     """Weights and fragments of walk step q (per tensor row: slot q / CHUNKS, chunk
-    q % CHUNKS; zeros past the last slot)."""
+    q % CHUNKS; zeros past the last slot, or with FULL, where every step of the warps is a
+    whole chunk of whole row tiles, the last step's again)."""
+    if FULL:
+        q = tl.minimum(q, top_k * CHUNKS - 1)
     slot = q // CHUNKS
     live = slot < top_k
     p = tok * top_k + tl.minimum(slot, top_k - 1)
     e = tl.load(ids_ptr + p).to(tl.int64)
     c = q % CHUNKS
     w = _rows_tile(w_ptr, s_ptr, e * stride_we, e * stride_se, row, n_rows, live, c, t,
-                   k_words, stride_wn, stride_sn, V)
+                   k_words, stride_wn, stride_sn, V, FULL)
     b_row = h16_ptr.to(tl.pointer_type(tl.int64)) + (p.to(tl.int64) * (stride_h16 // 4))[:, None]
-    return w, _b_tile(b_row, c, t, live, k_words, V)
+    return w, _b_tile(b_row, c, t, live, k_words, V, FULL)
 
 
 @triton.jit
 def down_mma(h16_ptr, hf_ptr, ids_ptr, w_ptr, s_ptr, out_ptr, n_rows, k_words, top_k,
              stride_h16, stride_we, stride_wn, stride_se, stride_sn, stride_out,
              V: tl.constexpr, TILES: tl.constexpr, S: tl.constexpr, CHUNKS: tl.constexpr,
-             ASM: tl.constexpr):
+             ASM: tl.constexpr, FULL: tl.constexpr):
     """out[t, n] = hf[t] * sum over t's slots p (routed to e) of w2_e[n] . h16[p]: one program
     per (token, block of 16 TILES rows) walks all of the token's slots (CHUNKS chunks each)
     as one float32 dot product, its warps taking every S-th step of the walk."""
@@ -491,20 +510,20 @@ def down_mma(h16_ptr, hf_ptr, ids_ptr, w_ptr, s_ptr, out_ptr, n_rows, k_words, t
     z = tl.full([32 * TILES * S], 0.0, tl.float32)
     acc = (z, z, z, z)
     a = _down_load(ids_ptr, w, s_ptr, h16_ptr, tok, top_k, split, row, n_rows, t, k_words,
-                   stride_we, stride_wn, stride_se, stride_sn, stride_h16, V, CHUNKS)
+                   stride_we, stride_wn, stride_se, stride_sn, stride_h16, V, CHUNKS, FULL)
     b = _down_load(ids_ptr, w, s_ptr, h16_ptr, tok, top_k, split + S, row, n_rows, t, k_words,
-                   stride_we, stride_wn, stride_se, stride_sn, stride_h16, V, CHUNKS)
+                   stride_we, stride_wn, stride_se, stride_sn, stride_h16, V, CHUNKS, FULL)
     for j in range(0, steps - 2, 3):
         q = (j + 2) * S + split
         c = _down_load(ids_ptr, w, s_ptr, h16_ptr, tok, top_k, q, row, n_rows, t, k_words,
-                       stride_we, stride_wn, stride_se, stride_sn, stride_h16, V, CHUNKS)
+                       stride_we, stride_wn, stride_se, stride_sn, stride_h16, V, CHUNKS, FULL)
         acc = _mma(acc, a[0], a[1], TILES * S, ASM)
         a = _down_load(ids_ptr, w, s_ptr, h16_ptr, tok, top_k, q + S, row, n_rows, t, k_words,
-                       stride_we, stride_wn, stride_se, stride_sn, stride_h16, V, CHUNKS)
+                       stride_we, stride_wn, stride_se, stride_sn, stride_h16, V, CHUNKS, FULL)
         acc = _mma(acc, b[0], b[1], TILES * S, ASM)
         b = _down_load(ids_ptr, w, s_ptr, h16_ptr, tok, top_k, q + 2 * S, row, n_rows, t,
                        k_words, stride_we, stride_wn, stride_se, stride_sn, stride_h16, V,
-                       CHUNKS)
+                       CHUNKS, FULL)
         acc = _mma(acc, c[0], c[1], TILES * S, ASM)
     if steps % 3 >= 1:
         acc = _mma(acc, a[0], a[1], TILES * S, ASM)

@@ -150,8 +150,16 @@ def _gate_up_mma(x, ids, tw, w13, s13, g13, g2, inter, top_k, tiles):
         blocks, x16.stride(0), we, wn, s13.stride(0), s13.stride(1), h.stride(0),
         h16.stride(0), V=v, TILES=row_tiles, S=split, VH=vh, IP=_pow2(inter),
         KP=_pow2(top_k), KC=_h_slots(_pow2(top_k), _pow2(inter), split * row_tiles),
-        ASM=dequant_mode(x), num_warps=split * row_tiles)
+        ASM=dequant_mode(x), FULL=_full(inter, hidden, 1, v, split, row_tiles),
+        num_warps=split * row_tiles)
     return h16, hf, count
+
+
+def _full(rows: int, k_inputs: int, walk: int, v: int, split: int, row_tiles: int) -> bool:
+    """Whether an mma launch needs no masks: whole row tiles, whole chunks, and the walk's
+    steps (`walk` rows of chunks) shared evenly by the K split."""
+    chunks, rem = divmod(k_inputs, 32 * v)
+    return rows % (16 * row_tiles) == 0 and rem == 0 and (walk * chunks) % split == 0
 
 
 def _h_slots(slots: int, inputs: int, warps: int, per_thread: int = 32) -> int:
@@ -169,7 +177,8 @@ def _down_mma(h16, hf, ids, w2, s2, out, k_inputs, top_k, tiles):
     _mma_jit().down_mma[(tokens, -(-n_rows // (16 * row_tiles)))](
         h16, hf, ids, w2, s2, out, n_rows, k_inputs // 8, top_k, h16.stride(0), we, wn,
         s2.stride(0), s2.stride(1), out.stride(0), V=v, TILES=row_tiles, S=split,
-        CHUNKS=chunks, ASM=dequant_mode(h16), num_warps=split * row_tiles)
+        CHUNKS=chunks, ASM=dequant_mode(h16),
+        FULL=_full(n_rows, k_inputs, top_k, v, split, row_tiles), num_warps=split * row_tiles)
 
 
 def _precision(dtype: torch.dtype) -> str:

@@ -282,3 +282,24 @@ def test_h_slots_rule():
     from freetoken.kernels.nvfp4_moe import _h_slots
 
     assert _h_slots(8, 256, 2) == 8 and _h_slots(8, 512, 1) == 2 and _h_slots(8, 4096, 1) == 1
+
+
+def test_mma_decode_without_masks(mma_in_interpreter):
+    """Whole row tiles, whole chunks and K splits that share the steps evenly take the
+    unmasked loads (the loads ahead of the last step re-read the last chunk): the same sum;
+    and a split that leaves a warp a step short keeps the masks."""
+    from freetoken.kernels import nvfp4_moe
+
+    tokens, experts, top_k, hidden, inter = 3, 4, 2, 256, 64
+    w = make_experts(experts, hidden, inter, 1, seed=11)
+    x, weights, ids = _routing(tokens, experts, top_k, hidden, seed=11)
+    tiles = nvfp4_moe.Tiles(mma_max_split=2)
+    v, split, chunks, row_tiles = nvfp4_moe._mma_shape(tokens * top_k, inter, hidden, 1, tiles)
+    assert (chunks, split) == (2, 2) and nvfp4_moe._full(inter, hidden, 1, v, split, row_tiles)
+    v, split, chunks, row_tiles = nvfp4_moe._mma_shape(tokens, hidden, inter, top_k, tiles)
+    assert nvfp4_moe._full(hidden, inter, top_k, v, split, row_tiles)
+    want = reference_moe(x, weights, ids, **w)
+    got = nvfp4_moe.fused_moe(x, weights, ids, **w, path="decode", tiles=tiles)
+    assert _rel_l2(got, want) < 2e-3
+    assert not nvfp4_moe._full(64, 96, 1, 1, 2, 1)      # 3 chunks over 2 warps
+    assert not nvfp4_moe._full(40, 64, 1, 2, 1, 1)      # a partial row tile
