@@ -4,7 +4,7 @@ decoded in registers, fp16 products accumulated in float32 by `mma.m16n8k16`).
 Why: the CUDA-core decode (`nvfp4_jit.gate_up_decode`) issues ~5.5 instructions per weight,
 of which the multiply-add is one and turning a nibble into a float32 three. Here a warp's
 `mma` consumes 256 weights per instruction and a weight becomes an fp16 value in ~1.4
-instructions: gate_up's loop issues 2.7 instructions per weight, down's 3.2-4
+instructions: gate_up's loop issues 2.4 instructions per weight, down's 3-3.5
 (`bench/nvfp4_sass.py`). float32 activations keep the CUDA-core kernels (products exact in
 float32); these serve bf16 and fp16 ones.
 
@@ -39,8 +39,9 @@ runs times the two steps each loads ahead, and registers bound the warps. So a l
 positions of a chunk are one PTX block chained through one accumulator (4 float32 per gate
 or up, not 4 V), the token's fragments load in the step that uses them (every warp reads
 the same row: L1 hits; only the weights run ahead), and the last program converts h a few
-slots at a time where all at once would take more registers than the loop. gate_up holds
-103 registers on sm_90 (19 warps per SM), down 64-96.
+slots at a time where all at once would take more registers than the loop; launches with
+whole row tiles, whole chunks and an even K split load without masks. gate_up holds 88
+registers on sm_90 (23 warps per SM), down 48-80.
 """
 
 from __future__ import annotations
