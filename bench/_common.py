@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import statistics
 from pathlib import Path
 
 
@@ -29,3 +30,29 @@ def cpu_name() -> str:
         except OSError:
             pass
     return name or "?"
+
+
+def time_ms(fn, reps: int) -> float:
+    """Median milliseconds of one eager `fn()` on the current CUDA stream (CUDA events)."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 20) -> float:
+    """Device-to-device copy bandwidth in GB/s, read + write bytes per second."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * nbytes / time_ms(lambda: dst.copy_(src), reps) / 1e6

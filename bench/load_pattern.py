@@ -18,7 +18,6 @@ the decode kernels also keep loads in flight across steps and spend issue slots 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -28,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+
+from bench._common import copy_bandwidth, time_ms  # noqa: E402
 
 # (rows per program, bytes of each row per step): the mma decode's shape first
 SHAPES = [(16, 64), (16, 128), (8, 128), (32, 64), (16, 32), (4, 256), (2, 512), (1, 1024)]
@@ -48,26 +49,6 @@ def _stream(w_ptr, out_ptr, row_words, ROWS: tl.constexpr, WORDS: tl.constexpr):
 @triton.jit
 def _xor(a, b):
     return a ^ b
-
-
-def _median_ms(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def _copy_gbs(nbytes: int, reps: int) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * nbytes / _median_ms(lambda: dst.copy_(src), reps) / 1e6
 
 
 def _launcher(w: torch.Tensor, row_words: int, programs: int, per_program: int, words: int):
@@ -91,7 +72,7 @@ def main() -> int:
     from tabulate import tabulate
 
     nbytes = args.mib << 20
-    copy_gbs = _copy_gbs(nbytes, args.reps)
+    copy_gbs = copy_bandwidth(nbytes, args.reps)
     w = torch.randint(0, 2**31 - 1, (nbytes // 4,), dtype=torch.int32, device="cuda")
     row_words = args.row_bytes // 4
     rows = w.numel() // row_words
@@ -104,7 +85,7 @@ def main() -> int:
         words = step_bytes // 4
         if words > row_words or rows % per_program:
             continue
-        ms = _median_ms(_launcher(w, row_words, rows // per_program, per_program, words),
+        ms = time_ms(_launcher(w, row_words, rows // per_program, per_program, words),
                         args.reps)
         gbs = nbytes / ms / 1e6
         body.append([per_program, step_bytes, max(1, 512 // step_bytes),

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -38,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench._common import copy_bandwidth, time_ms  # noqa: E402
 from freetoken.kernels import nvfp4_moe  # noqa: E402
 from freetoken.layers.quantization.nvfp4.reference import reference_moe  # noqa: E402
 from verify.checks.kernels import make_experts  # noqa: E402
@@ -52,21 +52,6 @@ SWEEP_PREFILL = [dict(prefill_m=m, prefill_n=n, prefill_groups=g, num_warps=w, n
 
 def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v.strip()]
-
-
-def time_ms(fn, reps: int) -> float:
-    """Median milliseconds of one eager `fn()`."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def time_graph_ms(fns: list, reps: int) -> float:
@@ -98,14 +83,6 @@ def launch_floor_us(calls: int) -> float:
     """Per-3-kernel time of a graph of `calls` x 3 trivial kernels."""
     z = torch.zeros(16, device=DEVICE)
     return time_graph_ms([lambda: (z.add_(1), z.add_(1), z.add_(1))] * calls, 50) * 1e3
-
-
-def copy_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy bandwidth in GB/s, read + write bytes per second."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), reps=20)
-    return 2 * nbytes / ms / 1e6
 
 
 def bytes_read(w: dict, ids: torch.Tensor) -> int:

@@ -15,6 +15,7 @@ with the host, so decode steps can be captured in CUDA graphs.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from dataclasses import dataclass
@@ -94,7 +95,14 @@ def uses_mma(x: torch.Tensor, tiles: Tiles) -> bool:
     on a GPU with e4m3 conversions (compute capability >= 8.9) and the PTX decode on.
     float32 activations keep the CUDA-core kernels, whose products are exact in float32."""
     return (tiles.mma and dequant_mode(x) == 1 and x.dtype in (torch.bfloat16, torch.float16)
-            and torch.cuda.get_device_capability(x.device) >= (8, 9))
+            and _e4m3_capable(x.device.index if x.device.index is not None
+                              else torch.cuda.current_device()))
+
+
+@functools.cache
+def _e4m3_capable(device_index: int) -> bool:
+    """Compute capability 8.9+ (asked once per device, not on every decode call)."""
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 
 def _mma_shape(units: int, rows: int, k_inputs: int, walk: int, tiles: Tiles
