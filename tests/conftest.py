@@ -34,3 +34,61 @@ def assert_matches_hf(results, ref: dict, label: str, decode_logits: bool = Fals
             torch.testing.assert_close(result.logits, ref[f"greedy_logits_{i}"], rtol=1e-4,
                                        atol=1e-4,
                                        msg=lambda m, i=i: f"{label} prompt {i} decode: {m}")
+
+
+def case_differences(written: Path, golden: Path) -> list[str]:
+    """How a freshly written golden case differs from the committed one. Configs, weights
+    (meta.json records their SHA-256) and token ids must be the same bytes; the float tensors
+    of reference.safetensors (HF's fp32 logits) may differ by what another CPU's SIMD kernels
+    round differently (atol 1e-4 + rtol 1e-5: observed 5e-6 on logits of magnitude 4), and
+    meta.json's bf16 baselines (bf16 against fp32, as hardware-dependent) by 0.05 absolute or
+    10 % relative per number (the positions of their maxima not compared)."""
+    import json
+    import math
+
+    from safetensors.torch import load_file
+
+    def close(a, b, path: str, out: list[str]):
+        if isinstance(a, dict) and isinstance(b, dict):
+            if sorted(a) != sorted(b):
+                out.append(f"{path}: keys {sorted(a)} != {sorted(b)}")
+            for k in a.keys() & b.keys():
+                if not k.endswith("_position"):     # where a maximum falls moves with it
+                    close(a[k], b[k], f"{path}.{k}", out)
+        elif isinstance(a, list) and isinstance(b, list):
+            if len(a) != len(b):
+                out.append(f"{path}: {len(a)} != {len(b)} entries")
+            for i, (x, y) in enumerate(zip(a, b)):
+                close(x, y, f"{path}[{i}]", out)
+        elif isinstance(a, float) and isinstance(b, (int, float)):
+            if not math.isclose(a, b, rel_tol=0.1, abs_tol=0.05):
+                out.append(f"{path}: {a} != {b}")
+        elif a != b:
+            out.append(f"{path}: {a!r} != {b!r}")
+
+    problems = []
+    names = sorted(p.name for p in golden.iterdir())
+    if names != sorted(p.name for p in written.iterdir()):
+        return [f"files {sorted(p.name for p in written.iterdir())} != {names}"]
+    for name in names:
+        new, old = written / name, golden / name
+        if name == "meta.json":
+            a, b = json.loads(new.read_text()), json.loads(old.read_text())
+            close(a.pop("baselines", None), b.pop("baselines", None), "meta.baselines", problems)
+            if a != b:
+                problems.append("meta.json differs outside its baselines")
+        elif name == "reference.safetensors":
+            a, b = load_file(new), load_file(old)
+            if sorted(a) != sorted(b):
+                problems.append(f"reference tensors {sorted(a)} != {sorted(b)}")
+            for k in sorted(a.keys() & b.keys()):
+                x, y = a[k], b[k]
+                if x.dtype != y.dtype or x.shape != y.shape:
+                    problems.append(f"reference {k}: {x.dtype} {tuple(x.shape)} != "
+                                    f"{y.dtype} {tuple(y.shape)}")
+                elif not (torch.allclose(x, y, rtol=1e-5, atol=1e-4) if x.is_floating_point()
+                          else torch.equal(x, y)):
+                    problems.append(f"reference {k} differs")
+        elif new.read_bytes() != old.read_bytes():
+            problems.append(f"{name} differs")
+    return problems

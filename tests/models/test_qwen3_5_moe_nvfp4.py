@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from conftest import GOLDEN
+from conftest import GOLDEN, case_differences
 
 from freetoken import LLM, SamplingParams
 from freetoken.config import ConfigError, ModelConfig
@@ -136,6 +136,5 @@ def test_regeneration_is_deterministic(tmp_path):
                                                  transformers.__version__):
         pytest.skip("installed torch/transformers differ from the ones golden was written with")
     written = write_case(CASES[CASE], tmp_path / CASE)
-    for f in sorted(p.name for p in FOLDER.iterdir()):
-        assert (written / f).read_bytes() == (FOLDER / f).read_bytes(), (
-            f"golden/{CASE}/{f} is not what the case writer produces now")
+    assert case_differences(written, FOLDER) == [], (
+        f"golden/{CASE} is not what the case writer produces now")

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 import transformers
-from conftest import BUNDLED, GOLDEN
+from conftest import BUNDLED, GOLDEN, case_differences
 
 from verify.cases import CASES, hf_reference, load_reference, sha256_file, write_case
 
@@ -41,7 +41,8 @@ def test_live_hf_reproduces_stored_reference(case):
 
 def test_regeneration_is_deterministic(tmp_path):
     """Writing a case twice gives the same bytes; with the versions meta.json records, the
-    same bytes as the committed golden files."""
+    committed golden files (`case_differences`: the same bytes but for float rounding of
+    the reference logits and baselines on another CPU)."""
     name = "tiny-qwen3-moe"
     first, second = write_case(CASES[name], tmp_path / "a"), write_case(CASES[name], tmp_path / "b")
     files = sorted(p.name for p in first.iterdir())
@@ -51,6 +52,42 @@ def test_regeneration_is_deterministic(tmp_path):
     if (meta["torch"], meta["transformers"]) != (torch.__version__.split("+")[0],
                                                  transformers.__version__):
         pytest.skip("installed torch/transformers differ from the ones golden was written with")
-    for f in files:
-        assert (first / f).read_bytes() == (GOLDEN / name / f).read_bytes(), (
-            f"golden/{name}/{f} is not what `make golden` writes now")
+    assert case_differences(first, GOLDEN / name) == [], (
+        f"golden/{name} is not what `make golden` writes now")
+
+
+def test_case_differences_finds_a_changed_case(tmp_path):
+    """The golden comparison fails on a changed reference logit, token id, weight or config
+    and on a baseline number far off, and passes float rounding."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    name = "tiny-qwen3-moe"
+    assert case_differences(GOLDEN / name, GOLDEN / name) == []
+    for change in ("rounding", "logit", "token", "config", "baseline"):
+        case = tmp_path / change
+        shutil.copytree(GOLDEN / name, case)
+        ref = load_file(case / "reference.safetensors")
+        if change in ("rounding", "logit"):
+            key = next(k for k in ref if ref[k].is_floating_point())
+            ref[key] = ref[key].clone()
+            ref[key][0, 0] += 5e-6 if change == "rounding" else 1e-2
+        elif change == "token":
+            key = next(k for k in ref if not ref[k].is_floating_point())
+            ref[key] = ref[key].clone()
+            ref[key][0] += 1
+        save_file(ref, case / "reference.safetensors")
+        if change == "config":
+            (case / "config.json").write_text((case / "config.json").read_text() + " ")
+        if change == "baseline":
+            meta = json.loads((case / "meta.json").read_text())
+            entry = meta["baselines"]
+            while not isinstance(entry, dict) or not any(
+                    isinstance(v, float) for v in entry.values()):
+                entry = next(iter(entry.values())) if isinstance(entry, dict) else entry[0]
+            key = next(k for k, v in entry.items() if isinstance(v, float))
+            entry[key] += 1.0
+            (case / "meta.json").write_text(json.dumps(meta))
+        found = case_differences(case, GOLDEN / name)
+        assert (found == []) == (change == "rounding"), (change, found)
