@@ -3,7 +3,7 @@ reference, at Qwen3.6-35B-A3B's expert dimensions.
 
     python bench/nvfp4_moe.py [--tp 1,2,4,8] [--decode 1,2,4,8,16] [--prefill 512,...,4096]
         [--experts 256] [--top-k 8] [--hidden 2048] [--intermediate 512] [--no-graphs]
-        [--sweep] [--json FILE]
+        [--sweep] [--tiles JSON] [--json FILE]
 
 Method. Rank 0's experts for each TP size (full I quantized per expert by the NVFP4 quantizer,
 then cut to I / tp by the shard specs), bf16 activations, router ids drawn uniformly without
@@ -21,7 +21,9 @@ also reports the floor: a graph of L x 3 trivial kernels, per 3 (a decode call l
   1 GiB device-to-device copy, counted as bytes read + bytes written per second;
 * speedup: the torch reference (`reference_moe`: dequantize each hit expert, float32 matmul;
   the engine's CPU backend) time over the kernel time; `rel_err` their relative L2 difference.
-`--sweep` also tries other tile sizes per row and prints the fastest (`Tiles(...)`).
+`--sweep` also tries other tile sizes per row and prints the fastest (`Tiles(...)`);
+`--tiles '{"pdl": false}'` times other GPU tiles than the defaults (here: the mma decode
+without programmatic dependent launch).
 Target: decode at >= 60 % of copy bandwidth.
 """
 
@@ -182,8 +184,15 @@ def main() -> int:
     p.add_argument("--no-graphs", dest="graphs", action="store_false")
     p.add_argument("--no-reference", action="store_true", help="skip timing the torch reference")
     p.add_argument("--sweep", action="store_true", help="also search tile sizes per row")
+    p.add_argument("--tiles", type=json.loads, default={},
+                   help="JSON object of Tiles fields replacing the GPU defaults")
     p.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
     args = p.parse_args()
+    try:
+        nvfp4_moe.GPU_TILES = dataclasses.replace(nvfp4_moe.GPU_TILES, **args.tiles)
+    except TypeError as e:
+        fields = ", ".join(f.name for f in dataclasses.fields(nvfp4_moe.Tiles))
+        p.error(f"--tiles: {e} (fields: {fields})")
     if not torch.cuda.is_available():
         print("bench/nvfp4_moe.py needs a CUDA GPU (the kernels' CPU interpreter is for "
               "correctness only); nothing measured.", file=sys.stderr)
@@ -195,7 +204,7 @@ def main() -> int:
           f"torch {torch.__version__}, triton {__import__('triton').__version__}; copy "
           f"bandwidth {copy_gbs:.0f} GB/s (read + write); 3 trivial kernels in a graph "
           f"{floor:.1f} us; E={args.experts} top-{args.top_k} H={args.hidden} "
-          f"I={args.intermediate}, {args.dtype} activations", flush=True)
+          f"I={args.intermediate}, {args.dtype} activations; {nvfp4_moe.GPU_TILES}", flush=True)
     rows = []
     for tp in args.tp:
         w = make_experts(args.experts, args.hidden, args.intermediate, tp, seed=tp,

@@ -42,8 +42,9 @@ POINTERS = {"x_ptr": "*fp32", "h_ptr": "*fp32", "ids_ptr": "*i32", "tw_ptr": "*b
             "hf_ptr": "*fp32", "count_ptr": "*i32"}
 
 
-def compile_sass(fn, constexprs: dict, num_warps: int, arch: int) -> tuple[str, int, int]:
-    """(SASS text, registers, spill bytes) of `fn` compiled for sm_`arch`."""
+def compile_kernel(fn, constexprs: dict, num_warps: int, arch: int):
+    """`fn` compiled by Triton for sm_`arch` (its `asm` holds the PTX and the cubin); every
+    parameter not in `constexprs` is a runtime argument."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -53,8 +54,15 @@ def compile_sass(fn, constexprs: dict, num_warps: int, arch: int) -> tuple[str, 
     attrs = {(params.index(p),): [["tt.divisibility", 16]] for p in DIVISIBLE if p in params}
     src = ASTSource(fn=fn, signature=signature, attrs=attrs,
                     constexprs={(params.index(k),): v for k, v in constexprs.items()})
-    kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                            options={"num_warps": num_warps})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": num_warps})
+
+
+def compile_sass(fn, constexprs: dict, num_warps: int, arch: int) -> tuple[str, int, int]:
+    """(SASS text, registers, spill bytes) of `fn` compiled for sm_`arch`."""
+    import triton
+
+    kernel = compile_kernel(fn, constexprs, num_warps, arch)
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
@@ -108,10 +116,13 @@ def _word_kernels(tiles, count: int, top_k: int, hidden: int, inter: int):
     return out
 
 
-def _mma_kernels(tiles, count: int, top_k: int, hidden: int, inter: int):
+def _mma_kernels(tiles, count: int, top_k: int, hidden: int, inter: int, arch: int = 90):
     """The same for the tensor-core decode kernels (16-bit activations): a lane handles rows g
-    and g + 8 of its tile, 8 inputs per word, V words per step, three steps per trip."""
+    and g + 8 of its tile, 8 inputs per word, V words per step, three steps per trip. With
+    programmatic dependent launch (PDL) where the launcher uses it (sm_90+)."""
     from freetoken.kernels import nvfp4_mma, nvfp4_moe
+
+    pdl = int(tiles.pdl and arch >= 90)
 
     v, split, _, row_tiles = nvfp4_moe._mma_shape(count * top_k, inter, hidden, 1, tiles)
     vh, split_h, chunks_h, tiles_h = nvfp4_moe._mma_shape(count, hidden, inter, top_k, tiles)
@@ -119,11 +130,11 @@ def _mma_kernels(tiles, count: int, top_k: int, hidden: int, inter: int):
     return [("gate_up_mma", nvfp4_mma.gate_up_mma,
              dict(V=v, TILES=row_tiles, S=split, VH=vh, IP=pow2(inter), KP=pow2(top_k),
                   KC=nvfp4_moe._h_slots(pow2(top_k), pow2(inter), split * row_tiles), ASM=1,
-                  FULL=nvfp4_moe._full(inter, hidden, 1, v, split, row_tiles)),
+                  FULL=nvfp4_moe._full(inter, hidden, 1, v, split, row_tiles), PDL=pdl),
              split * row_tiles, 16 * row_tiles, 3 * 2 * 2 * v * 8),
             ("down_mma", nvfp4_mma.down_mma,
              dict(V=vh, TILES=tiles_h, S=split_h, CHUNKS=chunks_h, ASM=1,
-                  FULL=nvfp4_moe._full(hidden, inter, top_k, vh, split_h, tiles_h)),
+                  FULL=nvfp4_moe._full(hidden, inter, top_k, vh, split_h, tiles_h), PDL=pdl),
              split_h * tiles_h, 16 * tiles_h, 3 * 2 * vh * 8)]
 
 
@@ -137,7 +148,7 @@ def rows(tps: list[int], tokens: list[int], arch: int) -> list[dict]:
         for count in tokens:
             for name, fn, meta, warps, n_rows, weights in (
                     _word_kernels(tiles, count, top_k, hidden, inter)
-                    + _mma_kernels(tiles, count, top_k, hidden, inter)):
+                    + _mma_kernels(tiles, count, top_k, hidden, inter, arch)):
                 sass, regs, spill = compile_sass(fn, meta, warps, arch)
                 total, mix = loop_mix(sass)
                 out.append({"tp": tp, "tokens": count, "kernel": name, "rows": n_rows,

@@ -40,8 +40,13 @@ positions of a chunk are one PTX block chained through one accumulator (4 float3
 or up, not 4 V), the token's fragments load in the step that uses them (every warp reads
 the same row: L1 hits; only the weights run ahead), and the last program converts h a few
 slots at a time where all at once would take more registers than the loop; launches with
-whole row tiles, whole chunks and an even K split load without masks. gate_up holds 88
-registers on sm_90 (23 warps per SM), down 48-80.
+whole row tiles, whole chunks and an even K split load without masks. On sm_90 gate_up holds
+102 registers with triton 3.6 (16 warps per SM) and 88 with triton 3.8 (20), down 48-100.
+
+Launches (PDL). On sm_90+ gate_up and down are launched with programmatic dependent launch
+and every kernel here lets the next one launch as it starts (`_launch_next`): a kernel's
+programs then start while the previous kernel finishes, load their first two steps of
+weights, and wait (`_grid_wait`) before they read the activations or h or write anything.
 """
 
 from __future__ import annotations
@@ -175,10 +180,11 @@ def _exponent(amax):
 
 @triton.jit
 def to_fragments(x_ptr, x16_ptr, xf_ptr, count_ptr, k_inputs, stride_x, stride_x16,
-                 V: tl.constexpr, BLOCK: tl.constexpr):
+                 V: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
     """Row t of x as fp16 fragments (`_frag_pos`) scaled by 2^-e, e per row; xf[t] = 2^(7 + e)
     undoes both biases; count[t] = 0 for gate_up's last-program count. Inputs past k_inputs
     up to the row's padded length (<= BLOCK) are zeros."""
+    _launch_next(PDL)
     t = tl.program_id(0)
     k = tl.arange(0, BLOCK)
     x = tl.load(x_ptr + t.to(tl.int64) * stride_x + k, mask=k < k_inputs, other=0.0)
@@ -198,6 +204,25 @@ def _lanes(NW: tl.constexpr, S: tl.constexpr):
     lane = r % 32
     warp = r // 32
     return lane // 4, lane % 4, warp // S, warp % S
+
+
+@triton.jit
+def _grid_wait(PDL: tl.constexpr):
+    """With programmatic dependent launch (PDL 1, sm_90+): wait until the stream's previous
+    kernel has finished and its writes are visible. Loads before it may only read what no
+    kernel in flight writes (weights, routing ids)."""
+    if PDL:
+        tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
+def _launch_next(PDL: tl.constexpr):
+    """With PDL: the stream's next kernel may start once every program of this one got here
+    (its programs take SMs that this kernel's last ones leave idle, and wait in `_grid_wait`)."""
+    if PDL:
+        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
+                                  dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -376,10 +401,13 @@ def gate_up_mma(x16_ptr, xf_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, g2_ptr, h
                 hf_ptr, count_ptr, inter, k_words, top_k, blocks, stride_x16, stride_we,
                 stride_wn, stride_se, stride_sn, stride_h, stride_h16, V: tl.constexpr,
                 TILES: tl.constexpr, S: tl.constexpr, VH: tl.constexpr, IP: tl.constexpr,
-                KP: tl.constexpr, KC: tl.constexpr, ASM: tl.constexpr, FULL: tl.constexpr):
+                KP: tl.constexpr, KC: tl.constexpr, ASM: tl.constexpr, FULL: tl.constexpr,
+                PDL: tl.constexpr = 0):
     """h[p, n] = silu(gate_e[n] . x_t) * (up_e[n] . x_t) * tw[p] * g2[e] for pair p = (t, slot)
     routed to e, one program per (pair, block of 16 TILES rows); warps split K S ways. The
-    last program of token t (count) converts t's h rows to fp16 fragments for down (VH)."""
+    last program of token t (count) converts t's h rows to fp16 fragments for down (VH).
+    PDL: the first two steps' weights load before waiting for `to_fragments`."""
+    _launch_next(PDL)
     pair = tl.program_id(0)
     tok = pair // top_k
     e = tl.load(ids_ptr + pair).to(tl.int64)
@@ -397,6 +425,7 @@ def gate_up_mma(x16_ptr, xf_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, g2_ptr, h
     # memory (tl.range num_stages) measured 2-3x slower.
     a = _gu_load(w, s, b_row, row, inter, 0, split, t, k_words, stride_wn, stride_sn, V, S, FULL)
     b = _gu_load(w, s, b_row, row, inter, 1, split, t, k_words, stride_wn, stride_sn, V, S, FULL)
+    _grid_wait(PDL)
     for j in range(0, steps - 2, 3):
         c = _gu_load(w, s, b_row, row, inter, j + 2, split, t, k_words, stride_wn, stride_sn,
                      V, S, FULL)
@@ -476,33 +505,56 @@ def _h_store(h16_ptr, h, e, rows, last, k, padded, stride_h16, VH: tl.constexpr)
 
 
 @triton.jit
-def _down_load(ids_ptr, w_ptr, s_ptr, h16_ptr, tok, top_k, q, row, n_rows, t, k_words,
-               stride_we, stride_wn, stride_se, stride_sn, stride_h16, V: tl.constexpr,
-               CHUNKS: tl.constexpr, FULL: tl.constexpr):
-    """Weights and fragments of walk step q (per tensor row: slot q / CHUNKS, chunk
-    q % CHUNKS; zeros past the last slot, or with FULL, where every step of the warps is a
-    whole chunk of whole row tiles, the last step's again)."""
+def _down_slot(tok, top_k, q, CHUNKS: tl.constexpr, FULL: tl.constexpr):
+    """(pair, live, chunk) of walk step q (per tensor row): slot q / CHUNKS, chunk q % CHUNKS;
+    not live past the last slot, or with FULL, where every step of the warps is a whole chunk
+    of whole row tiles, the last step's again."""
     if FULL:
         q = tl.minimum(q, top_k * CHUNKS - 1)
     slot = q // CHUNKS
-    live = slot < top_k
-    p = tok * top_k + tl.minimum(slot, top_k - 1)
+    return tok * top_k + tl.minimum(slot, top_k - 1), slot < top_k, q % CHUNKS
+
+
+@triton.jit
+def _down_weights(ids_ptr, w_ptr, s_ptr, tok, top_k, q, row, n_rows, t, k_words, stride_we,
+                  stride_wn, stride_se, stride_sn, V: tl.constexpr, CHUNKS: tl.constexpr,
+                  FULL: tl.constexpr):
+    """Weights of walk step q (zeros where not live)."""
+    p, live, c = _down_slot(tok, top_k, q, CHUNKS, FULL)
     e = tl.load(ids_ptr + p).to(tl.int64)
-    c = q % CHUNKS
-    w = _rows_tile(w_ptr, s_ptr, e * stride_we, e * stride_se, row, n_rows, live, c, t,
-                   k_words, stride_wn, stride_sn, V, FULL)
+    return _rows_tile(w_ptr, s_ptr, e * stride_we, e * stride_se, row, n_rows, live, c, t,
+                      k_words, stride_wn, stride_sn, V, FULL)
+
+
+@triton.jit
+def _down_acts(h16_ptr, tok, top_k, q, t, k_words, stride_h16, V: tl.constexpr,
+               CHUNKS: tl.constexpr, FULL: tl.constexpr):
+    """h fragments of walk step q (zeros where not live)."""
+    p, live, c = _down_slot(tok, top_k, q, CHUNKS, FULL)
     b_row = h16_ptr.to(tl.pointer_type(tl.int64)) + (p.to(tl.int64) * (stride_h16 // 4))[:, None]
-    return w, _b_tile(b_row, c, t, live, k_words, V, FULL)
+    return _b_tile(b_row, c, t, live, k_words, V, FULL)
+
+
+@triton.jit
+def _down_load(ids_ptr, w_ptr, s_ptr, h16_ptr, tok, top_k, q, row, n_rows, t, k_words,
+               stride_we, stride_wn, stride_se, stride_sn, stride_h16, V: tl.constexpr,
+               CHUNKS: tl.constexpr, FULL: tl.constexpr):
+    """Weights and fragments of walk step q."""
+    return (_down_weights(ids_ptr, w_ptr, s_ptr, tok, top_k, q, row, n_rows, t, k_words,
+                          stride_we, stride_wn, stride_se, stride_sn, V, CHUNKS, FULL),
+            _down_acts(h16_ptr, tok, top_k, q, t, k_words, stride_h16, V, CHUNKS, FULL))
 
 
 @triton.jit
 def down_mma(h16_ptr, hf_ptr, ids_ptr, w_ptr, s_ptr, out_ptr, n_rows, k_words, top_k,
              stride_h16, stride_we, stride_wn, stride_se, stride_sn, stride_out,
              V: tl.constexpr, TILES: tl.constexpr, S: tl.constexpr, CHUNKS: tl.constexpr,
-             ASM: tl.constexpr, FULL: tl.constexpr):
+             ASM: tl.constexpr, FULL: tl.constexpr, PDL: tl.constexpr = 0):
     """out[t, n] = hf[t] * sum over t's slots p (routed to e) of w2_e[n] . h16[p]: one program
     per (token, block of 16 TILES rows) walks all of the token's slots (CHUNKS chunks each)
-    as one float32 dot product, its warps taking every S-th step of the walk."""
+    as one float32 dot product, its warps taking every S-th step of the walk. PDL: the first
+    two steps' weights load before waiting for the kernel that writes h16."""
+    _launch_next(PDL)
     tok = tl.program_id(0)
     g, t, tile, split = _lanes(TILES * S, S)
     row = tl.program_id(1) * (16 * TILES) + 16 * tile + g
@@ -510,10 +562,14 @@ def down_mma(h16_ptr, hf_ptr, ids_ptr, w_ptr, s_ptr, out_ptr, n_rows, k_words, t
     steps = (top_k * CHUNKS + S - 1) // S
     z = tl.full([32 * TILES * S], 0.0, tl.float32)
     acc = (z, z, z, z)
-    a = _down_load(ids_ptr, w, s_ptr, h16_ptr, tok, top_k, split, row, n_rows, t, k_words,
-                   stride_we, stride_wn, stride_se, stride_sn, stride_h16, V, CHUNKS, FULL)
-    b = _down_load(ids_ptr, w, s_ptr, h16_ptr, tok, top_k, split + S, row, n_rows, t, k_words,
-                   stride_we, stride_wn, stride_se, stride_sn, stride_h16, V, CHUNKS, FULL)
+    wa = _down_weights(ids_ptr, w, s_ptr, tok, top_k, split, row, n_rows, t, k_words,
+                       stride_we, stride_wn, stride_se, stride_sn, V, CHUNKS, FULL)
+    wb = _down_weights(ids_ptr, w, s_ptr, tok, top_k, split + S, row, n_rows, t, k_words,
+                       stride_we, stride_wn, stride_se, stride_sn, V, CHUNKS, FULL)
+    _grid_wait(PDL)
+    a = (wa, _down_acts(h16_ptr, tok, top_k, split, t, k_words, stride_h16, V, CHUNKS, FULL))
+    b = (wb, _down_acts(h16_ptr, tok, top_k, split + S, t, k_words, stride_h16, V, CHUNKS,
+                        FULL))
     for j in range(0, steps - 2, 3):
         q = (j + 2) * S + split
         c = _down_load(ids_ptr, w, s_ptr, h16_ptr, tok, top_k, q, row, n_rows, t, k_words,

@@ -10,7 +10,8 @@ walking all of the token's slots. 16-bit activations on a GPU decode on tensor c
 the dense NVFP4 linear's decode; float32 activations and CPUs take the CUDA-core GEMVs of
 `nvfp4_jit` (blocks shrink to fewer rows when that leaves too few programs). More tokens
 take the prefill kernels, on pairs sorted by expert into blocks. Nothing here synchronises
-with the host, so decode steps can be captured in CUDA graphs.
+with the host, so decode steps can be captured in CUDA graphs. On sm_90+ the mma decode's
+second and third kernels use programmatic dependent launch (`launches_early`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ class Tiles:
     block (BLOCK_M), output rows per program (BLOCK_N), 16-input groups per step. mma (the
     tensor-core decode, on unless `mma` is False): `mma_tiles` 16-row tiles per program, and
     the warps of a program split K while a launch has fewer than `mma_warps` warps, up to
-    `mma_max_split` ways."""
+    `mma_max_split` ways; `pdl`: the mma kernels after the first of a call start with
+    programmatic dependent launch where the GPU and Triton have it (`launches_early`)."""
 
     decode_n: int = 16
     decode_words: int = 8
@@ -52,6 +54,7 @@ class Tiles:
     mma_warps: int = 2048
     mma_max_split: int = 8
     mma_tiles: int = 1
+    pdl: bool = True
 
 
 GPU_TILES = Tiles()
@@ -105,6 +108,28 @@ def _e4m3_capable(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 
+def launches_early(x: torch.Tensor, tiles: Tiles) -> bool:
+    """Whether the mma decode's second and third kernels use programmatic dependent launch:
+    on tensor-core decode (`uses_mma`) with compute capability 9.0+ (`griddepcontrol`) and a
+    Triton that launches with it. Each such kernel starts while the previous one finishes,
+    loads its first weights, and waits for the previous kernel's outputs (`_grid_wait`)."""
+    return (tiles.pdl and x.is_cuda and uses_mma(x, tiles) and _pdl_capable(
+        x.device.index if x.device.index is not None else torch.cuda.current_device()))
+
+
+@functools.cache
+def _pdl_capable(device_index: int) -> bool:
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    return (torch.cuda.get_device_capability(device_index) >= (9, 0)
+            and "launch_pdl" in CUDAOptions.__dataclass_fields__)
+
+
+def _pdl_args(on: bool) -> dict:
+    """Kernel arguments for a launch with (or without) programmatic dependent launch."""
+    return {"PDL": 1, "launch_pdl": True} if on else {}
+
+
 def _mma_shape(units: int, rows: int, k_inputs: int, walk: int, tiles: Tiles
                ) -> tuple[int, int, int, int]:
     """(V, S, CHUNKS, TILES) of an mma decode launch: V words per lane and chunk (the largest of
@@ -122,15 +147,16 @@ def _mma_shape(units: int, rows: int, k_inputs: int, walk: int, tiles: Tiles
     return v, split, chunks, row_tiles
 
 
-def _fragments(x: torch.Tensor, k_inputs: int, v: int):
-    """`to_fragments` of x's rows: (x16 [T, padded K] fp16, xf [T] float32, count [T] int32)."""
+def _fragments(x: torch.Tensor, k_inputs: int, v: int, pdl: bool = False):
+    """`to_fragments` of x's rows: (x16 [T, padded K] fp16, xf [T] float32, count [T] int32).
+    pdl: it lets the next kernel launch early (it is itself an ordinary launch)."""
     tokens, chunks = x.shape[0], -(-k_inputs // (32 * v))
     x16 = torch.empty(tokens, chunks * 32 * v, dtype=torch.float16, device=x.device)
     xf = torch.empty(tokens, dtype=torch.float32, device=x.device)
     count = torch.empty(tokens, dtype=torch.int32, device=x.device)
     _mma_jit().to_fragments[(tokens,)](
         x, x16, xf, count, k_inputs, x.stride(0), x16.stride(0), V=v,
-        BLOCK=_pow2(x16.shape[1]), num_warps=4)
+        BLOCK=_pow2(x16.shape[1]), num_warps=4, **({"PDL": 1} if pdl else {}))
     return x16, xf, count
 
 
@@ -146,7 +172,8 @@ def _gate_up_mma(x, ids, tw, w13, s13, g13, g2, inter, top_k, tiles):
     at top_k x the row blocks (each (pair, block) counted once: tested)."""
     jit, pairs, tokens, hidden = _mma_jit(), ids.numel(), x.shape[0], x.shape[1]
     v, split, _, row_tiles = _mma_shape(pairs, inter, hidden, 1, tiles)
-    x16, xf, count = _fragments(x, hidden, v)
+    pdl = launches_early(x, tiles)
+    x16, xf, count = _fragments(x, hidden, v, pdl)
     vh, _, chunks_h, _ = _mma_shape(tokens, hidden, inter, top_k, tiles)
     h = torch.empty(pairs, inter, dtype=torch.float32, device=x.device)
     h16 = torch.empty(pairs, chunks_h * 32 * vh, dtype=torch.float16, device=x.device)
@@ -159,7 +186,7 @@ def _gate_up_mma(x, ids, tw, w13, s13, g13, g2, inter, top_k, tiles):
         h16.stride(0), V=v, TILES=row_tiles, S=split, VH=vh, IP=_pow2(inter),
         KP=_pow2(top_k), KC=_h_slots(_pow2(top_k), _pow2(inter), split * row_tiles),
         ASM=dequant_mode(x), FULL=_full(inter, hidden, 1, v, split, row_tiles),
-        num_warps=split * row_tiles)
+        num_warps=split * row_tiles, **_pdl_args(pdl))
     return h16, hf, count
 
 
@@ -186,7 +213,8 @@ def _down_mma(h16, hf, ids, w2, s2, out, k_inputs, top_k, tiles):
         h16, hf, ids, w2, s2, out, n_rows, k_inputs // 8, top_k, h16.stride(0), we, wn,
         s2.stride(0), s2.stride(1), out.stride(0), V=v, TILES=row_tiles, S=split,
         CHUNKS=chunks, ASM=dequant_mode(h16),
-        FULL=_full(n_rows, k_inputs, top_k, v, split, row_tiles), num_warps=split * row_tiles)
+        FULL=_full(n_rows, k_inputs, top_k, v, split, row_tiles), num_warps=split * row_tiles,
+        **_pdl_args(launches_early(h16, tiles)))
 
 
 def _precision(dtype: torch.dtype) -> str:

@@ -303,3 +303,103 @@ def test_mma_decode_without_masks(mma_in_interpreter):
     assert _rel_l2(got, want) < 2e-3
     assert not nvfp4_moe._full(64, 96, 1, 1, 2, 1)      # 3 chunks over 2 warps
     assert not nvfp4_moe._full(40, 64, 1, 2, 1, 1)      # a partial row tile
+
+
+def pdl_order_problems(ptx: str) -> list[str]:
+    """What breaks programmatic dependent launch in a decode kernel's PTX: the kernel must let
+    the next one launch (`griddepcontrol.launch_dependents`) and wait for the previous one
+    (`griddepcontrol.wait`) exactly once each, and before the wait read nothing a kernel in
+    flight may still write: only the 32-bit words of weights (`.v4.b32`), scale bytes
+    (`.b16`) and routing ids (`.b32`) may load, never the 64-bit activation or h fragments,
+    and nothing may be stored; at least one weight load must precede the wait (the
+    overlap PDL is for)."""
+    lines = [line.strip() for line in ptx.splitlines()]
+    waits = [i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait")]
+    launches = [i for i, line in enumerate(lines)
+                if line.startswith("griddepcontrol.launch_dependents")]
+    problems = []
+    if len(waits) != 1 or len(launches) != 1:
+        return [f"{len(waits)} griddepcontrol.wait and {len(launches)} launch_dependents, "
+                "want one of each"]
+    weights = 0
+    for line in lines[:waits[0]]:
+        words = [] if line.startswith("//") else line.split()
+        words = words[1:] if words and words[0].startswith("@") else words   # predicate
+        op = words[0] if words else ""
+        if op.startswith(("st.global", "atom.", "red.")):
+            problems.append(f"store before the wait: {line}")
+        elif op.startswith("ld.global"):
+            if op.endswith(".v4.b32"):
+                weights += 1
+            elif not op.endswith((".b16", ".b32")) or ".v2." in op:
+                problems.append(f"64-bit (fragment) load before the wait: {line}")
+    if not weights:
+        problems.append("no weight load before the wait")
+    return problems
+
+
+def _pdl_ptx(tmp_path) -> dict[str, str]:
+    """The PTX of the mma decode kernels as the launcher builds them for an H200 at TP 1 / 16
+    tokens (with PDL), compiled in a process without the interpreter."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    code = (
+        "import sys; from pathlib import Path\n"
+        "from bench import nvfp4_sass\n"
+        "from freetoken.kernels.nvfp4_moe import GPU_TILES\n"
+        "for name, fn, meta, warps, *_ in nvfp4_sass._mma_kernels(GPU_TILES, 16, 8, 2048, 512):\n"
+        "    assert meta['PDL'] == 1, meta\n"
+        "    kernel = nvfp4_sass.compile_kernel(fn, meta, warps, 90)\n"
+        "    (Path(sys.argv[1]) / (name + '.ptx')).write_text(kernel.asm['ptx'])\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                          text=True, env=env, cwd=root, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return {p.stem: p.read_text() for p in tmp_path.glob("*.ptx")}
+
+
+def test_pdl_kernels_read_upstream_outputs_only_after_the_wait(tmp_path):
+    """gate_up and down, launched with PDL, load their first weights before
+    `griddepcontrol.wait` and every fragment after it; with the wait moved to the end (the
+    activations read before the kernel that writes them has finished) or the early launch
+    dropped, the check fails."""
+    ptx = _pdl_ptx(tmp_path)
+    assert sorted(ptx) == ["down_mma", "gate_up_mma"]
+    for name, text in ptx.items():
+        assert pdl_order_problems(text) == [], name
+        lines = text.splitlines()
+        wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+        late = lines[:wait] + lines[wait + 1:-1] + [lines[wait], lines[-1]]
+        assert any("fragment" in p or "store" in p for p in pdl_order_problems("\n".join(late)))
+        dropped = text.replace("griddepcontrol.launch_dependents", "// dropped")
+        assert pdl_order_problems(dropped), name
+
+
+def test_pdl_is_off_on_a_cpu():
+    """Programmatic dependent launch is for the mma decode on sm_90+ GPUs only."""
+    from freetoken.kernels.nvfp4_moe import GPU_TILES, _pdl_args, launches_early
+
+    assert not launches_early(torch.zeros(1, 16, dtype=torch.bfloat16), GPU_TILES)
+    assert _pdl_args(False) == {}
+    assert _pdl_args(True) == {"PDL": 1, "launch_pdl": True}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_pdl_decode_matches_ordinary_launches_on_a_gpu():
+    """On a GPU the mma decode with PDL gives bit for bit what ordinary launches give, call
+    after call (no kernel reads an upstream output early)."""
+    import dataclasses
+
+    from freetoken.kernels import nvfp4_moe
+
+    w = make_experts(16, 512, 256, 2, seed=5, device="cuda")
+    x, weights, ids = _routing(9, 16, 4, 512, seed=6)
+    x, weights, ids = x.cuda().bfloat16(), weights.cuda().bfloat16(), ids.cuda()
+    tiles = {pdl: dataclasses.replace(nvfp4_moe.GPU_TILES, pdl=pdl) for pdl in (False, True)}
+    want = nvfp4_moe.fused_moe(x, weights, ids, **w, tiles=tiles[False])
+    for _ in range(10):
+        assert torch.equal(nvfp4_moe.fused_moe(x, weights, ids, **w, tiles=tiles[True]), want)
