@@ -92,3 +92,18 @@ def case_differences(written: Path, golden: Path) -> list[str]:
         elif new.read_bytes() != old.read_bytes():
             problems.append(f"{name} differs")
     return problems
+
+
+def run_compiled(args: list[str], timeout: int = 600):
+    """`python args...` in a fresh process from the repository root, without
+    TRITON_INTERPRET: Triton kernels there compile instead of running in the interpreter,
+    which `freetoken.kernels.use_interpreter` switches on for a whole test process."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
+                          cwd=root, timeout=timeout)

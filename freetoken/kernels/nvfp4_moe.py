@@ -98,14 +98,19 @@ def uses_mma(x: torch.Tensor, tiles: Tiles) -> bool:
     on a GPU with e4m3 conversions (compute capability >= 8.9) and the PTX decode on.
     float32 activations keep the CUDA-core kernels, whose products are exact in float32."""
     return (tiles.mma and dequant_mode(x) == 1 and x.dtype in (torch.bfloat16, torch.float16)
-            and _e4m3_capable(x.device.index if x.device.index is not None
-                              else torch.cuda.current_device()))
+            and _capability(x) >= (8, 9))
+
+
+def _capability(x: torch.Tensor) -> tuple[int, int]:
+    """The compute capability of x's GPU."""
+    return _device_capability(x.device.index if x.device.index is not None
+                              else torch.cuda.current_device())
 
 
 @functools.cache
-def _e4m3_capable(device_index: int) -> bool:
-    """Compute capability 8.9+ (asked once per device, not on every decode call)."""
-    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+def _device_capability(device_index: int) -> tuple[int, int]:
+    """Asked once per device, not on every decode call."""
+    return torch.cuda.get_device_capability(device_index)
 
 
 def launches_early(x: torch.Tensor, tiles: Tiles) -> bool:
@@ -113,16 +118,15 @@ def launches_early(x: torch.Tensor, tiles: Tiles) -> bool:
     on tensor-core decode (`uses_mma`) with compute capability 9.0+ (`griddepcontrol`) and a
     Triton that launches with it. Each such kernel starts while the previous one finishes,
     loads its first weights, and waits for the previous kernel's outputs (`_grid_wait`)."""
-    return (tiles.pdl and x.is_cuda and uses_mma(x, tiles) and _pdl_capable(
-        x.device.index if x.device.index is not None else torch.cuda.current_device()))
+    return (tiles.pdl and x.is_cuda and uses_mma(x, tiles) and _capability(x) >= (9, 0)
+            and _triton_launches_pdl())
 
 
 @functools.cache
-def _pdl_capable(device_index: int) -> bool:
+def _triton_launches_pdl() -> bool:
     from triton.backends.nvidia.compiler import CUDAOptions
 
-    return (torch.cuda.get_device_capability(device_index) >= (9, 0)
-            and "launch_pdl" in CUDAOptions.__dataclass_fields__)
+    return "launch_pdl" in CUDAOptions.__dataclass_fields__
 
 
 def _pdl_args(on: bool) -> dict:
@@ -156,23 +160,24 @@ def _fragments(x: torch.Tensor, k_inputs: int, v: int, pdl: bool = False):
     count = torch.empty(tokens, dtype=torch.int32, device=x.device)
     _mma_jit().to_fragments[(tokens,)](
         x, x16, xf, count, k_inputs, x.stride(0), x16.stride(0), V=v,
-        BLOCK=_pow2(x16.shape[1]), num_warps=4, **({"PDL": 1} if pdl else {}))
+        BLOCK=_pow2(x16.shape[1]), num_warps=4, PDL=int(pdl))
     return x16, xf, count
 
 
 def _decode_mma(x, ids, tw, w13, s13, g13, w2, s2, g2, inter, top_k, tiles):
-    h16, hf, _ = _gate_up_mma(x, ids, tw, w13, s13, g13, g2, inter, top_k, tiles)
+    pdl = launches_early(x, tiles)
+    h16, hf, _ = _gate_up_mma(x, ids, tw, w13, s13, g13, g2, inter, top_k, tiles, pdl)
     out = torch.empty(x.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
-    _down_mma(h16, hf, ids, w2, s2, out, inter, top_k, tiles)
+    _down_mma(h16, hf, ids, w2, s2, out, inter, top_k, tiles, pdl)
     return out
 
 
-def _gate_up_mma(x, ids, tw, w13, s13, g13, g2, inter, top_k, tiles):
+def _gate_up_mma(x, ids, tw, w13, s13, g13, g2, inter, top_k, tiles, pdl=False):
     """gate_up on tensor cores: (h16 fragments, hf [T], count [T]); every token's count ends
-    at top_k x the row blocks (each (pair, block) counted once: tested)."""
+    at top_k x the row blocks (each (pair, block) counted once: tested). pdl: the call's
+    `launches_early`, decided once for its kernels."""
     jit, pairs, tokens, hidden = _mma_jit(), ids.numel(), x.shape[0], x.shape[1]
     v, split, _, row_tiles = _mma_shape(pairs, inter, hidden, 1, tiles)
-    pdl = launches_early(x, tiles)
     x16, xf, count = _fragments(x, hidden, v, pdl)
     vh, _, chunks_h, _ = _mma_shape(tokens, hidden, inter, top_k, tiles)
     h = torch.empty(pairs, inter, dtype=torch.float32, device=x.device)
@@ -205,7 +210,7 @@ def _h_slots(slots: int, inputs: int, warps: int, per_thread: int = 32) -> int:
     return slots
 
 
-def _down_mma(h16, hf, ids, w2, s2, out, k_inputs, top_k, tiles):
+def _down_mma(h16, hf, ids, w2, s2, out, k_inputs, top_k, tiles, pdl=False):
     tokens, n_rows = out.shape[0], w2.shape[1]
     v, split, chunks, row_tiles = _mma_shape(tokens, n_rows, k_inputs, top_k, tiles)
     we, wn, _ = _word_strides("w2", w2)
@@ -214,7 +219,7 @@ def _down_mma(h16, hf, ids, w2, s2, out, k_inputs, top_k, tiles):
         s2.stride(0), s2.stride(1), out.stride(0), V=v, TILES=row_tiles, S=split,
         CHUNKS=chunks, ASM=dequant_mode(h16),
         FULL=_full(n_rows, k_inputs, top_k, v, split, row_tiles), num_warps=split * row_tiles,
-        **_pdl_args(launches_early(h16, tiles)))
+        **_pdl_args(pdl))
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -390,8 +395,9 @@ def down_decode_launch(x, w, s, g, out, k_inputs, tiles):
     ids = torch.zeros(x.shape[0], dtype=torch.int32, device=x.device)
     if uses_mma(x, tiles):
         v = _mma_shape(x.shape[0], w.shape[1], k_inputs, 1, tiles)[0]
-        x16, xf, _ = _fragments(x, k_inputs, v)
-        _down_mma(x16, xf.mul_(g), ids, w, s, out, k_inputs, 1, tiles)
+        pdl = launches_early(x, tiles)
+        x16, xf, _ = _fragments(x, k_inputs, v, pdl)
+        _down_mma(x16, xf.mul_(g), ids, w, s, out, k_inputs, 1, tiles, pdl)
         return
     xw, xs = word_order(x, k_inputs, scale=g)
     _down_words(xw, xs, ids, w, s, out, k_inputs, 1, tiles)

@@ -173,16 +173,9 @@ def test_decode_kernels_compile_for_sm90_with_their_ptx():
     decode and the tensor-core mma) and finds their inner loop: every row has registers, no
     spills and a plausible instruction count per weight, the tensor-core ones fewer than the
     CUDA-core ones."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from conftest import run_compiled
 
-    root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(root / "bench" / "nvfp4_sass.py"), "--tp", "1,8",
-                           "--tokens", "1"], capture_output=True, text=True, env=env, cwd=root,
-                          timeout=600)
+    proc = run_compiled(["bench/nvfp4_sass.py", "--tp", "1,8", "--tokens", "1"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [line.split() for line in proc.stdout.splitlines() if line[:1].isdigit()]
     assert [r[2] for r in rows] == ["gate_up", "down", "gate_up_mma", "down_mma"] * 2, proc.stdout

@@ -341,12 +341,8 @@ def pdl_order_problems(ptx: str) -> list[str]:
 def _pdl_ptx(tmp_path) -> dict[str, str]:
     """The PTX of the mma decode kernels as the launcher builds them for an H200 at TP 1 / 16
     tokens (with PDL), compiled in a process without the interpreter."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from conftest import run_compiled
 
-    root = Path(__file__).resolve().parents[2]
     code = (
         "import sys; from pathlib import Path\n"
         "from bench import nvfp4_sass\n"
@@ -355,9 +351,7 @@ def _pdl_ptx(tmp_path) -> dict[str, str]:
         "    assert meta['PDL'] == 1, meta\n"
         "    kernel = nvfp4_sass.compile_kernel(fn, meta, warps, 90)\n"
         "    (Path(sys.argv[1]) / (name + '.ptx')).write_text(kernel.asm['ptx'])\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
-                          text=True, env=env, cwd=root, timeout=600)
+    proc = run_compiled(["-c", code, str(tmp_path)])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return {p.stem: p.read_text() for p in tmp_path.glob("*.ptx")}
 
@@ -388,18 +382,30 @@ def test_pdl_is_off_on_a_cpu():
     assert _pdl_args(True) == {"PDL": 1, "launch_pdl": True}
 
 
+_PDL_GPU = """
+import dataclasses
+import torch
+from freetoken.kernels import nvfp4_moe
+from verify.checks.kernels import make_experts
+w = make_experts(16, 512, 256, 2, seed=5, device="cuda")
+gen = torch.Generator().manual_seed(6)
+x = torch.randn(9, 512, generator=gen).cuda().bfloat16()
+weights, ids = torch.softmax(torch.randn(9, 16, generator=gen), -1).topk(4)
+weights, ids = weights.cuda().bfloat16(), ids.cuda()
+tiles = {pdl: dataclasses.replace(nvfp4_moe.GPU_TILES, pdl=pdl) for pdl in (False, True)}
+assert nvfp4_moe.launches_early(x, tiles[True]) == (torch.cuda.get_device_capability() >= (9, 0))
+want = nvfp4_moe.fused_moe(x, weights, ids, **w, tiles=tiles[False])
+for _ in range(10):
+    assert torch.equal(nvfp4_moe.fused_moe(x, weights, ids, **w, tiles=tiles[True]), want)
+"""
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_pdl_decode_matches_ordinary_launches_on_a_gpu():
-    """On a GPU the mma decode with PDL gives bit for bit what ordinary launches give, call
-    after call (no kernel reads an upstream output early)."""
-    import dataclasses
+    """On a GPU the mma decode with PDL (where the GPU has it) gives bit for bit what
+    ordinary launches give, call after call (no kernel reads an upstream output early); in a
+    process of its own, since other tests here switch this one to the interpreter."""
+    from conftest import run_compiled
 
-    from freetoken.kernels import nvfp4_moe
-
-    w = make_experts(16, 512, 256, 2, seed=5, device="cuda")
-    x, weights, ids = _routing(9, 16, 4, 512, seed=6)
-    x, weights, ids = x.cuda().bfloat16(), weights.cuda().bfloat16(), ids.cuda()
-    tiles = {pdl: dataclasses.replace(nvfp4_moe.GPU_TILES, pdl=pdl) for pdl in (False, True)}
-    want = nvfp4_moe.fused_moe(x, weights, ids, **w, tiles=tiles[False])
-    for _ in range(10):
-        assert torch.equal(nvfp4_moe.fused_moe(x, weights, ids, **w, tiles=tiles[True]), want)
+    proc = run_compiled(["-c", _PDL_GPU])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
