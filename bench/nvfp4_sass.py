@@ -38,8 +38,8 @@ DIVISIBLE = {"x_ptr", "w_ptr", "s_ptr", "h_ptr", "out_ptr", "inter", "k_words", 
              "n_rows", "x16_ptr", "h16_ptr", "stride_x16", "stride_h16", "stride_wn"}
 POINTERS = {"x_ptr": "*fp32", "h_ptr": "*fp32", "ids_ptr": "*i32", "tw_ptr": "*bf16",
             "w_ptr": "*u8", "s_ptr": "*u8", "g_ptr": "*fp32", "g2_ptr": "*fp32",
-            "out_ptr": "*bf16", "x16_ptr": "*fp16", "h16_ptr": "*fp16", "xf_ptr": "*fp32",
-            "hf_ptr": "*fp32", "count_ptr": "*i32"}
+            "out_ptr": "*bf16", "x16_ptr": "*fp16", "h16_ptr": "*bf16", "xf_ptr": "*fp32",
+            "hf_ptr": "*fp32"}
 
 
 def compile_kernel(fn, constexprs: dict, num_warps: int, arch: int):
@@ -80,7 +80,7 @@ def compile_sass(fn, constexprs: dict, num_warps: int, arch: int) -> tuple[str, 
 
 def loop_mix(sass: str) -> tuple[int, collections.Counter]:
     """Instruction count and opcode counts of the dot-product loop: the longest backward-branch
-    loop that multiplies (FFMA or HMMA; gate_up's h conversion has a loop of its own)."""
+    loop that multiplies (FFMA or HMMA)."""
     pattern = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
     ops = [(int(m.group(1), 16), m.group(2), line) for line in sass.splitlines()
            if (m := pattern.match(line))]
@@ -126,15 +126,14 @@ def _mma_kernels(tiles, count: int, top_k: int, hidden: int, inter: int, arch: i
 
     v, split, _, row_tiles = nvfp4_moe._mma_shape(count * top_k, inter, hidden, 1, tiles)
     vh, split_h, chunks_h, tiles_h = nvfp4_moe._mma_shape(count, hidden, inter, top_k, tiles)
-    pow2 = nvfp4_moe._pow2
     return [("gate_up_mma", nvfp4_mma.gate_up_mma,
-             dict(V=v, TILES=row_tiles, S=split, VH=vh, IP=pow2(inter), KP=pow2(top_k),
-                  KC=nvfp4_moe._h_slots(pow2(top_k), pow2(inter), split * row_tiles), ASM=1,
+             dict(V=v, TILES=row_tiles, S=split, VH=vh, ASM=1,
                   FULL=nvfp4_moe._full(inter, hidden, 1, v, split, row_tiles), PDL=pdl),
              split * row_tiles, 16 * row_tiles, 3 * 2 * 2 * v * 8),
             ("down_mma", nvfp4_mma.down_mma,
              dict(V=vh, TILES=tiles_h, S=split_h, CHUNKS=chunks_h, ASM=1,
-                  FULL=nvfp4_moe._full(hidden, inter, top_k, vh, split_h, tiles_h), PDL=pdl),
+                  FULL=nvfp4_moe._full(hidden, inter, top_k, vh, split_h, tiles_h), BF16=1,
+                  PDL=pdl),
              split_h * tiles_h, 16 * tiles_h, 3 * 2 * vh * 8)]
 
 

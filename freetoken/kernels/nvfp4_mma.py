@@ -1,5 +1,5 @@
 """Tensor-core NVFP4 decode kernels for 16-bit activations on CUDA GPUs (W4A16: weights
-decoded in registers, fp16 products accumulated in float32 by `mma.m16n8k16`).
+decoded in registers, fp16 or bf16 products accumulated in float32 by `mma.m16n8k16`).
 
 Why: the CUDA-core decode (`nvfp4_jit.gate_up_decode`) issues ~5.5 instructions per weight,
 of which the multiply-add is one and turning a nibble into a float32 three. Here a warp's
@@ -27,21 +27,29 @@ magnitudes from the second), then a mask (and a shift by 8 for the even bytes); 
 nibbles likewise after a shift by 4: 11 instructions per 8 weights. The block scale pair of
 rows (g, g + 8) converts with `cvt.rn.f16x2.e4m3x2` and is multiplied by 2^7, so that
 e2m1 * 2^-14 * e4m3 * 2^7 (at most 6 significant bits, between 2^-17 and 21) is exact in fp16.
+bf16 operands (down on gate_up's h): the code at bf16 bits 15 and 8..6 is e2m1 * 2^-126
+exactly (codes 0 and 1 on subnormals); sign and magnitude are 6 bits apart for every
+nibble, so one bit-select of the word and the word shifted right by 6 places the odd
+bytes' nibbles (the low ones after a shift by 4), and one of the word shifted left by 8
+and by 2 the even bytes': 11 instructions per 8 weights again. The scales become
+e4m3 * 2^100 in bf16 (through fp16 and float32, exact), so that the products are normal
+bf16 numbers (2^-36 .. 2^-15), exact, and the sums are multiplied by 2^26.
 
-h between gate_up and down: gate_up writes float32 h (already times the routing weight and
-down's global scale), and the last of a token's gate_up programs (an atomic count per token)
-converts the token's h to fp16 fragments (11 significant bits; the model's own h is bf16)
-with one power-of-two scale for all its slots, so that down walks all of a token's slots as
-one float32 dot product.
+h between gate_up and down: gate_up stores h (already times the routing weight and down's
+global scale) as bf16 fragments, rounded to nearest even (8 significant bits, as the
+model's own h and the prefill kernels'; bf16 needs no scale, so no program waits for
+another), and down, whose weights then decode to bf16, walks all of a token's slots as one
+float32 dot product. An earlier design kept h in fp16 with one power-of-two scale per token,
+set by the last of the token's gate_up programs (an atomic count per token): the count's
+fences and that program's conversion cost 6 us of 79 at TP 1 / 16 tokens on an H200.
 
 Registers. The weight bytes in flight, what a decode launch is bound by, are the warps an SM
 runs times the two steps each loads ahead, and registers bound the warps. So a lane's V word
 positions of a chunk are one PTX block chained through one accumulator (4 float32 per gate
 or up, not 4 V), the token's fragments load in the step that uses them (every warp reads
-the same row: L1 hits; only the weights run ahead), and the last program converts h a few
-slots at a time where all at once would take more registers than the loop; launches with
-whole row tiles, whole chunks and an even K split load without masks. On sm_90 gate_up holds
-102 registers with triton 3.6 (16 warps per SM) and 88 with triton 3.8 (20), down 48-100.
+the same row: L1 hits; only the weights run ahead), and launches with whole row tiles,
+whole chunks and an even K split load without masks. On sm_90 gate_up holds 102-104
+registers with triton 3.6 and 3.8 (16 warps per SM), down 56-96 (`bench/nvfp4_sass.py`).
 
 Launches (PDL). On sm_90+ gate_up and down are launched with programmatic dependent launch
 and every kernel here lets the next one launch as it starts (`_launch_next`): a kernel's
@@ -62,7 +70,14 @@ FP16_MAX_EXP = tl.constexpr(15)
 W_BIAS_EXP = tl.constexpr(7)
 """Decoded weights are e2m1 * e4m3 * 2^-7: outputs are multiplied by 2^(7 + e)."""
 
+BF16_SCALE_EXP = 100
+"""bf16 decode: block scales are e4m3 * 2^100, so that e2m1 * 2^-126 (the decoded nibble)
+times a scale is a normal bf16 (2^-36 .. 2^-15) and exact; outputs are multiplied by 2^26."""
+BF16_OUT = tl.constexpr(2.0 ** (126 - BF16_SCALE_EXP))
+"""What the bf16 mma's sums are multiplied by."""
+
 _M = 0x8E008E00     # fp16 sign bit and e2m1 magnitude bits (15, 11..9) of both halves
+_MB = 0x81C081C0    # bf16 sign bit and e2m1 magnitude bits (15, 8..6) of both halves
 _SEL = 0xE4         # lop3 table of (a & c) | (b & ~c)
 
 
@@ -79,27 +94,52 @@ def mma_operands(v: int) -> dict[str, list[int]]:
                                     for k in first}}
 
 
-def _mma_asm(v: int = 1) -> str:
+def _mma_asm(v: int = 1, bf16: bool = False) -> str:
     """PTX for a lane's v word positions of one chunk (operands: `mma_operands`): each word
-    position's two mma steps, chained through one accumulator (word i takes scale i / 2)."""
+    position's two mma steps, chained through one accumulator (word i takes scale i / 2).
+    fp16 operands (weights e2m1 * e4m3 * 2^-7), or with `bf16` bf16 ones (weights
+    e2m1 * e4m3 * 2^(BF16_SCALE_EXP - 126))."""
     ops = mma_operands(v)
+    mask = _MB if bf16 else _M
 
-    def decode(word: str, r02h: str, r13h: str, r02l: str, r13l: str) -> list[str]:
+    def decode_fp16(word: str, r02h: str, r13h: str, r02l: str, r13l: str) -> list[str]:
         return [
             f"shr.b32 t, {word}, 3;",
             f"lop3.b32 u, {word}, t, {0x80808080 - (1 << 32)}, {_SEL};",
-            f"and.b32 {r13h}, u, {_M - (1 << 32)};",
+            f"and.b32 {r13h}, u, {mask - (1 << 32)};",
             "shl.b32 u, u, 8;",
-            f"and.b32 {r02h}, u, {_M - (1 << 32)};",
+            f"and.b32 {r02h}, u, {mask - (1 << 32)};",
             f"shl.b32 v, {word}, 4;",
             f"shl.b32 t, {word}, 1;",
             f"lop3.b32 u, v, t, {0x80808080 - (1 << 32)}, {_SEL};",
-            f"and.b32 {r13l}, u, {_M - (1 << 32)};",
+            f"and.b32 {r13l}, u, {mask - (1 << 32)};",
             "shl.b32 u, u, 8;",
-            f"and.b32 {r02l}, u, {_M - (1 << 32)};",
+            f"and.b32 {r02l}, u, {mask - (1 << 32)};",
         ]
 
-    mma = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+    def decode_bf16(word: str, r02h: str, r13h: str, r02l: str, r13l: str) -> list[str]:
+        # a nibble's sign goes to bit 15 of its half and its magnitude to bits 8..6: 6 bits
+        # apart for every nibble, so one select of (word, word >> 6) places the odd bytes'
+        # nibbles (the low ones 4 bits down), and one of (word << 8, word << 2) the even ones'
+        sel = f"{0x88008800 - (1 << 32)}, {_SEL}"
+        m = f"{mask - (1 << 32)}"
+        return [
+            f"shr.b32 t, {word}, 6;",
+            f"lop3.b32 u, {word}, t, {sel};",
+            f"and.b32 {r13h}, u, {m};",
+            "shl.b32 u, u, 4;",
+            f"and.b32 {r13l}, u, {m};",
+            f"shl.b32 v, {word}, 8;",
+            f"shl.b32 t, {word}, 2;",
+            f"lop3.b32 u, v, t, {sel};",
+            f"and.b32 {r02h}, u, {m};",
+            "shl.b32 u, u, 4;",
+            f"and.b32 {r02l}, u, {m};",
+        ]
+
+    decode = decode_bf16 if bf16 else decode_fp16
+    kind = "bf16" if bf16 else "f16"
+    mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32"
     out = "{" + ", ".join(f"${n}" for n in ops["out"]) + "}"
     acc = "{" + ", ".join(f"${n}" for n in ops["acc"]) + "}"
     scales = range(len(ops["scales"]))
@@ -107,24 +147,31 @@ def _mma_asm(v: int = 1) -> str:
         ".reg .b32 t, u, v, ga, gb, gc, gd, ha, hb, hc, hd, sf, k;",
         ".reg .b32 " + ", ".join(f"sg{j}, sh{j}" for j in scales) + ";",
         ".reg .b16 q, lo, hi;",
+        ".reg .f32 fa, fb;",
         ".reg .b32 b0, b1, b2, b3;",
-        "mov.b32 k, 0x58005800;",                # (2^7, 2^7) in fp16
+        # fp16: (2^7, 2^7), the scales' factor; bf16: (-0, -0), the products' addend
+        "mov.b32 k, 0x80008000;" if bf16 else "mov.b32 k, 0x58005800;",
     ]
     for j, n in zip(scales, ops["scales"]):
-        lines += [
-            f"cvt.u16.u32 q, ${n};",
-            "cvt.rn.f16x2.e4m3x2 sf, q;",
-            "mul.rn.f16x2 sf, sf, k;",
-            "mov.b32 {lo, hi}, sf;",
-            f"mov.b32 sg{j}, {{lo, lo}};",
-            f"mov.b32 sh{j}, {{hi, hi}};",
-        ]
+        lines += [f"cvt.u16.u32 q, ${n};", "cvt.rn.f16x2.e4m3x2 sf, q;"]
+        if bf16:
+            # e4m3 * 2^BF16_SCALE_EXP, exact: fp16, float32, scaled, bf16 (4 significant bits)
+            lines += ["mov.b32 {lo, hi}, sf;", "cvt.f32.f16 fa, lo;", "cvt.f32.f16 fb, hi;",
+                      f"mul.f32 fa, fa, 0f{(BF16_SCALE_EXP + 127) << 23:08X};",
+                      f"mul.f32 fb, fb, 0f{(BF16_SCALE_EXP + 127) << 23:08X};",
+                      f"cvt.rn.bf16x2.f32 sg{j}, fa, fa;", f"cvt.rn.bf16x2.f32 sh{j}, fb, fb;"]
+        else:
+            lines += ["mul.rn.f16x2 sf, sf, k;", "mov.b32 {lo, hi}, sf;",
+                      f"mov.b32 sg{j}, {{lo, lo}};", f"mov.b32 sh{j}, {{hi, hi}};"]
+    # bf16 products by fma with -0 (mul.bf16x2 needs sm_90; fma.bf16x2 runs on sm_80+)
+    scale_op = ("fma.rn.bf16x2 {r}, {r}, {s}, k;" if bf16
+                else "mul.rn.f16x2 {r}, {r}, {s};")
     for i in range(v):
         lines += [f"mov.b64 {{b0, b1}}, ${ops['b0'][i]};", f"mov.b64 {{b2, b3}}, ${ops['b1'][i]};"]
         lines += decode(f"${ops['wg'][i]}", "ga", "gb", "gc", "gd")
         lines += decode(f"${ops['wh'][i]}", "ha", "hb", "hc", "hd")
-        lines += [f"mul.rn.f16x2 {r}, {r}, sg{i // 2};" for r in ("ga", "gb", "gc", "gd")]
-        lines += [f"mul.rn.f16x2 {r}, {r}, sh{i // 2};" for r in ("ha", "hb", "hc", "hd")]
+        lines += [scale_op.format(r=r, s=f"sg{i // 2}") for r in ("ga", "gb", "gc", "gd")]
+        lines += [scale_op.format(r=r, s=f"sh{i // 2}") for r in ("ha", "hb", "hc", "hd")]
         lines += [f"{mma} {out}, {{gc, hc, gd, hd}}, {{b0, b1}}, {acc if i == 0 else out};",
                   f"{mma} {out}, {{ga, ha, gb, hb}}, {{b2, b3}}, {out};"]
     return "{\n" + "\n".join(lines) + "\n}"
@@ -139,6 +186,9 @@ def _mma_constraints(v: int) -> str:
 _MMA_ASM_1 = tl.constexpr(_mma_asm(1))
 _MMA_ASM_2 = tl.constexpr(_mma_asm(2))
 _MMA_ASM_4 = tl.constexpr(_mma_asm(4))
+_MMA_ASM_BF16_1 = tl.constexpr(_mma_asm(1, bf16=True))
+_MMA_ASM_BF16_2 = tl.constexpr(_mma_asm(2, bf16=True))
+_MMA_ASM_BF16_4 = tl.constexpr(_mma_asm(4, bf16=True))
 _MMA_CONSTRAINTS_1 = tl.constexpr(_mma_constraints(1))
 _MMA_CONSTRAINTS_2 = tl.constexpr(_mma_constraints(2))
 _MMA_CONSTRAINTS_4 = tl.constexpr(_mma_constraints(4))
@@ -179,11 +229,11 @@ def _exponent(amax):
 
 
 @triton.jit
-def to_fragments(x_ptr, x16_ptr, xf_ptr, count_ptr, k_inputs, stride_x, stride_x16,
-                 V: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+def to_fragments(x_ptr, x16_ptr, xf_ptr, k_inputs, stride_x, stride_x16, V: tl.constexpr,
+                 BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
     """Row t of x as fp16 fragments (`_frag_pos`) scaled by 2^-e, e per row; xf[t] = 2^(7 + e)
-    undoes both biases; count[t] = 0 for gate_up's last-program count. Inputs past k_inputs
-    up to the row's padded length (<= BLOCK) are zeros."""
+    undoes both biases. Inputs past k_inputs up to the row's padded length (<= BLOCK) are
+    zeros."""
     _launch_next(PDL)
     t = tl.program_id(0)
     k = tl.arange(0, BLOCK)
@@ -194,7 +244,6 @@ def to_fragments(x_ptr, x16_ptr, xf_ptr, count_ptr, k_inputs, stride_x, stride_x
     tl.store(x16_ptr + t.to(tl.int64) * stride_x16 + _frag_pos(k, V),
              (x * _pow2(-e)).to(tl.float16), mask=k < padded)
     tl.store(xf_ptr + t, _pow2(e + W_BIAS_EXP))
-    tl.store(count_ptr + t, 0)
 
 
 @triton.jit
@@ -298,31 +347,42 @@ def _columns(x, N: tl.constexpr):
 
 
 @triton.jit
-def _mma(acc, w, b, NW: tl.constexpr, ASM: tl.constexpr):
+def _mma(acc, w, b, NW: tl.constexpr, ASM: tl.constexpr, BF16: tl.constexpr = 0):
     """acc (4 float32 [R]) += the mma of weight words w = (wg [R, V], wh [R, V], scales
-    [R, G]) and fragments b (2 int64 [R, V]): the PTX (ASM 1), or its emulation over the
-    whole tensor (ASM 0: Triton's interpreter, which runs a program's NW warps as one tensor
-    and cannot run PTX)."""
+    [R, G]) and fragments b (2 int64 [R, V]; fp16, or bf16 with BF16): the PTX (ASM 1), or
+    its emulation over the whole tensor (ASM 0: Triton's interpreter, which runs a program's
+    NW warps as one tensor and cannot run PTX)."""
     V: tl.constexpr = w[0].shape[1]
     if ASM:
         args = (_columns(w[0], V) + _columns(w[1], V) + _columns(w[2], w[2].shape[1])
                 + _columns(b[0], V) + _columns(b[1], V) + acc)
-        if V == 4:
-            return tl.inline_asm_elementwise(_MMA_ASM_4, _MMA_CONSTRAINTS_4, args,
-                                             dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+        if BF16:
+            if V == 4:
+                return _mma_call(args, _MMA_ASM_BF16_4, _MMA_CONSTRAINTS_4)
+            elif V == 2:
+                return _mma_call(args, _MMA_ASM_BF16_2, _MMA_CONSTRAINTS_2)
+            return _mma_call(args, _MMA_ASM_BF16_1, _MMA_CONSTRAINTS_1)
+        elif V == 4:
+            return _mma_call(args, _MMA_ASM_4, _MMA_CONSTRAINTS_4)
         elif V == 2:
-            return tl.inline_asm_elementwise(_MMA_ASM_2, _MMA_CONSTRAINTS_2, args,
-                                             dtype=(tl.float32,) * 4, is_pure=True, pack=1)
-        else:
-            return tl.inline_asm_elementwise(_MMA_ASM_1, _MMA_CONSTRAINTS_1, args,
-                                             dtype=(tl.float32,) * 4, is_pure=True, pack=1)
-    return _mma_portable(acc, w, b, NW)
+            return _mma_call(args, _MMA_ASM_2, _MMA_CONSTRAINTS_2)
+        return _mma_call(args, _MMA_ASM_1, _MMA_CONSTRAINTS_1)
+    return _mma_portable(acc, w, b, NW, BF16)
 
 
 @triton.jit
-def _half(x, shift: tl.constexpr):
-    """float32 value of the fp16 at bit `shift` of int64 x."""
-    return ((x >> shift) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+def _mma_call(args, ASM_TEXT: tl.constexpr, CONSTRAINTS: tl.constexpr):
+    return tl.inline_asm_elementwise(ASM_TEXT, CONSTRAINTS, args, dtype=(tl.float32,) * 4,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _half(x, shift: tl.constexpr, BF16: tl.constexpr):
+    """float32 value of the fp16 (or bf16) at bit `shift` of int64 x."""
+    bits = (x >> shift) & 0xFFFF
+    if BF16:
+        return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -335,10 +395,11 @@ def _word_weights(word, scale):
 
 
 @triton.jit
-def _mma_portable(acc, w, b, NW: tl.constexpr):
+def _mma_portable(acc, w, b, NW: tl.constexpr, BF16: tl.constexpr):
     """`_mma_asm` as tensor arithmetic: lane (g, t) of warp W is tensor row 32 W + 4 g + t;
     D[row, n] of a warp = sum over its lanes t and their 8 inputs q of the row's weights
-    (lanes (row % 8, t)) times column n's activations (lanes (n, t))."""
+    (lanes (row % 8, t)) times column n's activations (lanes (n, t)); with BF16 the
+    weights are e2m1 * e4m3 * 2^(BF16_SCALE_EXP - 126) and the activations bf16."""
     R: tl.constexpr = w[0].shape[0]
     V: tl.constexpr = w[0].shape[1]
     G: tl.constexpr = w[2].shape[1]
@@ -346,12 +407,15 @@ def _mma_portable(acc, w, b, NW: tl.constexpr):
     sc = tl.reshape(tl.broadcast_to(w[2][:, :, None], (R, G, V // G)), (R, V))
     wg = _word_weights(w[0], sc & 0xFF)
     wh = _word_weights(w[1], (sc >> 8) & 0xFF)
+    if BF16:    # 2^-7 -> 2^(BF16_SCALE_EXP - 126), exact in float32
+        wg = wg * (128.0 / BF16_OUT)
+        wh = wh * (128.0 / BF16_OUT)
     # the int64 pairs hold inputs (0, 4, 2, 6) and (1, 5, 3, 7): back to input order q =
     # 4 i2 + 2 i1 + i0 (each join adds a last axis: the innermost join's ends up first, i2)
-    even = tl.join(tl.join(_half(b[0], 0), _half(b[0], 16)),
-                   tl.join(_half(b[0], 32), _half(b[0], 48)))
-    odd = tl.join(tl.join(_half(b[1], 0), _half(b[1], 16)),
-                  tl.join(_half(b[1], 32), _half(b[1], 48)))
+    even = tl.join(tl.join(_half(b[0], 0, BF16), _half(b[0], 16, BF16)),
+                   tl.join(_half(b[0], 32, BF16), _half(b[0], 48, BF16)))
+    odd = tl.join(tl.join(_half(b[1], 0, BF16), _half(b[1], 16, BF16)),
+                  tl.join(_half(b[1], 32, BF16), _half(b[1], 48, BF16)))
     x = tl.reshape(tl.join(even, odd), (NW, 1, 8, 4, V, 8))
     out = ()
     for rows in tl.static_range(2):
@@ -397,16 +461,15 @@ def _gu_step(acc_g, acc_u, buf, b_row, t, k_words, V: tl.constexpr, NW: tl.const
 
 
 @triton.jit
-def gate_up_mma(x16_ptr, xf_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, g2_ptr, h_ptr, h16_ptr,
-                hf_ptr, count_ptr, inter, k_words, top_k, blocks, stride_x16, stride_we,
-                stride_wn, stride_se, stride_sn, stride_h, stride_h16, V: tl.constexpr,
-                TILES: tl.constexpr, S: tl.constexpr, VH: tl.constexpr, IP: tl.constexpr,
-                KP: tl.constexpr, KC: tl.constexpr, ASM: tl.constexpr, FULL: tl.constexpr,
+def gate_up_mma(x16_ptr, xf_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, g2_ptr, h16_ptr, inter,
+                k_words, top_k, stride_x16, stride_we, stride_wn, stride_se, stride_sn,
+                stride_h16, V: tl.constexpr, TILES: tl.constexpr, S: tl.constexpr,
+                VH: tl.constexpr, ASM: tl.constexpr, FULL: tl.constexpr,
                 PDL: tl.constexpr = 0):
     """h[p, n] = silu(gate_e[n] . x_t) * (up_e[n] . x_t) * tw[p] * g2[e] for pair p = (t, slot)
-    routed to e, one program per (pair, block of 16 TILES rows); warps split K S ways. The
-    last program of token t (count) converts t's h rows to fp16 fragments for down (VH).
-    PDL: the first two steps' weights load before waiting for `to_fragments`."""
+    routed to e, one program per (pair, block of 16 TILES rows); warps split K S ways. h is
+    stored as bf16 fragments for down (`_frag_pos` with VH words per lane). PDL: the first
+    two steps' weights load before waiting for `to_fragments`."""
     _launch_next(PDL)
     pair = tl.program_id(0)
     tok = pair // top_k
@@ -449,59 +512,22 @@ def gate_up_mma(x16_ptr, xf_ptr, ids_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, g2_ptr, h
     lane = tl.arange(0, 32)[None, :]
     n = tl.program_id(1) * (16 * TILES) + 16 * tl.arange(0, TILES)[:, None] + lane // 4
     keep = (lane % 4) == 0
-    h_out = h_ptr + pair.to(tl.int64) * stride_h
+    h_out = h16_ptr.to(tl.pointer_type(tl.int16)) + pair.to(tl.int64) * stride_h16
     for half in tl.static_range(2):
         gate = _tile_sum(acc_g[2 * half], TILES, S) * fg
         up = _tile_sum(acc_u[2 * half], TILES, S) * fu
         h = gate / (1.0 + tl.exp(-gate)) * up * scale
         rows = n + 8 * half
-        tl.store(h_out + rows, h, mask=keep & (rows < inter))
-    # every program's h is stored before it counts itself done
-    tl.debug_barrier()
-    done = tl.atomic_add(count_ptr + tok, 1, sem="acq_rel", scope="gpu")
-    if done == top_k * blocks - 1:
-        _h_fragments(h_ptr, h16_ptr, hf_ptr, tok, top_k, inter, stride_h, stride_h16, VH, IP,
-                     KP, KC)
+        tl.store(h_out + _frag_pos(rows, VH), _bf16_bits(h), mask=keep & (rows < inter))
 
 
 @triton.jit
-def _h_fragments(h_ptr, h16_ptr, hf_ptr, tok, top_k, inter, stride_h, stride_h16,
-                 VH: tl.constexpr, IP: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr):
-    """Token tok's h rows (float32, one per slot) -> fp16 fragments scaled by 2^-e with one e
-    for all its slots; hf[tok] = 2^(7 + e). KC = KP >= top_k: all rows loaded at once (one
-    memory latency, not one per slot); KC < KP: KC rows at a time, a pass for e and one to
-    convert, so that this epilogue does not set the kernel's registers (KC x IP values)."""
-    k = tl.arange(0, IP)[None, :]
-    rows = tok.to(tl.int64) * top_k + tl.arange(0, KC)[:, None]     # slots s0 .. s0 + KC - 1
-    last = tok.to(tl.int64) * top_k + top_k
-    padded = (inter + 32 * VH - 1) // (32 * VH) * (32 * VH)
-    if KC == KP:
-        h = _h_rows(h_ptr, rows, last, k, inter, stride_h)
-        e = _exponent(_max(_max(tl.abs(h), 1), 0))
-        _h_store(h16_ptr, h, e, rows, last, k, padded, stride_h16, VH)
-    else:
-        amax = 0.0
-        for s0 in range(0, top_k, KC):
-            h = _h_rows(h_ptr, rows + s0, last, k, inter, stride_h)
-            amax = tl.maximum(amax, _max(_max(tl.abs(h), 1), 0))
-        e = _exponent(amax)
-        for s0 in range(0, top_k, KC):
-            h = _h_rows(h_ptr, rows + s0, last, k, inter, stride_h)
-            _h_store(h16_ptr, h, e, rows + s0, last, k, padded, stride_h16, VH)
-    tl.store(hf_ptr + tok, _pow2(e + W_BIAS_EXP))
-
-
-@triton.jit
-def _h_rows(h_ptr, rows, last, k, inter, stride_h):
-    # written by other programs of this launch: read past L1
-    return tl.load(h_ptr + rows * stride_h + k, mask=(rows < last) & (k < inter), other=0.0,
-                   cache_modifier=".cg")
-
-
-@triton.jit
-def _h_store(h16_ptr, h, e, rows, last, k, padded, stride_h16, VH: tl.constexpr):
-    tl.store(h16_ptr + rows * stride_h16 + _frag_pos(k, VH), (h * _pow2(-e)).to(tl.float16),
-             mask=(rows < last) & (k < padded))
+def _bf16_bits(x):
+    """float32 x rounded to bf16 (to nearest, ties to even; NaN stays NaN), as int16 bits:
+    the rounding spelled out, since Triton's interpreter truncates `.to(tl.bfloat16)`."""
+    b = x.to(tl.uint32, bitcast=True)
+    r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    return tl.where(x != x, 0x7FC0, r).to(tl.int16)
 
 
 @triton.jit
@@ -549,11 +575,13 @@ def _down_load(ids_ptr, w_ptr, s_ptr, h16_ptr, tok, top_k, q, row, n_rows, t, k_
 def down_mma(h16_ptr, hf_ptr, ids_ptr, w_ptr, s_ptr, out_ptr, n_rows, k_words, top_k,
              stride_h16, stride_we, stride_wn, stride_se, stride_sn, stride_out,
              V: tl.constexpr, TILES: tl.constexpr, S: tl.constexpr, CHUNKS: tl.constexpr,
-             ASM: tl.constexpr, FULL: tl.constexpr, PDL: tl.constexpr = 0):
-    """out[t, n] = hf[t] * sum over t's slots p (routed to e) of w2_e[n] . h16[p]: one program
-    per (token, block of 16 TILES rows) walks all of the token's slots (CHUNKS chunks each)
-    as one float32 dot product, its warps taking every S-th step of the walk. PDL: the first
-    two steps' weights load before waiting for the kernel that writes h16."""
+             ASM: tl.constexpr, FULL: tl.constexpr, BF16: tl.constexpr = 0,
+             PDL: tl.constexpr = 0):
+    """out[t, n] = f * sum over t's slots p (routed to e) of w2_e[n] . h16[p]: one program per
+    (token, block of 16 TILES rows) walks all of the token's slots (CHUNKS chunks each) as
+    one float32 dot product, its warps taking every S-th step of the walk. h16: bf16
+    fragments with BF16 (gate_up's h; f = BF16_OUT), else fp16 ones (f = hf[t]). PDL: the
+    first two steps' weights load before waiting for the kernel that writes h16."""
     _launch_next(PDL)
     tok = tl.program_id(0)
     g, t, tile, split = _lanes(TILES * S, S)
@@ -574,19 +602,22 @@ def down_mma(h16_ptr, hf_ptr, ids_ptr, w_ptr, s_ptr, out_ptr, n_rows, k_words, t
         q = (j + 2) * S + split
         c = _down_load(ids_ptr, w, s_ptr, h16_ptr, tok, top_k, q, row, n_rows, t, k_words,
                        stride_we, stride_wn, stride_se, stride_sn, stride_h16, V, CHUNKS, FULL)
-        acc = _mma(acc, a[0], a[1], TILES * S, ASM)
+        acc = _mma(acc, a[0], a[1], TILES * S, ASM, BF16)
         a = _down_load(ids_ptr, w, s_ptr, h16_ptr, tok, top_k, q + S, row, n_rows, t, k_words,
                        stride_we, stride_wn, stride_se, stride_sn, stride_h16, V, CHUNKS, FULL)
-        acc = _mma(acc, b[0], b[1], TILES * S, ASM)
+        acc = _mma(acc, b[0], b[1], TILES * S, ASM, BF16)
         b = _down_load(ids_ptr, w, s_ptr, h16_ptr, tok, top_k, q + 2 * S, row, n_rows, t,
                        k_words, stride_we, stride_wn, stride_se, stride_sn, stride_h16, V,
                        CHUNKS, FULL)
-        acc = _mma(acc, c[0], c[1], TILES * S, ASM)
+        acc = _mma(acc, c[0], c[1], TILES * S, ASM, BF16)
     if steps % 3 >= 1:
-        acc = _mma(acc, a[0], a[1], TILES * S, ASM)
+        acc = _mma(acc, a[0], a[1], TILES * S, ASM, BF16)
     if steps % 3 == 2:
-        acc = _mma(acc, b[0], b[1], TILES * S, ASM)
-    f = tl.load(hf_ptr + tok)
+        acc = _mma(acc, b[0], b[1], TILES * S, ASM, BF16)
+    if BF16:
+        f = BF16_OUT
+    else:
+        f = tl.load(hf_ptr + tok)
     lane = tl.arange(0, 32)[None, :]
     n = tl.program_id(1) * (16 * TILES) + 16 * tl.arange(0, TILES)[:, None] + lane // 4
     keep = (lane % 4) == 0

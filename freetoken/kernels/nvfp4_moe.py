@@ -152,47 +152,41 @@ def _mma_shape(units: int, rows: int, k_inputs: int, walk: int, tiles: Tiles
 
 
 def _fragments(x: torch.Tensor, k_inputs: int, v: int, pdl: bool = False):
-    """`to_fragments` of x's rows: (x16 [T, padded K] fp16, xf [T] float32, count [T] int32).
-    pdl: it lets the next kernel launch early (it is itself an ordinary launch)."""
+    """`to_fragments` of x's rows: (x16 [T, padded K] fp16, xf [T] float32). pdl: it lets
+    the next kernel launch early (it is itself an ordinary launch)."""
     tokens, chunks = x.shape[0], -(-k_inputs // (32 * v))
     x16 = torch.empty(tokens, chunks * 32 * v, dtype=torch.float16, device=x.device)
     xf = torch.empty(tokens, dtype=torch.float32, device=x.device)
-    count = torch.empty(tokens, dtype=torch.int32, device=x.device)
     _mma_jit().to_fragments[(tokens,)](
-        x, x16, xf, count, k_inputs, x.stride(0), x16.stride(0), V=v,
-        BLOCK=_pow2(x16.shape[1]), num_warps=4, PDL=int(pdl))
-    return x16, xf, count
+        x, x16, xf, k_inputs, x.stride(0), x16.stride(0), V=v, BLOCK=_pow2(x16.shape[1]),
+        num_warps=4, PDL=int(pdl))
+    return x16, xf
 
 
 def _decode_mma(x, ids, tw, w13, s13, g13, w2, s2, g2, inter, top_k, tiles):
     pdl = launches_early(x, tiles)
-    h16, hf, _ = _gate_up_mma(x, ids, tw, w13, s13, g13, g2, inter, top_k, tiles, pdl)
+    h16 = _gate_up_mma(x, ids, tw, w13, s13, g13, g2, inter, top_k, tiles, pdl)
     out = torch.empty(x.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
-    _down_mma(h16, hf, ids, w2, s2, out, inter, top_k, tiles, pdl)
+    _down_mma(h16, None, ids, w2, s2, out, inter, top_k, tiles, pdl)
     return out
 
 
 def _gate_up_mma(x, ids, tw, w13, s13, g13, g2, inter, top_k, tiles, pdl=False):
-    """gate_up on tensor cores: (h16 fragments, hf [T], count [T]); every token's count ends
-    at top_k x the row blocks (each (pair, block) counted once: tested). pdl: the call's
-    `launches_early`, decided once for its kernels."""
+    """gate_up on tensor cores: h (times the routing weight and down's global scale) as bf16
+    fragments [pairs, padded I] for `_down_mma`. pdl: the call's `launches_early`, decided
+    once for its kernels."""
     jit, pairs, tokens, hidden = _mma_jit(), ids.numel(), x.shape[0], x.shape[1]
     v, split, _, row_tiles = _mma_shape(pairs, inter, hidden, 1, tiles)
-    x16, xf, count = _fragments(x, hidden, v, pdl)
+    x16, xf = _fragments(x, hidden, v, pdl)
     vh, _, chunks_h, _ = _mma_shape(tokens, hidden, inter, top_k, tiles)
-    h = torch.empty(pairs, inter, dtype=torch.float32, device=x.device)
-    h16 = torch.empty(pairs, chunks_h * 32 * vh, dtype=torch.float16, device=x.device)
-    hf = torch.empty(tokens, dtype=torch.float32, device=x.device)
+    h16 = torch.empty(pairs, chunks_h * 32 * vh, dtype=torch.bfloat16, device=x.device)
     we, wn, _ = _word_strides("w13", w13)
-    blocks = -(-inter // (16 * row_tiles))
-    jit.gate_up_mma[(pairs, blocks)](
-        x16, xf, ids, tw, w13, s13, g13, g2, h, h16, hf, count, inter, hidden // 8, top_k,
-        blocks, x16.stride(0), we, wn, s13.stride(0), s13.stride(1), h.stride(0),
-        h16.stride(0), V=v, TILES=row_tiles, S=split, VH=vh, IP=_pow2(inter),
-        KP=_pow2(top_k), KC=_h_slots(_pow2(top_k), _pow2(inter), split * row_tiles),
-        ASM=dequant_mode(x), FULL=_full(inter, hidden, 1, v, split, row_tiles),
+    jit.gate_up_mma[(pairs, -(-inter // (16 * row_tiles)))](
+        x16, xf, ids, tw, w13, s13, g13, g2, h16, inter, hidden // 8, top_k, x16.stride(0),
+        we, wn, s13.stride(0), s13.stride(1), h16.stride(0), V=v, TILES=row_tiles, S=split,
+        VH=vh, ASM=dequant_mode(x), FULL=_full(inter, hidden, 1, v, split, row_tiles),
         num_warps=split * row_tiles, **_pdl_args(pdl))
-    return h16, hf, count
+    return h16
 
 
 def _full(rows: int, k_inputs: int, walk: int, v: int, split: int, row_tiles: int) -> bool:
@@ -202,24 +196,20 @@ def _full(rows: int, k_inputs: int, walk: int, v: int, split: int, row_tiles: in
     return rows % (16 * row_tiles) == 0 and rem == 0 and (walk * chunks) % split == 0
 
 
-def _h_slots(slots: int, inputs: int, warps: int, per_thread: int = 32) -> int:
-    """Slots of h the last gate_up program converts at a time: all of them unless that is
-    more than `per_thread` values per thread (registers the loop itself does not need)."""
-    while slots > 1 and slots * inputs > per_thread * 32 * warps:
-        slots //= 2
-    return slots
-
-
 def _down_mma(h16, hf, ids, w2, s2, out, k_inputs, top_k, tiles, pdl=False):
+    """down on tensor cores: out[t] = the sum over t's slots of w2[ids[p]] @ h16[p]; h16 bf16
+    fragments (gate_up's), or fp16 ones times hf [T] (`_fragments`)."""
     tokens, n_rows = out.shape[0], w2.shape[1]
     v, split, chunks, row_tiles = _mma_shape(tokens, n_rows, k_inputs, top_k, tiles)
     we, wn, _ = _word_strides("w2", w2)
+    bf16 = h16.dtype == torch.bfloat16
     _mma_jit().down_mma[(tokens, -(-n_rows // (16 * row_tiles)))](
-        h16, hf, ids, w2, s2, out, n_rows, k_inputs // 8, top_k, h16.stride(0), we, wn,
-        s2.stride(0), s2.stride(1), out.stride(0), V=v, TILES=row_tiles, S=split,
+        h16, h16 if bf16 else hf, ids, w2, s2, out, n_rows, k_inputs // 8, top_k,
+        h16.stride(0), we, wn, s2.stride(0), s2.stride(1), out.stride(0), V=v, TILES=row_tiles,
+        S=split,
         CHUNKS=chunks, ASM=dequant_mode(h16),
-        FULL=_full(n_rows, k_inputs, top_k, v, split, row_tiles), num_warps=split * row_tiles,
-        **_pdl_args(pdl))
+        FULL=_full(n_rows, k_inputs, top_k, v, split, row_tiles), BF16=int(bf16),
+        num_warps=split * row_tiles, **_pdl_args(pdl))
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -396,7 +386,7 @@ def down_decode_launch(x, w, s, g, out, k_inputs, tiles):
     if uses_mma(x, tiles):
         v = _mma_shape(x.shape[0], w.shape[1], k_inputs, 1, tiles)[0]
         pdl = launches_early(x, tiles)
-        x16, xf, _ = _fragments(x, k_inputs, v, pdl)
+        x16, xf = _fragments(x, k_inputs, v, pdl)
         _down_mma(x16, xf.mul_(g), ids, w, s, out, k_inputs, 1, tiles, pdl)
         return
     xw, xs = word_order(x, k_inputs, scale=g)

@@ -1,8 +1,10 @@
 """Executes the PTX subset of the NVFP4 kernels' inline assembly on Python ints, since Triton's
 interpreter cannot run inline PTX: 32-bit logic and shifts, `prmt` (default mode), `lop3`,
-register packing moves, `cvt.rn.f16x2.e4m3x2`, `mul.rn.f16x2`, and a warp's
-`mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32` (all lanes run in lock step, so the mma
-sees every lane's registers, laid out as the PTX ISA's m16n8k16 fragment figures say)."""
+register packing moves, `cvt.rn.f16x2.e4m3x2`, `mul.rn.f16x2`, `fma.rn.bf16x2`, the float32
+conversions and multiply of the bf16 scale path, and a warp's
+`mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32` (all lanes run in lock
+step, so the mma sees every lane's registers, laid out as the PTX ISA's m16n8k16 fragment
+figures say). bf16 values go through torch (numpy has no bf16); subnormals are kept."""
 
 from __future__ import annotations
 
@@ -20,6 +22,16 @@ def _f16(bits: int) -> float:
 
 def _f16_bits(value: float) -> int:
     return int(np.array([value], dtype=np.float16).view(np.uint16)[0])
+
+
+def _bf16(bits: int) -> float:
+    return _f32((bits & 0xFFFF) << 16)
+
+
+def _bf16_bits(value: float) -> int:
+    """value rounded to bf16 (to nearest, ties to even), as bits."""
+    return int(torch.tensor([value], dtype=torch.float64).to(torch.bfloat16)
+               .view(torch.int16).item()) & 0xFFFF
 
 
 def _f32(bits: int) -> float:
@@ -43,8 +55,11 @@ def _lop3(a: int, b: int, c: int, lut: int) -> int:
     return out
 
 
-def _mma(lanes: list[dict], a: list[str], b: list[str], c: list[str]) -> list[list[float]]:
-    """D = A B + C of m16n8k16 (fp16 A, B; fp32 C, D), per lane's four D registers."""
+def _mma(lanes: list[dict], a: list[str], b: list[str], c: list[str], half=None
+         ) -> list[list[float]]:
+    """D = A B + C of m16n8k16 (fp16 or, with half=_bf16, bf16 A, B; fp32 C, D), per lane's
+    four D registers."""
+    half = half or _f16
     A = np.zeros((16, 16))
     B = np.zeros((16, 8))
     C = np.zeros((16, 8))
@@ -52,11 +67,11 @@ def _mma(lanes: list[dict], a: list[str], b: list[str], c: list[str]) -> list[li
         g, t = lane // 4, lane % 4
         for i, name in enumerate(a):         # a0: (g, 2t..), a1: (g+8, ..), a2: (g, 2t+8..)
             row, col = g + 8 * (i % 2), 2 * t + 8 * (i // 2)
-            A[row, col] = _f16(regs[name])
-            A[row, col + 1] = _f16(regs[name] >> 16)
+            A[row, col] = half(regs[name])
+            A[row, col + 1] = half(regs[name] >> 16)
         for i, name in enumerate(b):         # b0: (2t.., g), b1: (2t+8.., g)
-            B[2 * t + 8 * i, g] = _f16(regs[name])
-            B[2 * t + 8 * i + 1, g] = _f16(regs[name] >> 16)
+            B[2 * t + 8 * i, g] = half(regs[name])
+            B[2 * t + 8 * i + 1, g] = half(regs[name] >> 16)
         for i, name in enumerate(c):         # c0, c1: (g, 2t..), c2, c3: (g+8, 2t..)
             C[g + 8 * (i // 2), 2 * t + i % 2] = _f32(regs[name])
     D = A @ B + C
@@ -72,6 +87,8 @@ def run(program: str, lanes: list[dict[str, int]]) -> list[dict[str, int]]:
     def val(r: dict, tok: str) -> int:
         if tok in r:
             return r[tok]
+        if tok.startswith("0f"):        # a float32 given by its bits
+            return int(tok[2:], 16)
         return int(tok, 0) & MASK
 
     for raw in program.splitlines():
@@ -81,7 +98,8 @@ def run(program: str, lanes: list[dict[str, int]]) -> list[dict[str, int]]:
         op, args = line.split(None, 1)
         if op.startswith("mma.sync"):
             groups = [g.replace(" ", "").split(",") for g in re.findall(r"\{([^}]*)\}", args)]
-            out = _mma(regs, groups[1], groups[2], groups[3])
+            out = _mma(regs, groups[1], groups[2], groups[3],
+                       _bf16 if ".bf16.bf16." in op else _f16)
             for r, d in zip(regs, out):
                 for name, value in zip(groups[0], d):
                     r[name] = _f32_bits(value)
@@ -126,6 +144,16 @@ def _step(r: dict, op: str, args: str, val) -> None:
         # the product of two fp16 values is exact in float32: one rounding, to fp16
         out = (_f16_bits(np.float32(_f16(x[0])) * np.float32(_f16(x[1])))
                | _f16_bits(np.float32(_f16(x[0] >> 16)) * np.float32(_f16(x[1] >> 16))) << 16)
+    elif op == "fma.rn.bf16x2":
+        # a product of two bf16 values is exact in float64: one rounding, to bf16
+        out = (_bf16_bits(_bf16(x[0]) * _bf16(x[1]) + _bf16(x[2]))
+               | _bf16_bits(_bf16(x[0] >> 16) * _bf16(x[1] >> 16) + _bf16(x[2] >> 16)) << 16)
+    elif op == "cvt.f32.f16":
+        out = _f32_bits(_f16(x[0]))
+    elif op == "mul.f32":
+        out = _f32_bits(np.float32(_f32(x[0])) * np.float32(_f32(x[1])))
+    elif op == "cvt.rn.bf16x2.f32":      # d = {a: upper half, b: lower half}
+        out = _bf16_bits(_f32(x[1])) | _bf16_bits(_f32(x[0])) << 16
     elif op == "prmt.b32":
         pool = (x[1] << 32 | x[0]).to_bytes(8, "little")
         out = 0

@@ -34,17 +34,19 @@ def _f16_pair(lo: float, hi: float) -> int:
     return int(np.array([lo, hi], dtype=np.float16).view(np.uint32)[0])
 
 
+@pytest.mark.parametrize("bf16", [False, True])
 @pytest.mark.parametrize("v", [1, 2, 4])
-def test_mma_ptx_decodes_scales_and_multiplies_a_warps_fragments(v):
+def test_mma_ptx_decodes_scales_and_multiplies_a_warps_fragments(v, bf16):
     """A lane's v word positions of a chunk: lane (g, t) holds words t v .. t v + v - 1 of rows
     g and g + 8 (8 inputs each), the scale bytes of the groups they span, and for column
     n = g the activations in fragment order (`fragment_position`). The emulated PTX gives
     every lane the D entries (rows g, g + 8; columns 2t, 2t + 1) of C + W X^T with
-    W = e2m1 * e4m3 * 2^-7, for every nibble value and scales including zero, subnormals and
-    448 (up to float32 rounding of the sums), the word positions chained in one accumulator."""
+    W = e2m1 * e4m3 * 2^-7 (fp16 operands) or e2m1 * e4m3 * 2^-26 (bf16 operands, down on
+    gate_up's bf16 h), for every nibble value and scales including zero, subnormals and 448
+    (up to float32 rounding of the sums), the word positions chained in one accumulator."""
     from freetoken.kernels import nvfp4_mma
 
-    _check_mma_ptx(nvfp4_mma._mma_asm(v), v)
+    _check_mma_ptx(nvfp4_mma._mma_asm(v, bf16=bf16), v, bf16)
 
 
 @pytest.mark.parametrize("v, bug, good, bad", [
@@ -66,25 +68,48 @@ def test_mma_ptx_check_fails_on_injected_bugs(v, bug, good, bad):
         _check_mma_ptx(program.replace(good, bad), v)
 
 
-def _check_mma_ptx(program: str, v: int) -> None:
-    from freetoken.kernels.nvfp4_mma import mma_operands
+@pytest.mark.parametrize("v, bug, good, bad", [
+    (1, "odd bytes' high magnitudes shifted by 5, not 6", "shr.b32 t, $4, 6", "shr.b32 t, $4, 5"),
+    (1, "low nibbles' signs not selected", "-2013231104, 228", "-2147450880, 228"),
+    (1, "scales times 2^99, not 2^100", "0f71800000", "0f71000000"),
+    (1, "the products' addend 1, not -0", "mov.b32 k, 0x80008000", "mov.b32 k, 0x3F803F80"),
+    (1, "operands read as fp16", ".f32.bf16.bf16.f32", ".f32.f16.f16.f32"),
+    (2, "row g + 8's scale from row g", "bf16x2.f32 sh0, fb, fb", "bf16x2.f32 sh0, fa, fa"),
+])
+def test_mma_ptx_check_fails_on_injected_bf16_bugs(v, bug, good, bad):
+    """The warp emulation fails on each of these bugs in the bf16 PTX."""
+    from freetoken.kernels import nvfp4_mma
+
+    program = nvfp4_mma._mma_asm(v, bf16=True)
+    assert good in program
+    with pytest.raises(AssertionError, match="PTX"):
+        _check_mma_ptx(program.replace(good, bad), v, bf16=True)
+
+
+def _check_mma_ptx(program: str, v: int, bf16: bool = False) -> None:
+    from freetoken.kernels.nvfp4_mma import BF16_SCALE_EXP, mma_operands
 
     ops = mma_operands(v)
     gen = np.random.default_rng(v)
     scale_bytes = [0x00, 0x01, 0x07, 0x08, 0x38, 0x7E] + gen.integers(0, 0x7F, 10).tolist()
+    factor = 2.0 ** (BF16_SCALE_EXP - 126) if bf16 else 2.0 ** -7
     for trial in range(8):
         words = gen.integers(0, 2**32, (16, 4 * v), dtype=np.uint64)
         if trial == 0:   # every code at every position
             words[:] = [[sum(((r + 5 * wd + j) % 16) << 4 * j for j in range(8))
                          for wd in range(4 * v)] for r in range(16)]
         scales = gen.choice(scale_bytes, (16, 2 * v))       # row, 16-input group
-        x = gen.standard_normal((8, 32 * v)).astype(np.float16)   # column n, input k
+        # column n, input k: fp16, or bf16 (as bits)
+        x16 = torch.from_numpy(gen.standard_normal((8, 32 * v)) * 4.0**gen.integers(-3, 4))
+        x16 = x16.to(torch.bfloat16 if bf16 else torch.float16)
+        x = x16.double().numpy()
         c = gen.standard_normal((16, 8)).astype(np.float32)
-        # x in fragment order, as to_fragments writes it, then each lane's int64 pairs as
-        # _b_tile reads them (chunk 0: lane t's int64s 2 v t + i and 2 v t + v + i)
-        frag = np.zeros((8, 32 * v), dtype=np.float16)
+        # x in fragment order, as to_fragments / gate_up write it, then each lane's int64
+        # pairs as _b_tile reads them (chunk 0: lane t's int64s 2 v t + i and 2 v t + v + i)
+        frag = np.zeros((8, 32 * v), dtype=np.uint16)
+        bits = x16.view(torch.int16).numpy().view(np.uint16)
         for k in range(32 * v):
-            frag[:, fragment_position(k, v)] = x[:, k]
+            frag[:, fragment_position(k, v)] = bits[:, k]
         as64 = frag.view(np.uint64)
         lanes = []
         for lane in range(32):
@@ -108,10 +133,10 @@ def _check_mma_ptx(program: str, v: int) -> None:
             for k in range(32 * v):
                 s = float(torch.tensor([int(scales[r, k // 16])], dtype=torch.uint8)
                           .view(torch.float8_e4m3fn).float())
-                w[r, k] = _e2m1((int(words[r, k // 8]) >> 4 * (k % 8)) & 0xF) * s / 128.0
-        want = w @ x.astype(np.float64).T + c
+                w[r, k] = _e2m1((int(words[r, k // 8]) >> 4 * (k % 8)) & 0xF) * s * factor
+        want = w @ x.T + c
         # the mma rounds to float32 (between its steps too): bound by the terms' size
-        size = np.abs(w) @ np.abs(x.astype(np.float64)).T + np.abs(c)
+        size = np.abs(w) @ np.abs(x).T + np.abs(c)
         for lane in range(32):
             g, t = lane // 4, lane % 4
             for i in range(4):
@@ -144,8 +169,8 @@ def test_to_fragments_writes_scaled_fp16_fragments():
     x[2] *= 1e-6
     x[3] = 0
     x[4] *= 1e-32    # e stops at -100
-    x16, xf, count = nvfp4_moe._fragments(x, 80, 1)
-    assert x16.shape == (5, 96) and count.tolist() == [0] * 5
+    x16, xf = nvfp4_moe._fragments(x, 80, 1)
+    assert x16.shape == (5, 96)
     pos = torch.tensor([fragment_position(k, 1) for k in range(80)])
     pad = torch.tensor([fragment_position(k, 1) for k in range(80, 96)])
     for row in range(5):
@@ -205,6 +230,26 @@ def _rel_l2(got, want):
     return float((got - want).norm() / want.norm())
 
 
+H_BF16_REL_L2 = 4e-3
+"""Routed-expert sums on the mma path against the float32 reference: h travels from gate_up
+to down as bf16 (2^-9 relative rounding, as the model's own h and the prefill kernels')."""
+
+
+def _reference_h(x, weights, ids, w, inter):
+    """float32 h of every (token, slot) pair as gate_up stores it: silu(gate) * up times the
+    routing weight and down's global scale."""
+    from freetoken.layers.quantization.nvfp4.reference import dequantize_w13
+
+    rows = []
+    for t, e in enumerate(ids.reshape(-1).tolist()):
+        tok, slot = divmod(t, ids.shape[1])
+        gate, up = (dequantize_w13(w["w13"][e], w["w13_scale"][e], w["w13_global"][e])
+                    @ x[tok].float()).split(inter)
+        rows.append(torch.nn.functional.silu(gate) * up * weights[tok, slot].float()
+                    * w["w2_global"][e])
+    return torch.stack(rows)
+
+
 @pytest.mark.parametrize("tokens, experts, top_k, hidden, inter, tiles", [
     (3, 6, 2, 48, 16, {}),                          # 1 word per lane, the last chunk half
     (5, 8, 3, 64, 64, {"mma_max_split": 1}),        # 2 words per lane, one warp per program
@@ -214,8 +259,9 @@ def _rel_l2(got, want):
 def test_mma_decode_matches_reference(mma_in_interpreter, tokens, experts, top_k, hidden,
                                       inter, tiles):
     """gate_up and down on the mma path (K split across warps, partial chunks, rows past the
-    end of a tile, many pairs per expert, the last-program h conversion) give the
-    reference's routed-expert sum up to the fp16 rounding of the activations and of h."""
+    end of a tile, many pairs per expert) give the reference's routed-expert sum up to the
+    fp16 rounding of the activations and the bf16 rounding of h (as the model's own h); and
+    gate_up's h fragments, read in fragment order, are the bf16 h of every pair."""
     from freetoken.kernels import nvfp4_moe
 
     w = make_experts(experts, hidden, inter, 1, seed=tokens)
@@ -223,14 +269,13 @@ def test_mma_decode_matches_reference(mma_in_interpreter, tokens, experts, top_k
     want = reference_moe(x, weights, ids, **w)
     tiles = nvfp4_moe.Tiles(**tiles)
     got = nvfp4_moe.fused_moe(x, weights, ids, **w, path="decode", tiles=tiles)
-    assert _rel_l2(got, want) < 2e-3
-    # each (pair, block of rows) counted once towards its token: the count that decides
-    # which program converts a token's h ends at top_k x blocks for every token
-    row_tiles = nvfp4_moe._mma_shape(ids.numel(), inter, hidden, 1, tiles)[3]
-    _, _, count = nvfp4_moe._gate_up_mma(
+    assert _rel_l2(got, want) < H_BF16_REL_L2
+    h16 = nvfp4_moe._gate_up_mma(
         x, ids.reshape(-1).to(torch.int32), weights.reshape(-1), w["w13"],
         w["w13_scale"].view(torch.uint8), w["w13_global"], w["w2_global"], inter, top_k, tiles)
-    assert count.tolist() == [top_k * -(-inter // (16 * row_tiles))] * tokens
+    vh = nvfp4_moe._mma_shape(tokens, hidden, inter, top_k, tiles)[0]
+    h = h16[:, [fragment_position(k, vh) for k in range(inter)]].float()
+    assert _rel_l2(h, _reference_h(x, weights, ids, w, inter)) < 5e-3
 
 
 def test_mma_decode_with_an_expert_repeated(mma_in_interpreter):
@@ -241,7 +286,7 @@ def test_mma_decode_with_an_expert_repeated(mma_in_interpreter):
     x, weights, _ = _routing(3, 4, 3, 64, seed=7)
     ids = torch.tensor([[1, 1, 2], [0, 3, 0], [2, 2, 2]])
     want = reference_moe(x, weights, ids, **w)
-    assert _rel_l2(nvfp4_moe.fused_moe(x, weights, ids, **w, path="decode"), want) < 2e-3
+    assert _rel_l2(nvfp4_moe.fused_moe(x, weights, ids, **w, path="decode"), want) < H_BF16_REL_L2
 
 
 @pytest.mark.parametrize("tokens, rows, k_inputs", [(3, 24, 80), (16, 40, 256)])
@@ -260,28 +305,39 @@ def test_dense_linear_decode_on_the_mma_path(mma_in_interpreter, tokens, rows, k
     assert _rel_l2(nvfp4_linear(x, **lin, path="decode"), reference_linear(x, **lin)) < 2e-3
 
 
-@pytest.mark.parametrize("slots", [1, 2])
-def test_mma_h_conversion_a_few_slots_at_a_time(mma_in_interpreter, monkeypatch, slots):
-    """When all of a token's h at once would take too many registers, the last gate_up program
-    converts it `slots` rows at a time (a pass for the exponent over every slot, one to
-    convert): the same sum, with slots 2^8 apart in size (an exponent taken from some slots
-    only overflows fp16)."""
+def test_h_rounds_to_bf16_to_nearest_even():
+    """gate_up's h is rounded to bf16 as torch rounds (to nearest, ties to even: halfway cases
+    both ways, carries into the exponent, negatives, subnormals, infinities) and NaN stays
+    NaN; Triton's interpreter would truncate `.to(tl.bfloat16)`."""
+    from freetoken.kernels import use_interpreter
+
+    use_interpreter()
+    import bf16_rounding_kernel
+
+    one = 1.0
+    x = torch.tensor([one + 2**-8, one + 3 * 2**-8, one + 2**-8 + 2**-20, -(one + 2**-8 + 2**-20),
+                      2.0 - 2**-9, 3.0e38, 1e-39, -2.5e-40, float("inf"), float("-inf"),
+                      0.0, -0.0, 1.0 / 3, -7.77, 65504.0, float("nan")], dtype=torch.float32)
+    bits = torch.empty(16, dtype=torch.int16)
+    bf16_rounding_kernel.bf16_bits_kernel[(1,)](x, bits, N=16)
+    got = bits.view(torch.bfloat16)
+    want = x.to(torch.bfloat16)
+    assert torch.equal(got[:15].view(torch.int16), want[:15].view(torch.int16))
+    assert torch.isnan(got[15])
+
+
+def test_mma_decode_with_slots_of_very_different_sizes(mma_in_interpreter):
+    """A token's slots 2^8 apart in size (routing weights 2^-8, 1, 2^8): bf16 h keeps each
+    to 8 significant bits whatever its size, so the sum stays within rounding."""
     from freetoken.kernels import nvfp4_moe
 
-    monkeypatch.setattr(nvfp4_moe, "_h_slots", lambda *args: slots)
     w = make_experts(4, 64, 32, 1, seed=9)
     x, _, _ = _routing(2, 4, 3, 64, seed=9)
     ids = torch.tensor([[0, 1, 2], [3, 2, 1]])
     weights = torch.tensor([[2.0**-8, 1.0, 2.0**8], [2.0**8, 2.0**-8, 1.0]])
     want = reference_moe(x, weights, ids, **w)
-    assert _rel_l2(nvfp4_moe.fused_moe(x, weights, ids, **w, path="decode"), want) < 2e-3
-
-
-def test_h_slots_rule():
-    """All slots at once unless that is more than 32 values per thread."""
-    from freetoken.kernels.nvfp4_moe import _h_slots
-
-    assert _h_slots(8, 256, 2) == 8 and _h_slots(8, 512, 1) == 2 and _h_slots(8, 4096, 1) == 1
+    got = nvfp4_moe.fused_moe(x, weights, ids, **w, path="decode")
+    assert _rel_l2(got, want) < H_BF16_REL_L2
 
 
 def test_mma_decode_without_masks(mma_in_interpreter):
@@ -300,7 +356,7 @@ def test_mma_decode_without_masks(mma_in_interpreter):
     assert nvfp4_moe._full(hidden, inter, top_k, v, split, row_tiles)
     want = reference_moe(x, weights, ids, **w)
     got = nvfp4_moe.fused_moe(x, weights, ids, **w, path="decode", tiles=tiles)
-    assert _rel_l2(got, want) < 2e-3
+    assert _rel_l2(got, want) < H_BF16_REL_L2
     assert not nvfp4_moe._full(64, 96, 1, 1, 2, 1)      # 3 chunks over 2 warps
     assert not nvfp4_moe._full(40, 64, 1, 2, 1, 1)      # a partial row tile
 
