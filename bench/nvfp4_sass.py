@@ -125,7 +125,8 @@ def _mma_kernels(tiles, count: int, top_k: int, hidden: int, inter: int, arch: i
     pdl = int(tiles.pdl and arch >= 90)
 
     v, split, _, row_tiles = nvfp4_moe._mma_shape(count * top_k, inter, hidden, 1, tiles)
-    vh, split_h, chunks_h, tiles_h = nvfp4_moe._mma_shape(count, hidden, inter, top_k, tiles)
+    vh, split_h, chunks_h, tiles_h = nvfp4_moe._mma_shape(count, hidden, inter, top_k, tiles,
+                                                          tiles.mma_down_min_split)
     return [("gate_up_mma", nvfp4_mma.gate_up_mma,
              dict(V=v, TILES=row_tiles, S=split, VH=vh, ASM=1,
                   FULL=nvfp4_moe._full(inter, hidden, 1, v, split, row_tiles), PDL=pdl),

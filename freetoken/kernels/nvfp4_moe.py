@@ -38,8 +38,10 @@ class Tiles:
     block (BLOCK_M), output rows per program (BLOCK_N), 16-input groups per step. mma (the
     tensor-core decode, on unless `mma` is False): `mma_tiles` 16-row tiles per program, and
     the warps of a program split K while a launch has fewer than `mma_warps` warps, up to
-    `mma_max_split` ways; `pdl`: the mma kernels after the first of a call start with
-    programmatic dependent launch where the GPU and Triton have it (`launches_early`)."""
+    `mma_max_split` ways, down's at least `mma_down_min_split` ways (a down warp otherwise
+    walks all of a token's slots alone); `pdl`: the mma kernels after the first of a call
+    start with programmatic dependent launch where the GPU and Triton have it
+    (`launches_early`)."""
 
     decode_n: int = 16
     decode_words: int = 8
@@ -54,6 +56,7 @@ class Tiles:
     mma_warps: int = 2048
     mma_max_split: int = 8
     mma_tiles: int = 1
+    mma_down_min_split: int = 2
     pdl: bool = True
 
 
@@ -134,18 +137,18 @@ def _pdl_args(on: bool) -> dict:
     return {"PDL": 1, "launch_pdl": True} if on else {}
 
 
-def _mma_shape(units: int, rows: int, k_inputs: int, walk: int, tiles: Tiles
-               ) -> tuple[int, int, int, int]:
+def _mma_shape(units: int, rows: int, k_inputs: int, walk: int, tiles: Tiles,
+               min_split: int = 1) -> tuple[int, int, int, int]:
     """(V, S, CHUNKS, TILES) of an mma decode launch: V words per lane and chunk (the largest of
     4, 2, 1 that divides the row into whole chunks of 32 V inputs), CHUNKS chunks per row,
     TILES 16-row tiles per program, and the K split S: warps per program, doubled (up to
-    `mma_max_split`) while the launch has fewer than `mma_warps` warps and each warp keeps
-    at least one of the `walk * CHUNKS` steps."""
+    `mma_max_split`) while it is below `min_split` or the launch has fewer than `mma_warps`
+    warps, as long as each warp keeps at least one of the `walk * CHUNKS` steps."""
     v = next((v for v in (4, 2) if k_inputs % (32 * v) == 0), 1)
     chunks = -(-k_inputs // (32 * v))
     row_tiles = min(tiles.mma_tiles, _pow2(-(-rows // 16)))
     split, warps = 1, units * -(-rows // 16)
-    while (split < tiles.mma_max_split and warps * split < tiles.mma_warps
+    while (split < tiles.mma_max_split and (split < min_split or warps * split < tiles.mma_warps)
            and 2 * split <= walk * chunks):
         split *= 2
     return v, split, chunks, row_tiles
@@ -200,7 +203,8 @@ def _down_mma(h16, hf, ids, w2, s2, out, k_inputs, top_k, tiles, pdl=False):
     """down on tensor cores: out[t] = the sum over t's slots of w2[ids[p]] @ h16[p]; h16 bf16
     fragments (gate_up's), or fp16 ones times hf [T] (`_fragments`)."""
     tokens, n_rows = out.shape[0], w2.shape[1]
-    v, split, chunks, row_tiles = _mma_shape(tokens, n_rows, k_inputs, top_k, tiles)
+    v, split, chunks, row_tiles = _mma_shape(tokens, n_rows, k_inputs, top_k, tiles,
+                                             tiles.mma_down_min_split)
     we, wn, _ = _word_strides("w2", w2)
     bf16 = h16.dtype == torch.bfloat16
     _mma_jit().down_mma[(tokens, -(-n_rows // (16 * row_tiles)))](

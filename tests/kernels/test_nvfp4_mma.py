@@ -185,7 +185,8 @@ def test_to_fragments_writes_scaled_fp16_fragments():
 
 def test_mma_shape_rule():
     """V is the largest of 4, 2, 1 with whole chunks of 32 V inputs; the K split doubles
-    while a launch has few warps, up to mma_max_split, keeping >= 1 step per warp."""
+    while a launch has few warps (or below a minimum split), up to mma_max_split, keeping
+    >= 1 step per warp."""
     from freetoken.kernels.nvfp4_moe import GPU_TILES, Tiles, _mma_shape
 
     assert _mma_shape(128, 512, 2048, 1, GPU_TILES) == (4, 1, 16, 1)      # many warps
@@ -194,6 +195,11 @@ def test_mma_shape_rule():
     assert _mma_shape(1, 2048, 64, 8, GPU_TILES)[:3] == (2, 8, 1)           # TP 8 down
     assert _mma_shape(1, 32, 80, 1, GPU_TILES)[:3] == (1, 2, 3)             # 2.5 chunks
     assert _mma_shape(1, 64, 2048, 1, Tiles(mma_tiles=2))[3] == 2
+    # down at 16 tokens: 2048 warps unsplit, each walking 8 slots x 4 chunks alone; down
+    # splits at least mma_down_min_split ways, where a warp keeps a step
+    assert _mma_shape(16, 2048, 512, 8, GPU_TILES)[:3] == (4, 1, 4)
+    assert _mma_shape(16, 2048, 512, 8, GPU_TILES, GPU_TILES.mma_down_min_split)[:3] == (4, 2, 4)
+    assert _mma_shape(1, 32, 16, 1, GPU_TILES, 2)[1] == 1                   # one step
 
 
 def test_mma_path_is_for_16_bit_activations_on_gpus():
