@@ -210,8 +210,7 @@ def _down_mma(h16, hf, ids, w2, s2, out, k_inputs, top_k, tiles, pdl=False):
     _mma_jit().down_mma[(tokens, -(-n_rows // (16 * row_tiles)))](
         h16, h16 if bf16 else hf, ids, w2, s2, out, n_rows, k_inputs // 8, top_k,
         h16.stride(0), we, wn, s2.stride(0), s2.stride(1), out.stride(0), V=v, TILES=row_tiles,
-        S=split,
-        CHUNKS=chunks, ASM=dequant_mode(h16),
+        S=split, CHUNKS=chunks, ASM=dequant_mode(h16),
         FULL=_full(n_rows, k_inputs, top_k, v, split, row_tiles), BF16=int(bf16),
         num_warps=split * row_tiles, **_pdl_args(pdl))
 

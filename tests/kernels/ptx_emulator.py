@@ -29,8 +29,9 @@ def _bf16(bits: int) -> float:
 
 
 def _bf16_bits(value: float) -> int:
-    """value rounded to bf16 (to nearest, ties to even), as bits."""
-    return int(torch.tensor([value], dtype=torch.float64).to(torch.bfloat16)
+    """value (exact in float32: the results here are) rounded to bf16 (to nearest, ties to
+    even), as bits."""
+    return int(torch.tensor([value], dtype=torch.float32).to(torch.bfloat16)
                .view(torch.int16).item()) & 0xFFFF
 
 
@@ -145,7 +146,7 @@ def _step(r: dict, op: str, args: str, val) -> None:
         out = (_f16_bits(np.float32(_f16(x[0])) * np.float32(_f16(x[1])))
                | _f16_bits(np.float32(_f16(x[0] >> 16)) * np.float32(_f16(x[1] >> 16))) << 16)
     elif op == "fma.rn.bf16x2":
-        # a product of two bf16 values is exact in float64: one rounding, to bf16
+        # a product of two bf16 values is exact in float32: one rounding, to bf16
         out = (_bf16_bits(_bf16(x[0]) * _bf16(x[1]) + _bf16(x[2]))
                | _bf16_bits(_bf16(x[0] >> 16) * _bf16(x[1] >> 16) + _bf16(x[2] >> 16)) << 16)
     elif op == "cvt.f32.f16":

@@ -320,10 +320,9 @@ def test_h_rounds_to_bf16_to_nearest_even():
     use_interpreter()
     import bf16_rounding_kernel
 
-    one = 1.0
-    x = torch.tensor([one + 2**-8, one + 3 * 2**-8, one + 2**-8 + 2**-20, -(one + 2**-8 + 2**-20),
-                      2.0 - 2**-9, 3.0e38, 1e-39, -2.5e-40, float("inf"), float("-inf"),
-                      0.0, -0.0, 1.0 / 3, -7.77, 65504.0, float("nan")], dtype=torch.float32)
+    x = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-8 + 2**-20, -(1 + 2**-8 + 2**-20),
+                      2 - 2**-9, 3.0e38, 1e-39, -2.5e-40, float("inf"), float("-inf"),
+                      0.0, -0.0, 1 / 3, -7.77, 65504.0, float("nan")], dtype=torch.float32)
     bits = torch.empty(16, dtype=torch.int16)
     bf16_rounding_kernel.bf16_bits_kernel[(1,)](x, bits, N=16)
     got = bits.view(torch.bfloat16)
