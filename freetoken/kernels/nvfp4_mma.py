@@ -100,21 +100,20 @@ def _mma_asm(v: int = 1, bf16: bool = False) -> str:
     fp16 operands (weights e2m1 * e4m3 * 2^-7), or with `bf16` bf16 ones (weights
     e2m1 * e4m3 * 2^(BF16_SCALE_EXP - 126))."""
     ops = mma_operands(v)
-    mask = _MB if bf16 else _M
 
     def decode_fp16(word: str, r02h: str, r13h: str, r02l: str, r13l: str) -> list[str]:
         return [
             f"shr.b32 t, {word}, 3;",
             f"lop3.b32 u, {word}, t, {0x80808080 - (1 << 32)}, {_SEL};",
-            f"and.b32 {r13h}, u, {mask - (1 << 32)};",
+            f"and.b32 {r13h}, u, {_M - (1 << 32)};",
             "shl.b32 u, u, 8;",
-            f"and.b32 {r02h}, u, {mask - (1 << 32)};",
+            f"and.b32 {r02h}, u, {_M - (1 << 32)};",
             f"shl.b32 v, {word}, 4;",
             f"shl.b32 t, {word}, 1;",
             f"lop3.b32 u, v, t, {0x80808080 - (1 << 32)}, {_SEL};",
-            f"and.b32 {r13l}, u, {mask - (1 << 32)};",
+            f"and.b32 {r13l}, u, {_M - (1 << 32)};",
             "shl.b32 u, u, 8;",
-            f"and.b32 {r02l}, u, {mask - (1 << 32)};",
+            f"and.b32 {r02l}, u, {_M - (1 << 32)};",
         ]
 
     def decode_bf16(word: str, r02h: str, r13h: str, r02l: str, r13l: str) -> list[str]:
@@ -122,7 +121,7 @@ def _mma_asm(v: int = 1, bf16: bool = False) -> str:
         # apart for every nibble, so one select of (word, word >> 6) places the odd bytes'
         # nibbles (the low ones 4 bits down), and one of (word << 8, word << 2) the even ones'
         sel = f"{0x88008800 - (1 << 32)}, {_SEL}"
-        m = f"{mask - (1 << 32)}"
+        m = f"{_MB - (1 << 32)}"
         return [
             f"shr.b32 t, {word}, 6;",
             f"lop3.b32 u, {word}, t, {sel};",

@@ -49,41 +49,31 @@ def test_mma_ptx_decodes_scales_and_multiplies_a_warps_fragments(v, bf16):
     _check_mma_ptx(nvfp4_mma._mma_asm(v, bf16=bf16), v, bf16)
 
 
-@pytest.mark.parametrize("v, bug, good, bad", [
-    (1, "activation pairs of a step swapped", "{b0, b1}, {$9", "{b1, b0}, {$9"),
-    (1, "block scales without their 2^7", "0x58005800", "0x3C003C00"),
-    (1, "magnitudes shifted by 2, not 3", "shr.b32 t, $4, 3", "shr.b32 t, $4, 2"),
-    (1, "rows g and g + 8 swapped", "{gc, hc, gd, hd}", "{hc, gc, gd, hd}"),
-    (4, "words 2, 3 scaled by the first group", "sg1;", "sg0;"),
-    (2, "the second word restarts from the input accumulator",
+@pytest.mark.parametrize("bf16, v, bug, good, bad", [
+    (False, 1, "activation pairs of a step swapped", "{b0, b1}, {$9", "{b1, b0}, {$9"),
+    (False, 1, "block scales without their 2^7", "0x58005800", "0x3C003C00"),
+    (False, 1, "magnitudes shifted by 2, not 3", "shr.b32 t, $4, 3", "shr.b32 t, $4, 2"),
+    (False, 1, "rows g and g + 8 swapped", "{gc, hc, gd, hd}", "{hc, gc, gd, hd}"),
+    (False, 4, "words 2, 3 scaled by the first group", "sg1;", "sg0;"),
+    (False, 2, "the second word restarts from the input accumulator",
      "{b0, b1}, {$0, $1, $2, $3}", "{b0, b1}, {$13, $14, $15, $16}"),
+    (True, 1, "odd bytes' high magnitudes shifted by 5, not 6", "shr.b32 t, $4, 6",
+     "shr.b32 t, $4, 5"),
+    (True, 1, "low nibbles' signs not selected", "-2013231104, 228", "-2147450880, 228"),
+    (True, 1, "scales times 2^99, not 2^100", "0f71800000", "0f71000000"),
+    (True, 1, "the products' addend 1, not -0", "mov.b32 k, 0x80008000",
+     "mov.b32 k, 0x3F803F80"),
+    (True, 1, "operands read as fp16", ".f32.bf16.bf16.f32", ".f32.f16.f16.f32"),
+    (True, 2, "row g + 8's scale from row g", "bf16x2.f32 sh0, fb, fb", "bf16x2.f32 sh0, fa, fa"),
 ])
-def test_mma_ptx_check_fails_on_injected_bugs(v, bug, good, bad):
-    """The warp emulation above fails on each of these bugs in the PTX."""
+def test_mma_ptx_check_fails_on_injected_bugs(bf16, v, bug, good, bad):
+    """The warp emulation above fails on each of these bugs in the fp16 or the bf16 PTX."""
     from freetoken.kernels import nvfp4_mma
 
-    program = nvfp4_mma._mma_asm(v)
+    program = nvfp4_mma._mma_asm(v, bf16=bf16)
     assert good in program and nvfp4_mma.mma_operands(2)["acc"] == [13, 14, 15, 16]
     with pytest.raises(AssertionError, match="PTX"):
-        _check_mma_ptx(program.replace(good, bad), v)
-
-
-@pytest.mark.parametrize("v, bug, good, bad", [
-    (1, "odd bytes' high magnitudes shifted by 5, not 6", "shr.b32 t, $4, 6", "shr.b32 t, $4, 5"),
-    (1, "low nibbles' signs not selected", "-2013231104, 228", "-2147450880, 228"),
-    (1, "scales times 2^99, not 2^100", "0f71800000", "0f71000000"),
-    (1, "the products' addend 1, not -0", "mov.b32 k, 0x80008000", "mov.b32 k, 0x3F803F80"),
-    (1, "operands read as fp16", ".f32.bf16.bf16.f32", ".f32.f16.f16.f32"),
-    (2, "row g + 8's scale from row g", "bf16x2.f32 sh0, fb, fb", "bf16x2.f32 sh0, fa, fa"),
-])
-def test_mma_ptx_check_fails_on_injected_bf16_bugs(v, bug, good, bad):
-    """The warp emulation fails on each of these bugs in the bf16 PTX."""
-    from freetoken.kernels import nvfp4_mma
-
-    program = nvfp4_mma._mma_asm(v, bf16=True)
-    assert good in program
-    with pytest.raises(AssertionError, match="PTX"):
-        _check_mma_ptx(program.replace(good, bad), v, bf16=True)
+        _check_mma_ptx(program.replace(good, bad), v, bf16)
 
 
 def _check_mma_ptx(program: str, v: int, bf16: bool = False) -> None:
