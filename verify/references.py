@@ -97,9 +97,10 @@ def live_hf_reference(case, options, device) -> Reference:
     """HF on the checkpoint, on the engine's device. In fp32 that is the reference. For an
     engine in bf16 / fp16 the reference is still HF in fp32 (the exact answer both low-precision
     runs approximate), and HF at the engine's dtype supplies the baseline: how far a correct
-    implementation at that precision lands from it."""
+    implementation at that precision lands from it (the worst of a few equally valid roundings,
+    `low_precision_spread`)."""
     from freetoken.engine.core import resolve_dtype
-    from verify.compare import logit_metrics
+    from verify.cases import low_precision_spread
 
     dtype = resolve_dtype(options.dtype, case.model_config)
     prompts, num_greedy = prompts_for(case, options)
@@ -108,7 +109,9 @@ def live_hf_reference(case, options, device) -> Reference:
     del model
     if dtype != torch.float32:
         model = _hf_model(case, options, dtype, device)
-        low = [model(torch.tensor([p], device=device)).logits[0].float().cpu() for p in prompts]
+        ref.baseline = [low_precision_spread(model, p, e)
+                        for p, e in zip(prompts, ref.prefill_logits)]
         del model
-        ref.baseline = [logit_metrics(a, e) for a, e in zip(low, ref.prefill_logits)]
+        if any(b is None for b in ref.baseline):
+            ref.baseline = None
     return ref

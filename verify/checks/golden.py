@@ -29,16 +29,43 @@ def run(ctx: CheckContext) -> CheckResult:
     ref = reference_for(ctx)
     outputs = records[0].value
     dtype = resolve_dtype(ctx.options.dtype, ctx.case.model_config)
-    metrics, failures = _against_reference(outputs, ref, dtype)
-    failures += _ranks_disagree([r.value for r in records])
-    metrics.update(_against_tp1(ctx, outputs, dtype, failures, ref))
-    failures += _sampling_disagrees(ctx, [r.value["sampled"] for r in records], dtype)
+    metrics, numeric = _against_reference(outputs, ref, dtype)
+    metrics.update(_against_tp1(ctx, outputs, dtype, numeric, ref))
+    hard = _ranks_disagree([r.value for r in records])
+    hard += _sampling_disagrees(ctx, [r.value["sampled"] for r in records], dtype)
     bisect.remember_tp1(ctx)
+    if numeric and not hard and _within_module_precision(ctx, outputs, dtype):
+        metrics["judged_per_module"] = 1
+        return _result(ctx, start, "pass", metrics, _EXCUSED)
+    failures = hard + numeric
     if failures:
         where = _first_divergence(ctx)
         return _result(ctx, start, "fail", metrics,
                        f"{ctx.case.name} tp={ctx.tp}: {where}{failures[0]}")
     return _result(ctx, start, "pass", metrics, "")
+
+
+_EXCUSED = ("logits beyond the low-precision bound, but every module's error is within its "
+            "bound against HF's own error at that module (bisect): attributed to near-ties, "
+            "e.g. MoE routers whose k-th and (k+1)-th expert differ by less than bf16 resolves")
+
+
+def _within_module_precision(ctx: CheckContext, outputs: dict, dtype) -> bool:
+    """In bf16 / fp16 a logit excess over the bound is not an engine bug when the per-module
+    comparison with HF finds every module within HF's own error at that module: the excess
+    then comes from discrete decisions near ties (a routing flip swaps an expert) that any
+    correct low-precision implementation takes differently. Never in float32, never with
+    non-finite logits, and only where HF runs live beside the engine."""
+    from verify.ranks import RankFailure
+
+    if dtype == torch.float32 or not all(
+            bool(torch.isfinite(o["prompt_logits"]).all()) for o in outputs["outputs"]):
+        return False
+    try:
+        found = bisect.localise(ctx)
+    except RankFailure:
+        return False
+    return "HF" in found.references and found.first is None
 
 
 def _first_divergence(ctx: CheckContext) -> str:
