@@ -11,8 +11,9 @@ A layout says how the rank-local features relate to the full ones:
   chunk) or `kv` (heads of `unit` features; with fewer heads than ranks each rank holds head
   `r * heads // tp_size`, replicated).
 
-Layouts are stated from the module's type and the model config, the same TP conventions
-design.md fixes, not read back from the shard plan: a plan that puts rows in the wrong slot
+Layouts are stated from the module's type, its place in the model and the config, the TP
+conventions design.md fixes, not read back from the shard plan or the module's own flags: a
+plan that puts rows in the wrong slot, or a row-parallel layer built without its all-reduce,
 produces activations that do not match the statement."""
 
 from __future__ import annotations
@@ -49,10 +50,11 @@ def layout_of(name: str, module, parent, cfg, tp: int) -> tuple | None:
     """The TP layout of `module`'s output (None: not comparable, e.g. a tuple of q and k)."""
     kind = type(module).__name__
     leaf = name.rsplit(".", 1)[-1]
-    if kind == "RowParallelLinear":
-        return FULL if module.reduce else PARTIAL
     if kind.endswith("Experts") or kind == "SharedExpert":
+        # Inside an MoE block the routed and shared partial sums meet before one all-reduce.
         return PARTIAL
+    if kind == "RowParallelLinear":
+        return PARTIAL if type(parent).__name__ == "SharedExpert" else FULL
     if kind == "QKVParallelLinear":
         kv = _kv(cfg.num_key_value_heads, module.head_dim)
         return ("segments", (_split(module.num_heads * module.head_dim * tp), kv, kv))
@@ -87,8 +89,6 @@ def _gdn_layout(leaf: str, gdn, tp: int) -> tuple | None:
         parts = (key, key, value)
     elif leaf == "norm":
         parts = (value,)
-    elif leaf == "out_proj":
-        return FULL if gdn.out_proj.reduce else PARTIAL
     else:
         return FULL
     return ("segments", tuple(_split(p) for p in parts))
@@ -100,7 +100,7 @@ class Recorder:
 
     def __init__(self, model: torch.nn.Module, cfg, tp: int):
         self.captures: list[Capture] = []
-        self._phase = "prefill"
+        self._phase, self._tokens = "prefill", 0
         self._calls: dict[str, int] = {}
         self._handles = []
         modules = dict(model.named_modules())
@@ -112,8 +112,9 @@ class Recorder:
             if layout is not None:
                 self._handles.append(module.register_forward_hook(self._hook(name, layout)))
 
-    def phase(self, name: str) -> None:
-        self._phase, self._calls = name, {}
+    def phase(self, name: str, tokens: int) -> None:
+        """Name the next forward (`prefill`, `decode`), which runs over `tokens` tokens."""
+        self._phase, self._tokens, self._calls = name, tokens, {}
 
     def remove(self) -> None:
         for h in self._handles:
@@ -127,18 +128,21 @@ class Recorder:
             n = self._calls.get(name, 0)
             self._calls[name] = n + 1
             key = f"{self._phase}/{name}" + (f"#{n}" if n else "")
-            self.captures.append(Capture(key, layout, _flat(out)))
-            if type(module).__name__ == "RowParallelLinear" and module.reduce:
+            self.captures.append(Capture(key, layout, _flat(out, self._tokens)))
+            if layout == FULL and type(module).__name__ == "RowParallelLinear":
                 partial = F.linear(inputs[0], module.weight)
-                self.captures.append(Capture(key + ":partial", PARTIAL, _flat(partial)))
+                self.captures.append(Capture(key + ":partial", PARTIAL,
+                                             _flat(partial, self._tokens)))
         return record
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    """`[tokens, features]` in float32 on the CPU; leading batch dims of 1 dropped, trailing
-    dims (heads, head_dim) merged."""
+def _flat(t: torch.Tensor, tokens: int) -> torch.Tensor:
+    """`[rows, features]` in float32 on the CPU: rows are the forward's `tokens` where the
+    tensor is per token (`[tokens, ...]`, or `[1, tokens, ...]` for a one-sequence batch),
+    else its first dim (the LM head on a prefill's last token); trailing dims (heads,
+    head_dim) merged."""
     t = t.detach()
-    while t.dim() > 2 and t.shape[0] == 1:
+    if t.dim() >= 3 and t.shape[0] == 1 and t.shape[1] == tokens:
         t = t[0]
     t = t.reshape(t.shape[0], -1) if t.dim() >= 2 else t.reshape(-1, 1)
     return t.float().cpu().clone() if t.is_floating_point() else t.cpu().clone()

@@ -10,6 +10,8 @@ from collections.abc import Callable
 
 import torch
 
+from verify.bug_catalogue import BUGS
+
 
 def plain_chunk_gate_up() -> None:
     """Fill each merged gate|up weight with a plain row chunk of the packed `[gate; up]` instead
@@ -284,6 +286,7 @@ FAULTS: dict[str, Callable[[], None]] = {
     "nvfp4-drop-global-scale": nvfp4_drop_global_scale,
     "nvfp4-gate-up-globals-swapped": nvfp4_gate_up_globals_swapped,
     "nvfp4-intermediate-off-by-group": nvfp4_intermediate_off_by_group,
+    **BUGS,
 }
 
 

@@ -40,6 +40,7 @@ class Row:
     vs_hf: float | None = None
     bound: float = FP32_BOUND
     ranks_disagree: int | None = None
+    shape_vs_tp1: tuple | None = None
 
     @property
     def worst(self) -> float:
@@ -47,11 +48,13 @@ class Row:
 
     @property
     def diverged(self) -> bool:
-        return self.ranks_disagree is not None or self.worst > self.bound
+        return (self.ranks_disagree is not None or self.shape_vs_tp1 is not None
+                or self.worst > self.bound)
 
     def as_dict(self) -> dict:
         return {"module": self.module, "vs_tp1": self.vs_tp1, "vs_hf": self.vs_hf,
-                "bound": self.bound, "ranks_disagree": self.ranks_disagree}
+                "bound": self.bound, "ranks_disagree": self.ranks_disagree,
+                "shape_vs_tp1": self.shape_vs_tp1}
 
 
 @dataclass
@@ -75,6 +78,8 @@ class Bisection:
 def _describe(row: Row) -> str:
     if row.ranks_disagree is not None:
         return f"rank {row.ranks_disagree} holds a different replicated tensor than rank 0"
+    if row.shape_vs_tp1 is not None:
+        return f"shape {row.shape_vs_tp1[0]} where TP=1 has {row.shape_vs_tp1[1]}"
     parts = [f"rel L2 {_fmt(v)} vs {ref}" for ref, v in (("TP=1", row.vs_tp1), ("HF", row.vs_hf))
              if v is not None and v > row.bound]
     return ", ".join(parts) + f", bound {row.bound:.1e}"
@@ -169,7 +174,8 @@ def _capture_on_rank(rank_ctx, engine_args: dict, prompt: list[int]) -> dict:
     core = engine_on_rank(rank_ctx, engine_args)
     recorder = Recorder(core.model, core.model_config, rank_ctx.size)
     phases = iter(("prefill", "decode"))
-    pre = core.model.register_forward_pre_hook(lambda m, a: recorder.phase(next(phases, "late")))
+    pre = core.model.register_forward_pre_hook(
+        lambda m, args: recorder.phase(next(phases, "late"), args[0].numel()))
     try:
         params = SamplingParams(max_tokens=2, ignore_eos=True)
         result = core.generate([prompt], [params])[0]
@@ -212,14 +218,17 @@ def _rows(full, tp1, hf, hf_low, ctx, prompt_len: int) -> list[Row]:
     rows = []
     for key, (tensor, disagree) in full.items():
         row = Row(key, ranks_disagree=disagree)
-        if tp1 is not None and key in tp1 and tp1[key][0].shape == tensor.shape:
-            row.vs_tp1 = rel_l2(tensor, tp1[key][0])
+        if tp1 is not None and key in tp1:
+            if tp1[key][0].shape == tensor.shape:
+                row.vs_tp1 = rel_l2(tensor, tp1[key][0])
+            else:
+                row.shape_vs_tp1 = (tuple(tensor.shape), tuple(tp1[key][0].shape))
         hf_t = _rows_like(_hf_tensor(hf, key, prompt_len), tensor)
         if hf_t is not None and hf_t.shape == tensor.shape:
             row.vs_hf = rel_l2(tensor, hf_t)
         if low:
             row.bound = _low_bound(hf, hf_low, key, prompt_len, fallback)
-        if row.vs_tp1 is not None or row.vs_hf is not None or disagree is not None:
+        if row.vs_tp1 is not None or row.vs_hf is not None or row.diverged:
             rows.append(row)
     return rows
 

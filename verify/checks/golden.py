@@ -24,9 +24,9 @@ SAMPLING_SEED = 1234
 def run(ctx: CheckContext) -> CheckResult:
     start = time.monotonic()
     prompts, num_greedy = prompts_for(ctx.case, ctx.options)
-    records = ctx.runner.run(_engine_outputs, ctx.case.engine_args(ctx.options), prompts,
-                             num_greedy)
     ref = reference_for(ctx)
+    records = ctx.runner.run(_engine_outputs, ctx.case.engine_args(ctx.options), prompts,
+                             num_greedy, _temperature(ref))
     outputs = records[0].value
     dtype = resolve_dtype(ctx.options.dtype, ctx.case.model_config)
     metrics, numeric = _against_reference(outputs, ref, dtype)
@@ -84,7 +84,17 @@ def _result(ctx, start, status, metrics, message) -> CheckResult:
                        ctx.placement, metrics, message)
 
 
-def _engine_outputs(rank_ctx, engine_args: dict, prompts, num_greedy: int) -> dict:
+def _temperature(ref: Reference) -> float:
+    """A sampling temperature that leaves several tokens likely: the spread (std) of the
+    reference's last-position logits, at least 0.8. Tiny re-randomised models have logits tens
+    apart, where temperature 0.8 would sample the argmax whatever the seed, so ranks sampling
+    independently would agree by accident."""
+    last = torch.stack([logits[-1] for logits in ref.prefill_logits])
+    return max(0.8, float(last.float().std(dim=-1).mean()))
+
+
+def _engine_outputs(rank_ctx, engine_args: dict, prompts, num_greedy: int,
+                    temperature: float) -> dict:
     """Runs on every rank: prompt logits and greedy continuation for each prompt. Rank 0 sends
     the tensors; other ranks send a digest of theirs (every rank must hold the same logits)."""
     from freetoken.engine.sequence import SamplingParams
@@ -98,7 +108,7 @@ def _engine_outputs(rank_ctx, engine_args: dict, prompts, num_greedy: int) -> di
     digest = [float(o["prompt_logits"].double().sum() + o["step_logits"].double().sum())
               for o in out]
     sampled = [r.token_ids for r in core.generate(prompts, [
-        SamplingParams(max_tokens=SAMPLED_TOKENS, ignore_eos=True, temperature=0.8, top_p=0.95,
+        SamplingParams(max_tokens=SAMPLED_TOKENS, ignore_eos=True, temperature=temperature,
                        seed=SAMPLING_SEED + i) for i in range(len(prompts))])]
     return {"digest": digest, "outputs": out if rank_ctx.rank == 0 else None,
             "sampled": sampled}
@@ -148,7 +158,7 @@ def _sampling_disagrees(ctx: CheckContext, sampled: list[list[list[int]]], dtype
     for rank, tokens in enumerate(sampled):
         for i, (mine, first) in enumerate(zip(tokens, sampled[0])):
             if mine != first:
-                return [f"sampling at temperature 0.8 (seed {SAMPLING_SEED + i}): rank {rank} "
+                return [f"seeded sampling (seed {SAMPLING_SEED + i}): rank {rank} "
                         f"produced {mine} where rank 0 produced {first} (prompt {i})"]
     key = ("golden-sampled-tp1", ctx.case.name)
     if ctx.tp == 1:
@@ -156,7 +166,7 @@ def _sampling_disagrees(ctx: CheckContext, sampled: list[list[list[int]]], dtype
     base = ctx.cache.get(key)
     if ctx.tp == 1 or base is None or dtype != torch.float32:
         return []
-    return [f"sampling at temperature 0.8 (seed {SAMPLING_SEED + i}): tp={ctx.tp} produced "
+    return [f"seeded sampling (seed {SAMPLING_SEED + i}): tp={ctx.tp} produced "
             f"{mine} where tp=1 produced {first} (prompt {i})"
             for i, (mine, first) in enumerate(zip(sampled[0], base)) if mine != first][:1]
 
