@@ -68,7 +68,8 @@ def moe_blocks(model: torch.nn.Module) -> dict[str, str]:
 
 def expected_sites(model: torch.nn.Module, dtype: torch.dtype, batch: int) -> dict[str, Site]:
     """Module name -> its Site, for every module that must issue a collective in a step of
-    `batch` sequences with activations in `dtype`; `ENGINE` for the sampler broadcast."""
+    `batch` sequences with activations in `dtype`; `ENGINE` for the sampler broadcast. A
+    site's `why` names the collective it expects."""
     act = dtype_name(dtype)
     blocks = moe_blocks(model)
     sites = {}
@@ -76,25 +77,27 @@ def expected_sites(model: torch.nn.Module, dtype: torch.dtype, batch: int) -> di
         site = _site(name, module, blocks, act)
         if site is not None:
             sites[name] = site
-    sites[ENGINE] = Site("broadcast", 1, "rank 0's sampled tokens, once per step",
+    sites[ENGINE] = Site("broadcast", 1, "the broadcast of rank 0's sampled tokens",
                          lambda _: (batch,), "int64")
     return sites
 
 
 def _site(name: str, module: torch.nn.Module, blocks: dict[str, str], act: str) -> Site | None:
     if blocks.get(name) == name:
-        return Site("all_reduce", 1, "MoE block output: one all-reduce for routed + shared",
+        return Site("all_reduce", 1, "the MoE block's one all-reduce of routed + shared",
                     lambda s: s, act)
     if _is_row_parallel(module) and name not in blocks:
         note = "" if module.reduce else "its reduce=False, but nothing else reduces its output"
-        return Site("all_reduce", 1, "row-parallel output", lambda s: (*s[:-1], module.local_out),
-                    act, note=note)
+        return Site("all_reduce", 1, "the all-reduce of a row-parallel output",
+                    lambda s: (*s[:-1], module.local_out), act, note=note)
     if isinstance(module, VocabParallelEmbedding):
         hidden = module.weight.shape[1]
-        return Site("all_reduce", 1, "vocab-parallel embedding", lambda s: (*s, hidden), act)
+        return Site("all_reduce", 1, "the vocab-parallel embedding's all-reduce",
+                    lambda s: (*s, hidden), act)
     if isinstance(module, ParallelLMHead):
         local = module.local_vocab
-        return Site("all_gather", 1, "LM head gather", lambda s: (*s[:-1], local), act, dim=-1)
+        return Site("all_gather", 1, "the LM head's gather of the vocab shards",
+                    lambda s: (*s[:-1], local), act, dim=-1)
     return None
 
 

@@ -14,9 +14,10 @@ import torch
 from freetoken.config import EngineConfig, ModelConfig
 from freetoken.engine.core import EngineCore
 from freetoken.models.registry import build_model
+from verify.checks.collectives import compare_steps
 from verify.cli import main
-from verify.collective_sites import expected_sites
-from verify.collective_trace import ENGINE, trace_generation
+from verify.collective_sites import expected_sites, moe_blocks
+from verify.collective_trace import ENGINE, Call, Step, trace_generation
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden"
 CASES = ("tiny-llama", "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3.5-moe",
@@ -76,6 +77,42 @@ def test_trace_attributes_each_call_to_its_module():
             got = [(c.kind, c.shape, c.dtype, c.dim) for c in calls]
             assert got == [(want.kind, want.shape, want.dtype, want.dim)], f"{name}: {got}"
         assert step.input_shapes["model.embed_tokens"] == (tokens,), step.input_shapes
+
+
+def _make_step(calls: dict[str, list[Call]], shapes: dict[str, tuple]) -> Step:
+    return Step(calls, dict.fromkeys(shapes, 1), shapes)
+
+
+def test_compare_names_extra_wrong_shape_and_missing_modules():
+    """On a hand-made prefill step of the Qwen3.5-MoE structure: a reduction inside a MoE
+    block is an extra naming its block, a gather along the wrong dim and a reduction of the
+    wrong width are named with both shapes, a site whose module never ran is missing; a
+    step that matches every site has no problem."""
+    cfg = ModelConfig.from_folder(GOLDEN / "tiny-qwen3.5-moe")
+    model = build_model(cfg)
+    sites, blocks = expected_sites(model, torch.float32, batch=1), moe_blocks(model)
+    h, vocab = cfg.hidden_size, model.lm_head.local_vocab
+    shapes = {name: (5, h) for name in sites}
+    shapes.update({"model.embed_tokens": (5,), "lm_head": (1, h)})
+    good = {name: [sites[name].expected(shapes.get(name, ()))] for name in sites}
+    assert compare_steps([_make_step(good, shapes)], sites, blocks, model) == []
+    down = "model.layers.0.mlp.shared_expert.down_proj"
+    bad = {**good, down: [Call("all_reduce", (5, h), "float32")],
+           "lm_head": [Call("all_gather", (1, vocab), "float32", 0)],
+           "model.layers.1.mlp": [Call("all_reduce", (5, h // 2), "float32")]}
+    del bad["model.layers.2.mlp"]
+    ran = {k: v for k, v in shapes.items() if k != "model.layers.2.mlp"}
+    lines = [line for line, _ in compare_steps([_make_step(bad, ran)], sites, blocks, model)]
+    assert lines == [
+        f"{down}: expected 0 all_reduce per forward, saw 1 (extra: inside MoE block "
+        "model.layers.0.mlp, whose routed + shared sum is reduced once) in prefill (5 tokens)",
+        f"model.layers.1.mlp: expected all_reduce of [5, {h}] float32, saw all_reduce of "
+        f"[5, {h // 2}] float32 in prefill (5 tokens)",
+        "model.layers.2.mlp: expected 1 all_reduce per forward, saw 0 (missing: the module "
+        "did not run) in prefill (5 tokens)",
+        f"lm_head: expected all_gather of [1, {vocab}] float32 along dim 1, saw all_gather of "
+        f"[1, {vocab}] float32 along dim 0 in prefill (5 tokens)",
+    ], lines
 
 
 def test_clean_run_passes_on_every_bundled_case(capsys, tmp_path):

@@ -74,7 +74,7 @@ def _on_rank(rank_ctx, engine_args: dict, prompt: list[int]) -> dict:
     probe = probe_communicator(get_communicator(), rank_ctx.rank, rank_ctx.size, core.device)
     steps = trace_generation(core, prompt)
     sites = expected_sites(core.model, core.dtype, batch=1)
-    problems = _compare(steps, sites, moe_blocks(core.model), core.model) \
+    problems = compare_steps(steps, sites, moe_blocks(core.model), core.model) \
         if rank_ctx.size > 1 else []
     per_step = [{"step": _step_name(s, i), **_step_counts(s)} for i, s in enumerate(steps)]
     return {"probe": probe, "problems": problems, "comm_cases": len(probe_cases()),
@@ -99,9 +99,11 @@ def _counts(steps: list[Step], sites: dict[str, Site]) -> tuple[dict, dict]:
     return seen, want
 
 
-def _compare(steps: list[Step], sites: dict[str, Site], blocks: dict[str, str],
-             model) -> list[tuple[str, str]]:
-    """One (line, '') per module problem, naming the steps it occurred in, in module order."""
+def compare_steps(steps: list[Step], sites: dict[str, Site], blocks: dict[str, str],
+                  model) -> list[tuple[str, str]]:
+    """Recorded `steps` (the first a prefill) against the `sites` of `model` (`blocks`: its
+    MoE blocks, see `moe_blocks`): one (line, '') per module problem, in module order, naming
+    the steps it occurred in."""
     order = [name for name, _ in model.named_modules()] + [ENGINE]
     found: dict[str, list[str]] = {}
     for index, step in enumerate(steps):
