@@ -134,14 +134,24 @@ def _why(name: str, want: int, got: list[Call], site: Site | None, step: Step, b
         reason = (site.note or site.why) if ran else "the module did not run"
         return f"missing: {reason}"
     if want and len(got) == 2 * want:
-        distinct = len({c.storage for c in got})
-        return ("doubled: the same tensor reduced twice" if distinct < len(got) else
-                f"doubled: {distinct} different tensors, partial sums reduced separately "
-                "instead of added and reduced once")
+        return f"doubled: {_doubled(got)}"
     if not want:
         where = inside_note(name, blocks)
         return f"extra: {where}" if where else "extra: no TP convention puts one here"
-    return f"{len(got) - want:+d}"
+    return f"{len(got) - want} extra" if len(got) > want else f"{want - len(got)} missing"
+
+
+def _doubled(got: list[Call]) -> str:
+    """One tensor handed over twice, or several (for all_reduce: partial sums reduced one by
+    one)."""
+    distinct = len({c.storage for c in got})
+    verb = {"all_reduce": "reduced", "all_gather": "gathered"}.get(got[0].kind, "broadcast")
+    if distinct < len(got):
+        return f"the same tensor {verb} twice"
+    if got[0].kind == "all_reduce":
+        return (f"{distinct} different tensors, partial sums reduced separately instead of "
+                "added and reduced once")
+    return f"{distinct} different tensors {verb}"
 
 
 def _shape_problems(name: str, step: Step, site: Site, calls: list[Call]) -> list[str]:
