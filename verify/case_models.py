@@ -19,9 +19,10 @@ TINY_VOCAB = 301
 TINY_TEXT = dict(
     vocab_size=TINY_VOCAB, hidden_size=64, num_hidden_layers=4, full_attention_interval=2,
     num_attention_heads=8, num_key_value_heads=2, head_dim=32,
-    # dk != dv so a key/value head-dim mix-up cannot pass; 2 value heads per key head.
+    # dk != dv and key total (8 x 16 = 128) != value total (16 x 12 = 192), so a mix-up of
+    # key and value head dims or totals cannot pass; 2 value heads per key head.
     linear_num_key_heads=8, linear_num_value_heads=16, linear_key_head_dim=16,
-    linear_value_head_dim=8, linear_conv_kernel_dim=4,
+    linear_value_head_dim=12, linear_conv_kernel_dim=4,
     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
     shared_expert_intermediate_size=48, max_position_embeddings=512, rms_norm_eps=1e-6,
     # rotary_dim = 32 * 0.25 = 8, i.e. 4 frequencies = the mrope sections' sum, as in the

@@ -48,8 +48,10 @@ def _llama(eos: int):
 
     rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    # Biases on q, k, v and o_proj: a row-parallel bias added on every rank before the
+    # all-reduce (or a q/k/v bias split off its heads) changes the output only with them.
     return LlamaForCausalLM(LlamaConfig(**COMMON, rope_parameters=rope, eos_token_id=eos,
-                                        tie_word_embeddings=False))
+                                        tie_word_embeddings=False, attention_bias=True))
 
 
 def _qwen3(eos: int):
@@ -122,6 +124,33 @@ def _offset_norm_weights(model: torch.nn.Module) -> set[str]:
 def make_prompts(seed: int, lens: tuple[int, ...], vocab: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed + 1000)
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lens]
+
+
+def vocab_boundary_ids(vocab: int, tp_sizes: tuple[int, ...] = (2, 4, 8)) -> list[int]:
+    """The first and last id of every rank's vocab-parallel range at each TP size (ranges of
+    `ceil(vocab / tp)` rows, the last one padded), and the last real id before the padding:
+    the ids an off-by-one in the range or the padding gets wrong."""
+    ids = set()
+    for tp in tp_sizes:
+        per_rank = -(-vocab // tp)
+        for rank in range(tp):
+            first = rank * per_rank
+            if first < vocab:
+                ids.update((first, min(first + per_rank, vocab) - 1))
+    return sorted(ids)
+
+
+def reference_prompts(seed: int, lens: tuple[int, ...], vocab: int) -> list[list[int]]:
+    """`make_prompts`, with every vocab-shard boundary id (`vocab_boundary_ids`) written over
+    the start of the first prompt long enough to hold them all, in a seeded order."""
+    prompts = make_prompts(seed, lens, vocab)
+    ids = torch.tensor(vocab_boundary_ids(vocab))
+    order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(seed + 2000))
+    for prompt in prompts:
+        if len(prompt) >= len(ids):
+            prompt[: len(ids)] = ids[order].tolist()
+            break
+    return prompts
 
 
 @torch.inference_mode()
@@ -207,7 +236,7 @@ def write_case(spec: CaseSpec, folder: Path) -> Path:
         from verify.nvfp4_case import quantize_experts
 
         quantize_experts(model, folder)
-    prompts = make_prompts(spec.seed, spec.prompt_lens, VOCAB)
+    prompts = reference_prompts(spec.seed, spec.prompt_lens, VOCAB)
     reference = hf_reference(model, prompts, spec.num_greedy)
     save_file(reference, folder / "reference.safetensors")
     meta = {

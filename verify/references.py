@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verify.cases import NUM_GREEDY, PROMPT_LENS, hf_reference, load_reference, make_prompts
+from verify.cases import NUM_GREEDY, PROMPT_LENS, hf_reference, load_reference, reference_prompts
 
 
 @dataclass
@@ -47,7 +47,7 @@ def prompts_for(case, options) -> tuple[list[list[int]], int]:
     if reference_source(case, options) == "golden":
         meta = json.loads((case.folder / "meta.json").read_text())
         return meta["prompts"], meta["num_greedy"]
-    return make_prompts(0, PROMPT_LENS, case.model_config.vocab_size), NUM_GREEDY
+    return reference_prompts(0, PROMPT_LENS, case.model_config.vocab_size), NUM_GREEDY
 
 
 def reference_for(ctx) -> Reference:

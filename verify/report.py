@@ -24,7 +24,7 @@ _MAX_TABLE_METRICS = 5
 _PREFERRED_METRICS = ("max_abs", "rel_l2", "top1_agree", "kl_max", "greedy_match", "mismatched",
                       "peak_bytes")
 _SHORT_NAMES = {"top1_agree": "top1", "kl_max": "kl", "greedy_match": "greedy"}
-_MESSAGE_WIDTH = 100
+_MESSAGE_WIDTH = 160
 # XML 1.0 forbids most control characters; a traceback with terminal colours would otherwise
 # produce a file CI cannot parse.
 _XML_INVALID = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f]")

@@ -1,17 +1,24 @@
 """golden: prefill logits at every prompt position and a greedy continuation, engine at TP=N
 against the reference (the stored golden outputs, or HF run live), and against the engine at
-TP=1. Every rank must also hold the same full logits."""
+TP=1. Every rank must also hold the same full logits, and a short seeded continuation at
+temperature > 0 must give the same tokens on every rank and (in float32) at every TP size.
+A failure carries the first divergent module (the `bisect` check's localisation)."""
 
 from __future__ import annotations
 
 import time
 
+import torch
+
 from freetoken.engine.core import resolve_dtype
-from verify.checks import CheckContext
+from verify.checks import CheckContext, bisect
 from verify.compare import effective_tolerance, greedy_check, judge_logits, logit_metrics
 from verify.engine import engine_on_rank
 from verify.references import Reference, prompts_for, reference_for
 from verify.report import CheckResult
+
+SAMPLED_TOKENS = 8
+SAMPLING_SEED = 1234
 
 
 def run(ctx: CheckContext) -> CheckResult:
@@ -25,9 +32,24 @@ def run(ctx: CheckContext) -> CheckResult:
     metrics, failures = _against_reference(outputs, ref, dtype)
     failures += _ranks_disagree([r.value for r in records])
     metrics.update(_against_tp1(ctx, outputs, dtype, failures, ref))
+    failures += _sampling_disagrees(ctx, [r.value["sampled"] for r in records], dtype)
+    bisect.remember_tp1(ctx)
     if failures:
-        return _result(ctx, start, "fail", metrics, f"{ctx.case.name} tp={ctx.tp}: {failures[0]}")
+        where = _first_divergence(ctx)
+        return _result(ctx, start, "fail", metrics,
+                       f"{ctx.case.name} tp={ctx.tp}: {where}{failures[0]}")
     return _result(ctx, start, "pass", metrics, "")
+
+
+def _first_divergence(ctx: CheckContext) -> str:
+    """`first divergence: <module> (...); ` from bisect, or "" where it finds none."""
+    from verify.ranks import RankFailure
+
+    try:
+        found = bisect.localise(ctx).message()
+    except RankFailure as e:
+        return f"(bisect could not run: {e}) "
+    return f"{found}; " if found else ""
 
 
 def _result(ctx, start, status, metrics, message) -> CheckResult:
@@ -48,7 +70,11 @@ def _engine_outputs(rank_ctx, engine_args: dict, prompts, num_greedy: int) -> di
            for r in results]
     digest = [float(o["prompt_logits"].double().sum() + o["step_logits"].double().sum())
               for o in out]
-    return {"digest": digest, "outputs": out if rank_ctx.rank == 0 else None}
+    sampled = [r.token_ids for r in core.generate(prompts, [
+        SamplingParams(max_tokens=SAMPLED_TOKENS, ignore_eos=True, temperature=0.8, top_p=0.95,
+                       seed=SAMPLING_SEED + i) for i in range(len(prompts))])]
+    return {"digest": digest, "outputs": out if rank_ctx.rank == 0 else None,
+            "sampled": sampled}
 
 
 def _against_reference(outputs: dict, ref: Reference, dtype) -> tuple[dict, list[str]]:
@@ -87,6 +113,25 @@ def _aggregate(per_prompt) -> dict:
         "kl_mean": sum(m.kl_mean for m in per_prompt) / len(per_prompt),
         "kl_max": max(m.kl_max for m in per_prompt),
     }
+
+
+def _sampling_disagrees(ctx: CheckContext, sampled: list[list[list[int]]], dtype) -> list[str]:
+    """Every rank must end with the tokens rank 0 sampled; in float32 the TP=1 engine's
+    tokens too (the same seed draws the same numbers from nearly the same distribution)."""
+    for rank, tokens in enumerate(sampled):
+        for i, (mine, first) in enumerate(zip(tokens, sampled[0])):
+            if mine != first:
+                return [f"sampling at temperature 0.8 (seed {SAMPLING_SEED + i}): rank {rank} "
+                        f"produced {mine} where rank 0 produced {first} (prompt {i})"]
+    key = ("golden-sampled-tp1", ctx.case.name)
+    if ctx.tp == 1:
+        ctx.cache[key] = sampled[0]
+    base = ctx.cache.get(key)
+    if ctx.tp == 1 or base is None or dtype != torch.float32:
+        return []
+    return [f"sampling at temperature 0.8 (seed {SAMPLING_SEED + i}): tp={ctx.tp} produced "
+            f"{mine} where tp=1 produced {first} (prompt {i})"
+            for i, (mine, first) in enumerate(zip(sampled[0], base)) if mine != first][:1]
 
 
 def _ranks_disagree(values: list[dict]) -> list[str]:

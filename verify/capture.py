@@ -1,0 +1,167 @@
+"""Per-module activations of one rank's engine, with the TP layout of each, so the parent can
+rebuild the full tensor a TP=1 engine (or HF) would have produced.
+
+Every module's output is recorded in execution order, flattened to `[tokens, features]`.
+A layout says how the rank-local features relate to the full ones:
+
+- `("full",)`: every rank holds the whole tensor (it must be bitwise equal across ranks);
+- `("partial",)`: every rank holds a partial sum (the full tensor is their sum);
+- `("segments", ((kind, full_size, unit), ...))`: the feature dim is a concatenation of
+  segments, each split across ranks in rank order. `kind` is `split` (rank r holds the r-th
+  chunk) or `kv` (heads of `unit` features; with fewer heads than ranks each rank holds head
+  `r * heads // tp_size`, replicated).
+
+Layouts are stated from the module's type and the model config, the same TP conventions
+design.md fixes, not read back from the shard plan: a plan that puts rows in the wrong slot
+produces activations that do not match the statement."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+FULL = ("full",)
+PARTIAL = ("partial",)
+
+
+def _split(full: int) -> tuple:
+    return ("split", full, 1)
+
+
+def _kv(heads: int, head_dim: int) -> tuple:
+    return ("kv", heads * head_dim, head_dim)
+
+
+@dataclass
+class Capture:
+    """One recorded module output on one rank."""
+
+    key: str
+    """`prefill/<module name>` or `decode/<module name>` (a `#n` suffix for the n-th call of
+    a module inside one forward, `:partial` for a row-parallel output before its all-reduce)."""
+    layout: tuple
+    tensor: torch.Tensor
+
+
+def layout_of(name: str, module, parent, cfg, tp: int) -> tuple | None:
+    """The TP layout of `module`'s output (None: not comparable, e.g. a tuple of q and k)."""
+    kind = type(module).__name__
+    leaf = name.rsplit(".", 1)[-1]
+    if kind == "RowParallelLinear":
+        return FULL if module.reduce else PARTIAL
+    if kind.endswith("Experts") or kind == "SharedExpert":
+        return PARTIAL
+    if kind == "QKVParallelLinear":
+        kv = _kv(cfg.num_key_value_heads, module.head_dim)
+        return ("segments", (_split(module.num_heads * module.head_dim * tp), kv, kv))
+    if kind == "QGateKVParallelLinear":
+        q = _split(module.local_sizes[0] * tp)
+        kv = _kv(cfg.num_key_value_heads, cfg.head_dim)
+        return ("segments", (q, q, kv, kv))
+    if kind in ("MergedColumnParallelLinear", "ColumnParallelLinear"):
+        sizes = getattr(module, "local_sizes", [module.local_out])
+        return ("segments", tuple(_split(s * tp) for s in sizes))
+    if type(parent).__name__ == "GatedDeltaNet":
+        return _gdn_layout(leaf, parent, tp)
+    if kind == "PagedAttention":
+        return ("segments", (_split(module.num_heads * module.head_dim * tp),))
+    if kind == "RMSNorm" and leaf in ("q_norm", "k_norm"):
+        head_dim = parent.attn.head_dim
+        if leaf == "q_norm":
+            return ("segments", (_split(parent.num_heads * head_dim * tp),))
+        return ("segments", (_kv(cfg.num_key_value_heads, head_dim),))
+    if kind == "RotaryEmbedding":
+        return None
+    return FULL
+
+
+def _gdn_layout(leaf: str, gdn, tp: int) -> tuple | None:
+    """GatedDeltaNet's rank-local packings: in_proj `[q | k | v | z | b | a]`, conv1d
+    `[q | k | v]`, the gated norm over the value heads; each part split by heads."""
+    key, value, heads = gdn.key_dim * tp, gdn.value_dim * tp, gdn.num_v_heads * tp
+    if leaf == "in_proj":
+        parts = (key, key, value, value, heads, heads)
+    elif leaf == "conv1d":
+        parts = (key, key, value)
+    elif leaf == "norm":
+        parts = (value,)
+    elif leaf == "out_proj":
+        return FULL if gdn.out_proj.reduce else PARTIAL
+    else:
+        return FULL
+    return ("segments", tuple(_split(p) for p in parts))
+
+
+class Recorder:
+    """Forward hooks on every module of `model` that record outputs as `Capture`s. Call
+    `phase(name)` before each forward; `remove()` when done."""
+
+    def __init__(self, model: torch.nn.Module, cfg, tp: int):
+        self.captures: list[Capture] = []
+        self._phase = "prefill"
+        self._calls: dict[str, int] = {}
+        self._handles = []
+        modules = dict(model.named_modules())
+        for name, module in modules.items():
+            if not name:
+                continue
+            parent = modules.get(name.rpartition(".")[0])
+            layout = layout_of(name, module, parent, cfg, tp)
+            if layout is not None:
+                self._handles.append(module.register_forward_hook(self._hook(name, layout)))
+
+    def phase(self, name: str) -> None:
+        self._phase, self._calls = name, {}
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+    def _hook(self, name: str, layout: tuple):
+        def record(module, inputs, output):
+            out = output[0] if isinstance(output, tuple) else output
+            if not isinstance(out, torch.Tensor):
+                return
+            n = self._calls.get(name, 0)
+            self._calls[name] = n + 1
+            key = f"{self._phase}/{name}" + (f"#{n}" if n else "")
+            self.captures.append(Capture(key, layout, _flat(out)))
+            if type(module).__name__ == "RowParallelLinear" and module.reduce:
+                partial = F.linear(inputs[0], module.weight)
+                self.captures.append(Capture(key + ":partial", PARTIAL, _flat(partial)))
+        return record
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """`[tokens, features]` in float32 on the CPU; leading batch dims of 1 dropped, trailing
+    dims (heads, head_dim) merged."""
+    t = t.detach()
+    while t.dim() > 2 and t.shape[0] == 1:
+        t = t[0]
+    t = t.reshape(t.shape[0], -1) if t.dim() >= 2 else t.reshape(-1, 1)
+    return t.float().cpu().clone() if t.is_floating_point() else t.cpu().clone()
+
+
+def unshard(layout: tuple, parts: list[torch.Tensor]) -> torch.Tensor:
+    """The full `[tokens, features]` tensor from every rank's part, by `layout`."""
+    if layout == FULL:
+        return parts[0]
+    if layout == PARTIAL:
+        return torch.stack(parts).sum(0)
+    tp, out, offset = len(parts), [], 0
+    for kind, full, unit in layout[1]:
+        local = _local_size(kind, full, unit, tp)
+        pieces = [p[:, offset : offset + local] for p in parts]
+        if kind == "kv" and full // unit < tp:
+            pieces = pieces[:: tp // (full // unit)]
+        out.extend(pieces)
+        offset += local
+    return torch.cat(out, dim=1)
+
+
+def _local_size(kind: str, full: int, unit: int, tp: int) -> int:
+    if kind == "kv" and full // unit < tp:
+        return unit
+    return full // tp
