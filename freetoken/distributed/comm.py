@@ -13,9 +13,9 @@ class Communicator:
         self.size = size
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum `x` over ranks, in place; returns it."""
+        """Sum `x` over ranks, in place (any layout); returns it."""
         if self.size > 1:
-            dist.all_reduce(x)
+            _in_place(dist.all_reduce, x)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -27,10 +27,20 @@ class Communicator:
         return torch.cat(parts, dim=dim)
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """Overwrite `x` on every rank with rank `src`'s value."""
+        """Overwrite `x` on every rank with rank `src`'s value (any layout); returns it."""
         if self.size > 1:
-            dist.broadcast(x, src)
+            _in_place(dist.broadcast, x, src)
         return x
+
+
+def _in_place(op, x: torch.Tensor, *args) -> None:
+    """Run the in-place collective `op` on a contiguous buffer and write it back into `x`:
+    gloo silently works on the `numel` storage elements that follow a strided view's offset,
+    not on the view's own elements, and NCCL refuses a non-contiguous tensor."""
+    buffer = x if x.is_contiguous() else x.contiguous()
+    op(buffer, *args)
+    if buffer is not x:
+        x.copy_(buffer)
 
 
 _COMM = Communicator()

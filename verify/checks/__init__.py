@@ -39,11 +39,11 @@ class CheckContext:
 
 def available_checks() -> dict:
     """Check name -> run function, in the order they run."""
-    from verify.checks import bisect, golden, kernels, memory, shards
+    from verify.checks import bisect, collectives, golden, kernels, memory, shards
 
     # memory reloads the engine under measurement; shards then compares the loaded engine.
     return {"golden": golden.run, "bisect": bisect.run, "memory": memory.run,
-            "shards": shards.run, "kernels": kernels.run}
+            "shards": shards.run, "kernels": kernels.run, "collectives": collectives.run}
 
 
 ALL_CHECK_NAMES = ("golden", "shards", "memory", "kernels", "bisect", "collectives")
