@@ -27,13 +27,13 @@ def _rows(out: str, model: str) -> list[str]:
     return [line for line in out.splitlines() if line.startswith(model + " ")]
 
 
-def _assert_fails_naming(out: str, code: int, model: str, tp: int, metric: str) -> None:
+def _assert_fails_naming(out: str, code: int, model: str, tp: int, where: str) -> None:
     assert code == 1, f"expected exit 1, got {code}:\n{out}"
     rows = [r for r in _rows(out, model) if r.split()[2] == str(tp)]
     assert rows, f"no table row for {model} tp={tp}:\n{out}"
     assert "FAIL" in rows[0], f"row for {model} tp={tp} is not FAIL: {rows[0]}"
-    assert f"{model} tp={tp}" in rows[0] and metric in rows[0], (
-        f"row does not name case, TP size and metric {metric!r}: {rows[0]}")
+    assert f"{model} tp={tp}" in rows[0] and where in rows[0], (
+        f"row does not name case, TP size and {where!r}: {rows[0]}")
     assert out.strip().splitlines()[-1].endswith("0 skipped"), "count line must come last"
 
 
@@ -78,21 +78,24 @@ def _assert_report_contract(report: dict, expected_results: int) -> None:
     assert sum(report["summary"].values()) == expected_results
 
 
-@pytest.mark.parametrize("fault, model, tp", [
-    ("plain-chunk-gate-up", "tiny-qwen3", 2),
-    ("drop-allreduce", "tiny-llama", 2),
-    ("kv-head-wrong-rank", "tiny-qwen3-moe", 4),
+@pytest.mark.parametrize("fault, model, tp, module", [
+    ("plain-chunk-gate-up", "tiny-qwen3", 2, "prefill/model.layers.0.mlp.gate_up_proj"),
+    ("drop-allreduce", "tiny-llama", 2, "prefill/model.layers.0.self_attn.o_proj"),
+    ("kv-head-wrong-rank", "tiny-qwen3-moe", 4, "prefill/model.layers.0.self_attn.qkv_proj"),
 ])
-def test_injected_tp_bug_fails_naming_case_tp_and_metric(capsys, tmp_path, fault, model, tp):
+def test_injected_tp_bug_fails_naming_case_tp_and_module(capsys, tmp_path, fault, model, tp,
+                                                         module):
     """Each canonical TP bug, injected into the ranks, turns golden red at the TP size where
-    it bites (TP=1 stays green): exit 1, the row names the case, the TP size and the metric."""
+    it bites (TP=1 stays green): exit 1, the row names the case, the TP size and the first
+    divergent module; the JSON message keeps the symptom (the prefill logits)."""
     report = tmp_path / "r.json"
     code, out, _ = _run(capsys, "--model", model, "--tp", f"1,{tp}", "--inject", fault,
                         "--checks", "golden", "--report-json", str(report))
-    _assert_fails_naming(out, code, model, tp, "prefill logits")
+    _assert_fails_naming(out, code, model, tp, f"first divergence: {module} ")
     results = {r["tp"]: r for r in json.loads(report.read_text())["results"]}
     assert results[1]["status"] == "pass", f"TP=1 must be unaffected by {fault}"
     assert results[tp]["metrics"]["top1_agree"] < 1.0, results[tp]["metrics"]
+    assert "prefill logits" in results[tp]["message"], results[tp]["message"]
 
 
 def _make_broken_checkpoint(golden, tmp_path):
@@ -176,7 +179,7 @@ def test_bf16_against_stored_golden_uses_the_stored_baseline(capsys, tmp_path):
     assert results["tiny-qwen3.5-moe-nvfp4"]["metrics"]["hf_self_rel_l2"] == stored
     code, out, _ = _run(capsys, "--model", "tiny-qwen3.5-moe", "--tp", "2", "--dtype",
                         "bfloat16", "--checks", "golden", "--inject", "plain-chunk-gdn-qkv")
-    _assert_fails_naming(out, code, "tiny-qwen3.5-moe", 2, "prefill logits")
+    _assert_fails_naming(out, code, "tiny-qwen3.5-moe", 2, "model.layers.0.linear_attn.in_proj")
 
 
 def test_live_hf_reference_refused_for_quantized_checkpoints(capsys):

@@ -106,12 +106,12 @@ def test_table_metrics_are_compact_and_ordered():
 
 
 def test_table_truncates_long_messages():
-    """A long multi-line message becomes one line of at most 100 characters."""
+    """A long multi-line message becomes one line of at most 160 characters."""
     message = "first line\n" + "x" * 300
     table = render_table([_make_result("fail", message=message)])
     shown = table.splitlines()[-1].split("FAIL")[1]
     assert "first line xxx" in shown and shown.rstrip().endswith("...")
-    assert len(shown.split("first line", 1)[1]) + len("first line") <= 100
+    assert len(shown.split("first line", 1)[1]) + len("first line") <= 160
 
 
 def test_environment_reports_versions_without_importing(monkeypatch):

@@ -1,0 +1,131 @@
+"""The bisect check's pieces: TP layouts rebuild full activations exactly, the per-module
+table finds the first divergence (ranks disagreeing, values or shapes off), HF's modules map
+onto the engine's fused ones, and the low-precision excuse in golden needs every module clean."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from verify.capture import FULL, PARTIAL, _flat, unshard
+from verify.checks.bisect import Bisection, Row, rel_l2
+from verify.hf_capture import NameMap
+
+
+def _make_parts(full: torch.Tensor, segments, tp: int) -> list[torch.Tensor]:
+    """Shard `full` [tokens, features] the way `segments` states, independently of unshard."""
+    parts = [[] for _ in range(tp)]
+    offset = 0
+    for kind, size, unit in segments:
+        seg = full[:, offset : offset + size]
+        heads = size // unit
+        for r in range(tp):
+            if kind == "kv" and heads < tp:
+                h = r * heads // tp
+                parts[r].append(seg[:, h * unit : (h + 1) * unit])
+            else:
+                step = size // tp
+                parts[r].append(seg[:, r * step : (r + 1) * step])
+        offset += size
+    return [torch.cat(p, dim=1) for p in parts]
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_unshard_inverts_the_stated_layout(tp):
+    """Segments split by rank and KV heads replicated past their count come back whole."""
+    segments = (("split", 64, 1), ("kv", 2 * 16, 16), ("kv", 2 * 16, 16), ("split", 8, 1))
+    full = torch.randn(5, 64 + 32 + 32 + 8)
+    parts = _make_parts(full, segments, tp)
+    assert torch.equal(unshard(("segments", segments), parts), full)
+
+
+def test_unshard_of_a_plain_concatenation_is_not_the_layout():
+    """Concatenating ranks' parts in rank order is wrong for packed [q | k | v]: the layout
+    matters (a bug that splits plainly must not look right)."""
+    segments = (("split", 8, 1), ("split", 8, 1))
+    full = torch.arange(16.0).repeat(3, 1)
+    parts = _make_parts(full, segments, 2)
+    assert not torch.equal(torch.cat(parts, dim=1), full)
+    assert torch.equal(unshard(("segments", segments), parts), full)
+
+
+def test_partial_sums_add_and_full_takes_rank_zero():
+    a, b = torch.randn(3, 4), torch.randn(3, 4)
+    assert torch.allclose(unshard(PARTIAL, [a, b]), a + b)
+    assert torch.equal(unshard(FULL, [a, b]), a)
+
+
+def test_flat_rows_are_tokens():
+    """A one-token decode keeps one row, whatever its head dims; a [1, T, C] batch drops the
+    batch dim; an LM head on the last token keeps its single row."""
+    assert _flat(torch.randn(1, 4, 16), tokens=1).shape == (1, 64)
+    assert _flat(torch.randn(1, 7, 12), tokens=7).shape == (7, 12)
+    assert _flat(torch.randn(1, 301), tokens=23).shape == (1, 301)
+
+
+def _make_bisection(*rows: Row) -> Bisection:
+    return Bisection(list(rows), ("TP=1",))
+
+
+def test_first_divergence_names_the_module_and_how_clean_before():
+    found = _make_bisection(Row("prefill/a", vs_tp1=1e-7), Row("prefill/b", vs_tp1=0.9),
+                            Row("prefill/c", vs_tp1=1.2))
+    assert found.first.module == "prefill/b"
+    message = found.message()
+    assert message.startswith("first divergence: prefill/b (rel L2 0.9 vs TP=1")
+    assert "earlier modules <= 1.0e-07" in message
+
+
+def test_rank_disagreement_and_shape_are_divergences():
+    assert "rank 1 holds a different replicated tensor" in _make_bisection(
+        Row("prefill/x", vs_tp1=0.0, ranks_disagree=1)).message()
+    assert "shape (1, 302) where TP=1 has (1, 301)" in _make_bisection(
+        Row("prefill/lm_head", shape_vs_tp1=((1, 302), (1, 301)))).message()
+    assert _make_bisection(Row("prefill/x", vs_tp1=5e-4)).first is None
+
+
+def test_non_finite_output_is_an_infinite_error():
+    assert math.isinf(rel_l2(torch.tensor([float("nan"), 1.0]), torch.ones(2)))
+    assert rel_l2(torch.ones(3), torch.ones(3)) == 0.0
+
+
+def test_hf_names_map_fused_modules_and_regroup_q_gate():
+    """qkv_proj is HF's q, k, v concatenated; a gated q_proj's per-head [q_h | gate_h] rows
+    become [all q | all gates]; the multimodal prefix is added."""
+    acts = {"model.language_model.layers.0.self_attn.q_proj":
+            torch.tensor([[0.0, 1, 10, 11, 2, 3, 12, 13]]),
+            "model.language_model.layers.0.self_attn.k_proj": torch.tensor([[20.0, 21]]),
+            "model.language_model.layers.0.self_attn.v_proj": torch.tensor([[30.0, 31]])}
+    names = NameMap({"model.language_model"}, num_heads=2, head_dim=2)
+    got = names.lookup(acts, "model.layers.0.self_attn.qkv_proj", tokens=1)
+    assert got.tolist() == [[0, 1, 2, 3, 10, 11, 12, 13, 20, 21, 30, 31]]
+    assert names.lookup(acts, "model.layers.0.mlp.gate_up_proj", tokens=1) is None
+
+
+def _run_golden(model: str, tp: tuple[int, ...], dtype: str, faults: tuple[str, ...] = ()):
+    from verify.cases import resolve_case
+    from verify.checks import VerifyOptions, available_checks
+    from verify.runner import Plan, run_plan
+
+    plan = Plan([resolve_case(model)], list(tp), {"golden": available_checks()["golden"]},
+                VerifyOptions(device="cpu", dtype=dtype, timeout=240.0), faults)
+    return run_plan(plan, progress=lambda line: None)
+
+
+def test_low_precision_excess_with_every_module_clean_passes(monkeypatch):
+    """In bf16, logits beyond a (here artificially tight) bound pass when bisect finds every
+    module within HF's own error at that module, and say so in the JSON message; the same
+    tight bound with a real TP bug still fails, naming the module."""
+    from dataclasses import replace
+
+    from verify import compare
+
+    tight = replace(compare.TOLERANCES[torch.bfloat16], max_rel_l2=1e-6, max_kl=1e-9)
+    monkeypatch.setattr(compare, "effective_tolerance", lambda dtype, baseline=None: tight)
+    clean = _run_golden("tiny-qwen3", (1,), "bfloat16")[0]
+    assert clean.status == "pass", clean.message
+    assert clean.metrics.get("judged_per_module") == 1 and "near-ties" in clean.message
+    buggy = _run_golden("tiny-llama", (2,), "bfloat16", ("row-bias-before-allreduce",))[0]
+    assert buggy.status == "fail" and "self_attn.o_proj" in buggy.message, buggy.message

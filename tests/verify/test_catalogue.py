@@ -1,0 +1,31 @@
+"""Every entry of the TP bug catalogue (`verify.bug_catalogue.CATALOGUE`): injected into its
+bundled case, it fails a row naming the module, tensor or rank at every TP size where it
+bites, and TP=1 stays green where the bug is TP-only. A harness that goes green, or red
+without saying where, on any of them has regressed."""
+
+from __future__ import annotations
+
+import pytest
+
+from verify.bug_catalogue import CATALOGUE
+from verify.catalogue_run import run_entry
+from verify.faults import FAULTS
+
+# Entries with a TP-4 group cost a 4-rank spawn each (~9 s on two cores): marked slow.
+_SLOW = {e.fault for e in CATALOGUE if max(e.tp) >= 4}
+
+
+def test_catalogue_is_large_and_every_fault_injectable():
+    """At least 25 bug classes, each a registered fault, each with its own words."""
+    assert len(CATALOGUE) >= 25, len(CATALOGUE)
+    assert all(e.fault in FAULTS for e in CATALOGUE)
+    assert len({e.fault for e in CATALOGUE}) == len(CATALOGUE)
+
+
+@pytest.mark.parametrize("entry", [
+    pytest.param(e, id=e.fault, marks=[pytest.mark.slow] if e.fault in _SLOW else [])
+    for e in CATALOGUE])
+def test_bug_is_caught_and_named(entry):
+    verdict = run_entry(entry, timeout=240.0)
+    assert not verdict.problems, (
+        f"{entry.bug_class} ({entry.fault}) on {entry.model}: " + "; ".join(verdict.problems))
