@@ -10,6 +10,13 @@ from collections.abc import Callable
 
 import torch
 
+from verify.layout_faults import (
+    gdn_heads_from_first,
+    nvfp4_scale_group_shifted,
+    plain_chunk_gdn_zba,
+    plain_chunk_shared_gate_up,
+)
+
 
 def plain_chunk_gate_up() -> None:
     """Fill each merged gate|up weight with a plain row chunk of the packed `[gate; up]` instead
@@ -284,6 +291,10 @@ FAULTS: dict[str, Callable[[], None]] = {
     "nvfp4-drop-global-scale": nvfp4_drop_global_scale,
     "nvfp4-gate-up-globals-swapped": nvfp4_gate_up_globals_swapped,
     "nvfp4-intermediate-off-by-group": nvfp4_intermediate_off_by_group,
+    "gdn-heads-from-first": gdn_heads_from_first,
+    "plain-chunk-gdn-zba": plain_chunk_gdn_zba,
+    "plain-chunk-shared-gate-up": plain_chunk_shared_gate_up,
+    "nvfp4-scale-group-shifted": nvfp4_scale_group_shifted,
 }
 
 

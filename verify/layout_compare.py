@@ -5,6 +5,8 @@ the one it should hold."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 import torch
 
 from verify.layouts import PAD, Statement
@@ -42,23 +44,39 @@ def _word(st: Statement) -> str:
     return "row" if st.dim == 0 else "column"
 
 
-def _held(st: Statement, full_bits: torch.Tensor, line: torch.Tensor) -> str:
-    """Which global row (column) of the checkpoint tensor `line` is, by content."""
+def _find(st: Statement, full_bits: torch.Tensor, line: torch.Tensor) -> int | None:
+    """The first global row (column) of `full_bits` equal to `line`, or None."""
+    if full_bits.dim() <= st.dim or full_bits.dtype != line.dtype or \
+            full_bits.select(st.dim, 0).shape != line.shape:
+        return None
     match = (full_bits == line.unsqueeze(st.dim))
     match = match.flatten(st.dim + 1).all(-1) if match.dim() > st.dim + 1 else match
     if st.dim == 1:
         match = match.all(0)
     hits = match.nonzero().flatten().tolist()
-    if hits:
-        return _where(st, hits[0])
+    return hits[0] if hits else None
+
+
+def _held(st: Statement, full_bits: torch.Tensor, line: torch.Tensor,
+          others: Callable[[], Iterable[tuple[Statement, torch.Tensor]]]) -> str:
+    """Which global row (column) `line` is, by content: of this checkpoint tensor, else of
+    one of `others` (the tensors sharing its engine parameter)."""
+    hit = _find(st, full_bits, line)
+    if hit is not None:
+        return _where(st, hit)
+    for other, tensor in others():
+        hit = _find(other, bits(tensor), line) if other.dim == st.dim else None
+        if hit is not None:
+            return f"{other.name} {_where(other, hit)}"
     return "zeros" if not bool(line.any()) else f"no {_word(st)} of the checkpoint tensor"
 
 
-def mismatch(st: Statement, full: torch.Tensor, held: torch.Tensor, rank: int,
-             tp: int) -> str | None:
+def mismatch(st: Statement, full: torch.Tensor, held: torch.Tensor, rank: int, tp: int,
+             others: Callable[[], Iterable[tuple[Statement, torch.Tensor]]] = tuple
+             ) -> str | None:
     """None when `held` (rank `rank`'s tensor) is what the statement says, bit for bit;
-    else one line: the shape, or the first wrong local row, what it holds and what it
-    should hold."""
+    else one line: the shape, or the first wrong local row, what it holds (looked up in
+    `others()` too when it is no row of this tensor) and what it should hold."""
     want = expected_local(st, full, rank, tp)
     got = bits(held)
     if st.dim is None:
@@ -76,7 +94,7 @@ def mismatch(st: Statement, full: torch.Tensor, held: torch.Tensor, rank: int,
     local = int(per_line.nonzero()[0])
     expected = int(st.index(rank, tp)[local])
     line = got.select(st.dim, local)
-    return (f"local {_word(st)} {local} holds {_held(st, bits(full), line)}, expected "
+    return (f"local {_word(st)} {local} holds {_held(st, bits(full), line, others)}, expected "
             f"{_where(st, expected)}; {int(per_line.sum())} / {per_line.numel()} "
             f"{_word(st)}s wrong")
 

@@ -28,6 +28,9 @@ from verify.layouts import LayoutError
 from verify.report import CheckResult
 
 MAX_REPORTED = 20
+# Statements depend on a tensor's dtype only to tell NVFP4 packed weights and block scales
+# from unquantized ones.
+_STORED_DTYPES = {"U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn}
 
 
 def run(ctx: CheckContext) -> CheckResult:
@@ -59,7 +62,7 @@ def _audit(rank_ctx, engine_args: dict) -> dict:
     audit = _Audit(rank_ctx, engine_args)
     engine = resident_engine(rank_ctx, engine_args)
     audit.loaded = dict(engine.model.named_parameters()) if engine is not None else None
-    reader = CheckpointReader(engine_args["folder"], engine_args["num_layers"])
+    reader = audit.reader = CheckpointReader(engine_args["folder"], engine_args["num_layers"])
     for name in reader.names():
         try:
             audit.tensor(name, reader.get(name))
@@ -86,7 +89,7 @@ class _Audit:
         self.failures: list[str] = []
         self.tensors = self.ignored = self.bytes_read = self.loaded_compared = self.stated = 0
         self.book = LayoutBook.from_folder(engine_args["folder"], self.size)
-        self.loaded = None
+        self.loaded = self.reader = None
 
     def fail(self, message: str) -> None:
         self.failures.append(message)
@@ -202,7 +205,8 @@ class _Audit:
         if st is not None and st.param in self.loaded:
             held = self.loaded[st.param].data[st.slot].cpu()
             ref = full if held.dtype == full.dtype else full.to(held.dtype)
-            wrong = mismatch(st, ref, held, self.rank, self.size)
+            wrong = mismatch(st, ref, held, self.rank, self.size,
+                             lambda: self._sharing(st, held.dtype))
             if wrong:
                 self.fail(f"{name} rank {self.rank} (loaded {st.param}): {wrong}")
             return
@@ -211,6 +215,16 @@ class _Audit:
         if not torch.equal(held.cpu(), mine.to(held.dtype)):
             self.fail(f"{name}: rank {self.rank}'s loaded {target.param} differs from its "
                       f"planned shard ({_diff(held.cpu(), mine.to(held.dtype))})")
+
+    def _sharing(self, st, dtype):
+        """The other checkpoint tensors loaded into `st`'s parameter, with statements (read
+        only to name what a wrong row holds, so only when one is wrong)."""
+        for name in self.reader.names():
+            stored = _STORED_DTYPES.get(self.reader.meta(name)[1], torch.float32)
+            other = self.book.state(name, stored) if name != st.name else None
+            if other is not None and other.param == st.param and not other.replicated:
+                tensor = self.reader.get(name)
+                yield other, tensor if tensor.dtype == dtype else tensor.to(dtype)
 
     def coverage(self) -> None:
         for pname, p in self.params.items():
