@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from verify.backend_faults import torch_nvfp4_drop_w13_global, torch_nvfp4_nibble_swap
 from verify.layout_faults import (
     gdn_heads_from_first,
     nvfp4_scale_group_shifted,
@@ -294,7 +295,9 @@ FAULTS: dict[str, Callable[[], None]] = {
     "gdn-heads-from-first": gdn_heads_from_first,
     "plain-chunk-gdn-zba": plain_chunk_gdn_zba,
     "plain-chunk-shared-gate-up": plain_chunk_shared_gate_up,
-    "nvfp4-scale-group-shifted": nvfp4_scale_group_shifted,
+    "block-scale-group-shifted": nvfp4_scale_group_shifted,
+    "torch-nvfp4-nibble-swap": torch_nvfp4_nibble_swap,
+    "torch-nvfp4-drop-w13-global": torch_nvfp4_drop_w13_global,
 }
 
 

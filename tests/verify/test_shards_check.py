@@ -57,7 +57,7 @@ PLAN_FAULTS = [
      f"{L0}.linear_attn.A_log rank 1: local row 0 holds global row 0 (A_log, value head 0), "
      "expected global row 8 (A_log, value head 8); 8 / 8 rows wrong; its shard is identical "
      "to rank 0's, whose layout rows differ"),
-    ("nvfp4-scale-group-shifted", "tiny-qwen3.5-moe-nvfp4", 2,
+    ("block-scale-group-shifted", "tiny-qwen3.5-moe-nvfp4", 2,
      f"{L0}.mlp.experts.0.down_proj.weight_scale rank 1: local column 0 holds global column "
      "5 (intermediate, 16-input group 5), expected global column 4 (intermediate, 16-input "
      "group 4)"),
