@@ -1,8 +1,13 @@
 """kernels: the NVFP4 Triton kernels (routed-expert MoE, decode and prefill paths, and the dense
-linear) against the torch reference (`freetoken.layers.quantization.nvfp4.reference`: table
-dequantization, float32 matmul), over a matrix of shapes. It verifies kernels, not the case's
-model: it runs for the first model of each TP size, on rank 0 only (other ranks idle), and
-reports `skip` for the other models.
+linear) and the engine's torch NVFP4 backend (`freetoken.layers.quantization.nvfp4.reference`)
+against an oracle the check computes itself from the format definition (`verify.nvfp4_oracle`:
+e2m1 codes, e4m3 block scales and fp32 global scales decoded from their bits, the MoE math in
+float64), over a matrix of shapes. The backend's dequantized weights (w13 with gate and up
+global scales, w2, the dense weight) must equal the oracle's bit for bit and its outputs match
+within the kernels' tolerance; when they do not, the row blames the backend and says whether
+the kernels agree with the oracle, instead of counting kernel failures. It verifies kernels,
+not the case's model: it runs for the first model of each TP size, on rank 0 only (other
+ranks idle), and reports `skip` for the other models.
 
 Weights come from the NVFP4 quantizer applied to heavy-tailed random weights (Student-t, a
 spread of per-expert scales), so block and global scales are realistic; every expert's up
@@ -29,7 +34,8 @@ LOW_PRECISION_REL_L2 and at least 99.9 % of elements within: rounding SiLU(gate)
 before the down projection moves a few elements where large terms cancel by a whole bf16 ulp
 of the terms (measured on an H200: 1 element in 131072 off by 1.0, relative L2 3e-3), while
 every injected kernel bug moves relative L2 by 0.3 or more.
-Metrics: max_abs and rel_l2 (worst case), pct_within_tol (all elements), cases, failed_cases.
+Metrics (kernel vs oracle): max_abs and rel_l2 (worst case), pct_within_tol (all elements),
+cases, failed_cases; backend_failed_cases (the torch backend vs the oracle).
 """
 
 from __future__ import annotations
