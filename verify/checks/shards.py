@@ -205,8 +205,11 @@ class _Audit:
         if st is not None and st.param in self.loaded:
             held = self.loaded[st.param].data[st.slot].cpu()
             ref = full if held.dtype == full.dtype else full.to(held.dtype)
-            wrong = mismatch(st, ref, held, self.rank, self.size,
-                             lambda: self._sharing(st, held.dtype))
+            try:
+                wrong = mismatch(st, ref, held, self.rank, self.size,
+                                 lambda: self._sharing(st, held.dtype))
+            except LayoutError as e:
+                wrong = str(e)
             if wrong:
                 self.fail(f"{name} rank {self.rank} (loaded {st.param}): {wrong}")
             return
@@ -217,12 +220,14 @@ class _Audit:
                       f"planned shard ({_diff(held.cpu(), mine.to(held.dtype))})")
 
     def _sharing(self, st, dtype):
-        """The other checkpoint tensors loaded into `st`'s parameter, with statements (read
-        only to name what a wrong row holds, so only when one is wrong)."""
+        """The other checkpoint tensors loaded into `st`'s parameter at the same expert index,
+        with statements (read only to name what a wrong row holds, so only when one is
+        wrong)."""
         for name in self.reader.names():
             stored = _STORED_DTYPES.get(self.reader.meta(name)[1], torch.float32)
             other = self.book.state(name, stored) if name != st.name else None
-            if other is not None and other.param == st.param and not other.replicated:
+            if other is not None and other.param == st.param and not other.replicated and \
+                    _indices(other.slot) == _indices(st.slot):
                 tensor = self.reader.get(name)
                 yield other, tensor if tensor.dtype == dtype else tensor.to(dtype)
 
@@ -237,6 +242,11 @@ class _Audit:
         return {"failures": self.failures[:MAX_REPORTED], "tensors": self.tensors,
                 "ignored": self.ignored, "bytes_read": self.bytes_read,
                 "loaded_compared": self.loaded_compared, "stated": self.stated}
+
+
+def _indices(slot: tuple) -> tuple:
+    """The integer (expert) part of a parameter slot."""
+    return tuple(s for s in slot if isinstance(s, int))
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor) -> str:
