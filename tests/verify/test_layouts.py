@@ -143,3 +143,42 @@ def test_bundled_case_audits_clean_in_process():
     summary = _audit(2)
     assert summary["failures"] == [], summary["failures"]
     assert summary["stated"] == summary["tensors"] - summary["ignored"] > 0
+
+
+# Sizes of the order of a large Qwen3.5-MoE release (not any one checkpoint's exact config).
+LARGE = {"model_type": "qwen3_5_moe", "vocab_size": 248320, "tie_word_embeddings": False,
+         "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 2,
+         "head_dim": 256, "moe_intermediate_size": 1024, "shared_expert_intermediate_size": 1024,
+         "linear_num_key_heads": 16, "linear_num_value_heads": 64, "linear_key_head_dim": 128,
+         "linear_value_head_dim": 128}
+LARGE_TENSORS = [
+    ("model.language_model.layers.3.self_attn.q_proj.weight", torch.bfloat16, 1),
+    ("model.language_model.layers.3.self_attn.k_proj.weight", torch.bfloat16, "kv"),
+    ("model.language_model.layers.0.linear_attn.conv1d.weight", torch.bfloat16, 1),
+    ("model.language_model.layers.0.linear_attn.in_proj_qkv.weight", torch.bfloat16, 1),
+    ("model.language_model.layers.0.linear_attn.in_proj_b.weight", torch.bfloat16, 1),
+    ("model.language_model.layers.0.linear_attn.out_proj.weight", torch.bfloat16, 1),
+    ("model.language_model.layers.0.mlp.shared_expert.up_proj.weight", torch.bfloat16, 1),
+    ("model.language_model.layers.0.mlp.experts.511.down_proj.weight", torch.uint8, 1),
+    ("model.language_model.layers.0.mlp.experts.511.down_proj.weight_scale",
+     torch.float8_e4m3fn, 1),
+    ("lm_head.weight", torch.bfloat16, 1),
+]
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_large_statements_give_every_global_row_to_the_right_number_of_ranks(tp):
+    """At large sizes, across all ranks every global row (column) of each stated tensor is
+    held exactly once (KV heads: tp / kv times when fewer than ranks), no rank holds a row
+    outside the tensor, and only vocab padding is beyond it."""
+    book = LayoutBook(LARGE, tp)
+    for name, dtype, copies in LARGE_TENSORS:
+        st = book.state(name, dtype)
+        held = torch.cat([st.index(r, tp) for r in range(tp)])
+        rows = held[held != PAD]
+        want = max(tp // 2, 1) if copies == "kv" else 1
+        counts = torch.bincount(rows, minlength=st.extent)
+        assert len(counts) == st.extent and bool((counts == want).all()), (
+            f"{name} tp={tp}: rows held {counts.min()}..{counts.max()} times, want {want}")
+        pads = int((held == PAD).sum())
+        assert pads == (-(-st.extent // tp) * tp - st.extent if st.vocab else 0), name

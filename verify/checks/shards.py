@@ -113,6 +113,8 @@ class _Audit:
         ranks = range(self.size) if self.rank == 0 else [self.rank]
         shards = {r: spec.shard(full, r, self.size, name) for r in ranks}
         mine = shards[self.rank]
+        if self.rank == 0:
+            self._planned_layout(name, full, statement, shards)
         if not owns_storage(mine) or mine.untyped_storage().data_ptr() == \
                 full.untyped_storage().data_ptr():
             self.fail(f"{name}: rank {self.rank}'s shard is a view pinning "
@@ -131,7 +133,6 @@ class _Audit:
             self.fail(f"{name}: parameter {target.param} slot {key} is written twice")
         self.filled[target.param][key] = mine.numel()
         if self.rank == 0:
-            self._planned_layout(name, full, statement, shards)
             self._across_ranks(name, full, spec, shards)
         self._loaded(name, target, mine, statement, full)
 
@@ -149,20 +150,20 @@ class _Audit:
             return None
         if st is None:
             if target.param is not None:
-                self.fail_once(f"{name}: no layout statement covers it (the plan loads it into "
-                          f"{target.param} with {target.rule.spec})")
+                self.fail_once(f"{name}: no layout statement covers it (the plan loads it "
+                               f"into {target.param} with {target.rule.spec})")
             return None
         if st.ignored or target.param is None:
             if st.ignored != (target.param is None):
                 plan = "ignores it" if target.param is None else f"loads it into {target.param}"
                 self.fail_once(f"{name}: the layout says the engine "
-                          f"{'ignores' if st.ignored else 'loads'} it, the plan {plan}")
+                               f"{'ignores' if st.ignored else 'loads'} it, the plan {plan}")
             return None
         self.stated += 1
         if (st.param, slot_key(st.slot)) != (target.param, slot_key(target.slot)):
             self.fail_once(f"{name}: the plan writes it to {target.param} slot "
-                      f"{slot_key(target.slot)}, the layout says {st.param} slot "
-                      f"{slot_key(st.slot)}")
+                           f"{slot_key(target.slot)}, the layout says {st.param} slot "
+                           f"{slot_key(st.slot)}")
         return st
 
     def _planned_layout(self, name, full, st, shards) -> None:
