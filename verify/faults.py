@@ -10,7 +10,14 @@ from collections.abc import Callable
 
 import torch
 
+from verify.backend_faults import torch_nvfp4_drop_w13_global, torch_nvfp4_nibble_swap
 from verify.bug_catalogue import BUGS
+from verify.layout_faults import (
+    gdn_heads_from_first,
+    nvfp4_scale_group_shifted,
+    plain_chunk_gdn_zba,
+    plain_chunk_shared_gate_up,
+)
 
 
 def plain_chunk_gate_up() -> None:
@@ -344,6 +351,12 @@ FAULTS: dict[str, Callable[[], None]] = {
     "lm-head-no-gather": lm_head_no_gather,
     "allreduce-contiguous-copy": allreduce_contiguous_copy,
     **BUGS,
+    "gdn-heads-from-first": gdn_heads_from_first,
+    "plain-chunk-gdn-zba": plain_chunk_gdn_zba,
+    "plain-chunk-shared-gate-up": plain_chunk_shared_gate_up,
+    "block-scale-group-shifted": nvfp4_scale_group_shifted,
+    "torch-nvfp4-nibble-swap": torch_nvfp4_nibble_swap,
+    "torch-nvfp4-drop-w13-global": torch_nvfp4_drop_w13_global,
 }
 
 

@@ -1,14 +1,19 @@
 """`freetoken-verify --checks kernels` on CPU (Triton interpreter, float32, the reduced CPU
 matrix): it passes, runs once per TP size (the next model is skipped, saying so), and fails on
-each injected NVFP4 kernel bug, naming a case."""
+each injected NVFP4 kernel bug, naming a case and blaming the kernels; a bug injected into the
+engine's torch NVFP4 backend instead is blamed on the backend, naming the quantity it gets
+wrong, while the kernels are reported to agree with the format oracle."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 
+from verify.checks import kernels
 from verify.cli import main
+from verify.faults import FAULTS
 
 
 def _run(capsys, *args: str) -> tuple[int, str]:
@@ -47,3 +52,75 @@ def test_kernels_check_fails_on_injected_fault(capsys, tmp_path, fault):
     message = result["message"]
     assert message.startswith("tiny-llama tp=1: kernels in float32:"), message
     assert "moe experts=" in message and "mismatched" in message, message
+    assert "torch NVFP4 backend" not in message and \
+        result["metrics"]["backend_failed_cases"] == 0, message
+
+
+def test_kernels_check_blames_the_torch_backend(capsys, tmp_path):
+    """The torch backend reading nibbles in the wrong order fails the row, which says the
+    backend disagrees with the format oracle on w13 dequantization and that the kernels agree
+    with the oracle."""
+    report = tmp_path / "r.json"
+    code, out = _run(capsys, "--checks", "kernels", "--tp", "1", "--model", "tiny-llama",
+                     "--inject", "torch-nvfp4-nibble-swap", "--report-json", str(report))
+    assert code == 1, out
+    (result,) = json.loads(report.read_text())["results"]
+    assert result["status"] == "fail" and result["metrics"]["failed_cases"] == 0, result
+    assert result["metrics"]["backend_failed_cases"] == result["metrics"]["cases"], result
+    message = result["message"]
+    assert message.startswith("tiny-llama tp=1: torch NVFP4 backend disagrees with the format "
+                              "oracle on w13 dequantization (expert 0): "), message
+    assert message.endswith("; the kernels agree with the oracle in all 20 cases"), message
+
+
+SMALL = [kernels.KernelCase("moe", 7, 8, 2, 48, 64, 2),
+         kernels.KernelCase("linear", 3, 1, 1, 64, 32, 1)]
+
+
+@pytest.fixture()
+def restore_nvfp4(monkeypatch):
+    """Faults replace module attributes; re-setting them through monkeypatch first makes
+    pytest restore the originals after the test."""
+    from freetoken.kernels import use_interpreter
+
+    use_interpreter()  # first: it may reload kernel modules, replacing their attributes
+    from freetoken.kernels import nvfp4_linear, nvfp4_moe
+    from freetoken.layers.quantization.nvfp4 import format as nvfp4_format
+    from freetoken.layers.quantization.nvfp4 import reference
+
+    for module, name in ((nvfp4_format, "unpack_nibbles"), (reference, "dequantize_w13"),
+                         (nvfp4_moe, "fused_moe"), (nvfp4_linear, "nvfp4_linear")):
+        monkeypatch.setattr(module, name, getattr(module, name))
+
+
+@pytest.mark.parametrize("fault, words", [
+    ("torch-nvfp4-nibble-swap", "on w13 dequantization (expert 0): "),
+    ("torch-nvfp4-drop-w13-global", "on w13 dequantization (expert 0): "),
+])
+def test_backend_fault_is_blamed_on_the_backend(restore_nvfp4, fault, words):
+    """On a small matrix (one MoE, one linear case), a backend fault sets each MoE case's
+    backend failure, leaves the kernels' failures empty, and the verdict blames the
+    backend."""
+    FAULTS[fault]()
+    rows = kernels.run_matrix(SMALL, "cpu", torch.float32)
+    assert rows[0]["backend_failure"] and rows[0]["failure"] is None, rows[0]
+    assert all(r["failure"] is None for r in rows), rows
+    verdict = kernels.verdict(rows, "float32")
+    assert verdict.startswith("torch NVFP4 backend disagrees with the format oracle " + words)
+    assert verdict.endswith("the kernels agree with the oracle in all 2 cases"), verdict
+
+
+def test_kernel_fault_is_blamed_on_the_kernels(restore_nvfp4):
+    """A kernel fault on the same matrix leaves the backend agreeing with the oracle and the
+    verdict blames the kernels."""
+    FAULTS["nvfp4-drop-global-scale"]()
+    rows = kernels.run_matrix(SMALL, "cpu", torch.float32)
+    assert rows[0]["failure"] and not any(r["backend_failure"] for r in rows), rows
+    assert kernels.verdict(rows, "float32").startswith(
+        "kernels in float32: 1 / 2 cases fail against the format oracle; first: moe "), rows
+
+
+def test_clean_small_matrix_agrees_with_the_oracle(restore_nvfp4):
+    """Without faults the kernels and the backend agree with the oracle: no verdict."""
+    rows = kernels.run_matrix(SMALL, "cpu", torch.float32)
+    assert kernels.verdict(rows, "float32") == "", rows

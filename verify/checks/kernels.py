@@ -1,8 +1,13 @@
 """kernels: the NVFP4 Triton kernels (routed-expert MoE, decode and prefill paths, and the dense
-linear) against the torch reference (`freetoken.layers.quantization.nvfp4.reference`: table
-dequantization, float32 matmul), over a matrix of shapes. It verifies kernels, not the case's
-model: it runs for the first model of each TP size, on rank 0 only (other ranks idle), and
-reports `skip` for the other models.
+linear) and the engine's torch NVFP4 backend (`freetoken.layers.quantization.nvfp4.reference`)
+against an oracle the check computes itself from the format definition (`verify.nvfp4_oracle`:
+e2m1 codes, e4m3 block scales and fp32 global scales decoded from their bits, the MoE math in
+float64), over a matrix of shapes. The backend's dequantized weights (w13 with gate and up
+global scales, w2, the dense weight) must equal the oracle's bit for bit and its outputs match
+within the kernels' tolerance; when they do not, the row blames the backend and says whether
+the kernels agree with the oracle, instead of counting kernel failures. It verifies kernels,
+not the case's model: it runs for the first model of each TP size, on rank 0 only (other
+ranks idle), and reports `skip` for the other models.
 
 Weights come from the NVFP4 quantizer applied to heavy-tailed random weights (Student-t, a
 spread of per-expert scales), so block and global scales are realistic; every expert's up
@@ -29,135 +34,30 @@ LOW_PRECISION_REL_L2 and at least 99.9 % of elements within: rounding SiLU(gate)
 before the down projection moves a few elements where large terms cancel by a whole bf16 ulp
 of the terms (measured on an H200: 1 element in 131072 off by 1.0, relative L2 3e-3), while
 every injected kernel bug moves relative L2 by 0.3 or more.
-Metrics: max_abs and rel_l2 (worst case), pct_within_tol (all elements), cases, failed_cases.
+Metrics (kernel vs oracle): max_abs and rel_l2 (worst case), pct_within_tol (all elements),
+cases, failed_cases; backend_failed_cases (the torch backend vs the oracle).
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
-from dataclasses import dataclass
 
 import torch
 
+from verify import nvfp4_oracle as oracle
 from verify.checks import CheckContext
 from verify.compare import compare_tensors
+from verify.kernel_cases import KernelCase, cpu_matrix, gpu_matrix, make_experts, weights_for
 from verify.report import CheckResult
 
-TP_SIZES = (1, 2, 4, 8)
-TOKENS = (1, 7, 64, 300)
 TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2),
              torch.float16: (1e-2, 1e-2)}
 LOW_PRECISION_REL_L2 = {torch.bfloat16: 1e-2, torch.float16: 5e-3}
 MIN_WITHIN = 0.999
-
-
-@dataclass(frozen=True)
-class KernelCase:
-    """One kernel launch to check. kind "moe": `experts`, `top_k`; kind "linear": a dense
-    [intermediate / tp, hidden] weight (experts = top_k = 1)."""
-
-    kind: str
-    tokens: int
-    experts: int
-    top_k: int
-    hidden: int
-    intermediate: int
-    tp: int
-
-    @property
-    def local_intermediate(self) -> int:
-        return self.intermediate // self.tp
-
-    @property
-    def label(self) -> str:
-        shape = f"tokens={self.tokens} hidden={self.hidden} " \
-                f"I={self.intermediate}/tp{self.tp}={self.local_intermediate}"
-        if self.kind == "linear":
-            return f"linear {shape}"
-        return f"moe experts={self.experts} top_k={self.top_k} {shape}"
-
-
-def gpu_matrix(hiddens=(2048, 1040), intermediate=512) -> list[KernelCase]:
-    """The full product on GPU, plus a dense linear per tokens x hidden."""
-    cases = [KernelCase("moe", t, e, k, h, intermediate, tp) for t, e, k, h, tp
-             in itertools.product(TOKENS, (8, 64), (1, 2, 8), hiddens, TP_SIZES) if k <= e]
-    return cases + [KernelCase("linear", t, 1, 1, h, intermediate, 1)
-                    for t, h in itertools.product(TOKENS, hiddens)]
-
-
-def cpu_matrix(hiddens=(64, 48), intermediate=128) -> list[KernelCase]:
-    """Each tokens x tp pair once, top-k and hidden cycling; 64 experts (the slowest to
-    interpret) in 3 cases, one per top-k; 4 linear cases."""
-    cases = []
-    for i, (t, tp) in enumerate(itertools.product(TOKENS, TP_SIZES)):
-        cases.append(KernelCase("moe", t, 64 if i % 5 == 1 else 8, (1, 2, 8)[i % 3],
-                                hiddens[(i // 2) % 2], intermediate, tp))
-    return cases + [KernelCase("linear", t, 1, 1, hiddens[i % 2], intermediate, 1)
-                    for i, t in enumerate(TOKENS)]
-
-
-def _heavy_tailed(shape, scale: float, gen: torch.Generator) -> torch.Tensor:
-    # Student-t (4 dof) by ratio of normals and chi-square: outliers set realistic amaxes.
-    device = gen.device
-    z = torch.randn(shape, generator=gen, device=device)
-    chi2 = torch.randn((4, *shape), generator=gen, device=device).pow(2).sum(0)
-    return z / torch.sqrt(chi2 / 4) * scale
-
-
-def _quantized_shard(w: torch.Tensor, tp: int, rows: bool) -> tuple:
-    """Quantize a full checkpoint weight, then take rank 0's shard as the loader would."""
-    from freetoken.layers.quantization.nvfp4.quantizer import quantize
-    from freetoken.layers.quantization.nvfp4.specs import PACKED, SCALE, InputSplit
-    from freetoken.loading.specs import Split
-
-    q = quantize(w)
-    packed_spec, scale_spec = (Split(0), Split(0)) if rows else \
-        (InputSplit(PACKED, 1), InputSplit(SCALE, 1))
-    return (packed_spec.shard(q.packed, 0, tp, "packed"),
-            scale_spec.shard(q.block_scale, 0, tp, "block_scale"), q.global_scale)
-
-
-def make_experts(experts: int, hidden: int, intermediate: int, tp: int, seed: int,
-                 device="cpu") -> dict:
-    """Rank 0's NVFP4 expert tensors for `tp` ranks, named as `fused_moe` takes them,
-    generated and quantized on `device`."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    parts = {k: [] for k in ("w13", "w13_scale", "w13_global", "w2", "w2_scale", "w2_global")}
-    for _ in range(experts):
-        spread = float(torch.empty((), device=device).log_normal_(0.0, 0.5, generator=gen))
-        gate = _heavy_tailed((intermediate, hidden), spread / math.sqrt(hidden), gen)
-        up = _heavy_tailed((intermediate, hidden), spread / math.sqrt(hidden), gen)
-        ratio = 1.8 + 1.2 * float(torch.rand((), generator=gen, device=device))
-        up *= ratio * gate.abs().max() / up.abs().max()
-        down = _heavy_tailed((hidden, intermediate), 1.0 / math.sqrt(intermediate), gen)
-        (gp, gs, gg), (upk, us, ug) = (_quantized_shard(m, tp, True) for m in (gate, up))
-        dp, ds, dg = _quantized_shard(down, tp, False)
-        for key, value in zip(parts, (torch.cat([gp, upk]), torch.cat([gs, us]),
-                                      torch.stack([gg, ug]), dp, ds, dg)):
-            parts[key].append(value)
-    return {k: torch.stack(v) for k, v in parts.items()}
-
-
-def _weights_for(case: KernelCase, device, cache: dict) -> dict:
-    """The case's weights, shared by every case of the same shape (quantizing 64 experts at
-    H = 2048 costs more than the kernels)."""
-    key = (case.kind, case.experts, case.hidden, case.intermediate, case.tp)
-    if key not in cache:
-        seed = sum(key[1:]) * 7919 + len(case.kind)
-        if case.kind == "linear":
-            from freetoken.layers.quantization.nvfp4.quantizer import quantize
-
-            gen = torch.Generator(device=device).manual_seed(seed)
-            shape = (case.local_intermediate, case.hidden)
-            q = quantize(_heavy_tailed(shape, 1.0 / math.sqrt(case.hidden), gen))
-            cache[key] = {"packed": q.packed, "block_scale": q.block_scale,
-                          "global_scale": q.global_scale}
-        else:
-            cache[key] = make_experts(case.experts, case.hidden, case.intermediate, case.tp,
-                                      seed, device)
-    return cache[key]
+BACKEND = "torch NVFP4 backend disagrees with the format oracle"
+__all__ = ["KernelCase", "cpu_matrix", "gpu_matrix", "make_experts", "run", "run_case",
+           "run_matrix", "summarize"]
 
 
 def _routing(tokens: int, experts: int, top_k: int, gen: torch.Generator):
@@ -169,25 +69,90 @@ def _routing(tokens: int, experts: int, top_k: int, gen: torch.Generator):
 
 def run_case(case: KernelCase, device, dtype: torch.dtype, seed: int,
              cache: dict | None = None) -> dict:
-    """Kernel vs reference for one case: a row of metrics, with `failure` (str or None)."""
+    """Kernel, and the engine's torch backend, against the format oracle for one case: a row
+    of metrics (kernel vs oracle), with `failure` (the kernels' failure, str or None) and
+    `backend_failure` (the torch backend's, str or None)."""
     from freetoken.kernels import nvfp4_linear, nvfp4_moe
     from freetoken.layers.quantization.nvfp4 import reference
 
-    w = _weights_for(case, device, {} if cache is None else cache)
+    cache = {} if cache is None else cache
+    w = weights_for(case, device, cache)
+    truth = _oracle_weights(case, w, cache)
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(case.tokens, case.hidden, generator=gen).to(device, dtype)
     if case.kind == "linear":
-        ref = reference.reference_linear(x, **w)
+        want = oracle.linear(x, truth["weight"])
+        backend = reference.reference_linear(x, **w)
         out = nvfp4_linear.nvfp4_linear(x, **w)
     else:
         weights, ids = _routing(case.tokens, case.experts, case.top_k, gen)
         weights, ids = weights.to(device, dtype), ids.to(device)
-        ref = reference.reference_moe(x, weights, ids, **w)
+        want = oracle.moe(x, weights, ids, truth["w13"], truth["w2"])
+        backend = reference.reference_moe(x, weights, ids, **w)
         out = nvfp4_moe.fused_moe(x, weights, ids, **w)
-    return _compare(case, out, ref, dtype)
+    row = _compare(case, out, want, dtype)
+    row["backend_failure"] = truth["backend_failure"] or _backend_output(case, backend, want,
+                                                                         dtype)
+    return row
 
 
-def _compare(case: KernelCase, out: torch.Tensor, ref: torch.Tensor, dtype) -> dict:
+def _oracle_weights(case: KernelCase, w: dict, cache: dict) -> dict:
+    """The format oracle's float32 weights for the case's weight set, and whether the torch
+    backend dequantizes every one of them to the same bits (computed once per weight set)."""
+    key = ("oracle", case.kind, case.experts, case.hidden, case.intermediate, case.tp)
+    if key not in cache:
+        cache[key] = (_oracle_linear(w) if case.kind == "linear" else _oracle_experts(w))
+    return cache[key]
+
+
+def _oracle_linear(w: dict) -> dict:
+    from freetoken.layers.quantization.nvfp4 import reference
+
+    truth = oracle.dequantize(w["packed"], w["block_scale"], w["global_scale"])
+    got = reference.dequantize(w["packed"], w["block_scale"], w["global_scale"])
+    return {"weight": truth, "backend_failure": _dequant_diff("weight", got, truth)}
+
+
+def _oracle_experts(w: dict) -> dict:
+    from freetoken.layers.quantization.nvfp4 import reference
+
+    out = {"w13": {}, "w2": {}, "backend_failure": None}
+    for e in range(w["w13"].shape[0]):
+        out["w13"][e] = oracle.w13(w["w13"][e], w["w13_scale"][e], w["w13_global"][e])
+        out["w2"][e] = oracle.dequantize(w["w2"][e], w["w2_scale"][e], w["w2_global"][e])
+        out["backend_failure"] = out["backend_failure"] or _dequant_diff(
+            f"w13 dequantization (expert {e})",
+            reference.dequantize_w13(w["w13"][e], w["w13_scale"][e], w["w13_global"][e]),
+            out["w13"][e]) or _dequant_diff(
+            f"w2 dequantization (expert {e})",
+            reference.dequantize(w["w2"][e], w["w2_scale"][e], w["w2_global"][e]),
+            out["w2"][e])
+    return out
+
+
+def _dequant_diff(what: str, got: torch.Tensor, truth: torch.Tensor) -> str | None:
+    """None when the backend's float32 weight equals the oracle's bit for bit, else where
+    it first differs."""
+    if got.shape != truth.shape or got.dtype != truth.dtype:
+        return (f"{BACKEND} on {what}: shape {tuple(got.shape)} {got.dtype}, oracle "
+                f"{tuple(truth.shape)} {truth.dtype}")
+    differ = got.view(torch.int32) != truth.view(torch.int32)
+    if not bool(differ.any()):
+        return None
+    first = tuple(differ.nonzero()[0].tolist())
+    return (f"{BACKEND} on {what}: {int(differ.sum())} / {differ.numel()} values differ, "
+            f"first at {list(first)}: backend {got[first].item():g}, oracle "
+            f"{truth[first].item():g}")
+
+
+def _backend_output(case: KernelCase, backend: torch.Tensor, want: torch.Tensor,
+                    dtype) -> str | None:
+    failure = _compare(case, backend, want, dtype, "torch backend output")["failure"]
+    return f"{BACKEND} on the output: {failure}" if failure else None
+
+
+def _compare(case: KernelCase, out: torch.Tensor, ref: torch.Tensor, dtype,
+             what: str = "kernel output") -> dict:
     rtol, atol = TOLERANCE[dtype]
     ref64, out64 = ref.double().cpu(), out.double().cpu()
     rms = float(ref64.pow(2).mean().sqrt()) if ref64.numel() else 0.0
@@ -199,7 +164,7 @@ def _compare(case: KernelCase, out: torch.Tensor, ref: torch.Tensor, dtype) -> d
     if not bool(torch.isfinite(ref64).all()):
         failure = f"{case.label}: the reference itself is not finite"
     elif nonfinite:
-        failure = f"{case.label}: {nonfinite} non-finite values in the kernel output"
+        failure = f"{case.label}: {nonfinite} non-finite values in the {what}"
     elif dtype in LOW_PRECISION_REL_L2 and cmp.actual_shape is None:
         if rel_l2 > LOW_PRECISION_REL_L2[dtype]:
             failure = (f"{case.label}: relative L2 {rel_l2:.2e} > allowed "
@@ -222,21 +187,42 @@ def run_matrix(cases: list[KernelCase], device, dtype: torch.dtype) -> list[dict
             row = run_case(case, device, dtype, seed=1000 + i, cache=cache)
         except Exception as e:  # one broken case must not hide the others
             row = {"case": case.label, "max_abs": math.inf, "rel_l2": math.inf, "within": 0,
-                   "numel": 1, "failure": f"{case.label}: {type(e).__name__}: {e}"}
+                   "numel": 1, "failure": f"{case.label}: {type(e).__name__}: {e}",
+                   "backend_failure": None}
         row["seconds"] = time.monotonic() - start
         rows.append(row)
     return rows
 
 
 def summarize(rows: list[dict]) -> tuple[dict, list[str]]:
-    """Metrics over all cases and the failures, in case order."""
+    """Metrics over all cases (kernel vs the format oracle; `backend_failed_cases`: cases
+    where the torch backend disagrees with the oracle) and the kernels' failures, in case
+    order."""
     failures = [r["failure"] for r in rows if r["failure"]]
     numel = sum(r["numel"] for r in rows)
     metrics = {"max_abs": max((r["max_abs"] for r in rows), default=0.0),
                "rel_l2": max((r["rel_l2"] for r in rows), default=0.0),
                "pct_within_tol": 100.0 * sum(r["within"] for r in rows) / max(numel, 1),
-               "cases": len(rows), "failed_cases": len(failures)}
+               "cases": len(rows), "failed_cases": len(failures),
+               "backend_failed_cases": sum(1 for r in rows if r.get("backend_failure"))}
     return metrics, failures
+
+
+def verdict(rows: list[dict], dtype: str) -> str:
+    """The row message: the torch backend blamed first when it disagrees with the oracle
+    (with whether the kernels agree with the oracle), then the kernels' failures; "" when
+    everything agrees."""
+    failures = [r["failure"] for r in rows if r["failure"]]
+    backend = [r["backend_failure"] for r in rows if r.get("backend_failure")]
+    parts = []
+    if backend:
+        parts.append(f"{backend[0]} ({len(backend)} / {len(rows)} cases)")
+    if failures:
+        parts.append(f"kernels in {dtype}: {len(failures)} / {len(rows)} cases fail against "
+                     f"the format oracle; first: {failures[0]}")
+    elif backend:
+        parts.append(f"the kernels agree with the oracle in all {len(rows)} cases")
+    return "; ".join(parts)
 
 
 def _on_rank(rank_ctx, dtype_name: str) -> dict | None:
@@ -264,11 +250,9 @@ def run(ctx: CheckContext) -> CheckResult:
                            f"kernel matrix already run at tp={ctx.tp} (with {ctx.cache[key]})")
     ctx.cache[key] = ctx.case.name
     value = ctx.runner.run(_on_rank, ctx.options.dtype)[0].value
-    metrics, failures = summarize(value["rows"])
-    status = "fail" if failures else "pass"
-    message = ""
-    if failures:
-        message = (f"{ctx.case.name} tp={ctx.tp}: kernels in {value['dtype']}: "
-                   f"{len(failures)} / {len(value['rows'])} cases fail; first: {failures[0]}")
+    metrics, _ = summarize(value["rows"])
+    message = verdict(value["rows"], value["dtype"])
+    status = "fail" if message else "pass"
+    message = f"{ctx.case.name} tp={ctx.tp}: {message}" if message else ""
     return CheckResult("kernels", ctx.case.name, ctx.tp, status, time.monotonic() - start,
                        ctx.placement, metrics, message)

@@ -1,13 +1,18 @@
 """shards: every checkpoint tensor through the engine's own shard plan, for every rank, one
-tensor at a time and without building the model.
+tensor at a time and without building the model, and against the model's layout as stated
+independently of the plan (`verify.layout_book`).
 
-Per tensor: exactly one rule matches; each rank's shard is a fresh tensor (a view would pin
-the whole checkpoint tensor); it fits the rank's parameter slot (shapes from a model built on
-the meta device); reassembling all ranks' shards with the plan's inverse gives the original
-bit for bit; replicated tensors are identical on every rank; KV heads sit on the rank the TP
-convention names (`r * num_kv // tp_size`). Per parameter: every element is covered exactly
-once. When the engine for this model is already loaded on the rank (after golden or memory),
-its parameters must equal the planned shards."""
+Per tensor: exactly one rule matches; a layout statement covers it, names the same engine
+parameter and slot as the plan, and agrees on whether the engine loads it; each rank's shard
+is a fresh tensor (a view would pin the whole checkpoint tensor); it fits the rank's parameter
+slot (shapes from a model built on the meta device); every rank's shard holds exactly the
+global rows (columns) the statement gives that rank, in the stated local order, bit for bit
+(the first wrong local row is named with the global row it holds and the one it should hold,
+and a shard identical to another rank's whose stated rows differ is called out); reassembling
+all ranks' shards with the plan's inverse gives the original bit for bit; replicated tensors
+are identical on every rank. Per parameter: every element is covered exactly once. When the
+engine for this model is already loaded on the rank (after golden or memory), each loaded
+parameter slot is compared with the statement the same way."""
 
 from __future__ import annotations
 
@@ -17,9 +22,15 @@ from collections import defaultdict
 import torch
 
 from verify.checks import CheckContext
+from verify.layout_book import LayoutBook
+from verify.layout_compare import identical_to, mismatch
+from verify.layouts import LayoutError
 from verify.report import CheckResult
 
 MAX_REPORTED = 20
+# Statements depend on a tensor's dtype only to tell NVFP4 packed weights and block scales
+# from unquantized ones.
+_STORED_DTYPES = {"U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn}
 
 
 def run(ctx: CheckContext) -> CheckResult:
@@ -28,6 +39,7 @@ def run(ctx: CheckContext) -> CheckResult:
     failures = [f for r in records for f in r.value["failures"]]
     first = records[0].value
     metrics = {"tensors": first["tensors"], "ignored": first["ignored"],
+               "stated": first["stated"],
                "bytes_read": first["bytes_read"],
                "loaded_compared": sum(r.value["loaded_compared"] for r in records),
                "problems": len(failures)}
@@ -42,11 +54,6 @@ def owns_storage(t: torch.Tensor) -> bool:
     return t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
-def expected_kv_head(rank: int, size: int, num_heads: int) -> int:
-    """The design's KV replication convention, stated independently of the engine."""
-    return rank * num_heads // size
-
-
 def _audit(rank_ctx, engine_args: dict) -> dict:
     """Runs on every rank; rank 0 also checks round trips and replication across ranks."""
     from freetoken.loading import CheckpointReader, ShardError
@@ -55,7 +62,7 @@ def _audit(rank_ctx, engine_args: dict) -> dict:
     audit = _Audit(rank_ctx, engine_args)
     engine = resident_engine(rank_ctx, engine_args)
     audit.loaded = dict(engine.model.named_parameters()) if engine is not None else None
-    reader = CheckpointReader(engine_args["folder"], engine_args["num_layers"])
+    reader = audit.reader = CheckpointReader(engine_args["folder"], engine_args["num_layers"])
     for name in reader.names():
         try:
             audit.tensor(name, reader.get(name))
@@ -80,11 +87,17 @@ class _Audit:
             self.params = dict(build_model(cfg).named_parameters())
         self.filled: dict[str, dict[str, int]] = defaultdict(dict)
         self.failures: list[str] = []
-        self.tensors = self.ignored = self.bytes_read = self.loaded_compared = 0
-        self.loaded = None
+        self.tensors = self.ignored = self.bytes_read = self.loaded_compared = self.stated = 0
+        self.book = LayoutBook.from_folder(engine_args["folder"], self.size)
+        self.loaded = self.reader = None
 
     def fail(self, message: str) -> None:
         self.failures.append(message)
+
+    def fail_once(self, message: str) -> None:
+        """A finding that is the same on every rank: reported by rank 0 only."""
+        if self.rank == 0:
+            self.fail(message)
 
     def tensor(self, name: str, full: torch.Tensor) -> None:
         from freetoken.loading.plan import slot_key
@@ -92,6 +105,7 @@ class _Audit:
         target = self.plan.resolve(name)
         self.tensors += 1
         self.bytes_read += full.numel() * full.element_size()
+        statement = self._statement(name, full, target)
         if target.param is None:
             self.ignored += 1
             return
@@ -99,6 +113,8 @@ class _Audit:
         ranks = range(self.size) if self.rank == 0 else [self.rank]
         shards = {r: spec.shard(full, r, self.size, name) for r in ranks}
         mine = shards[self.rank]
+        if self.rank == 0:
+            self._planned_layout(name, full, statement, shards)
         if not owns_storage(mine) or mine.untyped_storage().data_ptr() == \
                 full.untyped_storage().data_ptr():
             self.fail(f"{name}: rank {self.rank}'s shard is a view pinning "
@@ -118,10 +134,58 @@ class _Audit:
         self.filled[target.param][key] = mine.numel()
         if self.rank == 0:
             self._across_ranks(name, full, spec, shards)
-        self._loaded(name, target, mine)
+        self._loaded(name, target, mine, statement, full)
+
+    def _statement(self, name, full, target):
+        """The tensor's layout statement, after checking that it covers what the plan does
+        with the tensor and names the same destination; None when nothing can be compared."""
+        from freetoken.loading.plan import slot_key
+
+        try:
+            st = self.book.state(name, full.dtype)
+            if st is not None:
+                st.check_shape(tuple(full.shape))
+        except LayoutError as e:
+            self.fail_once(str(e))
+            return None
+        if st is None:
+            if target.param is not None:
+                self.fail_once(f"{name}: no layout statement covers it (the plan loads it "
+                               f"into {target.param} with {target.rule.spec})")
+            return None
+        if st.ignored or target.param is None:
+            if st.ignored != (target.param is None):
+                plan = "ignores it" if target.param is None else f"loads it into {target.param}"
+                self.fail_once(f"{name}: the layout says the engine "
+                               f"{'ignores' if st.ignored else 'loads'} it, the plan {plan}")
+            return None
+        self.stated += 1
+        if (st.param, slot_key(st.slot)) != (target.param, slot_key(target.slot)):
+            self.fail_once(f"{name}: the plan writes it to {target.param} slot "
+                           f"{slot_key(target.slot)}, the layout says {st.param} slot "
+                           f"{slot_key(st.slot)}")
+        return st
+
+    def _planned_layout(self, name, full, st, shards) -> None:
+        """Every rank's planned shard against the statement; the first wrong rank is named,
+        and whether its shard is another rank's although their rows should differ."""
+        if st is None:
+            return
+        for r in range(self.size):
+            try:
+                wrong = mismatch(st, full, shards[r], r, self.size)
+                same = identical_to(st, full, shards, r, self.size) if wrong else None
+            except LayoutError as e:
+                self.fail(str(e))
+                return
+            if wrong:
+                also = "" if same is None else (f"; its shard is identical to rank {same}'s, "
+                                                "whose layout rows differ")
+                self.fail(f"{name} rank {r}: {wrong}{also}")
+                return
 
     def _across_ranks(self, name, full, spec, shards) -> None:
-        from freetoken.loading.specs import Heads, Replicate
+        from freetoken.loading.specs import Replicate
 
         parts = [shards[r] for r in range(self.size)]
         back = spec.unshard(parts, name)
@@ -132,25 +196,41 @@ class _Audit:
             bad = [r for r in range(1, self.size) if not torch.equal(parts[r], parts[0])]
             if bad:
                 self.fail(f"{name}: replicated tensor differs on rank(s) {bad}")
-        if isinstance(spec, Heads) and spec.num_heads < self.size:
-            rows = full.shape[spec.dim] // spec.num_heads
-            for r in range(self.size):
-                head = expected_kv_head(r, self.size, spec.num_heads)
-                want = full.narrow(spec.dim, head * rows, rows)
-                if not torch.equal(parts[r], want):
-                    self.fail(f"{name}: rank {r} should hold KV head {head} (of "
-                              f"{spec.num_heads}) but holds something else")
-                    break
 
-    def _loaded(self, name, target, mine) -> None:
+    def _loaded(self, name, target, mine, st, full) -> None:
+        """The loaded engine's parameter against the statement (or, for a tensor without
+        one, against the planned shard)."""
         if self.loaded is None:
+            return
+        self.loaded_compared += 1
+        if st is not None and st.param in self.loaded:
+            held = self.loaded[st.param].data[st.slot].cpu()
+            ref = full if held.dtype == full.dtype else full.to(held.dtype)
+            try:
+                wrong = mismatch(st, ref, held, self.rank, self.size,
+                                 lambda: self._sharing(st, held.dtype))
+            except LayoutError as e:
+                wrong = str(e)
+            if wrong:
+                self.fail(f"{name} rank {self.rank} (loaded {st.param}): {wrong}")
             return
         param = self.loaded[target.param].data
         held = param[target.slot] if target.slot else param
-        self.loaded_compared += 1
         if not torch.equal(held.cpu(), mine.to(held.dtype)):
             self.fail(f"{name}: rank {self.rank}'s loaded {target.param} differs from its "
                       f"planned shard ({_diff(held.cpu(), mine.to(held.dtype))})")
+
+    def _sharing(self, st, dtype):
+        """The other checkpoint tensors loaded into `st`'s parameter at the same expert index,
+        with statements (read only to name what a wrong row holds, so only when one is
+        wrong)."""
+        for name in self.reader.names():
+            stored = _STORED_DTYPES.get(self.reader.meta(name)[1], torch.float32)
+            other = self.book.state(name, stored) if name != st.name else None
+            if other is not None and other.param == st.param and not other.replicated and \
+                    _indices(other.slot) == _indices(st.slot):
+                tensor = self.reader.get(name)
+                yield other, tensor if tensor.dtype == dtype else tensor.to(dtype)
 
     def coverage(self) -> None:
         for pname, p in self.params.items():
@@ -162,7 +242,12 @@ class _Audit:
     def summary(self) -> dict:
         return {"failures": self.failures[:MAX_REPORTED], "tensors": self.tensors,
                 "ignored": self.ignored, "bytes_read": self.bytes_read,
-                "loaded_compared": self.loaded_compared}
+                "loaded_compared": self.loaded_compared, "stated": self.stated}
+
+
+def _indices(slot: tuple) -> tuple:
+    """The integer (expert) part of a parameter slot."""
+    return tuple(s for s in slot if isinstance(s, int))
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor) -> str:
