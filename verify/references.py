@@ -79,7 +79,8 @@ def golden_reference(case, options) -> Reference:
     return ref
 
 
-def _hf_model(case, options, dtype, device):
+def hf_model(case, options, dtype, device):
+    """HF's model of `case` at `dtype` on `device`, truncated as `options.num_layers` asks."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(case.folder)
@@ -104,11 +105,11 @@ def live_hf_reference(case, options, device) -> Reference:
 
     dtype = resolve_dtype(options.dtype, case.model_config)
     prompts, num_greedy = prompts_for(case, options)
-    model = _hf_model(case, options, torch.float32, device)
+    model = hf_model(case, options, torch.float32, device)
     ref = Reference.from_tensors("hf", prompts, hf_reference(model, prompts, num_greedy))
     del model
     if dtype != torch.float32:
-        model = _hf_model(case, options, dtype, device)
+        model = hf_model(case, options, dtype, device)
         ref.baseline = [low_precision_spread(model, p, e)
                         for p, e in zip(prompts, ref.prefill_logits)]
         del model

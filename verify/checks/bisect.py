@@ -198,13 +198,13 @@ def _hf_references(ctx: CheckContext, ids: list[int]):
 
 
 def _run_hf(ctx: CheckContext, ids: list[int]):
-    from verify.references import _hf_model
+    from verify.references import hf_model
 
     device = ctx.runner.placement.device_for(0)
     dtype = resolve_dtype(ctx.options.dtype, ctx.case.model_config)
     acts = []
     for d in dict.fromkeys((torch.float32, dtype)):
-        model = _hf_model(ctx.case, ctx.options, d, device)
+        model = hf_model(ctx.case, ctx.options, d, device)
         acts.append(hf_activations(model, ids))
         del model
     names = NameMap(set(acts[0]), ctx.case.model_config.num_attention_heads,
