@@ -8,6 +8,7 @@ from freetoken.distributed import PlacementError, choose_placement
 from verify.cases import CASES, CaseError, resolve_case
 from verify.checks import ALL_CHECK_NAMES, VerifyOptions, available_checks
 from verify.cli import EXIT_FAILED, EXIT_OK, _parse_tp, _split
+from verify.inputs import check_case_files, check_report_paths
 from verify.references import reference_source
 from verify.report import count_line, environment, render_table, write_json, write_junit
 from verify.runner import Plan, run_plan
@@ -32,6 +33,7 @@ def _validate(cases, tp_sizes, options, selected: dict) -> None:
     from freetoken.models.registry import check_tp
 
     for case in cases:
+        check_case_files(case)
         cfg = case.model_config
         try:
             if options.num_layers is not None:
@@ -61,9 +63,9 @@ def build_plan(models, tp, checks, device, oversubscribe, dtype, reference, num_
     if not tp_sizes:
         _fail_usage("--tp: no TP sizes given")
     options = VerifyOptions(device, dtype, reference, num_layers, oversubscribe, timeout)
-    selected = _checks(_split(checks))
+    selected = _checks(_split(checks, "--checks"))
     try:
-        cases = [resolve_case(m) for m in _split(models) or sorted(CASES)]
+        cases = [resolve_case(m) for m in _split(models, "--model") or sorted(CASES)]
     except CaseError as e:
         _fail_usage(str(e))
     _validate(cases, tp_sizes, options, selected)
@@ -72,6 +74,7 @@ def build_plan(models, tp, checks, device, oversubscribe, dtype, reference, num_
 
 def execute(models, tp, checks, device, oversubscribe, dtype, reference, num_layers,
             report_json, junit_xml, timeout, faults, verbose) -> int:
+    check_report_paths(report_json, junit_xml)
     plan = build_plan(models, tp, checks, device, oversubscribe, dtype, reference, num_layers,
                       timeout, faults)
     if plan.faults:
