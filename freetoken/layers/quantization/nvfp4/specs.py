@@ -11,6 +11,7 @@ Global scales are per tensor: replicated, and kept float32 (`GlobalScale`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -84,6 +85,11 @@ class GlobalScale:
         if tuple(full.shape) not in ((), (1,)):
             raise ShardError(f"{name}: NVFP4 global scale has shape {tuple(full.shape)}, "
                              "expected a scalar, () or (1,)")
+        value = float(full)
+        if not math.isfinite(value) or value < 0:
+            # A NaN global scale otherwise loads and turns every weight of the tensor to NaN.
+            what = "NaN" if math.isnan(value) else "Inf" if math.isinf(value) else "negative"
+            raise ShardError(f"{name}: NVFP4 global scale holds {what} ({value})")
         return _fresh(full).reshape(())
 
     def unshard(self, parts: list[torch.Tensor], name: str = "") -> torch.Tensor:
