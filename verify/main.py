@@ -7,7 +7,7 @@ import click
 from freetoken.distributed import PlacementError, choose_placement
 from verify.cases import CASES, CaseError, resolve_case
 from verify.checks import ALL_CHECK_NAMES, VerifyOptions, available_checks
-from verify.cli import EXIT_FAILED, EXIT_OK, _parse_tp, _split
+from verify.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, _parse_tp, _split
 from verify.inputs import check_case_files, check_report_paths
 from verify.references import reference_source
 from verify.report import count_line, environment, render_table, write_json, write_junit
@@ -86,13 +86,26 @@ def execute(models, tp, checks, device, oversubscribe, dtype, reference, num_lay
             click.echo(f"\n=== {model} {check} tp={tp_size} ===\n{detail}")
     resolved = "cuda" if any(r.placement.startswith("cuda") for r in results) else "cpu"
     env = environment(resolved, _gpu_count())
-    if report_json:
-        write_json(report_json, results, env)
-    if junit_xml:
-        write_junit(junit_xml, results)
+    written = [_write_report("--report-json", report_json, write_json, results, env),
+               _write_report("--junit-xml", junit_xml, write_junit, results)]
     click.echo(count_line(results))
     bad = any(r.status in ("fail", "error") for r in results)
+    if not all(written):
+        return EXIT_USAGE
     return EXIT_FAILED if bad else EXIT_OK
+
+
+def _write_report(option: str, path: str | None, writer, *args) -> bool:
+    """Write one report; a path that became unwritable during the run (checked before it)
+    is one error line, and the other report and the count line still come out."""
+    if not path:
+        return True
+    try:
+        writer(path, *args)
+    except OSError as e:
+        click.echo(f"error: {option}: could not write {path} ({e.strerror or e})", err=True)
+        return False
+    return True
 
 
 def _gpu_count() -> int:
