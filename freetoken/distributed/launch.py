@@ -1,8 +1,10 @@
 """A persistent group of TP rank processes that runs functions on every rank.
 
-Start the group once, run many functions in it, close it. A rank that raises tears the group
-down and its traceback reaches the caller; a rank that hangs is killed at the timeout after its
-Python stack was dumped; workers watch the parent and exit when it is gone.
+Start the group once, run many functions in it, close it. A rank that raises or dies tears
+the group down and the root failure (see `failures.py`) reaches the caller as a RankError; a
+rank that hangs is killed at the timeout after its Python stack was dumped; workers watch the
+parent and exit when it is gone. `close_all_groups` kills every running group at once (the
+signal handlers of `signals.py` call it).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ __all__ = ["RankContext", "RankError", "RankGroup", "RankTimeout", "close_all_gr
 _GRACE_S = 0.3
 # How long ranks asked to stop get before they are killed, all of them together.
 _STOP_WAIT_S = 5.0
+# Every running group of this process, for close_all_groups.
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
