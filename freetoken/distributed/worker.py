@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import shutil
 import signal
 import threading
 import time
@@ -32,12 +33,14 @@ class RankContext:
         return self.placement.device_for(self.rank)
 
 
-def _watch_parent(parent_pid: int) -> None:
+def _watch_parent(parent_pid: int, rank: int, tmp: str) -> None:
     while True:
         time.sleep(1.0)
         try:
             os.kill(parent_pid, 0)
         except ProcessLookupError:
+            if rank == 0:  # the dead parent cannot remove the group's directory any more
+                shutil.rmtree(tmp, ignore_errors=True)
             os._exit(3)
 
 
@@ -55,7 +58,7 @@ def worker_main(rank, size, placement, tmp, conn, parent_pid, env) -> None:
     tqdm.set_lock(threading.RLock())
     stack_file = open(Path(tmp) / f"stack-{rank}.txt", "w")  # noqa: SIM115 - lives with the process
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=_watch_parent, args=(parent_pid, rank, tmp), daemon=True).start()
     try:
         ctx = _init_rank(rank, size, placement, tmp)
         conn.send(("ok", None))
