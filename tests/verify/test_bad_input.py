@@ -128,6 +128,17 @@ def test_config_types_and_ranges_are_refused(capsys, tmp_path, changes, needles)
     _assert_refused(capsys, ["--model", str(folder), "--tp", "1"], *needles)
 
 
+def test_hybrid_config_types_are_refused(capsys, tmp_path):
+    """Qwen3.5-MoE's own keys are typed too: GatedDeltaNet heads as a string are refused."""
+    folder = _make_copy(tmp_path, "tiny-qwen3.5-moe")
+    config = json.loads((folder / "config.json").read_text())
+    text = config.get("text_config", config)
+    text["linear_num_key_heads"] = "8"
+    (folder / "config.json").write_text(json.dumps(config))
+    _assert_refused(capsys, ["--model", str(folder), "--tp", "1"], "config.json",
+                    "linear_num_key_heads must be a positive integer, got '8'")
+
+
 def test_broken_quant_config_is_named(capsys, tmp_path):
     """A broken hf_quant_config.json is reported as that file, not as config.json; a list
     where module names belong is refused rather than split into characters."""
