@@ -9,6 +9,24 @@ import click
 from freetoken.distributed import RankError, RankTimeout
 
 USAGE_ERRORS = (ValueError, FileNotFoundError)
+# Exceptions a rank raises on bad input (a damaged or inconsistent checkpoint): exit 2 with
+# one line, like a usage error, instead of a rank traceback and exit 1.
+INPUT_FAULTS = ("NonFiniteError", "LoadError", "CheckpointError", "ShardError", "ConfigError",
+                "NVFP4ConfigError", "NVFP4FormatError")
+
+
+class PositiveInt(click.ParamType):
+    """A positive integer in ASCII digits (int() also takes other scripts' digits)."""
+
+    name = "count"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+        text = str(value).strip()
+        if text.isascii() and text.isdigit() and int(text) >= 1:
+            return int(text)
+        self.fail(f"{value!r} is not a positive integer", param, ctx)
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -26,7 +44,8 @@ def main() -> None:
 
 @main.command()
 @click.option("--model", required=True, help="checkpoint folder or hub id in the local HF cache")
-@click.option("--tp", default=1, show_default=True, help="tensor-parallel size")
+@click.option("--tp", type=PositiveInt(), default=1, show_default=True,
+              help="tensor-parallel size")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
               show_default=True)
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
@@ -35,7 +54,7 @@ def main() -> None:
 @click.option("--prompt", "prompts", multiple=True, help="a text prompt (repeatable)")
 @click.option("--prompt-ids", "prompt_ids", multiple=True,
               help="a prompt as token ids, e.g. '1,2,3' (repeatable)")
-@click.option("--max-tokens", default=32, show_default=True)
+@click.option("--max-tokens", type=PositiveInt(), default=32, show_default=True)
 @click.option("--temperature", default=0.0, show_default=True)
 @click.option("--top-k", default=0, show_default=True)
 @click.option("--top-p", default=1.0, show_default=True)
@@ -44,29 +63,44 @@ def main() -> None:
 def generate(model, tp, device, dtype, oversubscribe, prompts, prompt_ids, max_tokens,
              temperature, top_k, top_p, seed, ignore_eos) -> None:
     """Generate a continuation for each prompt."""
-    from freetoken import LLM, SamplingParams
+    from freetoken.distributed import stop_on_signals
 
     all_prompts = list(prompts) + [_parse_ids(p) for p in prompt_ids]
     if not all_prompts:
         raise click.UsageError("give at least one --prompt or --prompt-ids")
-    try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                                top_p=top_p, seed=seed, ignore_eos=ignore_eos)
-        with LLM(model, tp=tp, device=device, dtype=dtype, oversubscribe=oversubscribe) as llm:
-            results = llm.generate(all_prompts, params)
-    except (RankError, RankTimeout) as e:
-        detail = e.detail if isinstance(e, RankError) else e.describe()
-        click.echo(detail, err=True)
-        click.echo(f"error: {e}", err=True)
-        sys.exit(1)
-    except USAGE_ERRORS as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(2)
+    with stop_on_signals():
+        results = _generate(all_prompts, model, tp, device, dtype, oversubscribe,
+                            dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
+                                 top_p=top_p, seed=seed, ignore_eos=ignore_eos))
     for prompt, result in zip(all_prompts, results):
         click.echo(f"prompt: {prompt!r}")
         if result.text is not None:
             click.echo(f"text:   {result.text!r}")
         click.echo(f"ids:    {result.token_ids}")
+
+
+def _generate(prompts, model, tp, device, dtype, oversubscribe, sampling: dict):
+    """The LLM run; exits 2 on bad input (ours or a rank's), 1 on a rank failure."""
+    from freetoken import LLM, SamplingParams
+
+    try:
+        params = SamplingParams(**sampling)
+        with LLM(model, tp=tp, device=device, dtype=dtype, oversubscribe=oversubscribe) as llm:
+            return llm.generate(prompts, params)
+    except RankError as e:
+        if e.summary.split(":")[0] in INPUT_FAULTS:
+            click.echo(f"error: rank {e.rank}: {e.summary}", err=True)
+            sys.exit(2)
+        click.echo(e.detail, err=True)
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
+    except RankTimeout as e:
+        click.echo(e.describe(), err=True)
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
+    except USAGE_ERRORS as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

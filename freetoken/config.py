@@ -5,7 +5,8 @@ raw HF dicts."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+import math
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,26 @@ MODEL_TYPES = {
 
 class ConfigError(ValueError):
     """A checkpoint's config.json is missing, unreadable or unsupported."""
+
+
+# Sizes a model cannot have zero of; every other integer field may be 0 (absent feature).
+_POSITIVE = {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "max_position_embeddings",
+             "decoder_sparse_step", "linear_conv_kernel_dim"}
+
+
+def _check_number(name: str, value, kind: str) -> None:
+    """Types and ranges of one ModelConfig field (`kind` is its annotation)."""
+    if kind == "int":
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(f"{name} must be an integer, got {value!r}")
+        low = 1 if name in _POSITIVE else 0
+        if value < low:
+            raise ConfigError(f"{name} must be >= {low}, got {value}")
+    elif kind == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                not math.isfinite(value) or value <= 0:
+            raise ConfigError(f"{name} must be a finite number above 0, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -59,6 +80,16 @@ class ModelConfig:
     for an unquantized checkpoint; each model decides which of its modules may be quantized."""
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _check_number(f.name, getattr(self, f.name), f.type)
+        if self.partial_rotary_factor > 1:
+            raise ConfigError(f"partial_rotary_factor must be in (0, 1], got "
+                              f"{self.partial_rotary_factor}")
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError(f"num_experts_per_tok={self.num_experts_per_tok} must be in "
+                              f"1..num_experts={self.num_experts}")
+
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
@@ -83,14 +114,31 @@ class ModelConfig:
             raise ConfigError(f"{folder}: no config.json (not a checkpoint folder)")
         try:
             hf = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: invalid JSON ({e})") from e
-        return cls.from_hf(hf, _read_quantization(Path(folder)))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{path}: invalid JSON ({e})") from None
+        if not isinstance(hf, dict):
+            raise ConfigError(f"{path}: not a JSON object")
+        quantization = _read_quantization(Path(folder))
+        try:
+            return cls.from_hf(hf, quantization)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
 
     @classmethod
     def from_hf(cls, hf: dict, quantization: Any = None) -> ModelConfig:
         """`quantization`: the checkpoint's NVFP4Config when read from its folder (which may
         hold `hf_quant_config.json`); else config.json's `quantization_config`, if any."""
+        try:
+            return cls._from_hf(hf, quantization)
+        except ConfigError:
+            raise
+        except KeyError as e:
+            raise ConfigError(f"missing key {e.args[0]!r}") from None
+        except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
+            raise ConfigError(f"malformed ({type(e).__name__}: {e})") from None
+
+    @classmethod
+    def _from_hf(cls, hf: dict, quantization: Any) -> ModelConfig:
         if quantization is None:
             quantization = _parse_quantization(hf.get("quantization_config"))
         arch = architecture(hf)
@@ -130,8 +178,8 @@ def _read_quantization(folder: Path):
 
     try:
         return read_quant_config(folder)
-    except (NVFP4ConfigError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{folder}: {e}") from None
+    except NVFP4ConfigError as e:
+        raise ConfigError(str(e)) from None
 
 
 def architecture(hf: dict) -> str:
@@ -161,7 +209,9 @@ def common_fields(hf: dict, arch: str) -> dict:
         num_hidden_layers=hf["num_hidden_layers"],
         num_attention_heads=heads,
         num_key_value_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        # A zero or non-integer head count is reported by ModelConfig's own checks.
+        head_dim=hf.get("head_dim") or (hf["hidden_size"] // heads
+                                        if isinstance(heads, int) and heads > 0 else 0),
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope_theta=theta,
         rope_scaling=scaling,

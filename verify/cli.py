@@ -5,6 +5,7 @@ line of output is `N passed, N failed, N skipped`."""
 
 from __future__ import annotations
 
+import math
 import sys
 
 import click
@@ -14,17 +15,56 @@ from verify.faults import FAULTS
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
-def _split(values: tuple[str, ...]) -> list[str]:
-    return [v.strip() for value in values for v in value.split(",") if v.strip()]
+def _split(values: tuple[str, ...], option: str = "") -> list[str]:
+    """Comma-separated values of a repeatable option; an empty entry (`--model ''`, often an
+    unset shell variable) is a usage error, never 'use the default'."""
+    items = [v.strip() for value in values for v in value.split(",")]
+    if option and any(not v for v in items):
+        raise click.UsageError(f"{option}: empty value in {list(values)!r} (an unset variable?)")
+    return [v for v in items if v]
+
+
+def _is_count(text: str) -> bool:
+    # str.isdigit() also accepts '²' and other Unicode digits that int() then rejects.
+    return text.isascii() and text.isdigit() and int(text) >= 1
 
 
 def _parse_tp(values: tuple[str, ...]) -> list[int]:
     sizes = []
-    for v in _split(values):
-        if not v.isdigit() or int(v) < 1:
+    for v in _split(values, "--tp"):
+        if not _is_count(v):
             raise click.UsageError(f"--tp: {v!r} is not a TP size (a positive integer)")
         sizes.append(int(v))
     return sorted(set(sizes))
+
+
+class PositiveInt(click.ParamType):
+    """A positive integer in ASCII digits."""
+
+    name = "count"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+        if isinstance(value, str) and _is_count(value.strip()):
+            return int(value)
+        self.fail(f"{value!r} is not a positive integer", param, ctx)
+
+
+class PositiveSeconds(click.ParamType):
+    """A finite number of seconds above zero."""
+
+    name = "seconds"
+
+    def convert(self, value, param, ctx):
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        text = str(value).strip()
+        if not (math.isfinite(seconds) and seconds > 0 and text.isascii()):
+            self.fail(f"{value!r} is not a finite number of seconds above 0", param, ctx)
+        return seconds
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -41,20 +81,22 @@ def _parse_tp(values: tuple[str, ...]) -> list[int]:
               default="auto", show_default=True)
 @click.option("--reference", type=click.Choice(["auto", "golden", "hf"]), default="auto",
               show_default=True, help="auto: stored golden for bundled cases, live HF otherwise")
-@click.option("--num-layers", type=int, default=None,
+@click.option("--num-layers", type=PositiveInt(), default=None,
               help="truncate the model to its first K layers (engine and HF reference)")
 @click.option("--report-json", type=click.Path(dir_okay=False), default=None)
 @click.option("--junit-xml", type=click.Path(dir_okay=False), default=None)
-@click.option("--timeout", type=float, default=600.0, show_default=True,
+@click.option("--timeout", type=PositiveSeconds(), default=600.0, show_default=True,
               help="seconds a rank group may take for one call")
 @click.option("--inject", "faults", multiple=True, type=click.Choice(sorted(FAULTS)),
               help="inject a known TP bug into the engine (to prove the checks catch it)")
 @click.option("-v", "--verbose", is_flag=True, help="print rank tracebacks of errors")
 def verify(**kwargs) -> int:
     """Verify the engine's tensor-parallel path against references at several TP sizes."""
+    from freetoken.distributed import stop_on_signals
     from verify.main import execute
 
-    return execute(**kwargs)
+    with stop_on_signals():
+        return execute(**kwargs)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -308,6 +308,24 @@ def effective_tolerance(dtype: torch.dtype, baseline: LogitMetrics | None = None
                      max(tol.max_kl, 4 * baseline.kl_mean))
 
 
+def nonfinite_message(name: str, actual: torch.Tensor, expected: torch.Tensor) -> str | None:
+    """`name: engine logits hold NaN ...` naming the first position, when the engine gives
+    NaN or Inf where the reference is finite; None otherwise. Said first, because every other
+    metric of such logits is NaN too and names no cause."""
+    if actual.shape != expected.shape:
+        return None
+    bad = ~torch.isfinite(actual) & torch.isfinite(expected)
+    if not bool(bad.any()):
+        return None
+    values = actual[bad]
+    kinds = " and ".join(f"{n} {label}" for label, n in (("NaN", int(values.isnan().sum())),
+                                                          ("Inf", int(values.isinf().sum())))
+                         if n)
+    position = int(bad.reshape(bad.shape[0], -1).any(dim=-1).nonzero()[0]) if bad.dim() else 0
+    return (f"{name}: engine logits hold {kinds} (of {actual.numel()}), first at position "
+            f"{position}")
+
+
 def judge_logits(name: str, actual: torch.Tensor, expected: torch.Tensor,
                  dtype: torch.dtype, baseline: LogitMetrics | None = None,
                  ) -> tuple[bool, str, Comparison]:
@@ -316,6 +334,9 @@ def judge_logits(name: str, actual: torch.Tensor, expected: torch.Tensor,
     `effective_tolerance`)."""
     tol = effective_tolerance(dtype, baseline)
     cmp = compare_tensors(name, actual, expected, rtol=tol.rtol, atol=tol.atol)
+    nonfinite = nonfinite_message(name, actual, expected)
+    if nonfinite is not None:
+        return False, nonfinite, cmp
     if tol.max_rel_l2 is None or actual.shape != expected.shape:
         return cmp.passed, cmp.message(), cmp
     a = actual.detach().to("cpu", torch.float64)

@@ -7,7 +7,8 @@ import click
 from freetoken.distributed import PlacementError, choose_placement
 from verify.cases import CASES, CaseError, resolve_case
 from verify.checks import ALL_CHECK_NAMES, VerifyOptions, available_checks
-from verify.cli import EXIT_FAILED, EXIT_OK, _parse_tp, _split
+from verify.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, _parse_tp, _split
+from verify.inputs import check_case_files, check_report_paths
 from verify.references import reference_source
 from verify.report import count_line, environment, render_table, write_json, write_junit
 from verify.runner import Plan, run_plan
@@ -32,6 +33,7 @@ def _validate(cases, tp_sizes, options, selected: dict) -> None:
     from freetoken.models.registry import check_tp
 
     for case in cases:
+        check_case_files(case)
         cfg = case.model_config
         try:
             if options.num_layers is not None:
@@ -61,9 +63,9 @@ def build_plan(models, tp, checks, device, oversubscribe, dtype, reference, num_
     if not tp_sizes:
         _fail_usage("--tp: no TP sizes given")
     options = VerifyOptions(device, dtype, reference, num_layers, oversubscribe, timeout)
-    selected = _checks(_split(checks))
+    selected = _checks(_split(checks, "--checks"))
     try:
-        cases = [resolve_case(m) for m in _split(models) or sorted(CASES)]
+        cases = [resolve_case(m) for m in _split(models, "--model") or sorted(CASES)]
     except CaseError as e:
         _fail_usage(str(e))
     _validate(cases, tp_sizes, options, selected)
@@ -72,6 +74,7 @@ def build_plan(models, tp, checks, device, oversubscribe, dtype, reference, num_
 
 def execute(models, tp, checks, device, oversubscribe, dtype, reference, num_layers,
             report_json, junit_xml, timeout, faults, verbose) -> int:
+    check_report_paths(report_json, junit_xml)
     plan = build_plan(models, tp, checks, device, oversubscribe, dtype, reference, num_layers,
                       timeout, faults)
     if plan.faults:
@@ -83,13 +86,26 @@ def execute(models, tp, checks, device, oversubscribe, dtype, reference, num_lay
             click.echo(f"\n=== {model} {check} tp={tp_size} ===\n{detail}")
     resolved = "cuda" if any(r.placement.startswith("cuda") for r in results) else "cpu"
     env = environment(resolved, _gpu_count())
-    if report_json:
-        write_json(report_json, results, env)
-    if junit_xml:
-        write_junit(junit_xml, results)
+    written = [_write_report("--report-json", report_json, write_json, results, env),
+               _write_report("--junit-xml", junit_xml, write_junit, results)]
     click.echo(count_line(results))
     bad = any(r.status in ("fail", "error") for r in results)
+    if not all(written):
+        return EXIT_USAGE
     return EXIT_FAILED if bad else EXIT_OK
+
+
+def _write_report(option: str, path: str | None, writer, *args) -> bool:
+    """Write one report; a path that became unwritable during the run (checked before it)
+    is one error line, and the other report and the count line still come out."""
+    if not path:
+        return True
+    try:
+        writer(path, *args)
+    except OSError as e:
+        click.echo(f"error: {option}: could not write {path} ({e.strerror or e})", err=True)
+        return False
+    return True
 
 
 def _gpu_count() -> int:

@@ -24,17 +24,32 @@ class RankRecord:
 
 
 class RankFailure(RuntimeError):
-    """A check's rank function failed on some rank; `records` says which and why."""
+    """A check's rank function failed. The message names the root rank and its cause
+    (`rank 1: KeyError: ...`, `rank 1 timed out after 15s in f at x.py:3`); `records` hold
+    every rank's detail, including the ranks torn down because of it."""
 
-    def __init__(self, records: list[RankRecord]):
+    def __init__(self, records: list[RankRecord], root: int, message: str):
         self.records = records
-        bad = [r for r in records if not r.ok]
-        first = bad[0]
-        last_line = first.error.strip().splitlines()[-1] if first.error.strip() else ""
-        super().__init__(f"rank {first.rank}: {last_line}")
+        self.root = root
+        super().__init__(message)
 
     def detail(self) -> str:
-        return "\n".join(f"--- rank {r.rank} ---\n{r.error}" for r in self.records if not r.ok)
+        ordered = sorted((r for r in self.records if not r.ok), key=lambda r: r.rank != self.root)
+        return "\n".join(f"--- rank {r.rank} ---\n{r.error}" for r in ordered)
+
+    @classmethod
+    def from_error(cls, e: RankError, size: int) -> RankFailure:
+        records = [RankRecord(r, error=e.detail if r == e.rank else e.others.get(
+            r, f"torn down after rank {e.rank} failed")) for r in range(size)]
+        return cls(records, e.rank, f"rank {e.rank}: {e.summary}")
+
+    @classmethod
+    def from_timeout(cls, e: RankTimeout, size: int) -> RankFailure:
+        records = [RankRecord(r, error=f"timed out after {e.timeout:g}s\n{e.stacks[r]}")
+                   if r in e.stacks else
+                   RankRecord(r, error=f"torn down after rank {e.rank} timed out")
+                   for r in range(size)]
+        return cls(records, e.rank, str(e))
 
 
 class RankRunner:
@@ -53,40 +68,34 @@ class RankRunner:
     def __enter__(self) -> RankRunner:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(force=exc_type is not None)
 
     def run(self, fn: Callable[..., Any], *args: Any) -> list[RankRecord]:
-        """`fn(ctx, *args)` on every rank; raises RankFailure naming the failing rank."""
+        """`fn(ctx, *args)` on every rank; raises RankFailure naming the root failing rank
+        (the group is then gone, and the next call starts a new one)."""
         try:
-            if self._group is None:
+            if self._group is None or not self._group.running:
                 self._start()
             values = self._group.run(fn, *args)
         except RankError as e:
             self._group = None
-            raise RankFailure(self._records_for_error(e.rank, e.detail)) from None
+            raise RankFailure.from_error(e, self.tp_size) from None
         except RankTimeout as e:
             self._group = None
-            raise RankFailure([
-                RankRecord(r, error=f"timed out after {self.timeout:.0f}s\n{e.stacks[r]}")
-                if r in e.stacks else RankRecord(r, error="torn down after a rank timed out")
-                for r in range(self.tp_size)]) from None
+            raise RankFailure.from_timeout(e, self.tp_size) from None
         return [RankRecord(r, v) for r, v in enumerate(values)]
-
-    def _records_for_error(self, rank: int, detail: str) -> list[RankRecord]:
-        return [RankRecord(r, error=detail if r == rank else f"torn down after rank {rank} failed")
-                for r in range(self.tp_size)]
 
     def _start(self) -> None:
         group = RankGroup(self.tp_size, self.placement, self.timeout, self.env)
-        group.start()
         self._group = group
+        group.start()
         if self.setup is not None:
             group.run(_call_setup, self.setup)
 
-    def close(self) -> None:
+    def close(self, force: bool = False) -> None:
         if self._group is not None:
-            self._group.close()
+            self._group.close(force=force)
             self._group = None
 
 

@@ -84,13 +84,26 @@ def hf_model(case, options, dtype, device):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(case.folder)
+    text = getattr(config, "text_config", None) or config
     if options.num_layers is not None:
-        text = getattr(config, "text_config", None) or config
         text.num_hidden_layers = options.num_layers
         if getattr(text, "layer_types", None):
             text.layer_types = text.layer_types[: options.num_layers]
+    cached = _cache_works(text)
+    if not cached:
+        config.use_cache = text.use_cache = False
     model = AutoModelForCausalLM.from_pretrained(case.folder, config=config, dtype=dtype)
+    if not cached:
+        model.generation_config.use_cache = False
     return model.to(device).eval()
+
+
+def _cache_works(text_config) -> bool:
+    """HF's hybrid cache measures the sequence on an attention layer: a model truncated to
+    linear-attention layers only must run without a cache (every greedy step recomputes the
+    prefix, which gives the same logits)."""
+    types = getattr(text_config, "layer_types", None)
+    return not types or "full_attention" in types
 
 
 @torch.inference_mode()

@@ -1,68 +1,45 @@
 """A persistent group of TP rank processes that runs functions on every rank.
 
-Start the group once, run many functions in it, close it. A rank that raises tears the group
-down and its traceback reaches the caller; a rank that hangs is killed at the timeout after its
-Python stack was dumped; workers watch the parent and exit when it is gone.
+Start the group once, run many functions in it, close it. A rank that raises or dies tears
+the group down and the root failure (see `failures.py`) reaches the caller as a RankError; a
+rank that hangs is killed at the timeout after its Python stack was dumped; workers watch the
+parent and exit when it is gone. `close_all_groups` kills every running group at once (the
+signal handlers of `signals.py` call it).
 """
 
 from __future__ import annotations
 
-import faulthandler
 import multiprocessing as mp
 import os
 import shutil
 import signal
 import tempfile
-import threading
 import time
-import traceback
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
+from freetoken.distributed.failures import (
+    RankError,
+    RankFault,
+    RankTimeout,
+    exit_reason,
+    root_fault,
+)
 from freetoken.distributed.placement import Placement
+from freetoken.distributed.worker import RankContext, worker_main
 
+__all__ = ["RankContext", "RankError", "RankGroup", "RankTimeout", "close_all_groups"]
 
-class RankError(RuntimeError):
-    """A rank raised or died; carries the rank id and its traceback."""
-
-    def __init__(self, rank: int, detail: str):
-        self.rank = rank
-        self.detail = detail
-        last = detail.strip().splitlines()[-1] if detail.strip() else "no output"
-        super().__init__(f"rank {rank} failed: {last}")
-
-
-class RankTimeout(RuntimeError):
-    """Ranks did not answer in time; carries each hung rank's Python stack."""
-
-    def __init__(self, timeout: float, stacks: dict[int, str]):
-        self.timeout = timeout
-        self.stacks = stacks
-        ranks = ", ".join(str(r) for r in sorted(stacks))
-        super().__init__(f"rank(s) {ranks} did not finish within {timeout:.0f}s")
-
-    def describe(self) -> str:
-        parts = [str(self)]
-        for rank, stack in sorted(self.stacks.items()):
-            parts.append(f"--- rank {rank} stack ---\n{stack.strip() or '(no stack captured)'}")
-        return "\n".join(parts)
-
-
-@dataclass
-class RankContext:
-    """What a function run on a rank receives: identity, device and per-process state."""
-
-    rank: int
-    size: int
-    placement: Placement
-    state: dict = field(default_factory=dict)
-
-    @property
-    def device(self):
-        return self.placement.device_for(self.rank)
+# How long the parent keeps listening after a first failure: the other ranks' reports of the
+# same incident arrive within it, and the root cause is chosen among them.
+_GRACE_S = 0.3
+# How long ranks asked to stop get before they are killed, all of them together.
+_STOP_WAIT_S = 5.0
+# Every running group of this process, for close_all_groups.
+_LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
 _MP = None
@@ -100,16 +77,17 @@ class RankGroup:
         self.start()
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(force=exc_type is not None)
 
     def start(self) -> None:
         ctx = _mp_context()
         self._tmp = Path(tempfile.mkdtemp(prefix="freetoken-ranks-"))
+        _LIVE.add(self)
         for rank in range(self.tp_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
-                target=_worker_main,
+                target=worker_main,
                 args=(rank, self.tp_size, self.placement, str(self._tmp), child, os.getpid(),
                       self.env),
                 daemon=True,
@@ -119,45 +97,85 @@ class RankGroup:
             child.close()
             self._procs.append(proc)
             self._conns.append(parent)
-        self._collect(self.timeout)
+        self._collect(self.timeout, "starting")
+
+    @property
+    def running(self) -> bool:
+        return bool(self._procs)
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> list:
-        """Run `fn(ctx, *args)` on every rank; returns the per-rank results in rank order."""
+        """Run `fn(ctx, *args)` on every rank; returns the per-rank results in rank order.
+        A rank that is gone (died while idle, or its pipe broke) is a RankError naming it."""
         if not self._procs:
             raise RuntimeError("rank group is not running")
-        for conn in self._conns:
-            conn.send(("call", fn, args))
-        return self._collect(self.timeout if timeout is None else timeout)
+        what = getattr(fn, "__name__", "a call")
+        for rank, (proc, conn) in enumerate(zip(self._procs, self._conns)):
+            if not proc.is_alive():
+                self._fail([self._death(rank, "while idle")])
+            try:
+                conn.send(("call", fn, args))
+            except OSError as e:
+                self._fail([RankFault(rank, "died", f"{type(e).__name__}: {e} (sending "
+                                      f"{what})", f"pipe to rank {rank} broke: {e}")])
+        return self._collect(self.timeout if timeout is None else timeout, f"in {what}")
 
-    def _collect(self, timeout: float) -> list:
+    def _collect(self, timeout: float, doing: str) -> list:
         deadline = time.monotonic() + timeout
         results: dict[int, Any] = {}
         while len(results) < self.tp_size:
             pending = [r for r in range(self.tp_size) if r not in results]
-            waitables = {self._conns[r]: r for r in pending}
-            waitables.update({self._procs[r].sentinel: r for r in pending})
-            ready = wait(list(waitables), timeout=max(0.0, deadline - time.monotonic()))
+            ready = self._wait(pending, max(0.0, deadline - time.monotonic()))
             if not ready:
                 stacks = self._dump_stacks(pending)
                 self.close(force=True)
                 raise RankTimeout(timeout, stacks)
-            for obj in ready:
-                rank = waitables[obj]
-                if rank in results:
-                    continue
-                try:
-                    status, payload = self._conns[rank].recv()
-                except EOFError:
-                    self._procs[rank].join(1)
-                    code = self._procs[rank].exitcode
-                    self.close(force=True)
-                    raise RankError(rank, f"process exited with code {code} without a result "
-                                          "(see its output above)") from None
-                if status == "error":
-                    self.close(force=True)
-                    raise RankError(rank, payload)
-                results[rank] = payload
+            faults = []
+            for rank in ready:
+                fault, value = self._receive(rank, doing)
+                if fault is None:
+                    results[rank] = value
+                else:
+                    faults.append(fault)
+            if faults:
+                self._fail(faults + self._late_faults(pending, faults, doing))
         return [results[r] for r in range(self.tp_size)]
+
+    def _wait(self, ranks: list[int], timeout: float) -> list[int]:
+        waitables = {self._conns[r]: r for r in ranks}
+        waitables.update({self._procs[r].sentinel: r for r in ranks})
+        return sorted({waitables[obj] for obj in wait(list(waitables), timeout=timeout)})
+
+    def _receive(self, rank: int, doing: str) -> tuple[RankFault | None, Any]:
+        """(None, result) for a rank that answered, (its RankFault, None) for one that
+        reported an error or is gone."""
+        try:
+            status, payload = self._conns[rank].recv()
+        except (EOFError, OSError):
+            return self._death(rank, doing), None
+        return (payload, None) if status == "error" else (None, payload)
+
+    def _late_faults(self, pending: list[int], seen: list[RankFault], doing: str) -> list:
+        """Reports of the same incident from ranks that answer within the grace period."""
+        known = {f.rank for f in seen}
+        later = []
+        for rank in self._wait([r for r in pending if r not in known], _GRACE_S):
+            fault, _ = self._receive(rank, doing)
+            if fault is not None:
+                later.append(fault)
+        return later
+
+    def _death(self, rank: int, doing: str) -> RankFault:
+        proc = self._procs[rank]
+        proc.join(1)
+        reason = exit_reason(proc.exitcode)
+        return RankFault(rank, "died", f"process died ({reason}) {doing}",
+                         f"rank {rank} (pid {proc.pid}) exited {doing} without a result: "
+                         f"{reason}", time.time())
+
+    def _fail(self, faults: list[RankFault]) -> None:
+        root = root_fault(faults)
+        self.close(force=True)
+        raise RankError.from_fault(root, faults, self.tp_size)
 
     def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
         for rank in ranks:
@@ -172,18 +190,21 @@ class RankGroup:
         return stacks
 
     def close(self, force: bool = False) -> None:
-        """Stop every rank; with `force`, kill without asking."""
+        """Stop every rank: ask them to stop and give them a few seconds together; with
+        `force` (or past that), kill all of them at once."""
         if not force:
             for conn in self._conns:
                 try:
                     conn.send(("stop", None, None))
-                except (OSError, BrokenPipeError):
-                    pass
+                except OSError:
+                    continue  # that rank is already gone; killing below covers it
+            deadline = time.monotonic() + _STOP_WAIT_S
             for proc in self._procs:
-                proc.join(10)
+                proc.join(max(0.0, deadline - time.monotonic()))
         for proc in self._procs:
             if proc.is_alive():
                 proc.kill()
+        for proc in self._procs:
             proc.join(5)
         for conn in self._conns:
             conn.close()
@@ -191,72 +212,18 @@ class RankGroup:
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
+        _LIVE.discard(self)
 
 
-def _watch_parent(parent_pid: int) -> None:
-    while True:
-        time.sleep(1.0)
-        try:
-            os.kill(parent_pid, 0)
-        except ProcessLookupError:
-            os._exit(3)
-
-
-def _worker_main(rank, size, placement, tmp, conn, parent_pid, env) -> None:
-    import torch
-
-    torch.set_num_threads(1)
-    os.environ.update(env)
-    # tqdm's default lock is a multiprocessing semaphore; a rank killed at teardown would leave
-    # it registered and the resource tracker would warn about it after the command's last line.
-    from tqdm import tqdm
-
-    tqdm.set_lock(threading.RLock())
-    stack_file = open(Path(tmp) / f"stack-{rank}.txt", "w")  # noqa: SIM115 - lives with the process
-    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-    try:
-        ctx = _init_rank(rank, size, placement, tmp)
-        conn.send(("ok", None))
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-        return
-    _serve(ctx, conn)
-
-
-def _init_rank(rank: int, size: int, placement: Placement, tmp: str) -> RankContext:
-    import torch
-    import torch.distributed as dist
-
-    from freetoken.distributed.comm import Communicator, set_communicator
-    from freetoken.distributed.tpinfo import TPInfo, set_tp_info
-
-    if placement.is_cuda:
-        torch.cuda.set_device(placement.device_for(rank))
-    store = dist.FileStore(str(Path(tmp) / "store"), size)
-    kwargs = {"device_id": placement.device_for(rank)} if placement.backend == "nccl" else {}
-    dist.init_process_group(placement.backend, store=store, rank=rank, world_size=size, **kwargs)
-    set_tp_info(TPInfo(rank, size))
-    set_communicator(Communicator(size))
-    return RankContext(rank, size, placement)
-
-
-def _serve(ctx: RankContext, conn) -> None:
-    import torch.distributed as dist
-
-    try:
-        while True:
-            try:
-                kind, fn, args = conn.recv()
-            except EOFError:
-                return
-            if kind == "stop":
-                return
-            try:
-                conn.send(("ok", fn(ctx, *args)))
-            except BaseException:
-                conn.send(("error", traceback.format_exc()))
-                return
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def close_all_groups() -> int:
+    """Kill every rank group of this process at once (on SIGINT / SIGTERM); returns how many
+    rank processes were running."""
+    groups = list(_LIVE)
+    count = sum(len(g._procs) for g in groups)
+    for group in groups:
+        for proc in group._procs:
+            if proc.is_alive():
+                proc.kill()
+    for group in groups:
+        group.close(force=True)
+    return count

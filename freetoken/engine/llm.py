@@ -12,8 +12,10 @@ from typing import Any
 from freetoken.config import EngineConfig, ModelConfig
 from freetoken.distributed import RankContext, RankGroup, choose_placement, get_tp_info
 from freetoken.engine.core import EngineCore
+from freetoken.engine.requests import check_request, token_ids
 from freetoken.engine.resolve import resolve_model
 from freetoken.engine.sequence import GenerationResult, SamplingParams
+from freetoken.loading.validate import validate_checkpoint
 from freetoken.models.registry import check_tp
 
 
@@ -26,6 +28,7 @@ class LLM:
         self.folder = resolve_model(model)
         self.model_config = ModelConfig.from_folder(self.folder)
         check_tp(self.model_config, tp)
+        validate_checkpoint(self.folder)
         self.config = EngineConfig(str(self.folder), tp=tp, device=device, dtype=dtype,
                                    oversubscribe=oversubscribe, **engine_options)
         self.placement = choose_placement(device, tp, oversubscribe)
@@ -46,13 +49,13 @@ class LLM:
     def __enter__(self) -> LLM:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.shutdown(force=exc_type is not None)
 
-    def shutdown(self) -> None:
-        """Stop the rank processes (if any) and drop the model."""
+    def shutdown(self, force: bool = False) -> None:
+        """Stop the rank processes (if any) and drop the model; `force` kills them at once."""
         if self._group is not None:
-            self._group.close()
+            self._group.close(force=force)
             self._group = None
         self._core = None
 
@@ -61,13 +64,14 @@ class LLM:
                  ) -> list[GenerationResult]:
         """One result per prompt. Prompts are token-id lists, or strings when the checkpoint
         has a tokenizer."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        single = prompts and not isinstance(prompts[0], (str, list, tuple))
+        if isinstance(prompts, str) or single:  # one prompt: a string or a list of ids
             prompts = [prompts]
-        ids = [self._encode(p) for p in prompts]
+        ids = [self._encode(p, i) for i, p in enumerate(prompts)]
         params = params or SamplingParams()
         per_prompt = [params] * len(ids) if isinstance(params, SamplingParams) else list(params)
-        if len(per_prompt) != len(ids):
-            raise ValueError(f"{len(per_prompt)} SamplingParams for {len(ids)} prompts")
+        # Checked here, not on the ranks: a request that fails there ends the rank group.
+        check_request(ids, per_prompt, self.model_config.vocab_size, self.max_len)
         results = self.run_on_ranks(_generate, ids, per_prompt)[0]
         if self.tokenizer is not None:
             for r in results:
@@ -80,14 +84,25 @@ class LLM:
             return [fn(self._core, *args)]
         if self._group is None:
             raise RuntimeError("LLM was shut down")
+        if not self._group.running:
+            raise RuntimeError("the rank group stopped after a rank failed (see the error "
+                               "raised then); create a new LLM")
         return self._group.run(_on_core, fn, args)
 
-    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+    @property
+    def max_len(self) -> int:
+        """The longest sequence (prompt + new tokens) one request may have."""
+        return min(self.config.max_model_len, self.model_config.max_position_embeddings)
+
+    def _encode(self, prompt: str | Sequence[int], index: int) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"{self.folder} has no tokenizer: pass token id lists")
             return self.tokenizer.encode(prompt)
-        return [int(t) for t in prompt]
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"prompt {index}: a string or a list of token ids, got "
+                             f"{type(prompt).__name__}")
+        return token_ids(prompt, index)
 
 
 def _load_tokenizer(folder: Path):

@@ -11,6 +11,8 @@ class ModelNotFound(ValueError):
 
 def resolve_model(model: str | Path) -> Path:
     """A local checkpoint folder, or a hub id (`org/name`) found in the local HF cache."""
+    if not str(model).strip():
+        raise ModelNotFound("empty model name (an unset variable?)")
     path = Path(model)
     if path.is_dir():
         return path

@@ -23,6 +23,9 @@ class SamplingParams:
     return_prompt_logits: bool = False
 
     def __post_init__(self) -> None:
+        from freetoken.engine.requests import check_sampling
+
+        check_sampling(self.max_tokens, self.temperature, self.top_k, self.top_p, self.seed)
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:

@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from freetoken.distributed import get_tp_info
 from freetoken.loading.checkpoint import CheckpointReader
+from freetoken.loading.finite import check_finite
 from freetoken.loading.plan import ShardPlan, slot_key
 
 
@@ -45,6 +46,7 @@ def load_weights(model: nn.Module, reader: CheckpointReader, plan: ShardPlan,
             raise LoadError(f"parameter {target.param!r} slot {key} written twice "
                             f"(second time by {name!r})")
         dest.copy_(shard)
+        check_finite(name, dest)
         filled[target.param][key] = dest.numel()
     _check_complete(params, filled)
     reader.close()

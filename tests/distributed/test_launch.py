@@ -220,7 +220,8 @@ def test_workers_exit_when_parent_dies_without_closing(tmp_path):
     with open(err_path, "w") as err:
         # The orphans inherit stdout: read one line after the exit, never wait for EOF.
         proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
-                                stderr=err, text=True)
+                                stderr=err, text=True,
+                                env=dict(os.environ, TMPDIR=str(tmp_path)))
     with proc.stdout:
         try:
             proc.wait(timeout=120)
@@ -235,6 +236,9 @@ def test_workers_exit_when_parent_dies_without_closing(tmp_path):
         _assert_all_gone(pids, "after the parent died")
     finally:
         _kill_leftovers(pids)
+    # Only the dead parent's own multiprocessing directory (pymp-*) may remain.
+    left = [p.name for p in tmp_path.glob("freetoken-ranks-*")]
+    assert not left, f"the group's temp directory survived its parent: {left}"
 
 
 # --- placement -------------------------------------------------------------------------------

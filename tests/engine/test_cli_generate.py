@@ -52,8 +52,9 @@ def test_unsplittable_tp_is_a_one_line_usage_error():
 
 
 def test_rank_failing_while_loading_names_the_rank_and_leaves_nothing(tmp_path):
-    """A checkpoint whose k_proj has the wrong shape makes the ranks raise while loading: the
-    command exits 1 naming a rank and the tensor, and no process it started survives."""
+    """A checkpoint whose k_proj has the wrong shape makes the ranks raise while loading: bad
+    input, so the command exits 2 with a line naming a rank and the tensor, and no process
+    it started survives."""
     folder = tmp_path / "broken"
     shutil.copytree(GOLDEN / "tiny-llama", folder)
     tensors = load_file(folder / "model.safetensors")
@@ -61,10 +62,23 @@ def test_rank_failing_while_loading_names_the_rank_and_leaves_nothing(tmp_path):
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     tag = uuid.uuid4().hex
     result = _run_cli("--model", str(folder), "--tp", "2", "--prompt-ids", "1,2", tag=tag)
-    assert result.returncode == 1, result.stderr
+    assert result.returncode == 2, result.stderr
+    # Before it only the loading progress bar (rank 0) may be on stderr, not a traceback.
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: rank ") and "k_proj.weight" in last, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
     deadline = time.monotonic() + 10
     while _tagged_processes(tag) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _tagged_processes(tag), "rank processes survived the failed command"
+
+
+def test_bad_sampling_and_empty_model_are_one_line_usage_errors():
+    """`--temperature nan` and `--model ''` (an unset variable) exit 2 with one line, before
+    any rank starts."""
+    for args, needle in ((["--model", str(GOLDEN / "tiny-llama"), "--temperature", "nan"],
+                          "temperature must be a finite number"),
+                         (["--model", ""], "empty model name")):
+        result = _run_cli(*args, "--tp", "2", "--prompt-ids", "1")
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1 and needle in lines[0], result.stderr

@@ -133,3 +133,29 @@ def test_compressed_tensors_and_mixed_precision_configs():
     with pytest.raises(NVFP4ConfigError, match="group_size 32"):
         parse_quant_config({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 32})
     assert parse_quant_config(None) is None
+
+
+@pytest.mark.parametrize("producer", [MODELOPT, COMPRESSED_TENSORS])
+@pytest.mark.parametrize("shape", [(), (1,)])
+def test_global_and_input_scales_read_in_both_scalar_shapes(producer, shape):
+    """Real checkpoints store per-tensor scales as () or (1,) in either format (CT's own
+    ModelOpt converter writes ()): both read to the same 0-d float32 scale, through
+    read_nvfp4_weight and through the shard spec; a 2-element scale is refused."""
+    from freetoken.layers.quantization.nvfp4.specs import GlobalScale
+    from freetoken.loading.specs import ShardError
+
+    q = _make_weight(7)
+    tensors = to_checkpoint(q, MODULE, producer)
+    global_name = next(n for n in tensors if n.endswith(("weight_scale_2",
+                                                          "weight_global_scale")))
+    input_name = MODULE + (".input_scale" if producer == MODELOPT else ".input_global_scale")
+    tensors[global_name] = tensors[global_name].reshape(shape)
+    tensors[input_name] = torch.full(shape, 0.5)
+    weight, input_scale = _read(tensors, producer)
+    assert weight.global_scale.shape == () and input_scale.shape == (), \
+        (weight.global_scale.shape, input_scale.shape)
+    for spec_shape in ((), (1,)):
+        shard = GlobalScale(spec_shape).shard(tensors[global_name], 1, 2, global_name)
+        assert shard.shape == () and shard.dtype == torch.float32, shard
+    with pytest.raises(ShardError, match="expected a scalar"):
+        GlobalScale(shape).shard(torch.ones(2), 0, 2, global_name)

@@ -279,3 +279,19 @@ def test_judge_logits_bf16_fails_on_large_relative_error():
                                          dtype=torch.float64)
     passed, message, _ = judge_logits("logits", noisy, expected, torch.bfloat16)
     assert not passed and "relative L2" in message, message
+
+
+def test_nonfinite_engine_logits_say_nan_and_where():
+    """Engine logits with NaN / Inf where the reference is finite fail at every dtype with a
+    message that says NaN (or Inf) and the first position, not a bare mismatch count."""
+    import torch
+
+    from verify.compare import judge_logits
+
+    expected = torch.randn(6, 11, generator=torch.Generator().manual_seed(0))
+    actual = expected.clone()
+    actual[4, 2], actual[5, 0] = float("nan"), float("inf")
+    for dtype in (torch.float32, torch.bfloat16):
+        passed, message, _ = judge_logits("prompt 2 prefill logits", actual, expected, dtype)
+        assert not passed and message == ("prompt 2 prefill logits: engine logits hold 1 NaN "
+                                          "and 1 Inf (of 66), first at position 4"), message

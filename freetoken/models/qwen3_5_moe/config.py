@@ -92,7 +92,10 @@ def _eos(eos) -> tuple[int, ...]:
 def _required(text: dict, key: str) -> int:
     if key not in text:
         raise ConfigError(f"Qwen3.5-MoE config lacks {key!r}")
-    return int(text[key])
+    value = text[key]
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{key} must be a positive integer, got {value!r}")
+    return value
 
 
 def _layer_types(text: dict, num_layers: int) -> tuple[str, ...]:

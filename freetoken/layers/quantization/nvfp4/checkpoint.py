@@ -92,8 +92,9 @@ def tensor_suffixes(producer: str) -> dict[str, str]:
 
 def _modelopt(q: dict, source: str) -> NVFP4Config:
     algo = str(q.get("quant_algo", "")).upper()
-    group = int(q.get("group_size", GROUP))
-    exclude = tuple(q.get("exclude_modules") or q.get("ignore") or ())
+    group = _int(q.get("group_size", GROUP), "group_size", source)
+    exclude = _names(q.get("exclude_modules") or q.get("ignore") or [], "exclude_modules",
+                     source)
     if algo == "MIXED_PRECISION":
         layers = q.get("quantized_layers") or {}
         bad = {m: c.get("quant_algo") for m, c in layers.items()
@@ -107,6 +108,20 @@ def _modelopt(q: dict, source: str) -> NVFP4Config:
         raise NVFP4ConfigError(f"{source}: ModelOpt quant_algo {algo!r} is not supported; "
                                f"expected one of {', '.join(_NVFP4_ALGOS)}")
     return NVFP4Config(MODELOPT, group, exclude)
+
+
+def _int(value, key: str, source: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise NVFP4ConfigError(f"{source}: {key} must be an integer, got {value!r}")
+    return value
+
+
+def _names(value, key: str, source: str) -> tuple[str, ...]:
+    """A list of module names or patterns (a bare string would split into characters)."""
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise NVFP4ConfigError(f"{source}: {key} must be a list of module names, got "
+                               f"{value!r}")
+    return tuple(value)
 
 
 def _ct_group_is_nvfp4(weights: dict) -> bool:
@@ -126,11 +141,12 @@ def _compressed_tensors(q: dict, source: str) -> NVFP4Config:
         if not _ct_group_is_nvfp4(weights):
             raise NVFP4ConfigError(f"{source}: compressed-tensors group {name!r} is not NVFP4 "
                                    f"(weights {weights}); only nvfp4-pack-quantized is read")
-        group_size = int(weights.get("group_size") or GROUP)
-        include += group.get("targets") or ["Linear"]
+        group_size = _int(weights.get("group_size") or GROUP, "group_size", source)
+        include += _names(group.get("targets") or ["Linear"], "targets", source)
     # "Linear" targets every linear layer; other targets name modules or `re:` patterns.
     every_linear = "Linear" in include or not include
-    return NVFP4Config(COMPRESSED_TENSORS, group_size, tuple(q.get("ignore") or ()),
+    return NVFP4Config(COMPRESSED_TENSORS, group_size,
+                       _names(q.get("ignore") or [], "ignore", source),
                        None if every_linear else tuple(include))
 
 
@@ -140,6 +156,17 @@ def parse_quant_config(raw: dict | None, source: str = "quantization config"
     None when `raw` is None (an unquantized checkpoint)."""
     if raw is None:
         return None
+    try:
+        return _parse(raw, source)
+    except NVFP4ConfigError:
+        raise
+    except (TypeError, ValueError, AttributeError) as e:
+        raise NVFP4ConfigError(f"{source}: malformed ({type(e).__name__}: {e})") from None
+
+
+def _parse(raw: dict, source: str) -> NVFP4Config:
+    if not isinstance(raw, dict):
+        raise NVFP4ConfigError(f"{source}: not a JSON object")
     if "quantization" in raw and "quant_method" not in raw:
         raw = raw["quantization"]  # hf_quant_config.json wraps the settings
     method = str(raw.get("quant_method", MODELOPT)).lower()
@@ -161,10 +188,18 @@ def read_quant_config(folder: str | Path) -> NVFP4Config | None:
     folder = Path(folder)
     hf_quant = folder / "hf_quant_config.json"
     if hf_quant.exists():
-        return parse_quant_config(json.loads(hf_quant.read_text()), str(hf_quant))
+        return parse_quant_config(_read_json(hf_quant), str(hf_quant))
     config = folder / "config.json"
-    raw = json.loads(config.read_text()).get("quantization_config") if config.exists() else None
+    doc = _read_json(config) if config.exists() else {}
+    raw = doc.get("quantization_config") if isinstance(doc, dict) else None
     return parse_quant_config(raw, f"{config} quantization_config")
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise NVFP4ConfigError(f"{path}: invalid JSON ({e})") from None
 
 
 def canonical_field(name: str, producer: str) -> tuple[str, str] | None:

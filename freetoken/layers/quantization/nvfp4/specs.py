@@ -11,6 +11,7 @@ Global scales are per tensor: replicated, and kept float32 (`GlobalScale`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -72,17 +73,23 @@ class InputSplit:
 @dataclass(frozen=True)
 class GlobalScale:
     """A per-tensor global scale (`weight_scale_2`, CT's `weight_global_scale`): every rank
-    holds it whole, as a float32 scalar. `shape` is how the checkpoint stores it (ModelOpt: a
-    0-dim tensor, compressed-tensors: [1]); the inverse restores it, bit for bit."""
+    holds it whole, as a float32 scalar. Both scalar shapes are read, since real checkpoints
+    of either producer use both; `shape` is the one the producer usually writes (ModelOpt: a
+    0-dim tensor, compressed-tensors: [1]), which the inverse restores."""
 
     shape: tuple[int, ...] = ()
 
     def shard(self, full: torch.Tensor, rank: int, size: int, name: str = "") -> torch.Tensor:
         if full.dtype != torch.float32:
             raise ShardError(f"{name}: NVFP4 global scale must be float32, got {full.dtype}")
-        if tuple(full.shape) != tuple(self.shape):
+        if tuple(full.shape) not in ((), (1,)):
             raise ShardError(f"{name}: NVFP4 global scale has shape {tuple(full.shape)}, "
-                             f"expected {tuple(self.shape)}")
+                             "expected a scalar, () or (1,)")
+        value = float(full)
+        if not math.isfinite(value) or value < 0:
+            # A NaN global scale otherwise loads and turns every weight of the tensor to NaN.
+            what = "NaN" if math.isnan(value) else "Inf" if math.isinf(value) else "negative"
+            raise ShardError(f"{name}: NVFP4 global scale holds {what} ({value})")
         return _fresh(full).reshape(())
 
     def unshard(self, parts: list[torch.Tensor], name: str = "") -> torch.Tensor:
