@@ -49,7 +49,8 @@ def drop_row_parallel_allreduce() -> None:
     """Row-parallel linears return their partial sums without the all-reduce."""
     from freetoken.layers.linear import RowParallelLinear
 
-    RowParallelLinear.forward = lambda self, x: torch.nn.functional.linear(x, self.weight)
+    RowParallelLinear.forward = lambda self, x: torch.nn.functional.linear(x, self.weight,
+                                                                           self.bias)
 
 
 def kv_head_wrong_rank() -> None:

@@ -46,7 +46,7 @@ def _assert_caught(code: int, rows: list[dict], fault: str, tp: int, words: str)
 PLAN_FAULTS = [
     ("plain-chunk-gdn-conv1d", QWEN35, 2,
      f"{L0}.linear_attn.conv1d.weight rank 0: local row 64 holds global row 64 (q keys, key "
-     "head 4), expected global row 128 (k keys, key head 0); 128 / 192 rows wrong"),
+     "head 4), expected global row 128 (k keys, key head 0); 160 / 224 rows wrong"),
     ("plain-chunk-gdn-qkv", QWEN35, 2,
      f"{L0}.linear_attn.in_proj_qkv.weight rank 0: local row 64 holds global row 64 (q keys, "
      "key head 4), expected global row 128 (k keys, key head 0)"),
@@ -87,8 +87,8 @@ LOADER_FAULTS = [
      "global row 24 (gate, row 24), expected global row 0 (up, row 0)"),
     ("plain-chunk-gdn-zba", QWEN35, 2,
      f"{L0}.linear_attn.in_proj_a.weight rank 0 (loaded model.layers.0.linear_attn.in_proj"
-     f".weight): local row 0 holds {L0}.linear_attn.in_proj_z.weight global row 72 (z, value "
-     "head 9), expected global row 0 (a, value head 0)"),
+     f".weight): local row 0 holds {L0}.linear_attn.in_proj_z.weight global row 104 (z, value "
+     "head 8), expected global row 0 (a, value head 0)"),
 ]
 
 

@@ -24,9 +24,9 @@ SAMPLING_SEED = 1234
 def run(ctx: CheckContext) -> CheckResult:
     start = time.monotonic()
     prompts, num_greedy = prompts_for(ctx.case, ctx.options)
-    ref = reference_for(ctx)
     records = ctx.runner.run(_engine_outputs, ctx.case.engine_args(ctx.options), prompts,
-                             num_greedy, _temperature(ref))
+                             num_greedy)
+    ref = reference_for(ctx)
     outputs = records[0].value
     dtype = resolve_dtype(ctx.options.dtype, ctx.case.model_config)
     metrics, numeric = _against_reference(outputs, ref, dtype)
@@ -37,7 +37,7 @@ def run(ctx: CheckContext) -> CheckResult:
     if numeric and not hard and _within_module_precision(ctx, outputs, dtype):
         metrics["judged_per_module"] = 1
         return _result(ctx, start, "pass", metrics, _EXCUSED)
-    failures = hard + numeric
+    failures = numeric + hard
     if failures:
         where = _first_divergence(ctx)
         return _result(ctx, start, "fail", metrics,
@@ -84,17 +84,17 @@ def _result(ctx, start, status, metrics, message) -> CheckResult:
                        ctx.placement, metrics, message)
 
 
-def _temperature(ref: Reference) -> float:
-    """A sampling temperature that leaves several tokens likely: the spread (std) of the
-    reference's last-position logits, at least 0.8. Tiny re-randomised models have logits tens
-    apart, where temperature 0.8 would sample the argmax whatever the seed, so ranks sampling
-    independently would agree by accident."""
-    last = torch.stack([logits[-1] for logits in ref.prefill_logits])
-    return max(0.8, float(last.float().std(dim=-1).mean()))
+def _temperature(prompt_logits: list[torch.Tensor]) -> float:
+    """A sampling temperature that leaves several tokens likely: the spread (std) of the last
+    prompt positions' logits, at least 0.8, rounded to two digits so that TP sizes whose logits
+    differ in the last bits sample at the same temperature. Tiny re-randomised models have
+    logits tens apart, where temperature 0.8 would sample the argmax whatever the seed, and
+    ranks sampling independently would agree by accident."""
+    last = torch.stack([logits[-1].float() for logits in prompt_logits])
+    return max(0.8, float(f"{float(last.std(dim=-1).mean()):.2g}"))
 
 
-def _engine_outputs(rank_ctx, engine_args: dict, prompts, num_greedy: int,
-                    temperature: float) -> dict:
+def _engine_outputs(rank_ctx, engine_args: dict, prompts, num_greedy: int) -> dict:
     """Runs on every rank: prompt logits and greedy continuation for each prompt. Rank 0 sends
     the tensors; other ranks send a digest of theirs (every rank must hold the same logits)."""
     from freetoken.engine.sequence import SamplingParams
@@ -107,6 +107,7 @@ def _engine_outputs(rank_ctx, engine_args: dict, prompts, num_greedy: int,
            for r in results]
     digest = [float(o["prompt_logits"].double().sum() + o["step_logits"].double().sum())
               for o in out]
+    temperature = _temperature([o["prompt_logits"] for o in out])
     sampled = [r.token_ids for r in core.generate(prompts, [
         SamplingParams(max_tokens=SAMPLED_TOKENS, ignore_eos=True, temperature=temperature,
                        seed=SAMPLING_SEED + i) for i in range(len(prompts))])]
