@@ -86,9 +86,15 @@ def test_rank_disagreement_and_shape_are_divergences():
     assert _make_bisection(Row("prefill/x", vs_tp1=5e-4)).first is None
 
 
-def test_non_finite_output_is_an_infinite_error():
+def test_non_finite_output_is_named_as_the_first_divergence():
+    """A module whose output holds NaN or Inf diverges with an infinite error, and the row
+    says NaN/Inf where the values came from."""
     assert math.isinf(rel_l2(torch.tensor([float("nan"), 1.0]), torch.ones(2)))
     assert rel_l2(torch.ones(3), torch.ones(3)) == 0.0
+    found = _make_bisection(Row("prefill/a", vs_tp1=0.0),
+                            Row("prefill/model.layers.1.mlp", vs_tp1=math.inf))
+    assert found.message().startswith(
+        "first divergence: prefill/model.layers.1.mlp (rel L2 NaN/Inf vs TP=1")
 
 
 def test_hf_names_map_fused_modules_and_regroup_q_gate():
