@@ -82,7 +82,7 @@ def write_realdims(folder: str | Path, dtype: str = "bfloat16") -> Path:
     cases), config.json and the bundled cases' tokenizer. No reference outputs: verify it with
     `freetoken-verify --model FOLDER` (HF is run live). About 2.7e9 parameters: 5.4 GB in
     bfloat16; building it needs roughly twice that in host memory."""
-    from verify.cases import rerandomise
+    from verify.randomise import rerandomise
     from verify.tokenizer import write_tokenizer
 
     folder = Path(folder)

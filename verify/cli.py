@@ -11,31 +11,7 @@ import sys
 import click
 
 from verify.faults import FAULTS
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-
-
-def _split(values: tuple[str, ...], option: str = "") -> list[str]:
-    """Comma-separated values of a repeatable option; an empty entry (`--model ''`, often an
-    unset shell variable) is a usage error, never 'use the default'."""
-    items = [v.strip() for value in values for v in value.split(",")]
-    if option and any(not v for v in items):
-        raise click.UsageError(f"{option}: empty value in {list(values)!r} (an unset variable?)")
-    return [v for v in items if v]
-
-
-def _is_count(text: str) -> bool:
-    # str.isdigit() also accepts '²' and other Unicode digits that int() then rejects.
-    return text.isascii() and text.isdigit() and int(text) >= 1
-
-
-def _parse_tp(values: tuple[str, ...]) -> list[int]:
-    sizes = []
-    for v in _split(values, "--tp"):
-        if not _is_count(v):
-            raise click.UsageError(f"--tp: {v!r} is not a TP size (a positive integer)")
-        sizes.append(int(v))
-    return sorted(set(sizes))
+from verify.options import EXIT_FAILED, EXIT_OK, EXIT_USAGE, is_count
 
 
 class PositiveInt(click.ParamType):
@@ -46,7 +22,7 @@ class PositiveInt(click.ParamType):
     def convert(self, value, param, ctx):
         if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
             return value
-        if isinstance(value, str) and _is_count(value.strip()):
+        if isinstance(value, str) and is_count(value.strip()):
             return int(value)
         self.fail(f"{value!r} is not a positive integer", param, ctx)
 

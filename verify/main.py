@@ -7,8 +7,8 @@ import click
 from freetoken.distributed import PlacementError, choose_placement
 from verify.cases import CASES, CaseError, resolve_case
 from verify.checks import ALL_CHECK_NAMES, VerifyOptions, available_checks
-from verify.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, _parse_tp, _split
 from verify.inputs import check_case_files, check_report_paths
+from verify.options import EXIT_FAILED, EXIT_OK, EXIT_USAGE, parse_tp, split_values
 from verify.references import reference_source
 from verify.report import count_line, environment, render_table, write_json, write_junit
 from verify.runner import Plan, run_plan
@@ -59,13 +59,13 @@ def _validate(cases, tp_sizes, options, selected: dict) -> None:
 
 def build_plan(models, tp, checks, device, oversubscribe, dtype, reference, num_layers,
                timeout, faults) -> Plan:
-    tp_sizes = _parse_tp(tp)
+    tp_sizes = parse_tp(tp)
     if not tp_sizes:
         _fail_usage("--tp: no TP sizes given")
     options = VerifyOptions(device, dtype, reference, num_layers, oversubscribe, timeout)
-    selected = _checks(_split(checks, "--checks"))
+    selected = _checks(split_values(checks, "--checks"))
     try:
-        cases = [resolve_case(m) for m in _split(models, "--model") or sorted(CASES)]
+        cases = [resolve_case(m) for m in split_values(models, "--model") or sorted(CASES)]
     except CaseError as e:
         _fail_usage(str(e))
     _validate(cases, tp_sizes, options, selected)
