@@ -11,13 +11,17 @@ else
 SETUP := external-setup
 endif
 
-.PHONY: verify test golden lint external-setup
+.PHONY: verify test test-slow golden lint external-setup
 
 verify: $(SETUP)
 	$(PYTHON) -m verify.cli --tp 1,$(TP)
 
 test: $(SETUP)
-	$(PYTHON) -m pytest -n 2 -q
+	$(PYTHON) -m pytest -n 2 -q -m "not slow"
+
+# The tests marked slow (the TP-4 and kernel-fault entries of the bug catalogue).
+test-slow: $(SETUP)
+	$(PYTHON) -m pytest -n 2 -q -m slow
 
 golden: $(SETUP)
 	$(PYTHON) -m verify.cases --write golden

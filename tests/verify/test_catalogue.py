@@ -11,8 +11,10 @@ from verify.bug_catalogue import CATALOGUE
 from verify.catalogue_run import run_entry
 from verify.faults import FAULTS
 
-# Entries with a TP-4 group cost a 4-rank spawn each (~9 s on two cores): marked slow.
-_SLOW = {e.fault for e in CATALOGUE if max(e.tp) >= 4}
+# Marked slow (`make test-slow`): entries with a TP-4 group (a 4-rank spawn, ~9 s on two
+# cores each) and the kernel faults, whose kernel matrix in Triton's interpreter takes a
+# minute each and which tests/kernels/test_kernels_check.py already proves in `make test`.
+_SLOW = {e.fault for e in CATALOGUE if max(e.tp) >= 4 or "kernels" in e.checks}
 
 
 def test_catalogue_is_large_and_every_fault_injectable():

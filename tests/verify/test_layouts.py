@@ -1,6 +1,6 @@
 """Layout statements (`verify.layout_book`) give each rank the global rows the design's model
 facts say, written out here by hand for the bundled Qwen3.5 case (8 attention heads of 32, 2
-KV heads; GatedDeltaNet 8 key heads of 16, 16 value heads of 8; vocab 301), and the shards
+KV heads; GatedDeltaNet 8 key heads of 16, 16 value heads of 12; vocab 301), and the shards
 check fails, naming the tensor, when a plan's tensor has no statement or lands elsewhere."""
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ def _index(name: str, tp: int, rank: int, dtype=torch.float32) -> list[int]:
 
 
 def test_conv1d_rank_holds_its_key_heads_of_q_and_k_then_its_value_heads():
-    """conv1d rows are [q keys 0..127 | k keys 128..255 | v 256..383]: at TP 2 rank 1 holds
-    key heads 4..7 of q and of k, then value heads 8..15."""
+    """conv1d rows are [q keys 0..127 | k keys 128..255 | v 256..447]: at TP 2 rank 1 holds
+    key heads 4..7 of q and of k, then value heads 8..15 (12 rows each)."""
     got = _index(f"{LAYER}.0.linear_attn.conv1d.weight", 2, 1)
-    assert got == _span(64, 128) + _span(192, 256) + _span(320, 384), got
+    assert got == _span(64, 128) + _span(192, 256) + _span(352, 448), got
 
 
 def test_gated_q_proj_rank_holds_q_rows_then_gate_rows_of_its_heads():
@@ -59,9 +59,9 @@ def test_vocab_rows_padded_on_the_last_rank():
 
 
 def test_a_log_and_z_by_value_head():
-    """A_log: value heads 8..15 on rank 1 of 2; in_proj_z: the same heads' 8 rows each."""
+    """A_log: value heads 8..15 on rank 1 of 2; in_proj_z: the same heads' 12 rows each."""
     assert _index(f"{LAYER}.0.linear_attn.A_log", 2, 1) == _span(8, 16)
-    assert _index(f"{LAYER}.0.linear_attn.in_proj_z.weight", 2, 1) == _span(64, 128)
+    assert _index(f"{LAYER}.0.linear_attn.in_proj_z.weight", 2, 1) == _span(96, 192)
 
 
 def test_nvfp4_down_block_scale_by_16_input_group():
@@ -89,10 +89,10 @@ def test_plain_chunk_of_conv1d_is_named_row_by_row():
     the layout puts k-key row 128."""
     name = f"{LAYER}.0.linear_attn.conv1d.weight"
     st = LayoutBook.from_folder(CASE, 2).state(name, torch.float32)
-    full = torch.randn(384, 1, 4)
-    assert mismatch(st, full, full[:192].clone(), 0, 2) == (
+    full = torch.randn(448, 1, 4)
+    assert mismatch(st, full, full[:224].clone(), 0, 2) == (
         "local row 64 holds global row 64 (q keys, key head 4), expected global row 128 "
-        "(k keys, key head 0); 128 / 192 rows wrong")
+        "(k keys, key head 0); 160 / 224 rows wrong")
     assert mismatch(st, full, full[_index(name, 2, 0)], 0, 2) is None
 
 
@@ -129,13 +129,13 @@ def test_a_plan_slot_other_than_the_stated_one_fails(monkeypatch):
     def moved(self, name, m, dtype):
         st = original(self, name, m, dtype)
         b = name.endswith("in_proj_b.weight")
-        return dataclasses.replace(st, slot=(slice(264, 272),)) if b else st
+        return dataclasses.replace(st, slot=(slice(328, 336),)) if b else st
 
     monkeypatch.setattr(LayoutBook, "_gdn", moved)
     failures = _audit(2)["failures"]
     assert f"{LAYER}.0.linear_attn.in_proj_b.weight: the plan writes it to model.layers.0." \
-        "linear_attn.in_proj.weight slot ((256, 264),), the layout says model.layers.0." \
-        "linear_attn.in_proj.weight slot ((264, 272),)" in failures, failures
+        "linear_attn.in_proj.weight slot ((320, 328),), the layout says model.layers.0." \
+        "linear_attn.in_proj.weight slot ((328, 336),)" in failures, failures
 
 
 def test_bundled_case_audits_clean_in_process():
