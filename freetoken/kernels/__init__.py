@@ -16,7 +16,8 @@ import importlib.util
 import os
 import sys
 
-JIT_MODULES = ("freetoken.kernels.nvfp4_jit", "freetoken.kernels.nvfp4_mma")
+JIT_MODULES = ("freetoken.kernels.nvfp4_jit", "freetoken.kernels.nvfp4_mma",
+               "freetoken.kernels.moe_jit", "freetoken.kernels.attention_jit")
 
 
 def triton_available() -> bool:

@@ -1,0 +1,101 @@
+"""Launcher of the routed-expert kernels for 16-bit or float32 experts (`moe_jit`): the whole
+routed computation of one rank without a host sync, so decode steps can be graphed.
+
+`fused_moe` is checked against `reference_moe`, the per-expert torch loop the engine runs on
+CPU (`freetoken.layers.moe.FusedExperts`)."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from freetoken.kernels.moe_align import align_by_expert
+
+
+@dataclass(frozen=True)
+class MoeTiles:
+    """Pairs per block (BLOCK_M), output columns per program and inputs per step of each
+    kernel; `small` for few pairs (decode: more programs over the weights), else `large`."""
+
+    block_m: int
+    gate_up_n: int
+    down_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+DECODE_TILES = MoeTiles(block_m=16, gate_up_n=32, down_n=64, block_k=128)
+PREFILL_TILES = MoeTiles(block_m=64, gate_up_n=64, down_n=64, block_k=64)
+DECODE_MAX_PAIRS = 256
+"""Up to this many (token, slot) pairs take DECODE_TILES."""
+
+
+def _jit():
+    """The kernel module, imported on first use (see `freetoken.kernels.use_interpreter`)."""
+    return importlib.import_module("freetoken.kernels.moe_jit")
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # float32 must stay float32 on tensor cores (tf32 would lose 13 bits of mantissa).
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
+              w2: torch.Tensor, tiles: MoeTiles | None = None) -> torch.Tensor:
+    """Routed-expert partial sum for `x` [T, H]: w13 [E, 2I, H] (gate rows, then up rows),
+    w2 [E, H, I], `weights` and `ids` [T, top_k]. Each token's weighted slots are summed in
+    float32 and rounded once to x's dtype. Rank-dependent through the TP-local I."""
+    tokens, hidden = x.shape
+    top_k = ids.shape[1]
+    inter = w2.shape[2]
+    pairs = tokens * top_k
+    if tokens == 0:
+        return x.new_zeros(0, hidden)
+    tiles = tiles or (DECODE_TILES if pairs <= DECODE_MAX_PAIRS else PREFILL_TILES)
+    rows, block_expert = align_by_expert(ids.reshape(-1), w13.shape[0], tiles.block_m)
+    blocks = block_expert.shape[0]
+    x = x.contiguous()
+    jit, precision = _jit(), _precision(x.dtype)
+    launch = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    jit.gate_up_kernel[(blocks, triton_cdiv(inter, tiles.gate_up_n))](
+        x_ptr=x, w13_ptr=w13, h_ptr=h, rows_ptr=rows, block_expert_ptr=block_expert,
+        num_pairs=pairs, hidden=hidden, inter=inter, top_k=top_k,
+        stride_x_token=x.stride(0), stride_w13_expert=w13.stride(0),
+        stride_w13_row=w13.stride(1), stride_h_pair=h.stride(0),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.gate_up_n, BLOCK_K=tiles.block_k,
+        PRECISION=precision, **launch)
+    out = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
+    jit.down_kernel[(blocks, triton_cdiv(hidden, tiles.down_n))](
+        h_ptr=h, w2_ptr=w2, weights_ptr=weights.reshape(-1).contiguous(), out_ptr=out,
+        rows_ptr=rows, block_expert_ptr=block_expert, num_pairs=pairs, hidden=hidden,
+        inter=inter, stride_h_pair=h.stride(0), stride_w2_expert=w2.stride(0),
+        stride_w2_row=w2.stride(1), stride_out_pair=out.stride(0),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_n, BLOCK_K=min(tiles.block_k, _pow2(inter)),
+        PRECISION=precision, **launch)
+    return out.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+
+
+def reference_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                  w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """The torch loop over the experts hit (reads their ids back to the host): same shapes
+    and result as `fused_moe`."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in torch.unique(ids).tolist():
+        token, slot = torch.where(ids == e)
+        gate, up = F.linear(x[token], w13[e]).chunk(2, dim=-1)
+        h = F.linear(F.silu(gate) * up, w2[e]) * weights[token, slot, None]
+        out.index_add_(0, token, h.float())
+    return out.to(x.dtype)
+
+
+def triton_cdiv(n: int, d: int) -> int:
+    return -(-n // d)
+
+
+def _pow2(n: int) -> int:
+    return max(16, 1 << max(0, (int(n) - 1).bit_length()))
