@@ -41,8 +41,9 @@ def main() -> None:
 @click.option("--top-p", default=1.0, show_default=True)
 @click.option("--seed", default=None, type=int)
 @click.option("--ignore-eos", is_flag=True)
+@click.option("--enforce-eager", is_flag=True, help="no CUDA graphs for decode steps")
 def generate(model, tp, device, dtype, oversubscribe, prompts, prompt_ids, max_tokens,
-             temperature, top_k, top_p, seed, ignore_eos) -> None:
+             temperature, top_k, top_p, seed, ignore_eos, enforce_eager) -> None:
     """Generate a continuation for each prompt."""
     from freetoken import LLM, SamplingParams
 
@@ -52,7 +53,8 @@ def generate(model, tp, device, dtype, oversubscribe, prompts, prompt_ids, max_t
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                 top_p=top_p, seed=seed, ignore_eos=ignore_eos)
-        with LLM(model, tp=tp, device=device, dtype=dtype, oversubscribe=oversubscribe) as llm:
+        with LLM(model, tp=tp, device=device, dtype=dtype, oversubscribe=oversubscribe,
+                 enforce_eager=enforce_eager) as llm:
             results = llm.generate(all_prompts, params)
     except (RankError, RankTimeout) as e:
         detail = e.detail if isinstance(e, RankError) else e.describe()

@@ -71,7 +71,8 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         starts = [c - q for q, c in zip(ctx.query_lens, ctx.context_lens)]
-        slots = torch.tensor(ctx.seq_slots, dtype=torch.long, device=x.device)
+        slots = (ctx.device.seq_slots if ctx.device is not None
+                 else torch.tensor(ctx.seq_slots, dtype=torch.long, device=x.device))
         if all(q == 1 for q in ctx.query_lens) and all(starts):
             # Decode: one token per sequence, all continuing; one batched step.
             core = self._mix(qkv[:, None], g[:, None], beta[:, None], slots, False)[:, 0]
