@@ -35,8 +35,9 @@ class DecodeGraphs:
         self.scratch_block, self.scratch_state = scratch_block, scratch_state
         n, self.width = self.buckets[-1], max_blocks
         as_long = dict(dtype=torch.long, device=device)
-        # One int64 staging row per field, filled by one host-to-device copy per step.
-        self.staging = torch.zeros(5 + max_blocks, n, **as_long)
+        # One int64 staging row per sequence (its fields, then its block table), filled by
+        # one host-to-device copy per step.
+        self.staging = torch.zeros(n, 5 + max_blocks, **as_long)
         self.ids, self.positions, self.slot_mapping = (torch.zeros(n, **as_long)
                                                        for _ in range(3))
         self.seq_slots = torch.zeros(n, **as_long)
@@ -66,25 +67,23 @@ class DecodeGraphs:
         return self.logits[bucket][:n]
 
     def _fill(self, bucket, ids, positions, slots, context_lens, block_tables, seq_slots):
-        """Real rows first, padding rows (scratch block and state slot) after."""
-        n, pad = len(ids), bucket - len(ids)
-        host = torch.zeros(5 + self.width, bucket, dtype=torch.long)
-        host[0, :n] = torch.tensor(ids, dtype=torch.long)
-        host[1, :n] = torch.tensor(positions, dtype=torch.long)
-        host[2] = torch.tensor(slots + [self.scratch_block * self.block_size] * pad)
-        host[3] = torch.tensor(context_lens + [1] * pad)
-        host[4] = torch.tensor(seq_slots + [self.scratch_state] * pad)
-        for i, table in enumerate(block_tables):
-            host[5 : 5 + len(table), i] = torch.tensor(table)
-        host[5, n:] = self.scratch_block
-        staging = self.staging[:, :bucket]
-        staging.copy_(host)
-        self.ids[:bucket].copy_(staging[0])
-        self.positions[:bucket].copy_(staging[1])
-        self.slot_mapping[:bucket].copy_(staging[2])
-        self.context_lens[:bucket].copy_(staging[3])
-        self.seq_slots[:bucket].copy_(staging[4])
-        self.block_tables[:bucket].copy_(staging[5:].T)
+        """Real rows first, padding rows (scratch block and state slot) after, in one
+        host-to-device copy. Only the table columns this batch uses are written: the kernel
+        reads no entry past a sequence's context."""
+        width = max([len(t) for t in block_tables] + [1])
+        rows = [[i, p, s, c, st, *t, *[0] * (width - len(t))] for i, p, s, c, st, t in
+                zip(ids, positions, slots, context_lens, seq_slots, block_tables)]
+        pad = [0, 0, self.scratch_block * self.block_size, 1, self.scratch_state,
+               self.scratch_block, *[0] * (width - 1)]
+        rows += [pad] * (bucket - len(ids))
+        staging = self.staging[:bucket, : 5 + width]
+        staging.copy_(torch.tensor(rows, dtype=torch.long))
+        self.ids[:bucket].copy_(staging[:, 0])
+        self.positions[:bucket].copy_(staging[:, 1])
+        self.slot_mapping[:bucket].copy_(staging[:, 2])
+        self.context_lens[:bucket].copy_(staging[:, 3])
+        self.seq_slots[:bucket].copy_(staging[:, 4])
+        self.block_tables[:bucket, :width].copy_(staging[:, 5:])
 
     def _context(self, bucket: int) -> ForwardContext:
         # Host lists only tell layers that this is a decode step of continuing sequences;
