@@ -17,7 +17,8 @@ import os
 import sys
 
 JIT_MODULES = ("freetoken.kernels.nvfp4_jit", "freetoken.kernels.nvfp4_mma",
-               "freetoken.kernels.moe_jit", "freetoken.kernels.attention_jit")
+               "freetoken.kernels.moe_jit", "freetoken.kernels.attention_jit",
+               "freetoken.kernels.norm_rope_jit")
 
 
 def triton_available() -> bool:

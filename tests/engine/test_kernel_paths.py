@@ -58,3 +58,14 @@ def test_kernel_path_matches_torch_path(case, tp):
              enforce_eager=True) as llm:
         want, got = llm.run_on_ranks(_both, prompts)[0]
     _assert_same(want, got, f"{case} tp={tp}")
+
+
+def test_equal_length_prompts_prefill_together():
+    """Fresh prompts of one length take the batched GatedDeltaNet prefill on the CUDA path:
+    the same logits and tokens as the per-sequence torch path."""
+    prompts = json.loads((GOLDEN / "tiny-qwen3.5-moe" / "meta.json").read_text())["prompts"]
+    shortest = min(len(p) for p in prompts)
+    with LLM(GOLDEN / "tiny-qwen3.5-moe", device="cpu", dtype="float32", progress=False,
+             enforce_eager=True) as llm:
+        want, got = llm.run_on_ranks(_both, [p[:shortest] for p in prompts])[0]
+    _assert_same(want, got, "tiny-qwen3.5-moe equal lengths")

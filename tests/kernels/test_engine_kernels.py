@@ -133,3 +133,45 @@ def test_paged_attention_fails_on_a_wrong_block_table():
     got, want = _run_attention(8, 2, 16, [1, 1], [9, 21], True,
                                table_fault=lambda t: t.roll(1, dims=1))
     assert not torch.allclose(got, want, atol=1e-3)
+
+
+def _module_weights(module, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for p in module.parameters():
+        p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    return module
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("offset", [False, True])
+def test_rms_norm_matches_module(tp, offset):
+    """Decoder norms [tokens, hidden] and per-head q norms [tokens, 16 / tp, 32] of a
+    strided view (q rows inside a fused projection) equal the torch RMSNorm's."""
+    from freetoken.kernels.norm_rope import rms_norm
+    from freetoken.layers.norm import RMSNorm
+
+    norm = _module_weights(RMSNorm(32, 1e-6, offset=offset), tp)
+    fused = torch.randn(7, (16 // tp + 2) * 32, generator=torch.Generator().manual_seed(tp))
+    q = fused[:, : 16 // tp * 32].view(7, 16 // tp, 32)
+    _assert_close(rms_norm(q, norm.weight, 1e-6, offset), norm(q), f"heads tp={tp}")
+    x = torch.randn(5, 32)
+    _assert_close(rms_norm(x, norm.weight, 1e-6, offset), norm(x), f"rows tp={tp}")
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("head_dim, rotary_dim", [(16, 16), (64, 16)])
+def test_rotary_matches_module(tp, head_dim, rotary_dim):
+    """Full and partial rotary (a quarter of each head, as Qwen3.5) over 16 / tp q heads and
+    the TP-local KV heads equal the torch RotaryEmbedding's, the rest of each head untouched."""
+    from freetoken.kernels.norm_rope import rotary_
+    from freetoken.layers.rotary import RotaryEmbedding
+
+    rope = RotaryEmbedding(head_dim, rotary_dim, 10000.0)
+    gen = torch.Generator().manual_seed(tp)
+    q = torch.randn(6, 16 // tp, head_dim, generator=gen)
+    k = torch.randn(6, local_kv_heads(2, tp), head_dim, generator=gen)
+    positions = torch.tensor([0, 1, 5, 17, 300, 1999])
+    want_q, want_k = rope(positions, q, k)
+    got_q, got_k = rotary_(q.clone(), k.clone(), positions, rope.inv_freq, rotary_dim)
+    _assert_close(got_q, want_q, f"q tp={tp}")
+    _assert_close(got_k, want_k, f"k tp={tp}")
