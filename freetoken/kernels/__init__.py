@@ -18,7 +18,7 @@ import sys
 
 JIT_MODULES = ("freetoken.kernels.nvfp4_jit", "freetoken.kernels.nvfp4_mma",
                "freetoken.kernels.moe_jit", "freetoken.kernels.attention_jit",
-               "freetoken.kernels.norm_rope_jit")
+               "freetoken.kernels.norm_rope_jit", "freetoken.kernels.delta_rule_jit")
 
 
 def triton_available() -> bool:

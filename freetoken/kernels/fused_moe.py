@@ -30,7 +30,7 @@ class MoeTiles:
 
 DECODE_TILES = MoeTiles(block_m=16, gate_up_n=32, down_n=64, block_k=128)
 PREFILL_TILES = MoeTiles(block_m=64, gate_up_n=64, down_n=64, block_k=64)
-DECODE_MAX_PAIRS = 256
+DECODE_MAX_PAIRS = 1024
 """Up to this many (token, slot) pairs take DECODE_TILES."""
 
 

@@ -44,8 +44,8 @@ def _make_routing(tokens: int, experts: int, top_k: int, hidden: int, seed: int)
 @pytest.mark.parametrize("tp", TP_SIZES)
 @pytest.mark.parametrize("tokens", [1, 5, 40])
 def test_fused_moe_matches_reference(tp, tokens):
-    """The grouped kernels give the per-expert loop's sum (decode tiles up to 256 pairs,
-    prefill tiles above; an intermediate size of 64 / tp, down to 8 inside a 16-wide step)."""
+    """The grouped kernels give the per-expert loop's sum, with the decode tiles and with
+    the prefill tiles (an intermediate size of 64 / tp, down to 8 inside a 16-wide step)."""
     from freetoken.kernels.fused_moe import PREFILL_TILES, fused_moe, reference_moe
 
     w13, w2 = _make_experts(8, 48, 64 // tp, seed=tp)
@@ -175,3 +175,31 @@ def test_rotary_matches_module(tp, head_dim, rotary_dim):
     got_q, got_k = rotary_(q.clone(), k.clone(), positions, rope.inv_freq, rotary_dim)
     _assert_close(got_q, want_q, f"q tp={tp}")
     _assert_close(got_k, want_k, f"k tp={tp}")
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_gated_delta_decode_matches_recurrent_rule(tp):
+    """One decode step over 16 / tp key heads and 32 / tp value heads (Qwen3.5's ratio)
+    with dk != dv: the output and the state written back at each sequence's slot equal the
+    torch recurrent rule's; the slots not in the batch are untouched."""
+    from freetoken.kernels.delta_rule import gated_delta_decode
+    from freetoken.layers.delta_rule import l2norm, recurrent_gated_delta_rule
+
+    gen = torch.Generator().manual_seed(tp)
+    batch, nk, nv, dk, dv = 3, 16 // tp, 32 // tp, 16, 8
+    q = l2norm(torch.randn(batch, nk, dk, generator=gen)) * dk**-0.5
+    k = l2norm(torch.randn(batch, nk, dk, generator=gen))
+    v = torch.randn(batch, nv, dv, generator=gen)
+    g = -torch.rand(batch, nv, generator=gen)
+    beta = torch.rand(batch, nv, generator=gen)
+    state = torch.randn(5, nv, dk, dv, generator=gen)
+    slots = torch.tensor([4, 0, 2])
+    rep = nv // nk
+    want_out, want_state = recurrent_gated_delta_rule(
+        q.repeat_interleave(rep, 1)[:, None], k.repeat_interleave(rep, 1)[:, None],
+        v[:, None], g[:, None], beta[:, None], state[slots])
+    got_state = state.clone()
+    got = gated_delta_decode(q, k, v, g, beta, got_state, slots)
+    _assert_close(got, want_out[:, 0], f"output tp={tp}")
+    _assert_close(got_state[slots], want_state, f"state tp={tp}")
+    assert torch.equal(got_state[[1, 3]], state[[1, 3]]), "a slot outside the batch changed"

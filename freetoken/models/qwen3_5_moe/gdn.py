@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from freetoken.distributed import divide, get_tp_info
-from freetoken.engine.context import get_forward_context
+from freetoken.engine.context import get_forward_context, uses_kernels
+from freetoken.kernels.delta_rule import gated_delta_decode
 from freetoken.layers.causal_conv import CausalConv1d
 from freetoken.layers.delta_rule import (
     chunk_gated_delta_rule,
@@ -99,6 +100,12 @@ class GatedDeltaNet(nn.Module):
         Returns [B, T, value heads, dv] in qkv's dtype."""
         mixed, conv_state = self.conv1d(qkv, None if fresh else self.conv_state[slots])
         self.conv_state[slots] = conv_state.to(self.conv_state.dtype)
+        if uses_kernels() and qkv.shape[1] == 1 and not fresh:
+            # One fused launch reads and writes each slot's state once, in place.
+            q, k, v = self._heads(mixed, repeat=False)
+            out = gated_delta_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
+                                     self.recurrent_state, slots)
+            return out[:, None].to(qkv.dtype)
         q, k, v = self._heads(mixed)
         initial = None if fresh else self.recurrent_state[slots]
         # As HF: the recurrent rule for a single continuing token, the chunked rule otherwise.
@@ -108,9 +115,10 @@ class GatedDeltaNet(nn.Module):
         self.recurrent_state[slots] = state
         return out.to(qkv.dtype)
 
-    def _heads(self, mixed: torch.Tensor):
+    def _heads(self, mixed: torch.Tensor, repeat: bool = True):
         """q, k: fp32 [B, T, value heads, dk], L2-normalised (q also scaled by dk^-0.5) and
-        repeated so value head j sees key head j // group; v: [B, T, value heads, dv]."""
+        repeated so value head j sees key head j // group (per key head without `repeat`);
+        v: [B, T, value heads, dv]."""
         batch, length, _ = mixed.shape
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         shape = (batch, length, self.num_k_heads, self.head_k_dim)
@@ -118,4 +126,6 @@ class GatedDeltaNet(nn.Module):
         k = l2norm(k.reshape(shape).float())
         group = self.num_v_heads // self.num_k_heads
         v = v.reshape(batch, length, self.num_v_heads, self.head_v_dim)
+        if not repeat:
+            return q, k, v
         return q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2), v
