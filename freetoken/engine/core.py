@@ -172,20 +172,20 @@ class EngineCore:
             start += qlen
 
     def _sample(self, batch: list[Sequence], logits: torch.Tensor) -> list[int]:
-        tokens = torch.zeros(len(batch), dtype=torch.long)
+        tokens = [0] * len(batch)
         if get_tp_info().is_first:
             # Greedy rows in one argmax and one copy to the host, not one per sequence.
-            greedy = logits.argmax(dim=-1).cpu()
-            for i, seq in enumerate(batch):
-                tokens[i] = (greedy[i] if seq.params.temperature == 0
-                             else sample(logits[i], seq.params, seq.generator))
+            greedy = logits.argmax(dim=-1).tolist()
+            tokens = [greedy[i] if seq.params.temperature == 0
+                      else sample(logits[i], seq.params, seq.generator)
+                      for i, seq in enumerate(batch)]
         for i, seq in enumerate(batch):
             if seq.params.return_logits:
                 seq.step_logits.append(logits[i].cpu())
         if get_tp_info().size == 1:
-            return tokens.tolist()
-        tokens = get_communicator().broadcast(tokens.to(self.device)).cpu()
-        return tokens.tolist()
+            return tokens
+        shared = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        return get_communicator().broadcast(shared).tolist()
 
 
 def graphs_allowed(cfg: EngineConfig, device: torch.device) -> bool:
