@@ -30,12 +30,13 @@ class PagedAttention(nn.Module):
         """q: [T, heads, d], k and v: [T, kv_heads, d] -> [T, heads, d]."""
         ctx = get_forward_context()
         block_size = self.k_cache.shape[1]
+        if ctx.device is not None:
+            kernel.write_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+            return self._kernel(q, ctx)
         k_flat = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
         v_flat = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
         k_flat[ctx.slot_mapping] = k.to(k_flat.dtype)
         v_flat[ctx.slot_mapping] = v.to(v_flat.dtype)
-        if ctx.device is not None:
-            return self._kernel(q, ctx)
         if not ctx.is_prefill:
             return self._decode(q, k_flat, v_flat, *ctx.decode_layout(block_size, q.device))
         out = torch.empty_like(q)

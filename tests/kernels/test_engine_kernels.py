@@ -203,3 +203,23 @@ def test_gated_delta_decode_matches_recurrent_rule(tp):
     _assert_close(got, want_out[:, 0], f"output tp={tp}")
     _assert_close(got_state[slots], want_state, f"state tp={tp}")
     assert torch.equal(got_state[[1, 3]], state[[1, 3]]), "a slot outside the batch changed"
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_write_kv_matches_index_put(tp):
+    """Keys and values of strided views (inside a fused qkv row) land in exactly their slots
+    of both caches, as the torch path's index assignment puts them; other slots keep their
+    contents."""
+    from freetoken.kernels.paged_attention import write_kv
+
+    kv, dim = local_kv_heads(2, tp), 16
+    qkv = torch.randn(5, (8 // tp + 2 * kv) * dim)
+    k = qkv[:, 8 // tp * dim:][:, : kv * dim].view(5, kv, dim)
+    v = qkv[:, (8 // tp + kv) * dim:].view(5, kv, dim)
+    slots = torch.tensor([7, 0, 13, 30, 2])
+    caches = [torch.randn(8, 4, kv, dim) for _ in range(2)]
+    want = [c.clone() for c in caches]
+    want[0].view(-1, kv, dim)[slots] = k
+    want[1].view(-1, kv, dim)[slots] = v
+    write_kv(k, v, caches[0], caches[1], slots)
+    assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
