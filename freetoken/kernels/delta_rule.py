@@ -17,24 +17,25 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def gated_delta_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                       beta: torch.Tensor, state: torch.Tensor, slots: torch.Tensor
-                       ) -> torch.Tensor:
-    """One token per sequence: q, k [B, key heads, dk] (normalised, q scaled), v [B, value
-    heads, dv], g and beta [B, value heads]; `state` [slots, value heads, dk, dv] float32,
-    updated in place at `slots` [B]. Returns o [B, value heads, dv] float32."""
+def gated_delta_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                       b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+                       state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """One token per sequence: q, k [B, key heads, dk] (after the conv, not yet normalised),
+    v [B, value heads, dv], the gate inputs a and b [B, value heads] and the parameters
+    A_log and dt_bias [value heads]; `state` [slots, value heads, dk, dv] float32, updated
+    in place at `slots` [B]. Returns o [B, value heads, dv] float32."""
     batch, value_heads, value_dim = v.shape
     key_dim = q.shape[-1]
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    g, beta = g.contiguous(), beta.contiguous()
+    q, k, v, a, b = (x.contiguous() for x in (q, k, v, a, b))
     out = torch.empty(batch, value_heads, value_dim, dtype=torch.float32, device=v.device)
     block_v = min(32, _pow2(value_dim))
     if batch:
         _jit().gated_delta_decode_kernel[(batch, value_heads, -(-value_dim // block_v))](
-            q_ptr=q, k_ptr=k, v_ptr=v, g_ptr=g, beta_ptr=beta, state_ptr=state,
-            slots_ptr=slots, out_ptr=out, key_dim=key_dim, value_dim=value_dim,
+            q_ptr=q, k_ptr=k, v_ptr=v, a_ptr=a, b_ptr=b, a_log_ptr=a_log,
+            dt_bias_ptr=dt_bias, state_ptr=state, slots_ptr=slots, out_ptr=out,
+            key_dim=key_dim, value_dim=value_dim, q_scale=key_dim**-0.5,
             stride_qk_seq=q.stride(0), stride_qk_head=q.stride(1),
-            stride_v_seq=v.stride(0), stride_v_head=v.stride(1), stride_gb_seq=g.stride(0),
+            stride_v_seq=v.stride(0), stride_v_head=v.stride(1), stride_ab_seq=a.stride(0),
             stride_state_slot=state.stride(0), stride_state_head=state.stride(1),
             stride_state_key=state.stride(2), stride_out_seq=out.stride(0),
             stride_out_head=out.stride(1), GROUP=value_heads // q.shape[1],

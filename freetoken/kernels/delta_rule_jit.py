@@ -1,7 +1,11 @@
-"""Triton kernel for one decode step of the gated delta rule (GatedDeltaNet), the state in
+"""Triton kernel for one decode step of GatedDeltaNet's gated delta rule, the state in
 float32, read and written in place at each sequence's state slot:
 
     S = exp(g) S;  S += k beta (v - S^T k)^T;  o = S^T q
+
+with the step's gating and normalisation folded in, as the torch path computes them:
+beta = sigmoid(b) (rounded to b's dtype), g = -exp(A_log) * softplus(a + dt_bias) in
+float32, q and k L2-normalised (eps 1e-6 inside the root) and q scaled by dk^-0.5.
 
 Program (sequence, value head, block of BLOCK_V value channels) holds its [dk, BLOCK_V]
 slice of the state in registers: one read and one write of the state per step, where the
@@ -21,20 +25,23 @@ def gated_delta_decode_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
-    g_ptr,
-    beta_ptr,
+    a_ptr,
+    b_ptr,
+    a_log_ptr,
+    dt_bias_ptr,
     state_ptr,
     slots_ptr,
     out_ptr,
     # sizes
     key_dim,
     value_dim,
+    q_scale,
     # strides
     stride_qk_seq,
     stride_qk_head,
     stride_v_seq,
     stride_v_head,
-    stride_gb_seq,
+    stride_ab_seq,
     stride_state_slot,
     stride_state_head,
     stride_state_key,
@@ -55,10 +62,17 @@ def gated_delta_decode_kernel(
     qk = seq * stride_qk_seq + key_head * stride_qk_head + rows
     q = tl.load(q_ptr + qk, mask=row_ok, other=0.0).to(tl.float32)
     k = tl.load(k_ptr + qk, mask=row_ok, other=0.0).to(tl.float32)
+    q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * q_scale
+    k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
     v = tl.load(v_ptr + seq * stride_v_seq + head * stride_v_head + cols, mask=col_ok,
                 other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + seq * stride_gb_seq + head).to(tl.float32)
-    beta = tl.load(beta_ptr + seq * stride_gb_seq + head).to(tl.float32)
+    b = tl.load(b_ptr + seq * stride_ab_seq + head)
+    beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)
+    a = tl.load(a_ptr + seq * stride_ab_seq + head).to(tl.float32) + tl.load(
+        dt_bias_ptr + head).to(tl.float32)
+    # softplus with torch's threshold: x itself above 20.
+    softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
+    g = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32)) * softplus
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     s_ptrs = (state_ptr + slot * stride_state_slot + head * stride_state_head
               + rows[:, None] * stride_state_key + cols[None, :])

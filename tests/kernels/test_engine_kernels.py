@@ -180,26 +180,30 @@ def test_rotary_matches_module(tp, head_dim, rotary_dim):
 @pytest.mark.parametrize("tp", TP_SIZES)
 def test_gated_delta_decode_matches_recurrent_rule(tp):
     """One decode step over 16 / tp key heads and 32 / tp value heads (Qwen3.5's ratio)
-    with dk != dv: the output and the state written back at each sequence's slot equal the
-    torch recurrent rule's; the slots not in the batch are untouched."""
+    with dk != dv, gating and normalisation inside: the output and the state written back
+    at each sequence's slot equal the torch path's (GatedDeltaNet's gating, l2norm and the
+    recurrent rule); the slots not in the batch are untouched."""
+    import torch.nn.functional as F
+
     from freetoken.kernels.delta_rule import gated_delta_decode
     from freetoken.layers.delta_rule import l2norm, recurrent_gated_delta_rule
 
     gen = torch.Generator().manual_seed(tp)
     batch, nk, nv, dk, dv = 3, 16 // tp, 32 // tp, 16, 8
-    q = l2norm(torch.randn(batch, nk, dk, generator=gen)) * dk**-0.5
-    k = l2norm(torch.randn(batch, nk, dk, generator=gen))
+    q, k = (torch.randn(batch, nk, dk, generator=gen) for _ in range(2))
     v = torch.randn(batch, nv, dv, generator=gen)
-    g = -torch.rand(batch, nv, generator=gen)
-    beta = torch.rand(batch, nv, generator=gen)
+    a, b = (torch.randn(batch, nv, generator=gen) * 3 for _ in range(2))
+    a_log, dt_bias = torch.randn(nv, generator=gen), torch.randn(nv, generator=gen)
     state = torch.randn(5, nv, dk, dv, generator=gen)
     slots = torch.tensor([4, 0, 2])
+    g = -a_log.exp() * F.softplus(a + dt_bias)
     rep = nv // nk
+    q_n = (l2norm(q) * dk**-0.5).repeat_interleave(rep, 1)
     want_out, want_state = recurrent_gated_delta_rule(
-        q.repeat_interleave(rep, 1)[:, None], k.repeat_interleave(rep, 1)[:, None],
-        v[:, None], g[:, None], beta[:, None], state[slots])
+        q_n[:, None], l2norm(k).repeat_interleave(rep, 1)[:, None], v[:, None], g[:, None],
+        b.sigmoid()[:, None], state[slots])
     got_state = state.clone()
-    got = gated_delta_decode(q, k, v, g, beta, got_state, slots)
+    got = gated_delta_decode(q, k, v, a, b, a_log, dt_bias, got_state, slots)
     _assert_close(got, want_out[:, 0], f"output tp={tp}")
     _assert_close(got_state[slots], want_state, f"state tp={tp}")
     assert torch.equal(got_state[[1, 3]], state[[1, 3]]), "a slot outside the batch changed"

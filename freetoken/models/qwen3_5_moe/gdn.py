@@ -69,12 +69,15 @@ class GatedDeltaNet(nn.Module):
             raise RuntimeError("GatedDeltaNet needs linear-state slots in the forward context")
         tokens = x.shape[0]
         qkv, z, b, a = self.in_proj(x).split(self.local_sizes, dim=-1)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         starts = [c - q for q, c in zip(ctx.query_lens, ctx.context_lens)]
         slots = (ctx.device.seq_slots if ctx.device is not None
                  else torch.tensor(ctx.seq_slots, dtype=torch.long, device=x.device))
-        if all(q == 1 for q in ctx.query_lens) and all(starts):
+        decode = all(q == 1 for q in ctx.query_lens) and all(starts)
+        if decode and uses_kernels():
+            return self._output(self._fused_decode(qkv, a, b, slots), z)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        if decode:
             # Decode: one token per sequence, all continuing; one batched step.
             core = self._mix(qkv[:, None], g[:, None], beta[:, None], slots, False)[:, 0]
         elif ctx.device is not None and not any(starts) and len(set(ctx.query_lens)) == 1:
@@ -91,8 +94,26 @@ class GatedDeltaNet(nn.Module):
                 core[part] = self._mix(qkv[None, part], g[None, part], beta[None, part],
                                        slots[i : i + 1], start == 0)[0]
                 offset += qlen
+        return self._output(core, z)
+
+    def _output(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """Gated norm of the mixed values [T, value heads, dv], then out_proj."""
+        tokens = core.shape[0]
         z = z.view(tokens, self.num_v_heads, self.head_v_dim)
         return self.out_proj(self.norm(core, z).reshape(tokens, -1))
+
+    def _fused_decode(self, qkv, a, b, slots: torch.Tensor) -> torch.Tensor:
+        """The CUDA path of a decode step: the conv, then gating, normalisation and the
+        delta rule in one launch that reads and writes each slot's state once, in place."""
+        batch = qkv.shape[0]
+        mixed, conv_state = self.conv1d(qkv[:, None], self.conv_state[slots])
+        self.conv_state[slots] = conv_state.to(self.conv_state.dtype)
+        q, k, v = mixed[:, 0].split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        key_shape = (batch, self.num_k_heads, self.head_k_dim)
+        out = gated_delta_decode(q.reshape(key_shape), k.reshape(key_shape),
+                                 v.reshape(batch, self.num_v_heads, self.head_v_dim), a, b,
+                                 self.A_log, self.dt_bias, self.recurrent_state, slots)
+        return out.to(qkv.dtype)
 
     def _mix(self, qkv, g, beta, slots: torch.Tensor, fresh: bool) -> torch.Tensor:
         """Conv, then the delta rule, for B sequences of equal length T: qkv [B, T, C],
@@ -100,12 +121,6 @@ class GatedDeltaNet(nn.Module):
         Returns [B, T, value heads, dv] in qkv's dtype."""
         mixed, conv_state = self.conv1d(qkv, None if fresh else self.conv_state[slots])
         self.conv_state[slots] = conv_state.to(self.conv_state.dtype)
-        if uses_kernels() and qkv.shape[1] == 1 and not fresh:
-            # One fused launch reads and writes each slot's state once, in place.
-            q, k, v = self._heads(mixed, repeat=False)
-            out = gated_delta_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
-                                     self.recurrent_state, slots)
-            return out[:, None].to(qkv.dtype)
         q, k, v = self._heads(mixed)
         initial = None if fresh else self.recurrent_state[slots]
         # As HF: the recurrent rule for a single continuing token, the chunked rule otherwise.
@@ -115,10 +130,9 @@ class GatedDeltaNet(nn.Module):
         self.recurrent_state[slots] = state
         return out.to(qkv.dtype)
 
-    def _heads(self, mixed: torch.Tensor, repeat: bool = True):
+    def _heads(self, mixed: torch.Tensor):
         """q, k: fp32 [B, T, value heads, dk], L2-normalised (q also scaled by dk^-0.5) and
-        repeated so value head j sees key head j // group (per key head without `repeat`);
-        v: [B, T, value heads, dv]."""
+        repeated so value head j sees key head j // group; v: [B, T, value heads, dv]."""
         batch, length, _ = mixed.shape
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         shape = (batch, length, self.num_k_heads, self.head_k_dim)
@@ -126,6 +140,4 @@ class GatedDeltaNet(nn.Module):
         k = l2norm(k.reshape(shape).float())
         group = self.num_v_heads // self.num_k_heads
         v = v.reshape(batch, length, self.num_v_heads, self.head_v_dim)
-        if not repeat:
-            return q, k, v
         return q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2), v
