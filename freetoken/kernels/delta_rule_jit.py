@@ -82,4 +82,46 @@ def gated_delta_decode_kernel(
     state += k[:, None] * ((v - predicted) * beta)[None, :]
     tl.store(s_ptrs, state, mask=mask)
     out = tl.sum(state * q[:, None], axis=0)
-    tl.store(out_ptr + seq * stride_out_seq + head * stride_out_head + cols, out, mask=col_ok)
+    tl.store(out_ptr + seq * stride_out_seq + head * stride_out_head + cols,
+             out.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def conv_update_kernel(
+    # pointers
+    x_ptr,
+    weight_ptr,
+    state_ptr,
+    slots_ptr,
+    out_ptr,
+    # sizes
+    channels,
+    # strides
+    stride_x_seq,
+    stride_state_slot,
+    stride_state_channel,
+    stride_out_seq,
+    # meta
+    KERNEL: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Sequence program_id(0), BLOCK_C channels: the depthwise causal conv of its new input
+    over the slot's last KERNEL - 1 inputs, then SiLU (float32, rounded once); the slot's
+    state shifts by one input, in place."""
+    seq = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = cols < channels
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    state = state_ptr + slot * stride_state_slot + cols * stride_state_channel
+    x = tl.load(x_ptr + seq * stride_x_seq + cols, mask=ok, other=0.0)
+    acc = x.to(tl.float32) * tl.load(weight_ptr + cols * KERNEL + KERNEL - 1, mask=ok,
+                                     other=0.0).to(tl.float32)
+    for j in tl.static_range(KERNEL - 1):
+        past = tl.load(state + j, mask=ok, other=0.0)
+        acc += past.to(tl.float32) * tl.load(weight_ptr + cols * KERNEL + j, mask=ok,
+                                             other=0.0).to(tl.float32)
+        if j > 0:
+            tl.store(state + j - 1, past, mask=ok)
+    tl.store(state + KERNEL - 2, x.to(state_ptr.dtype.element_ty), mask=ok)
+    out = acc * tl.sigmoid(acc)
+    tl.store(out_ptr + seq * stride_out_seq + cols, out.to(out_ptr.dtype.element_ty), mask=ok)

@@ -32,6 +32,8 @@ DECODE_TILES = MoeTiles(block_m=16, gate_up_n=32, down_n=64, block_k=128)
 PREFILL_TILES = MoeTiles(block_m=64, gate_up_n=64, down_n=64, block_k=64)
 DECODE_MAX_PAIRS = 1024
 """Up to this many (token, slot) pairs take DECODE_TILES."""
+ALIGN_MAX_PAIRS = 1024
+"""Up to this many pairs are sorted by `align_small` (one program), more by torch ops."""
 
 
 def _jit():
@@ -56,7 +58,8 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: to
     if tokens == 0:
         return x.new_zeros(0, hidden)
     tiles = tiles or (DECODE_TILES if pairs <= DECODE_MAX_PAIRS else PREFILL_TILES)
-    rows, block_expert = align_by_expert(ids.reshape(-1), w13.shape[0], tiles.block_m)
+    align = align_small if pairs <= ALIGN_MAX_PAIRS else align_by_expert
+    rows, block_expert = align(ids.reshape(-1), w13.shape[0], tiles.block_m)
     blocks = block_expert.shape[0]
     x = x.contiguous()
     jit, precision = _jit(), _precision(x.dtype)
@@ -78,6 +81,38 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: to
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_n, BLOCK_K=min(tiles.block_k, _pow2(inter)),
         PRECISION=precision, **launch)
     return out.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax in fp32 -> top-k -> optional renormalisation in one launch: weights [T, k]
+    in `dtype` (descending) and expert ids [T, k] int64, as `freetoken.layers.moe.route`."""
+    tokens, num_experts = router_logits.shape
+    weights = torch.empty(tokens, top_k, dtype=dtype, device=router_logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=router_logits.device)
+    if tokens:
+        logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+        _jit().route_kernel[(tokens,)](
+            logits_ptr=logits, weights_ptr=weights, ids_ptr=ids, num_experts=num_experts,
+            stride_logits_token=logits.stride(0), TOP_K=top_k,
+            BLOCK_K=1 << max(0, (top_k - 1).bit_length()), BLOCK_E=_pow2(num_experts),
+            RENORMALIZE=renormalize, num_warps=4)
+    return weights, ids
+
+
+def align_small(ids: torch.Tensor, num_experts: int, block_m: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe_align.align_by_expert`'s result (same rows, same block experts) from one
+    program; for up to ALIGN_MAX_PAIRS pairs."""
+    n = ids.numel()
+    num_blocks = -(-n // block_m) + min(num_experts, n)
+    rows = torch.empty(num_blocks * block_m, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=ids.device)
+    _jit().align_kernel[(1,)](
+        ids_ptr=ids.reshape(-1).contiguous(), rows_ptr=rows, block_expert_ptr=block_expert,
+        num_pairs=n, num_blocks=num_blocks, BLOCK_M=block_m, BLOCK_E=_pow2(num_experts),
+        CHUNK=64, num_warps=4)
+    return rows, block_expert
 
 
 def reference_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,

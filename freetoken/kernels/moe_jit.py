@@ -118,3 +118,102 @@ def down_kernel(
     weight = tl.load(weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + pairs[:, None] * stride_out_pair + cols[None, :], acc * weight[:, None],
              mask=pair_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def route_kernel(
+    # pointers
+    logits_ptr,
+    weights_ptr,
+    ids_ptr,
+    # sizes
+    num_experts,
+    # strides
+    stride_logits_token,
+    # meta
+    TOP_K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+):
+    """Token program_id(0): softmax of its router logits in float32, its TOP_K largest
+    probabilities in descending order (the lowest index first among equals), optionally
+    renormalised to sum to one, stored in weights' dtype with their expert ids (int64)."""
+    token = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, BLOCK_E)
+    ok = experts < num_experts
+    x = tl.load(logits_ptr + token * stride_logits_token + experts, mask=ok,
+                other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, axis=0))
+    p = tl.where(ok, p, 0.0)
+    p = p / tl.sum(p, axis=0)
+    left = tl.where(ok, p, -1.0)
+    slots = tl.arange(0, BLOCK_K)
+    chosen = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    chosen_ids = tl.zeros((BLOCK_K,), dtype=tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(left, axis=0)
+        index = tl.min(tl.where(left == best, experts, BLOCK_E), axis=0)
+        chosen = tl.where(slots == j, best, chosen)
+        chosen_ids = tl.where(slots == j, index.to(tl.int64), chosen_ids)
+        left = tl.where(experts == index, -1.0, left)
+    if RENORMALIZE:
+        chosen = chosen / tl.sum(chosen, axis=0)
+    tl.store(weights_ptr + token * TOP_K + slots, chosen.to(weights_ptr.dtype.element_ty),
+             mask=slots < TOP_K)
+    tl.store(ids_ptr + token * TOP_K + slots, chosen_ids, mask=slots < TOP_K)
+
+
+@triton.jit
+def align_kernel(
+    # pointers
+    ids_ptr,
+    rows_ptr,
+    block_expert_ptr,
+    # sizes
+    num_pairs,
+    num_blocks,
+    # meta
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """One program: the layout of `moe_align.align_by_expert` (pairs sorted by expert,
+    stably, each expert's run padded to BLOCK_M rows; unused rows hold num_pairs, unused
+    blocks expert -1) in one launch instead of a sort and a dozen small kernels. Ranks
+    come from comparing pairs chunk by chunk, so it is meant for decode-sized batches."""
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        pairs = start + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
+        counts += tl.sum((e[None, :] == experts[:, None]).to(tl.int32), axis=1)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    padded_start = padded_end - padded
+    total = tl.sum(padded, axis=0)
+    for start in range(0, num_blocks * BLOCK_M, CHUNK):
+        rows = start + tl.arange(0, CHUNK)
+        tl.store(rows_ptr + rows, tl.zeros((CHUNK,), dtype=tl.int32) + num_pairs,
+                 mask=rows < num_blocks * BLOCK_M)
+    for start in range(0, num_blocks, CHUNK):
+        blocks = start + tl.arange(0, CHUNK)
+        first = blocks * BLOCK_M
+        expert = tl.sum((padded_end[None, :] <= first[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + blocks, tl.where(first < total, expert, -1),
+                 mask=blocks < num_blocks)
+    # The sentinel rows above must land before the pairs overwrite theirs.
+    tl.debug_barrier()
+    for start in range(0, num_pairs, CHUNK):
+        pairs = start + tl.arange(0, CHUNK)
+        ok = pairs < num_pairs
+        e = tl.load(ids_ptr + pairs, mask=ok, other=-1)
+        rank = tl.zeros((CHUNK,), dtype=tl.int32)
+        for earlier in range(0, start + CHUNK, CHUNK):
+            others = earlier + tl.arange(0, CHUNK)
+            f = tl.load(ids_ptr + others, mask=others < num_pairs, other=-2)
+            same = (f[None, :] == e[:, None]) & (others[None, :] < pairs[:, None])
+            rank += tl.sum(same.to(tl.int32), axis=1)
+        base = tl.sum(tl.where(experts[None, :] == e[:, None], padded_start[None, :], 0),
+                      axis=1)
+        tl.store(rows_ptr + base + rank, pairs.to(tl.int32), mask=ok)

@@ -1,6 +1,7 @@
-"""Launchers of `norm_rope_jit`: RMSNorm and rotary embedding in one launch each, for the
-engine's CUDA path (its CPU path, `freetoken.layers.norm` and `freetoken.layers.rotary`, is
-the reference they are checked against)."""
+"""Launchers of `norm_rope_jit`: RMSNorm, GatedDeltaNet's gated RMSNorm, SiLU-and-mul and
+rotary embedding in one launch each, for the engine's CUDA path (its CPU path,
+`freetoken.layers.norm`, `gated_norm`, `activation` and `rotary`, is the reference they are
+checked against)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,36 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) ->
             stride_out_token=out.stride(0), stride_out_head=out.stride(1),
             OFFSET=offset, BLOCK_N=_pow2(channels), num_warps=4 if channels >= 1024 else 1)
     return out.view(x.shape)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+                   ) -> torch.Tensor:
+    """`w * rms_norm(x) * silu(z)` over the last dim of x [tokens, heads, N]; z of the same
+    shape (a view is fine). A new tensor of x's shape and dtype."""
+    tokens, heads, channels = x.shape
+    x = x.contiguous()
+    z = z if z.stride(-1) == 1 else z.contiguous()
+    out = torch.empty_like(x)
+    if tokens:
+        _jit().gated_rms_norm_kernel[(tokens * heads,)](
+            x_ptr=x, z_ptr=z, weight_ptr=weight, out_ptr=out, channels=channels, eps=eps,
+            stride_x_row=channels, stride_z_token=z.stride(0), stride_z_head=z.stride(1),
+            stride_out_row=channels, HEADS=heads, BLOCK_N=_pow2(channels), num_warps=1)
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` for x = [gate | up] on the last dim of a [tokens, 2N] tensor."""
+    tokens, width = x.shape
+    half = width // 2
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty(tokens, half, dtype=x.dtype, device=x.device)
+    block = min(1024, _pow2(half))
+    if tokens:
+        _jit().silu_and_mul_kernel[(tokens, -(-half // block))](
+            x_ptr=x, out_ptr=out, half=half, stride_x_token=x.stride(0),
+            stride_out_token=out.stride(0), BLOCK_N=block, num_warps=4)
+    return out
 
 
 def rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,

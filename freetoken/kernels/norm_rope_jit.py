@@ -7,6 +7,9 @@ point the torch path rounds.
   `w * (x * rsqrt(mean(x^2) + eps))` (the normalised row rounded to x's dtype before the
   weight, as HF's RMSNorm) or, with OFFSET, `x * rsqrt(...) * (1 + w)` in float32 (Gemma /
   Qwen3.5).
+- `gated_rms_norm_kernel`: GatedDeltaNet's output norm, `w * rms_norm(x)` (rounded to x's
+  dtype twice, as the torch path) times `silu(z)` in float32, rounded once more.
+- `silu_and_mul_kernel`: program (token, block) writes `silu(gate) * up` for `x = [gate | up]`.
 - `rotary_kernel`: program t rotates the first ROTARY channels of every q and k head of
   token t in place (rotate-half layout), with cos and sin of `position * inv_freq` rounded
   to the activations' dtype first, as the torch path computes them.
@@ -52,6 +55,67 @@ def rms_norm_kernel(
         y = (x * scale).to(dtype).to(tl.float32) * w
     tl.store(out_ptr + token * stride_out_token + head * stride_out_head + cols, y.to(dtype),
              mask=ok)
+
+
+@triton.jit
+def gated_rms_norm_kernel(
+    # pointers
+    x_ptr,
+    z_ptr,
+    weight_ptr,
+    out_ptr,
+    # sizes
+    channels,
+    eps,
+    # strides
+    stride_x_row,
+    stride_z_token,
+    stride_z_head,
+    stride_out_row,
+    # meta
+    HEADS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Row program_id(0) (token row // HEADS, head row % HEADS) of x and its gate z."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    ok = cols < channels
+    x = tl.load(x_ptr + row * stride_x_row + cols, mask=ok, other=0.0)
+    dtype = x.dtype
+    xf = x.to(tl.float32)
+    scale = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / channels + eps)
+    w = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    h = (w * (xf * scale).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    z = tl.load(z_ptr + (row // HEADS) * stride_z_token + (row % HEADS) * stride_z_head + cols,
+                mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out_row + cols, (h * z * tl.sigmoid(z)).to(dtype),
+             mask=ok)
+
+
+@triton.jit
+def silu_and_mul_kernel(
+    # pointers
+    x_ptr,
+    out_ptr,
+    # sizes
+    half,
+    # strides
+    stride_x_token,
+    stride_out_token,
+    # meta
+    BLOCK_N: tl.constexpr,
+):
+    """Token program_id(0), columns of block program_id(1): silu(gate) * up, each rounded
+    to x's dtype as the torch path rounds them."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = cols < half
+    gate = tl.load(x_ptr + token * stride_x_token + cols, mask=ok, other=0.0)
+    up = tl.load(x_ptr + token * stride_x_token + half + cols, mask=ok, other=0.0)
+    g = gate.to(tl.float32)
+    silu = (g * tl.sigmoid(g)).to(gate.dtype).to(tl.float32)
+    tl.store(out_ptr + token * stride_out_token + cols,
+             (silu * up.to(tl.float32)).to(gate.dtype), mask=ok)
 
 
 @triton.jit

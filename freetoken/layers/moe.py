@@ -14,7 +14,10 @@ from freetoken.layers.activation import silu_and_mul
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype):
-    """Softmax in fp32 -> top-k -> optional renormalisation; weights cast to `dtype`."""
+    """Softmax in fp32 -> top-k -> optional renormalisation; weights cast to `dtype` (one
+    Triton launch in steps that take the CUDA paths)."""
+    if uses_kernels():
+        return fused_moe.route(router_logits, top_k, renormalize, dtype)
     probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:

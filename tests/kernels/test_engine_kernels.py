@@ -227,3 +227,73 @@ def test_write_kv_matches_index_put(tp):
     want[1].view(-1, kv, dim)[slots] = v
     write_kv(k, v, caches[0], caches[1], slots)
     assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
+
+
+@pytest.mark.parametrize("pairs, experts, block_m", [(1, 8, 16), (24, 8, 16), (130, 256, 16),
+                                                     (300, 64, 4)])
+def test_align_small_equals_torch_alignment(pairs, experts, block_m):
+    """The one-program alignment gives exactly the torch alignment's rows and block experts
+    (pairs spanning several 64-pair chunks, experts hit several times, unused blocks)."""
+    from freetoken.kernels.fused_moe import align_small
+    from freetoken.kernels.moe_align import align_by_expert
+
+    ids = torch.randint(0, experts, (pairs,), generator=torch.Generator().manual_seed(pairs))
+    got, want = align_small(ids, experts, block_m), align_by_expert(ids, experts, block_m)
+    assert torch.equal(got[0], want[0]), f"rows differ: {got[0].tolist()} != {want[0].tolist()}"
+    assert torch.equal(got[1], want[1]), f"block experts {got[1].tolist()} != {want[1].tolist()}"
+
+
+@pytest.mark.parametrize("top_k, renormalize", [(8, True), (3, False), (2, True)])
+def test_route_matches_torch_routing(top_k, renormalize):
+    """Softmax, top-k and renormalisation in one launch: the torch routing's weights and
+    expert ids over 256 experts (and 12, fewer than a 16-wide block)."""
+    from freetoken.kernels.fused_moe import route as kernel_route
+    from freetoken.layers.moe import route
+
+    for experts in (256, 12):
+        logits = torch.randn(9, experts, generator=torch.Generator().manual_seed(experts))
+        want_w, want_ids = route(logits, top_k, renormalize, torch.float32)
+        got_w, got_ids = kernel_route(logits, top_k, renormalize, torch.float32)
+        assert torch.equal(got_ids, want_ids), f"experts={experts}: ids differ"
+        _assert_close(got_w, want_w, f"experts={experts} weights")
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_conv_update_matches_causal_conv(tp):
+    """One new input per sequence through the depthwise conv (kernel 4) over 96 / tp
+    channels: silu(conv) and the shifted state at each slot equal CausalConv1d's; other
+    slots untouched."""
+    from freetoken.kernels.delta_rule import conv_update
+    from freetoken.layers.causal_conv import CausalConv1d
+
+    channels = 96 // tp
+    conv = _module_weights(CausalConv1d(channels, 4), tp)
+    gen = torch.Generator().manual_seed(tp)
+    x = torch.randn(3, channels, generator=gen)
+    state = torch.randn(5, channels, 3, generator=gen)
+    slots = torch.tensor([4, 0, 2])
+    want, want_state = conv(x[:, None], state[slots])
+    got_state = state.clone()
+    got = conv_update(x, conv.weight, got_state, slots)
+    _assert_close(got, want[:, 0], f"output tp={tp}")
+    assert torch.equal(got_state[slots], want_state), f"state tp={tp}"
+    assert torch.equal(got_state[[1, 3]], state[[1, 3]]), "a slot outside the batch changed"
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_gated_rms_norm_and_silu_and_mul_match_modules(tp):
+    """GatedDeltaNet's output norm over 32 / tp value heads (the gate a strided view into a
+    projection) and SiLU-and-mul of a [gate | up] view equal the torch paths."""
+    from freetoken.kernels.norm_rope import gated_rms_norm, silu_and_mul
+    from freetoken.layers.activation import silu_and_mul as torch_silu_and_mul
+    from freetoken.layers.gated_norm import GatedRMSNorm
+
+    heads, dim = 32 // tp, 8
+    norm = _module_weights(GatedRMSNorm(dim, 1e-6), tp)
+    gen = torch.Generator().manual_seed(tp)
+    x = torch.randn(5, heads, dim, generator=gen)
+    projection = torch.randn(5, heads * dim + 7, generator=gen)
+    z = projection[:, 7:].view(5, heads, dim)
+    _assert_close(gated_rms_norm(x, z, norm.weight, 1e-6), norm(x, z), f"gated norm tp={tp}")
+    fused = torch.randn(4, 2 * 96 // tp + 3, generator=gen)[:, 3:]
+    _assert_close(silu_and_mul(fused), torch_silu_and_mul(fused), f"silu_and_mul tp={tp}")

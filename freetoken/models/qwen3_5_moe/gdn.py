@@ -19,7 +19,7 @@ from torch import nn
 
 from freetoken.distributed import divide, get_tp_info
 from freetoken.engine.context import get_forward_context, uses_kernels
-from freetoken.kernels.delta_rule import gated_delta_decode
+from freetoken.kernels.delta_rule import conv_update, gated_delta_decode
 from freetoken.layers.causal_conv import CausalConv1d
 from freetoken.layers.delta_rule import (
     chunk_gated_delta_rule,
@@ -103,17 +103,18 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(self.norm(core, z).reshape(tokens, -1))
 
     def _fused_decode(self, qkv, a, b, slots: torch.Tensor) -> torch.Tensor:
-        """The CUDA path of a decode step: the conv, then gating, normalisation and the
-        delta rule in one launch that reads and writes each slot's state once, in place."""
+        """The CUDA path of a decode step in two launches: the conv update, then gating,
+        normalisation and the delta rule, each reading and writing its slot's state once,
+        in place."""
         batch = qkv.shape[0]
-        mixed, conv_state = self.conv1d(qkv[:, None], self.conv_state[slots])
-        self.conv_state[slots] = conv_state.to(self.conv_state.dtype)
-        q, k, v = mixed[:, 0].split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        mixed = conv_update(qkv, self.conv1d.weight, self.conv_state, slots)
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         key_shape = (batch, self.num_k_heads, self.head_k_dim)
         out = gated_delta_decode(q.reshape(key_shape), k.reshape(key_shape),
                                  v.reshape(batch, self.num_v_heads, self.head_v_dim), a, b,
-                                 self.A_log, self.dt_bias, self.recurrent_state, slots)
-        return out.to(qkv.dtype)
+                                 self.A_log, self.dt_bias, self.recurrent_state, slots,
+                                 out_dtype=qkv.dtype)
+        return out
 
     def _mix(self, qkv, g, beta, slots: torch.Tensor, fresh: bool) -> torch.Tensor:
         """Conv, then the delta rule, for B sequences of equal length T: qkv [B, T, C],
