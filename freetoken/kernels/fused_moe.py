@@ -58,8 +58,11 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: to
     if tokens == 0:
         return x.new_zeros(0, hidden)
     tiles = tiles or (DECODE_TILES if pairs <= DECODE_MAX_PAIRS else PREFILL_TILES)
-    align = align_small if pairs <= ALIGN_MAX_PAIRS else align_by_expert
-    rows, block_expert = align(ids.reshape(-1), w13.shape[0], tiles.block_m)
+    if tokens == 1:
+        rows, block_expert = one_token_layout(ids, tiles.block_m)
+    else:
+        align = align_small if pairs <= ALIGN_MAX_PAIRS else align_by_expert
+        rows, block_expert = align(ids.reshape(-1), w13.shape[0], tiles.block_m)
     blocks = block_expert.shape[0]
     x = x.contiguous()
     jit, precision = _jit(), _precision(x.dtype)
@@ -98,6 +101,23 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: tor
             BLOCK_K=1 << max(0, (top_k - 1).bit_length()), BLOCK_E=_pow2(num_experts),
             RENORMALIZE=renormalize, num_warps=4)
     return weights, ids
+
+
+_ONE_TOKEN_ROWS: dict = {}
+
+
+def one_token_layout(ids: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sorted layout of one token's pairs without sorting: its top-k experts are
+    distinct, so each pair is alone in its expert's block whatever the order of the blocks.
+    The rows (pair b first in block b) depend only on top_k and are made once per device,
+    so a graphed step replays a single cast for the block experts."""
+    top_k = ids.numel()
+    key = (top_k, block_m, ids.device)
+    if key not in _ONE_TOKEN_ROWS:
+        rows = torch.full((top_k, block_m), top_k, dtype=torch.int32, device=ids.device)
+        rows[:, 0] = torch.arange(top_k, dtype=torch.int32, device=ids.device)
+        _ONE_TOKEN_ROWS[key] = rows.reshape(-1)
+    return _ONE_TOKEN_ROWS[key], ids.reshape(-1).to(torch.int32)
 
 
 def align_small(ids: torch.Tensor, num_experts: int, block_m: int

@@ -297,3 +297,15 @@ def test_gated_rms_norm_and_silu_and_mul_match_modules(tp):
     _assert_close(gated_rms_norm(x, z, norm.weight, 1e-6), norm(x, z), f"gated norm tp={tp}")
     fused = torch.randn(4, 2 * 96 // tp + 3, generator=gen)[:, 3:]
     _assert_close(silu_and_mul(fused), torch_silu_and_mul(fused), f"silu_and_mul tp={tp}")
+
+
+def test_one_token_layout_computes_the_sorted_layouts_sum():
+    """A single token's pairs, one block each in slot order, give the same routed sum as
+    the sorted layout (its experts are distinct), at TP-local intermediate sizes."""
+    from freetoken.kernels.fused_moe import fused_moe, reference_moe
+
+    for tp in TP_SIZES:
+        w13, w2 = _make_experts(16, 48, 64 // tp, seed=tp)
+        x, weights, ids = _make_routing(1, 16, 4, 48, seed=tp)
+        _assert_close(fused_moe(x, weights, ids, w13, w2),
+                      reference_moe(x, weights, ids, w13, w2), f"tp={tp}")
