@@ -14,6 +14,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from freetoken.kernels import jit_ops as ops
+
 
 @triton.jit
 def paged_attention_kernel(
@@ -72,8 +74,8 @@ def paged_attention_kernel(
                 + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    l_i = tl.full((BLOCK_M,), 0, dtype=tl.float32)
+    acc = tl.full((BLOCK_M, BLOCK_D), 0, dtype=tl.float32)
     # Keys past the last row's own position are masked for every row: stop there.
     end = tl.minimum(ctx_len, ctx_len - q_len + first + BLOCK_M // GROUP)
     table = block_tables_ptr + seq.to(tl.int64) * stride_table_seq
@@ -88,12 +90,12 @@ def paged_attention_kernel(
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         keep = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
         scores = tl.where(keep, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_new = tl.maximum(m_i, ops.max_(scores, axis=1))
         # A row with no key yet keeps m = -inf; subtract 0 there instead (exp(-inf) = 0).
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(scores - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        l_i = l_i * alpha + ops.sum_(p, axis=1)
         v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new

@@ -18,6 +18,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from freetoken.kernels import jit_ops as ops
+
 
 @triton.jit
 def gated_delta_decode_kernel(
@@ -62,12 +64,12 @@ def gated_delta_decode_kernel(
     qk = seq * stride_qk_seq + key_head * stride_qk_head + rows
     q = tl.load(q_ptr + qk, mask=row_ok, other=0.0).to(tl.float32)
     k = tl.load(k_ptr + qk, mask=row_ok, other=0.0).to(tl.float32)
-    q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * q_scale
-    k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
+    q = q / tl.sqrt(ops.sum_(q * q, axis=0) + 1e-6) * q_scale
+    k = k / tl.sqrt(ops.sum_(k * k, axis=0) + 1e-6)
     v = tl.load(v_ptr + seq * stride_v_seq + head * stride_v_head + cols, mask=col_ok,
                 other=0.0).to(tl.float32)
     b = tl.load(b_ptr + seq * stride_ab_seq + head)
-    beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)
+    beta = ops.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)
     a = tl.load(a_ptr + seq * stride_ab_seq + head).to(tl.float32) + tl.load(
         dt_bias_ptr + head).to(tl.float32)
     # softplus with torch's threshold: x itself above 20.
@@ -78,10 +80,10 @@ def gated_delta_decode_kernel(
               + rows[:, None] * stride_state_key + cols[None, :])
     mask = row_ok[:, None] & col_ok[None, :]
     state = tl.load(s_ptrs, mask=mask, other=0.0) * tl.exp(g)
-    predicted = tl.sum(state * k[:, None], axis=0)
+    predicted = ops.sum_(state * k[:, None], axis=0)
     state += k[:, None] * ((v - predicted) * beta)[None, :]
     tl.store(s_ptrs, state, mask=mask)
-    out = tl.sum(state * q[:, None], axis=0)
+    out = ops.sum_(state * q[:, None], axis=0)
     tl.store(out_ptr + seq * stride_out_seq + head * stride_out_head + cols,
              out.to(out_ptr.dtype.element_ty), mask=col_ok)
 
@@ -123,5 +125,5 @@ def conv_update_kernel(
         if j > 0:
             tl.store(state + j - 1, past, mask=ok)
     tl.store(state + KERNEL - 2, x.to(state_ptr.dtype.element_ty), mask=ok)
-    out = acc * tl.sigmoid(acc)
+    out = acc * ops.sigmoid(acc)
     tl.store(out_ptr + seq * stride_out_seq + cols, out.to(out_ptr.dtype.element_ty), mask=ok)

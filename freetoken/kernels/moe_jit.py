@@ -15,6 +15,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from freetoken.kernels import jit_ops as ops
+
 
 @triton.jit
 def gate_up_kernel(
@@ -52,8 +54,8 @@ def gate_up_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
     w = w13_ptr + expert.to(tl.int64) * stride_w13_expert
-    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    gate = tl.full((BLOCK_M, BLOCK_N), 0, dtype=tl.float32)
+    up = tl.full((BLOCK_M, BLOCK_N), 0, dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < hidden
@@ -66,7 +68,7 @@ def gate_up_kernel(
                        other=0.0)
         gate = tl.dot(a, w_gate, gate, input_precision=PRECISION)
         up = tl.dot(a, w_up, up, input_precision=PRECISION)
-    h = gate * tl.sigmoid(gate) * up
+    h = gate * ops.sigmoid(gate) * up
     tl.store(h_ptr + pairs.to(tl.int64)[:, None] * stride_h_pair + cols[None, :],
              h.to(h_ptr.dtype.element_ty), mask=pair_ok[:, None] & col_ok[None, :])
 
@@ -106,7 +108,7 @@ def down_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
     w = w2_ptr + expert.to(tl.int64) * stride_w2_expert
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.full((BLOCK_M, BLOCK_N), 0, dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < inter
@@ -144,21 +146,21 @@ def route_kernel(
     ok = experts < num_experts
     x = tl.load(logits_ptr + token * stride_logits_token + experts, mask=ok,
                 other=float("-inf")).to(tl.float32)
-    p = tl.exp(x - tl.max(x, axis=0))
+    p = tl.exp(x - ops.max_(x, axis=0))
     p = tl.where(ok, p, 0.0)
-    p = p / tl.sum(p, axis=0)
+    p = p / ops.sum_(p, axis=0)
     left = tl.where(ok, p, -1.0)
     slots = tl.arange(0, BLOCK_K)
-    chosen = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    chosen_ids = tl.zeros((BLOCK_K,), dtype=tl.int64)
+    chosen = tl.full((BLOCK_K,), 0, dtype=tl.float32)
+    chosen_ids = tl.full((BLOCK_K,), 0, dtype=tl.int64)
     for j in tl.static_range(TOP_K):
-        best = tl.max(left, axis=0)
-        index = tl.min(tl.where(left == best, experts, BLOCK_E), axis=0)
+        best = ops.max_(left, axis=0)
+        index = ops.min_(tl.where(left == best, experts, BLOCK_E), axis=0)
         chosen = tl.where(slots == j, best, chosen)
         chosen_ids = tl.where(slots == j, index.to(tl.int64), chosen_ids)
         left = tl.where(experts == index, -1.0, left)
     if RENORMALIZE:
-        chosen = chosen / tl.sum(chosen, axis=0)
+        chosen = chosen / ops.sum_(chosen, axis=0)
     tl.store(weights_ptr + token * TOP_K + slots, chosen.to(weights_ptr.dtype.element_ty),
              mask=slots < TOP_K)
     tl.store(ids_ptr + token * TOP_K + slots, chosen_ids, mask=slots < TOP_K)
@@ -183,23 +185,23 @@ def align_kernel(
     blocks expert -1) in one launch instead of a sort and a dozen small kernels. Ranks
     come from comparing pairs chunk by chunk, so it is meant for decode-sized batches."""
     experts = tl.arange(0, BLOCK_E)
-    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    counts = tl.full((BLOCK_E,), 0, dtype=tl.int32)
     for start in range(0, num_pairs, CHUNK):
         pairs = start + tl.arange(0, CHUNK)
         e = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
-        counts += tl.sum((e[None, :] == experts[:, None]).to(tl.int32), axis=1)
+        counts += ops.sum_((e[None, :] == experts[:, None]).to(tl.int32), axis=1)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    padded_end = tl.cumsum(padded, axis=0)
+    padded_end = ops.cumsum(padded, axis=0)
     padded_start = padded_end - padded
-    total = tl.sum(padded, axis=0)
+    total = ops.sum_(padded, axis=0)
     for start in range(0, num_blocks * BLOCK_M, CHUNK):
         rows = start + tl.arange(0, CHUNK)
-        tl.store(rows_ptr + rows, tl.zeros((CHUNK,), dtype=tl.int32) + num_pairs,
+        tl.store(rows_ptr + rows, tl.full((CHUNK,), 0, dtype=tl.int32) + num_pairs,
                  mask=rows < num_blocks * BLOCK_M)
     for start in range(0, num_blocks, CHUNK):
         blocks = start + tl.arange(0, CHUNK)
         first = blocks * BLOCK_M
-        expert = tl.sum((padded_end[None, :] <= first[:, None]).to(tl.int32), axis=1)
+        expert = ops.sum_((padded_end[None, :] <= first[:, None]).to(tl.int32), axis=1)
         tl.store(block_expert_ptr + blocks, tl.where(first < total, expert, -1),
                  mask=blocks < num_blocks)
     # The sentinel rows above must land before the pairs overwrite theirs.
@@ -208,12 +210,12 @@ def align_kernel(
         pairs = start + tl.arange(0, CHUNK)
         ok = pairs < num_pairs
         e = tl.load(ids_ptr + pairs, mask=ok, other=-1)
-        rank = tl.zeros((CHUNK,), dtype=tl.int32)
+        rank = tl.full((CHUNK,), 0, dtype=tl.int32)
         for earlier in range(0, start + CHUNK, CHUNK):
             others = earlier + tl.arange(0, CHUNK)
             f = tl.load(ids_ptr + others, mask=others < num_pairs, other=-2)
             same = (f[None, :] == e[:, None]) & (others[None, :] < pairs[:, None])
-            rank += tl.sum(same.to(tl.int32), axis=1)
-        base = tl.sum(tl.where(experts[None, :] == e[:, None], padded_start[None, :], 0),
+            rank += ops.sum_(same.to(tl.int32), axis=1)
+        base = ops.sum_(tl.where(experts[None, :] == e[:, None], padded_start[None, :], 0),
                       axis=1)
         tl.store(rows_ptr + base + rank, pairs.to(tl.int32), mask=ok)

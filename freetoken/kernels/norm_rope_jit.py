@@ -20,6 +20,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from freetoken.kernels import jit_ops as ops
+
 
 @triton.jit
 def rms_norm_kernel(
@@ -46,7 +48,7 @@ def rms_norm_kernel(
     ok = cols < channels
     x = tl.load(x_ptr + token * stride_x_token + head * stride_x_head + cols, mask=ok,
                 other=0.0).to(tl.float32)
-    scale = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / channels + eps)
+    scale = 1.0 / tl.sqrt(ops.sum_(x * x, axis=0) / channels + eps)
     w = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
     if OFFSET:
@@ -83,12 +85,12 @@ def gated_rms_norm_kernel(
     x = tl.load(x_ptr + row * stride_x_row + cols, mask=ok, other=0.0)
     dtype = x.dtype
     xf = x.to(tl.float32)
-    scale = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / channels + eps)
+    scale = 1.0 / tl.sqrt(ops.sum_(xf * xf, axis=0) / channels + eps)
     w = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     h = (w * (xf * scale).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     z = tl.load(z_ptr + (row // HEADS) * stride_z_token + (row % HEADS) * stride_z_head + cols,
                 mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out_row + cols, (h * z * tl.sigmoid(z)).to(dtype),
+    tl.store(out_ptr + row * stride_out_row + cols, (h * z * ops.sigmoid(z)).to(dtype),
              mask=ok)
 
 
@@ -113,7 +115,7 @@ def silu_and_mul_kernel(
     gate = tl.load(x_ptr + token * stride_x_token + cols, mask=ok, other=0.0)
     up = tl.load(x_ptr + token * stride_x_token + half + cols, mask=ok, other=0.0)
     g = gate.to(tl.float32)
-    silu = (g * tl.sigmoid(g)).to(gate.dtype).to(tl.float32)
+    silu = (g * ops.sigmoid(g)).to(gate.dtype).to(tl.float32)
     tl.store(out_ptr + token * stride_out_token + cols,
              (silu * up.to(tl.float32)).to(gate.dtype), mask=ok)
 
