@@ -1,12 +1,23 @@
 """Decode throughput of the FreeToken engine against HF transformers on the same model.
 
     .venv/bin/python bench/engine_decode.py [--device cpu|cuda] [--dtype float32|bfloat16]
-        [--tp 1,2] [--batches 1,8] [--prompt-len 32] [--new-tokens 32]
-        [--size small|medium | --model FOLDER] [--repeats 3] [--threads N]
+        [--tp 1,2] [--batches 1,8] [--prompt-len 32] [--new-tokens 32] [--graphs on,off]
+        [--size small|medium|qwen3.5-moe-realdims [--layers 2] | --model FOLDER]
+        [--repeats 3] [--threads N]
 
-Without `--model` a Llama checkpoint is generated with HF transformers itself (`LlamaConfig`,
-`LlamaForCausalLM`, random init under a fixed seed, `save_pretrained` into a temporary folder)
-in one of two presets, `small` or `medium`.
+Without `--model` a checkpoint is generated with HF transformers itself (random init under a
+fixed seed, `save_pretrained` into a temporary folder): a Llama (`small` or `medium`) or
+`qwen3.5-moe-realdims` (Qwen3.6-35B-A3B's text dimensions, `--layers` layers, bf16, built on
+the device; `_engine_bytes.write_qwen_realdims`).
+
+On CUDA the engine runs with decode CUDA graphs (`graphs on`) and without (`off`, the
+`enforce_eager` engine option), each as its own rows; the graph capture time and memory of
+each `on` engine are printed below the table. For the in-process engine (TP 1) on CUDA the
+table also gives the bytes a decode step must read (`MB/step`: every weight but the
+embedding table, the routed experts actually hit, counted by hooks in one extra eager run,
+the cached keys and values and the linear-attention states; `_engine_bytes.step_bytes`),
+that over the measured step time (`GB/s`), and that against the device-to-device copy
+bandwidth measured in the same run (`% copy`, read + write bytes per second of a 1 GiB copy).
 
 Method. Each configuration gets a batch of `batch` random prompts of exactly `prompt_len`
 tokens (same prompts for the engine and for HF, so HF needs no padding) and generates
@@ -42,9 +53,7 @@ HF's at the same batch size.
 from __future__ import annotations
 
 import argparse
-import math
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -53,10 +62,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from _common import cpu_name, int_list
+from _common import copy_bandwidth, int_list
 from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _engine_bytes import experts_hit, step_bytes, write_qwen_realdims  # noqa: E402
+from _engine_report import machine, table  # noqa: E402
 
 from freetoken import LLM, SamplingParams  # noqa: E402
 
@@ -66,6 +78,7 @@ PRESETS = {
     "medium": dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=16,
                    num_key_value_heads=4, intermediate_size=2816, vocab_size=32000),
 }
+REALDIMS = "qwen3.5-moe-realdims"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 NOISY = 1.5  # warn when the slowest timed run exceeds the fastest by this factor
 SEED = 0
@@ -80,8 +93,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batches", type=int_list, default=[1, 8], help="batch sizes (default 1,8)")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--size", choices=list(PRESETS), default="small",
+    p.add_argument("--size", choices=[*PRESETS, REALDIMS], default="small",
                    help="preset of the generated checkpoint (ignored with --model)")
+    p.add_argument("--keep-model", type=Path, default=None,
+                   help="write the generated checkpoint here (reused when it exists)")
+    p.add_argument("--layers", type=int, default=2, help=f"layers of {REALDIMS} (default 2)")
+    p.add_argument("--graphs", type=lambda t: [v.strip() for v in t.split(",")], default=None,
+                   help="engine decode CUDA graphs: on, off or on,off (default on,off on "
+                        "cuda, off on cpu)")
     p.add_argument("--model", type=Path, default=None,
                    help="an existing Llama-family checkpoint folder instead of a generated one")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement")
@@ -96,13 +115,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--new-tokens must be >= 2 (decode needs at least one step after the first)")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but no CUDA device is visible")
+    if args.graphs is None:
+        args.graphs = ["on", "off"] if args.device == "cuda" else ["off"]
+    if not set(args.graphs) <= {"on", "off"}:
+        p.error("--graphs takes on, off or on,off")
     return args
 
 
-def make_checkpoint(size: str, folder: Path) -> Path:
-    """A randomly initialised Llama saved by HF transformers (float32 weights)."""
+def make_checkpoint(size: str, folder: Path, args) -> Path:
+    """A randomly initialised model saved by HF transformers: a Llama in float32 weights, or
+    qwen3.5-moe-realdims in bfloat16."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    if size == REALDIMS:
+        return write_qwen_realdims(folder, args.layers, args.device)
     config = LlamaConfig(**PRESETS[size], max_position_embeddings=2048, rms_norm_eps=1e-5,
                          rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1,
                          eos_token_id=2, pad_token_id=0)
@@ -171,11 +197,13 @@ def bench_hf(folder: Path, args, prompts: dict[int, list[list[int]]]) -> dict[in
     return results
 
 
-def bench_engine(folder: Path, tp: int, args, prompts: dict[int, list[list[int]]]
-                 ) -> dict[int, dict]:
-    results = {}
+def bench_engine(folder: Path, tp: int, graphs: str, args,
+                 prompts: dict[int, list[list[int]]]) -> tuple[dict[int, dict], str]:
+    """Per batch: timings, tokens and (TP 1 on CUDA) the bytes a decode step reads; and a
+    line on graph capture."""
+    results, capture = {}, ""
     with LLM(folder, tp=tp, device=args.device, dtype=args.dtype, progress=False,
-             max_num_seqs=max(16, *prompts)) as llm:
+             max_num_seqs=max(16, *prompts), enforce_eager=graphs == "off") as llm:
         for batch, ps in prompts.items():
 
             def run(n, ps=ps):
@@ -184,44 +212,33 @@ def bench_engine(folder: Path, tp: int, args, prompts: dict[int, list[list[int]]
                 return [r.token_ids for r in llm.generate(ps, params)]
 
             ttft, full, tokens = measure(run, args.device, args.repeats,
-                                         f"engine tp={tp} batch={batch}")
-            results[batch] = dict(ttft=ttft, full=full, tokens=tokens)
-    return results
+                                         f"engine tp={tp} graphs={graphs} batch={batch}")
+            results[batch] = dict(ttft=ttft, full=full, tokens=tokens, bytes=None)
+            if args.device == "cuda" and llm._core is not None:
+                hit = experts_hit(llm, ps, args.new_tokens)
+                context = args.prompt_len + args.new_tokens // 2
+                results[batch]["bytes"] = step_bytes(llm, batch, context, hit)
+        core = llm._core
+        if core is not None and core.graphs is not None:
+            g = core.graphs
+            capture = (f"engine tp={tp}: captured {len(g.graphs)} decode graphs (batch "
+                       f"buckets {sorted(g.graphs)}) in {g.capture_seconds:.2f} s, "
+                       f"{g.capture_bytes / 2**20:.0f} MiB of GPU memory")
+    return results, capture
 
 
-def decode_tok_s(r: dict, batch: int, new_tokens: int) -> float:
-    """NaN when the timings are too noisy to leave a positive decode time."""
-    decode = r["full"] - r["ttft"]
-    return batch * (new_tokens - 1) / decode if decode > 0 else float("nan")
-
-
-def ratio(engine: float, hf: float) -> str:
-    value = engine / hf
-    return f"{value:.2f}x" if math.isfinite(value) else "n/a"
-
-
-def match(engine_rows: list[list[int]], hf_rows: list[list[int]]) -> str:
-    """`yes` when every sequence's greedy tokens equal HF's; else where the first differs."""
-    if engine_rows == hf_rows:
-        return "yes"
-    bad = [i for i, (e, h) in enumerate(zip(engine_rows, hf_rows, strict=True)) if e != h]
-    e, h = engine_rows[bad[0]], hf_rows[bad[0]]
-    first = next((i for i, (a, b) in enumerate(zip(e, h, strict=False)) if a != b),
-                 min(len(e), len(h)))
-    where = (f"token {first}" if len(engine_rows) == 1
-             else f"{len(bad)} seqs, seq {bad[0]} token {first}")
-    return f"no ({where})"
-
-
-def machine(args) -> str:
-    lines = [
-        f"machine: {platform.machine()} {cpu_name()}, "
-        f"os.cpu_count()={os.cpu_count()}, torch {torch.__version__}, "
-        f"threads={torch.get_num_threads()}",
-        f"device: {args.device}"
-        + (f" ({torch.cuda.get_device_name(0)})" if args.device == "cuda" else ""),
-    ]
-    return "\n".join(lines)
+def checkpoint(args, tmp: str) -> tuple[Path, str]:
+    """The checkpoint folder and its label: --model, else generated (into --keep-model when
+    given, reused from there when it already holds one)."""
+    if args.model is not None:
+        return args.model, str(args.model)
+    folder = args.keep_model or Path(tmp) / args.size
+    if not (folder / "config.json").is_file():
+        make_checkpoint(args.size, folder, args)
+    if args.size == REALDIMS:
+        return folder, f"generated {REALDIMS} ({args.layers} layers, HF init, bfloat16)"
+    return folder, f"generated Llama ({args.size}: " + ", ".join(
+        f"{k}={v}" for k, v in PRESETS[args.size].items()) + ")"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -231,42 +248,33 @@ def main(argv: list[str] | None = None) -> int:
     if hasattr(os, "getloadavg") and os.getloadavg()[0] > 0.5 * (os.cpu_count() or 1):
         print(f"warning: load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs: other "
               "processes are running, timings will be noisy", file=sys.stderr)
+    copy_gbs = copy_bandwidth() if args.device == "cuda" else None
     with tempfile.TemporaryDirectory(prefix="freetoken-bench-") as tmp:
-        if args.model is not None:
-            folder, label = args.model, str(args.model)
-        else:
-            folder = make_checkpoint(args.size, Path(tmp) / f"llama-{args.size}")
-            label = f"generated Llama ({args.size}: " + ", ".join(
-                f"{k}={v}" for k, v in PRESETS[args.size].items()) + ")"
+        folder, label = checkpoint(args, tmp)
         from freetoken.config import ModelConfig
 
         vocab = ModelConfig.from_folder(folder).vocab_size
         prompts = {b: make_prompts(b, args.prompt_len, vocab) for b in args.batches}
 
         hf = bench_hf(folder, args, prompts)
-        engine = {tp: bench_engine(folder, tp, args, prompts) for tp in args.tp}
-
-    rows = []
-    for batch in args.batches:
-        h = hf[batch]
-        hf_speed = decode_tok_s(h, batch, args.new_tokens)
-        rows.append(["hf", "-", batch, args.prompt_len, args.new_tokens, h["ttft"] * 1e3,
-                     hf_speed, "", ""])
-        for tp in args.tp:
-            e = engine[tp][batch]
-            speed = decode_tok_s(e, batch, args.new_tokens)
-            same = match(e["tokens"], h["tokens"])
-            rows.append(["engine", tp, batch, args.prompt_len, args.new_tokens, e["ttft"] * 1e3,
-                         speed, same, ratio(speed, hf_speed)])
+        engine = {(tp, g): bench_engine(folder, tp, g, args, prompts)
+                  for tp in args.tp for g in args.graphs}
 
     print(machine(args))
     print(f"model: {label}, dtype {args.dtype}")
     print(f"decode tok/s = batch*(new_tokens-1) / (t_full - t_ttft); medians of {args.repeats} "
           "timed runs after one warm-up")
+    if copy_gbs:
+        print(f"copy bandwidth (1 GiB device-to-device, read + write): {copy_gbs:.0f} GB/s")
     print()
-    print(tabulate(rows, headers=["impl", "tp", "batch", "prompt_len", "new_tokens", "ttft_ms",
-                                  "decode_tok_s", "match", "engine/hf"],
+    print(tabulate(table(args, hf, engine, copy_gbs),
+                   headers=["impl", "tp", "graphs", "batch", "prompt_len", "new_tokens",
+                            "ttft_ms", "decode_tok_s", "match", "engine/hf", "step_us",
+                            "MB/step", "GB/s", "% copy"],
                    floatfmt=".1f", disable_numparse=False))
+    for _, capture in engine.values():
+        if capture:
+            print(capture)
     return 0
 
 

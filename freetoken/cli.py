@@ -60,8 +60,9 @@ def main() -> None:
 @click.option("--top-p", default=1.0, show_default=True)
 @click.option("--seed", default=None, type=int)
 @click.option("--ignore-eos", is_flag=True)
+@click.option("--enforce-eager", is_flag=True, help="no CUDA graphs for decode steps")
 def generate(model, tp, device, dtype, oversubscribe, prompts, prompt_ids, max_tokens,
-             temperature, top_k, top_p, seed, ignore_eos) -> None:
+             temperature, top_k, top_p, seed, ignore_eos, enforce_eager) -> None:
     """Generate a continuation for each prompt."""
     from freetoken.distributed import stop_on_signals
 
@@ -71,7 +72,8 @@ def generate(model, tp, device, dtype, oversubscribe, prompts, prompt_ids, max_t
     with stop_on_signals():
         results = _generate(all_prompts, model, tp, device, dtype, oversubscribe,
                             dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                                 top_p=top_p, seed=seed, ignore_eos=ignore_eos))
+                                 top_p=top_p, seed=seed, ignore_eos=ignore_eos),
+                            enforce_eager)
     for prompt, result in zip(all_prompts, results):
         click.echo(f"prompt: {prompt!r}")
         if result.text is not None:
@@ -79,13 +81,15 @@ def generate(model, tp, device, dtype, oversubscribe, prompts, prompt_ids, max_t
         click.echo(f"ids:    {result.token_ids}")
 
 
-def _generate(prompts, model, tp, device, dtype, oversubscribe, sampling: dict):
+def _generate(prompts, model, tp, device, dtype, oversubscribe, sampling: dict,
+              enforce_eager: bool):
     """The LLM run; exits 2 on bad input (ours or a rank's), 1 on a rank failure."""
     from freetoken import LLM, SamplingParams
 
     try:
         params = SamplingParams(**sampling)
-        with LLM(model, tp=tp, device=device, dtype=dtype, oversubscribe=oversubscribe) as llm:
+        with LLM(model, tp=tp, device=device, dtype=dtype, oversubscribe=oversubscribe,
+                 enforce_eager=enforce_eager) as llm:
             return llm.generate(prompts, params)
     except RankError as e:
         if e.summary.split(":")[0] in INPUT_FAULTS:

@@ -265,3 +265,5 @@ class EngineConfig:
     num_layers: int | None = None
     progress: bool = True
     timeout: float = 600.0
+    enforce_eager: bool = False
+    """Run decode steps eagerly on CUDA too (no CUDA graphs)."""

@@ -10,7 +10,8 @@ import torch
 
 from freetoken.config import EngineConfig, ModelConfig
 from freetoken.distributed import get_communicator, get_tp_info
-from freetoken.engine.context import ForwardContext, set_forward_context
+from freetoken.engine.context import ForwardContext, device_batch, set_forward_context
+from freetoken.engine.graphs import DecodeGraphs
 from freetoken.engine.kv_cache import BlockManager, StatePool, allocate_kv_cache
 from freetoken.engine.sampler import sample
 from freetoken.engine.scheduler import Scheduler
@@ -42,8 +43,12 @@ class EngineCore:
         self.model = self._build()
         load_weights(self.model, CheckpointReader(folder, cfg.num_layers),
                      shard_plan(self.model_config, get_tp_info().size), progress=cfg.progress)
+        self.use_graphs = graphs_allowed(cfg, self.device)
+        # The Triton paths (sync-free, graphable) on CUDA; CPU keeps the torch reference.
+        self.use_kernels = self.device.type == "cuda"
         self.blocks = self._allocate_cache()
         self.states = StatePool(self.cfg.max_num_seqs)
+        self.graphs = self._decode_graphs() if self.use_graphs else None
 
     def _build(self) -> torch.nn.Module:
         previous = torch.get_default_dtype()
@@ -59,16 +64,26 @@ class EngineCore:
         layers = self.model.attention_layers()
         num_blocks = self.cfg.num_kv_blocks or self.cfg.max_num_seqs * -(
             -self.cfg.max_model_len // self.cfg.block_size)
+        # Graphed decode pads its batch with rows that write to one scratch block and one
+        # scratch state slot, past those the allocators hand out.
+        scratch = int(self.use_graphs)
         if layers:
             a = layers[0]
-            self.kv_cache = allocate_kv_cache(len(layers), num_blocks, self.cfg.block_size,
-                                              a.num_kv_heads, a.head_dim, self.dtype, self.device)
+            self.kv_cache = allocate_kv_cache(len(layers), num_blocks + scratch,
+                                              self.cfg.block_size, a.num_kv_heads, a.head_dim,
+                                              self.dtype, self.device)
             for i, layer in enumerate(layers):
                 layer.bind_cache(self.kv_cache[0, i], self.kv_cache[1, i])
         # One linear-state slot per sequence the scheduler may run at once.
         for layer in getattr(self.model, "linear_state_layers", list)():
-            layer.allocate_state(self.cfg.max_num_seqs, self.dtype, self.device)
+            layer.allocate_state(self.cfg.max_num_seqs + scratch, self.dtype, self.device)
         return BlockManager(num_blocks, self.cfg.block_size)
+
+    def _decode_graphs(self) -> DecodeGraphs:
+        max_blocks = -(-self.cfg.max_model_len // self.cfg.block_size)
+        return DecodeGraphs(self.model, self.cfg.max_num_seqs, max_blocks, self.cfg.block_size,
+                            scratch_block=self.blocks.num_blocks,
+                            scratch_state=self.cfg.max_num_seqs, device=self.device)
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]
                  ) -> list[GenerationResult]:
@@ -119,10 +134,26 @@ class EngineCore:
             positions += range(start, len(seq))
             slots += [self.blocks.slot(seq, p) for p in range(start, len(seq))]
             qlens.append(len(seq) - start)
+        seq_slots = [self.states.acquire(s) for s in batch]
+        if not prefill and self.graphs is not None and self.graphs.fits(len(batch)):
+            logits = self.graphs.run(ids, positions, slots, [len(s) for s in batch],
+                                     [s.block_table for s in batch], seq_slots)
+        else:
+            logits = self._forward(batch, prefill, ids, positions, slots, qlens, seq_slots)
+        for seq in batch:
+            seq.num_cached = len(seq)
+        return self._sample(batch, logits)
+
+    def _forward(self, batch, prefill, ids, positions, slots, qlens, seq_slots) -> torch.Tensor:
+        """The eager forward: float32 logits at each sequence's last new token."""
         as_long = dict(dtype=torch.long, device=self.device)
+        context_lens, tables = [len(s) for s in batch], [s.block_table for s in batch]
+        device = None
+        if self.use_kernels:
+            device = device_batch(qlens, context_lens, tables, seq_slots, self.device)
         set_forward_context(ForwardContext(
-            prefill, qlens, [len(s) for s in batch], torch.tensor(slots, **as_long),
-            [s.block_table for s in batch], [self.states.acquire(s) for s in batch]))
+            prefill, qlens, context_lens, torch.tensor(slots, **as_long), tables, seq_slots,
+            device=device))
         try:
             hidden = self.model(torch.tensor(ids, **as_long), torch.tensor(positions, **as_long))
         finally:
@@ -130,9 +161,7 @@ class EngineCore:
         last = torch.tensor(qlens, device=self.device).cumsum(0) - 1
         logits = self.model.compute_logits(hidden[last]).float()
         self._keep_prompt_logits(batch, hidden, qlens, prefill)
-        for seq in batch:
-            seq.num_cached = len(seq)
-        return self._sample(batch, logits)
+        return logits
 
     def _keep_prompt_logits(self, batch, hidden, qlens, prefill) -> None:
         start = 0
@@ -143,12 +172,26 @@ class EngineCore:
             start += qlen
 
     def _sample(self, batch: list[Sequence], logits: torch.Tensor) -> list[int]:
-        tokens = torch.zeros(len(batch), dtype=torch.long)
+        tokens = [0] * len(batch)
         if get_tp_info().is_first:
-            for i, seq in enumerate(batch):
-                tokens[i] = sample(logits[i], seq.params, seq.generator)
+            # Greedy rows in one argmax and one copy to the host, not one per sequence.
+            greedy = logits.argmax(dim=-1).tolist()
+            tokens = [greedy[i] if seq.params.temperature == 0
+                      else sample(logits[i], seq.params, seq.generator)
+                      for i, seq in enumerate(batch)]
         for i, seq in enumerate(batch):
             if seq.params.return_logits:
                 seq.step_logits.append(logits[i].cpu())
-        tokens = get_communicator().broadcast(tokens.to(self.device)).cpu()
-        return tokens.tolist()
+        if get_tp_info().size == 1:
+            return tokens
+        shared = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        return get_communicator().broadcast(shared).tolist()
+
+
+def graphs_allowed(cfg: EngineConfig, device: torch.device) -> bool:
+    """Decode runs as CUDA graphs on CUDA unless `enforce_eager`, and never over gloo (its
+    collectives run on the host and cannot be captured)."""
+    if device.type != "cuda" or cfg.enforce_eager:
+        return False
+    dist = torch.distributed
+    return not (dist.is_initialized() and dist.get_backend() != "nccl")

@@ -49,9 +49,11 @@ class GenerationResult:
     prompt_logits: torch.Tensor | None = None
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
-    """A request being generated: its tokens, cache blocks and collected logits."""
+    """A request being generated: its tokens, cache blocks and collected logits. Compared by
+    identity: the scheduler's membership tests would otherwise compare every field of every
+    running sequence, quadratic in the batch on every step."""
 
     seq_id: int
     prompt: list[int]

@@ -1,12 +1,14 @@
 """Triton kernels (and the launchers that feed them); each is checked against a torch
-reference by `freetoken-verify --checks kernels`.
+reference: the NVFP4 ones by `freetoken-verify --checks kernels`, the engine's CUDA paths by
+the tests (tests/kernels, tests/engine).
 
 On a machine without a GPU the kernels run in Triton's interpreter, which `@triton.jit`
 selects when the kernel module is IMPORTED with TRITON_INTERPRET=1 in the environment. The
 launchers import their kernel modules lazily, so a process (a test, a verify rank) can still
 switch with `use_interpreter()` before the first launch. The kernel modules use only Triton
-builtins and their own @jit functions, so it does not matter whether triton itself was
-imported before the switch (transformers imports it, for one).
+builtins, their own @jit functions and those of `jit_ops` (reloaded first), so it does not
+matter whether triton itself was imported before the switch (transformers imports it, for
+one).
 """
 
 from __future__ import annotations
@@ -16,7 +18,11 @@ import importlib.util
 import os
 import sys
 
-JIT_MODULES = ("freetoken.kernels.nvfp4_jit", "freetoken.kernels.nvfp4_mma")
+# jit_ops first: the kernel modules reloaded after it see its interpreted functions.
+JIT_MODULES = ("freetoken.kernels.jit_ops", "freetoken.kernels.nvfp4_jit",
+               "freetoken.kernels.nvfp4_mma", "freetoken.kernels.moe_jit",
+               "freetoken.kernels.attention_jit", "freetoken.kernels.norm_rope_jit",
+               "freetoken.kernels.delta_rule_jit")
 
 
 def triton_available() -> bool:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from freetoken.kernels.moe_align import align_by_expert
 from freetoken.layers.quantization.nvfp4.format import GROUP, NVFP4FormatError
 
 DECODE_MAX_TOKENS = 16
@@ -246,34 +247,6 @@ def _check(x, topk_ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global) -> 
     if topk_ids.shape[0] != x.shape[0]:
         raise NVFP4FormatError(f"fused_moe: topk_ids has {topk_ids.shape[0]} rows for "
                                f"{x.shape[0]} tokens")
-
-
-def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sort pairs by expert, padding each expert's run to a multiple of `block_m`.
-
-    Returns `rows` int32 [num_blocks * block_m] (pair index per sorted row, len(ids) where
-    padding) and `block_expert` int32 [num_blocks] (-1: block unused). num_blocks is the upper
-    bound cdiv(n, block_m) + min(E, n), so the grid needs no device-to-host copy."""
-    n = ids.numel()
-    num_blocks = -(-n // block_m) + min(num_experts, n)
-    ids = ids.to(torch.int64)
-    order = torch.argsort(ids, stable=True)
-    # scatter_add instead of bincount: bincount reads the max back to the host.
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
-    counts.scatter_add_(0, ids, torch.ones_like(ids))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = torch.cumsum(padded, 0)
-    first = torch.cumsum(counts, 0) - counts
-    sorted_e = ids[order]
-    rank_in_expert = torch.arange(n, device=ids.device) - first[sorted_e]
-    dest = padded_end[sorted_e] - padded[sorted_e] + rank_in_expert
-    rows = torch.full((num_blocks * block_m,), n, dtype=torch.int32, device=ids.device)
-    rows[dest] = order.to(torch.int32)
-    starts = torch.arange(num_blocks, device=ids.device) * block_m
-    block_expert = torch.searchsorted(padded_end, starts, right=True)
-    block_expert = torch.where(block_expert < num_experts, block_expert, -1)
-    return rows, block_expert.to(torch.int32)
 
 
 def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,

@@ -1,4 +1,5 @@
-"""Attention over a paged KV cache, in plain torch (CPU and GPU)."""
+"""Attention over a paged KV cache: plain torch on CPU (the reference), one Triton launch per
+layer and step where the forward context carries device tensors (CUDA)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from freetoken.engine.context import get_forward_context
+from freetoken.engine.context import ForwardContext, get_forward_context
+from freetoken.kernels import paged_attention as kernel
 
 
 class PagedAttention(nn.Module):
@@ -28,6 +30,9 @@ class PagedAttention(nn.Module):
         """q: [T, heads, d], k and v: [T, kv_heads, d] -> [T, heads, d]."""
         ctx = get_forward_context()
         block_size = self.k_cache.shape[1]
+        if ctx.device is not None:
+            kernel.write_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+            return self._kernel(q, ctx)
         k_flat = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
         v_flat = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
         k_flat[ctx.slot_mapping] = k.to(k_flat.dtype)
@@ -42,6 +47,20 @@ class PagedAttention(nn.Module):
                                                      v_flat[slots])
             start += qlen
         return out
+
+    def _kernel(self, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """All sequences in one launch, reading the block tables on the device."""
+        work = None
+        if ctx.is_prefill:
+            rows = kernel.rows_per_program(self.num_heads, self.num_kv_heads, self.head_dim,
+                                           decode=False)
+            per = rows // (self.num_heads // self.num_kv_heads)
+            work = ctx.cached(("prefill_work", per), lambda: kernel.prefill_work(
+                ctx.query_lens, per, q.device))
+        dev = ctx.device
+        return kernel.paged_attention(q.contiguous(), self.k_cache, self.v_cache,
+                                      dev.block_tables, dev.query_starts, dev.context_lens,
+                                      self.scale, work)
 
     def _decode(self, q, k_flat, v_flat, slots, valid) -> torch.Tensor:
         """One new token per sequence, all sequences in one call: keys padded to the longest

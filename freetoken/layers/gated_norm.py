@@ -6,6 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from freetoken.engine.context import uses_kernels
+from freetoken.kernels import norm_rope
+
 
 class GatedRMSNorm(nn.Module):
     """`w * rms_norm(x) * silu(z)` over the last dim. Unlike Qwen3.5's decoder norms the
@@ -17,6 +20,8 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(hidden), requires_grad=False)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if uses_kernels() and x.dim() == 3:
+            return norm_rope.gated_rms_norm(x, gate, self.weight, self.eps)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

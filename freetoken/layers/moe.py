@@ -8,11 +8,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from freetoken.distributed import divide, get_tp_info
+from freetoken.engine.context import uses_kernels
+from freetoken.kernels import fused_moe
 from freetoken.layers.activation import silu_and_mul
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype):
-    """Softmax in fp32 -> top-k -> optional renormalisation; weights cast to `dtype`."""
+    """Softmax in fp32 -> top-k -> optional renormalisation; weights cast to `dtype` (one
+    Triton launch in steps that take the CUDA paths)."""
+    if uses_kernels():
+        return fused_moe.route(router_logits, top_k, renormalize, dtype)
     probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
@@ -36,7 +41,11 @@ class FusedExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Each token's weighted expert outputs summed in fp32 and rounded once to x's dtype,
         as HF's default (grouped_mm) experts do; summing in bf16 rounds once per expert and
-        moves bf16 logits by as much as HF's eager and grouped_mm paths differ."""
+        moves bf16 logits by as much as HF's eager and grouped_mm paths differ. In a step
+        that takes the Triton paths (CUDA) the grouped kernels compute the same sum without a
+        host sync."""
+        if uses_kernels():
+            return fused_moe.fused_moe(x, weights, ids, self.w13, self.w2)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         hit = torch.bincount(ids.flatten(), minlength=self.num_experts).nonzero().flatten()
         for e in hit.tolist():

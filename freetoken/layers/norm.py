@@ -1,9 +1,13 @@
-"""RMSNorm as HF computes it: statistics in fp32, weight applied in the input dtype."""
+"""RMSNorm as HF computes it: statistics in fp32, weight applied in the input dtype (one
+Triton launch in steps that take the CUDA paths)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from freetoken.engine.context import uses_kernels
+from freetoken.kernels import norm_rope
 
 
 class RMSNorm(nn.Module):
@@ -17,6 +21,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(hidden), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if uses_kernels():
+            return norm_rope.rms_norm(x, self.weight, self.eps, self.offset)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -7,6 +7,9 @@ import math
 import torch
 from torch import nn
 
+from freetoken.engine.context import uses_kernels
+from freetoken.kernels import norm_rope
+
 
 def default_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
     # On CPU in fp32 whatever the default device and dtype: the same frequencies everywhere,
@@ -51,7 +54,10 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """`q`, `k`: [tokens, heads, head_dim]; returns both rotated."""
+        """`q`, `k`: [tokens, heads, head_dim]; returns both rotated (in place, by one
+        Triton launch, in steps that take the CUDA paths)."""
+        if uses_kernels():
+            return norm_rope.rotary_(q, k, positions, self.inv_freq, self.rotary_dim)
         cos, sin = self.cos_sin(positions, q.dtype)
         return _apply(q, cos, sin, self.rotary_dim), _apply(k, cos, sin, self.rotary_dim)
 

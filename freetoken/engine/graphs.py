@@ -1,0 +1,118 @@
+"""CUDA graphs of the decode step: the forward and the LM head of a batch of one new token
+per sequence, captured once per batch-size bucket (1, 2, 4, 8, ...) on first use and
+replayed with the step's inputs copied into static buffers.
+
+A batch smaller than its bucket is padded with rows that write their key and value into a
+scratch cache block and their linear state into a scratch slot, both reserved by the engine
+and never given to a sequence, so padding cannot touch a real sequence's cache or state."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from freetoken.engine.context import DeviceBatch, ForwardContext, set_forward_context
+
+
+def buckets(max_batch: int) -> list[int]:
+    """Powers of two up to the first one >= max_batch."""
+    sizes = [1]
+    while sizes[-1] < max_batch:
+        sizes.append(sizes[-1] * 2)
+    return sizes
+
+
+class DecodeGraphs:
+    """One graph per bucket over shared static buffers; `run` returns float32 logits
+    [batch, vocab] (a view into the bucket's output, valid until the next replay)."""
+
+    def __init__(self, model: torch.nn.Module, max_batch: int, max_blocks: int,
+                 block_size: int, scratch_block: int, scratch_state: int, device):
+        self.model = model
+        self.buckets = buckets(max_batch)
+        self.block_size = block_size
+        self.scratch_block, self.scratch_state = scratch_block, scratch_state
+        n, self.width = self.buckets[-1], max_blocks
+        as_long = dict(dtype=torch.long, device=device)
+        # One int64 staging row per sequence (its fields, then its block table), filled by
+        # one host-to-device copy per step.
+        self.staging = torch.zeros(n, 5 + max_blocks, **as_long)
+        self.ids, self.positions, self.slot_mapping = (torch.zeros(n, **as_long)
+                                                       for _ in range(3))
+        self.seq_slots = torch.zeros(n, **as_long)
+        self.context_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
+        self.query_starts = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.pool = None
+        self.capture_seconds = 0.0
+        self.capture_bytes = 0
+
+    def fits(self, batch: int) -> bool:
+        return batch <= self.buckets[-1]
+
+    def run(self, ids: list[int], positions: list[int], slots: list[int],
+            context_lens: list[int], block_tables: list[list[int]], seq_slots: list[int]
+            ) -> torch.Tensor:
+        """Logits of one decode step of len(ids) sequences (one token each)."""
+        n = len(ids)
+        bucket = next(b for b in self.buckets if b >= n)
+        if bucket not in self.graphs:
+            self._fill(bucket, [], [], [], [], [], [])
+            self._capture(bucket)
+        self._fill(bucket, ids, positions, slots, context_lens, block_tables, seq_slots)
+        self.graphs[bucket].replay()
+        return self.logits[bucket][:n]
+
+    def _fill(self, bucket, ids, positions, slots, context_lens, block_tables, seq_slots):
+        """Real rows first, padding rows (scratch block and state slot) after, in one
+        host-to-device copy. Only the table columns this batch uses are written: the kernel
+        reads no entry past a sequence's context."""
+        width = max([len(t) for t in block_tables] + [1])
+        rows = [[i, p, s, c, st, *t, *[0] * (width - len(t))] for i, p, s, c, st, t in
+                zip(ids, positions, slots, context_lens, seq_slots, block_tables)]
+        pad = [0, 0, self.scratch_block * self.block_size, 1, self.scratch_state,
+               self.scratch_block, *[0] * (width - 1)]
+        rows += [pad] * (bucket - len(ids))
+        staging = self.staging[:bucket, : 5 + width]
+        staging.copy_(torch.tensor(rows, dtype=torch.long))
+        self.ids[:bucket].copy_(staging[:, 0])
+        self.positions[:bucket].copy_(staging[:, 1])
+        self.slot_mapping[:bucket].copy_(staging[:, 2])
+        self.context_lens[:bucket].copy_(staging[:, 3])
+        self.seq_slots[:bucket].copy_(staging[:, 4])
+        self.block_tables[:bucket, :width].copy_(staging[:, 5:])
+
+    def _context(self, bucket: int) -> ForwardContext:
+        # Host lists only tell layers that this is a decode step of continuing sequences;
+        # everything that varies per step is read from the static device buffers.
+        device = DeviceBatch(self.block_tables[:bucket], self.context_lens[:bucket],
+                             self.query_starts[: bucket + 1], self.seq_slots[:bucket])
+        return ForwardContext(False, [1] * bucket, [2] * bucket, self.slot_mapping[:bucket],
+                              [[self.scratch_block]] * bucket, list(range(bucket)),
+                              device=device)
+
+    def _forward(self, bucket: int) -> torch.Tensor:
+        hidden = self.model(self.ids[:bucket], self.positions[:bucket])
+        return self.model.compute_logits(hidden).float()
+
+    def _capture(self, bucket: int) -> None:
+        """Warm up (compiles the kernels) on padding rows, then capture."""
+        set_forward_context(self._context(bucket))
+        try:
+            self._forward(bucket)
+            torch.cuda.synchronize()
+            free = torch.cuda.mem_get_info()[0]
+            start = time.perf_counter()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.logits[bucket] = self._forward(bucket)
+            torch.cuda.synchronize()
+        finally:
+            set_forward_context(None)
+        self.capture_seconds += time.perf_counter() - start
+        self.capture_bytes += max(0, free - torch.cuda.mem_get_info()[0])
+        self.pool = self.pool if self.pool is not None else graph.pool()
+        self.graphs[bucket] = graph

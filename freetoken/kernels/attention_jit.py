@@ -1,0 +1,139 @@
+"""Triton kernel for attention over a paged KV cache, prefill and decode alike.
+
+The cache of one layer is [slots, kv_heads, head_dim] (blocks of `block_size` slots); a
+sequence's position p lives in slot `block_tables[seq, p // block_size] * block_size +
+p % block_size`. Every program owns one KV head and BLOCK_M rows, each row a (query
+position, query head of that KV head's group) pair, so a GQA group reads its keys once and
+nothing is copied per head. Queries of a sequence are its last `query_len` positions of
+`context_len`; row q attends to positions <= its own (causal with the cached offset). Online
+softmax in float32; out-of-range rows are neither read nor written.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from freetoken.kernels import jit_ops as ops
+
+
+@triton.jit
+def paged_attention_kernel(
+    # pointers
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    query_starts_ptr,
+    context_lens_ptr,
+    work_ptr,
+    # sizes
+    scale,
+    block_size,
+    # strides
+    stride_q_token,
+    stride_q_head,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_out_token,
+    stride_out_head,
+    stride_table_seq,
+    # meta
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DECODE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Program (work item, KV head). Decode: work item i is sequence i, rows are its one
+    query's GROUP heads. Prefill: work item i is (sequence, first query) from `work_ptr`,
+    rows cover BLOCK_M // GROUP queries from there."""
+    kv_head = tl.program_id(1)
+    if DECODE:
+        seq = tl.program_id(0)
+        first = 0
+    else:
+        seq = tl.load(work_ptr + 2 * tl.program_id(0))
+        first = tl.load(work_ptr + 2 * tl.program_id(0) + 1)
+    q_start = tl.load(query_starts_ptr + seq)
+    q_len = tl.load(query_starts_ptr + seq + 1) - q_start
+    ctx_len = tl.load(context_lens_ptr + seq)
+
+    rows = tl.arange(0, BLOCK_M)
+    q_local = first + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = q_local < q_len
+    q_pos = ctx_len - q_len + q_local
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    token = (q_start + q_local).to(tl.int64)
+    q = tl.load(q_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head
+                + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.full((BLOCK_M,), 0, dtype=tl.float32)
+    acc = tl.full((BLOCK_M, BLOCK_D), 0, dtype=tl.float32)
+    # Keys past the last row's own position are masked for every row: stop there.
+    end = tl.minimum(ctx_len, ctx_len - q_len + first + BLOCK_M // GROUP)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_table_seq
+    for start in range(0, end, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        pos_ok = pos < end
+        block = tl.load(table + pos // block_size, mask=pos_ok, other=0)
+        slot = block.to(tl.int64) * block_size + pos % block_size
+        kv_offsets = slot[:, None] * stride_cache_slot + kv_head * stride_cache_head + d[None, :]
+        kv_mask = pos_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        keep = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+        scores = tl.where(keep, scores, float("-inf"))
+        m_new = tl.maximum(m_i, ops.max_(scores, axis=1))
+        # A row with no key yet keeps m = -inf; subtract 0 there instead (exp(-inf) = 0).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(scores - m_safe[:, None])
+        l_i = l_i * alpha + ops.sum_(p, axis=1)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + token[:, None] * stride_out_token + head[:, None] * stride_out_head
+             + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def write_kv_kernel(
+    # pointers
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    # sizes
+    head_dim,
+    # strides
+    stride_k_token,
+    stride_k_head,
+    stride_v_token,
+    stride_v_head,
+    stride_cache_slot,
+    stride_cache_head,
+    # meta
+    BLOCK_D: tl.constexpr,
+):
+    """Token program_id(0), KV head program_id(1): its key and value into its cache slot
+    (one launch for both caches)."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    ok = d < head_dim
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    cache = slot * stride_cache_slot + head * stride_cache_head + d
+    k = tl.load(k_ptr + token * stride_k_token + head * stride_k_head + d, mask=ok)
+    v = tl.load(v_ptr + token * stride_v_token + head * stride_v_head + d, mask=ok)
+    tl.store(k_cache_ptr + cache, k.to(k_cache_ptr.dtype.element_ty), mask=ok)
+    tl.store(v_cache_ptr + cache, v.to(v_cache_ptr.dtype.element_ty), mask=ok)

@@ -1,0 +1,156 @@
+"""Launcher of the routed-expert kernels for 16-bit or float32 experts (`moe_jit`): the whole
+routed computation of one rank without a host sync, so decode steps can be graphed.
+
+`fused_moe` is checked against `reference_moe`, the per-expert torch loop the engine runs on
+CPU (`freetoken.layers.moe.FusedExperts`)."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from freetoken.kernels.moe_align import align_by_expert
+
+
+@dataclass(frozen=True)
+class MoeTiles:
+    """Pairs per block (BLOCK_M), output columns per program and inputs per step of each
+    kernel; `small` for few pairs (decode: more programs over the weights), else `large`."""
+
+    block_m: int
+    gate_up_n: int
+    down_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+DECODE_TILES = MoeTiles(block_m=16, gate_up_n=32, down_n=64, block_k=128)
+PREFILL_TILES = MoeTiles(block_m=64, gate_up_n=64, down_n=64, block_k=64)
+DECODE_MAX_PAIRS = 1024
+"""Up to this many (token, slot) pairs take DECODE_TILES."""
+ALIGN_MAX_PAIRS = 1024
+"""Up to this many pairs are sorted by `align_small` (one program), more by torch ops."""
+
+
+def _jit():
+    """The kernel module, imported on first use (see `freetoken.kernels.use_interpreter`)."""
+    return importlib.import_module("freetoken.kernels.moe_jit")
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # float32 must stay float32 on tensor cores (tf32 would lose 13 bits of mantissa).
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
+              w2: torch.Tensor, tiles: MoeTiles | None = None) -> torch.Tensor:
+    """Routed-expert partial sum for `x` [T, H]: w13 [E, 2I, H] (gate rows, then up rows),
+    w2 [E, H, I], `weights` and `ids` [T, top_k]. Each token's weighted slots are summed in
+    float32 and rounded once to x's dtype. Rank-dependent through the TP-local I."""
+    tokens, hidden = x.shape
+    top_k = ids.shape[1]
+    inter = w2.shape[2]
+    pairs = tokens * top_k
+    if tokens == 0:
+        return x.new_zeros(0, hidden)
+    tiles = tiles or (DECODE_TILES if pairs <= DECODE_MAX_PAIRS else PREFILL_TILES)
+    if tokens == 1:
+        rows, block_expert = one_token_layout(ids, tiles.block_m)
+    else:
+        align = align_small if pairs <= ALIGN_MAX_PAIRS else align_by_expert
+        rows, block_expert = align(ids.reshape(-1), w13.shape[0], tiles.block_m)
+    blocks = block_expert.shape[0]
+    x = x.contiguous()
+    jit, precision = _jit(), _precision(x.dtype)
+    launch = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    jit.gate_up_kernel[(blocks, triton_cdiv(inter, tiles.gate_up_n))](
+        x_ptr=x, w13_ptr=w13, h_ptr=h, rows_ptr=rows, block_expert_ptr=block_expert,
+        num_pairs=pairs, hidden=hidden, inter=inter, top_k=top_k,
+        stride_x_token=x.stride(0), stride_w13_expert=w13.stride(0),
+        stride_w13_row=w13.stride(1), stride_h_pair=h.stride(0),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.gate_up_n, BLOCK_K=tiles.block_k,
+        PRECISION=precision, **launch)
+    out = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
+    jit.down_kernel[(blocks, triton_cdiv(hidden, tiles.down_n))](
+        h_ptr=h, w2_ptr=w2, weights_ptr=weights.reshape(-1).contiguous(), out_ptr=out,
+        rows_ptr=rows, block_expert_ptr=block_expert, num_pairs=pairs, hidden=hidden,
+        inter=inter, stride_h_pair=h.stride(0), stride_w2_expert=w2.stride(0),
+        stride_w2_row=w2.stride(1), stride_out_pair=out.stride(0),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_n, BLOCK_K=min(tiles.block_k, _pow2(inter)),
+        PRECISION=precision, **launch)
+    return out.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax in fp32 -> top-k -> optional renormalisation in one launch: weights [T, k]
+    in `dtype` (descending) and expert ids [T, k] int64, as `freetoken.layers.moe.route`."""
+    tokens, num_experts = router_logits.shape
+    weights = torch.empty(tokens, top_k, dtype=dtype, device=router_logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=router_logits.device)
+    if tokens:
+        logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+        _jit().route_kernel[(tokens,)](
+            logits_ptr=logits, weights_ptr=weights, ids_ptr=ids, num_experts=num_experts,
+            stride_logits_token=logits.stride(0), TOP_K=top_k,
+            BLOCK_K=1 << max(0, (top_k - 1).bit_length()), BLOCK_E=_pow2(num_experts),
+            RENORMALIZE=renormalize, num_warps=4)
+    return weights, ids
+
+
+_ONE_TOKEN_ROWS: dict = {}
+
+
+def one_token_layout(ids: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sorted layout of one token's pairs without sorting: its top-k experts are
+    distinct, so each pair is alone in its expert's block whatever the order of the blocks.
+    The rows (pair b first in block b) depend only on top_k and are made once per device,
+    so a graphed step replays a single cast for the block experts."""
+    top_k = ids.numel()
+    key = (top_k, block_m, ids.device)
+    if key not in _ONE_TOKEN_ROWS:
+        rows = torch.full((top_k, block_m), top_k, dtype=torch.int32, device=ids.device)
+        rows[:, 0] = torch.arange(top_k, dtype=torch.int32, device=ids.device)
+        _ONE_TOKEN_ROWS[key] = rows.reshape(-1)
+    return _ONE_TOKEN_ROWS[key], ids.reshape(-1).to(torch.int32)
+
+
+def align_small(ids: torch.Tensor, num_experts: int, block_m: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe_align.align_by_expert`'s result (same rows, same block experts) from one
+    program; for up to ALIGN_MAX_PAIRS pairs."""
+    n = ids.numel()
+    num_blocks = -(-n // block_m) + min(num_experts, n)
+    rows = torch.empty(num_blocks * block_m, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=ids.device)
+    _jit().align_kernel[(1,)](
+        ids_ptr=ids.reshape(-1).contiguous(), rows_ptr=rows, block_expert_ptr=block_expert,
+        num_pairs=n, num_blocks=num_blocks, BLOCK_M=block_m, BLOCK_E=_pow2(num_experts),
+        CHUNK=64, num_warps=4)
+    return rows, block_expert
+
+
+def reference_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                  w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """The torch loop over the experts hit (reads their ids back to the host): same shapes
+    and result as `fused_moe`."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in torch.unique(ids).tolist():
+        token, slot = torch.where(ids == e)
+        gate, up = F.linear(x[token], w13[e]).chunk(2, dim=-1)
+        h = F.linear(F.silu(gate) * up, w2[e]) * weights[token, slot, None]
+        out.index_add_(0, token, h.float())
+    return out.to(x.dtype)
+
+
+def triton_cdiv(n: int, d: int) -> int:
+    return -(-n // d)
+
+
+def _pow2(n: int) -> int:
+    return max(16, 1 << max(0, (int(n) - 1).bit_length()))

@@ -1,0 +1,221 @@
+"""Triton kernels for routed experts with 16-bit (or float32) weights: a grouped GEMM over
+(token, slot) pairs sorted by expert into blocks of BLOCK_M (`freetoken.kernels.moe_align`),
+pair p = token * top_k + slot. Products accumulate in float32.
+
+- `gate_up_kernel`: program (block, columns) computes a tile of gate and the matching tile of
+  up for its block's pairs and writes h = SiLU(gate) * up, rounded once to h's dtype.
+- `down_kernel`: program (block, columns) computes a tile of h W_down^T for its block's
+  pairs, times each pair's routing weight, and writes it in float32 (the launcher sums each
+  token's slots in float32 and rounds once, as the torch reference does).
+Blocks whose expert is -1 (the unused tail of the upper-bound grid) return at once.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from freetoken.kernels import jit_ops as ops
+
+
+@triton.jit
+def gate_up_kernel(
+    # pointers
+    x_ptr,
+    w13_ptr,
+    h_ptr,
+    rows_ptr,
+    block_expert_ptr,
+    # sizes
+    num_pairs,
+    hidden,
+    inter,
+    top_k,
+    # strides
+    stride_x_token,
+    stride_w13_expert,
+    stride_w13_row,
+    stride_h_pair,
+    # meta
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """h[pair, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, inter + n]) for the
+    BLOCK_M pairs of block program_id(0) and BLOCK_N columns n of program_id(1)."""
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block)
+    if expert < 0:
+        return
+    pairs = tl.load(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    pair_ok = pairs < num_pairs
+    token = (pairs // top_k).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
+    w = w13_ptr + expert.to(tl.int64) * stride_w13_expert
+    gate = tl.full((BLOCK_M, BLOCK_N), 0, dtype=tl.float32)
+    up = tl.full((BLOCK_M, BLOCK_N), 0, dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < hidden
+        a = tl.load(x_ptr + token[:, None] * stride_x_token + ks[None, :],
+                    mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        w_gate = tl.load(w + cols[None, :] * stride_w13_row + ks[:, None], mask=w_mask,
+                         other=0.0)
+        w_up = tl.load(w + (cols + inter)[None, :] * stride_w13_row + ks[:, None], mask=w_mask,
+                       other=0.0)
+        gate = tl.dot(a, w_gate, gate, input_precision=PRECISION)
+        up = tl.dot(a, w_up, up, input_precision=PRECISION)
+    h = gate * ops.sigmoid(gate) * up
+    tl.store(h_ptr + pairs.to(tl.int64)[:, None] * stride_h_pair + cols[None, :],
+             h.to(h_ptr.dtype.element_ty), mask=pair_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def down_kernel(
+    # pointers
+    h_ptr,
+    w2_ptr,
+    weights_ptr,
+    out_ptr,
+    rows_ptr,
+    block_expert_ptr,
+    # sizes
+    num_pairs,
+    hidden,
+    inter,
+    # strides
+    stride_h_pair,
+    stride_w2_expert,
+    stride_w2_row,
+    stride_out_pair,
+    # meta
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """out[pair, n] = weight[pair] * (h[pair] . w2[e, n]) in float32 for the BLOCK_M pairs of
+    block program_id(0) and BLOCK_N output columns n of program_id(1)."""
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block)
+    if expert < 0:
+        return
+    pairs = tl.load(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    pair_ok = pairs < num_pairs
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    w = w2_ptr + expert.to(tl.int64) * stride_w2_expert
+    acc = tl.full((BLOCK_M, BLOCK_N), 0, dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < inter
+        a = tl.load(h_ptr + pairs[:, None] * stride_h_pair + ks[None, :],
+                    mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w + cols[None, :] * stride_w2_row + ks[:, None],
+                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    weight = tl.load(weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + pairs[:, None] * stride_out_pair + cols[None, :], acc * weight[:, None],
+             mask=pair_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def route_kernel(
+    # pointers
+    logits_ptr,
+    weights_ptr,
+    ids_ptr,
+    # sizes
+    num_experts,
+    # strides
+    stride_logits_token,
+    # meta
+    TOP_K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+):
+    """Token program_id(0): softmax of its router logits in float32, its TOP_K largest
+    probabilities in descending order (the lowest index first among equals), optionally
+    renormalised to sum to one, stored in weights' dtype with their expert ids (int64)."""
+    token = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, BLOCK_E)
+    ok = experts < num_experts
+    x = tl.load(logits_ptr + token * stride_logits_token + experts, mask=ok,
+                other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - ops.max_(x, axis=0))
+    p = tl.where(ok, p, 0.0)
+    p = p / ops.sum_(p, axis=0)
+    left = tl.where(ok, p, -1.0)
+    slots = tl.arange(0, BLOCK_K)
+    chosen = tl.full((BLOCK_K,), 0, dtype=tl.float32)
+    chosen_ids = tl.full((BLOCK_K,), 0, dtype=tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = ops.max_(left, axis=0)
+        index = ops.min_(tl.where(left == best, experts, BLOCK_E), axis=0)
+        chosen = tl.where(slots == j, best, chosen)
+        chosen_ids = tl.where(slots == j, index.to(tl.int64), chosen_ids)
+        left = tl.where(experts == index, -1.0, left)
+    if RENORMALIZE:
+        chosen = chosen / ops.sum_(chosen, axis=0)
+    tl.store(weights_ptr + token * TOP_K + slots, chosen.to(weights_ptr.dtype.element_ty),
+             mask=slots < TOP_K)
+    tl.store(ids_ptr + token * TOP_K + slots, chosen_ids, mask=slots < TOP_K)
+
+
+@triton.jit
+def align_kernel(
+    # pointers
+    ids_ptr,
+    rows_ptr,
+    block_expert_ptr,
+    # sizes
+    num_pairs,
+    num_blocks,
+    # meta
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """One program: the layout of `moe_align.align_by_expert` (pairs sorted by expert,
+    stably, each expert's run padded to BLOCK_M rows; unused rows hold num_pairs, unused
+    blocks expert -1) in one launch instead of a sort and a dozen small kernels. Ranks
+    come from comparing pairs chunk by chunk, so it is meant for decode-sized batches."""
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.full((BLOCK_E,), 0, dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        pairs = start + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
+        counts += ops.sum_((e[None, :] == experts[:, None]).to(tl.int32), axis=1)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = ops.cumsum(padded, axis=0)
+    padded_start = padded_end - padded
+    total = ops.sum_(padded, axis=0)
+    for start in range(0, num_blocks * BLOCK_M, CHUNK):
+        rows = start + tl.arange(0, CHUNK)
+        tl.store(rows_ptr + rows, tl.full((CHUNK,), 0, dtype=tl.int32) + num_pairs,
+                 mask=rows < num_blocks * BLOCK_M)
+    for start in range(0, num_blocks, CHUNK):
+        blocks = start + tl.arange(0, CHUNK)
+        first = blocks * BLOCK_M
+        expert = ops.sum_((padded_end[None, :] <= first[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + blocks, tl.where(first < total, expert, -1),
+                 mask=blocks < num_blocks)
+    # The sentinel rows above must land before the pairs overwrite theirs.
+    tl.debug_barrier()
+    for start in range(0, num_pairs, CHUNK):
+        pairs = start + tl.arange(0, CHUNK)
+        ok = pairs < num_pairs
+        e = tl.load(ids_ptr + pairs, mask=ok, other=-1)
+        rank = tl.full((CHUNK,), 0, dtype=tl.int32)
+        for earlier in range(0, start + CHUNK, CHUNK):
+            others = earlier + tl.arange(0, CHUNK)
+            f = tl.load(ids_ptr + others, mask=others < num_pairs, other=-2)
+            same = (f[None, :] == e[:, None]) & (others[None, :] < pairs[:, None])
+            rank += ops.sum_(same.to(tl.int32), axis=1)
+        base = ops.sum_(tl.where(experts[None, :] == e[:, None], padded_start[None, :], 0),
+                      axis=1)
+        tl.store(rows_ptr + base + rank, pairs.to(tl.int32), mask=ok)

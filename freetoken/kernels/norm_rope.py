@@ -1,0 +1,88 @@
+"""Launchers of `norm_rope_jit`: RMSNorm, GatedDeltaNet's gated RMSNorm, SiLU-and-mul and
+rotary embedding in one launch each, for the engine's CUDA path (its CPU path,
+`freetoken.layers.norm`, `gated_norm`, `activation` and `rotary`, is the reference they are
+checked against)."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+
+def _jit():
+    """The kernel module, imported on first use (see `freetoken.kernels.use_interpreter`)."""
+    return importlib.import_module("freetoken.kernels.norm_rope_jit")
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [tokens, heads, channels] with unit channel stride (a view where possible)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return x.unsqueeze(1) if x.dim() == 2 else x
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
+    """RMSNorm over the last dim of x ([tokens, N] or [tokens, heads, N]); a new tensor of
+    x's shape and dtype. `offset`: the weight is `1 + w` (applied in float32)."""
+    rows = _rows(x)
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    tokens, heads, channels = rows.shape
+    if tokens:
+        _jit().rms_norm_kernel[(tokens, heads)](
+            x_ptr=rows, weight_ptr=weight, out_ptr=out, channels=channels, eps=eps,
+            stride_x_token=rows.stride(0), stride_x_head=rows.stride(1),
+            stride_out_token=out.stride(0), stride_out_head=out.stride(1),
+            OFFSET=offset, BLOCK_N=_pow2(channels), num_warps=4 if channels >= 1024 else 1)
+    return out.view(x.shape)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+                   ) -> torch.Tensor:
+    """`w * rms_norm(x) * silu(z)` over the last dim of x [tokens, heads, N]; z of the same
+    shape (a view is fine). A new tensor of x's shape and dtype."""
+    tokens, heads, channels = x.shape
+    x = x.contiguous()
+    z = z if z.stride(-1) == 1 else z.contiguous()
+    out = torch.empty_like(x)
+    if tokens:
+        _jit().gated_rms_norm_kernel[(tokens * heads,)](
+            x_ptr=x, z_ptr=z, weight_ptr=weight, out_ptr=out, channels=channels, eps=eps,
+            stride_x_row=channels, stride_z_token=z.stride(0), stride_z_head=z.stride(1),
+            stride_out_row=channels, HEADS=heads, BLOCK_N=_pow2(channels), num_warps=1)
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` for x = [gate | up] on the last dim of a [tokens, 2N] tensor."""
+    tokens, width = x.shape
+    half = width // 2
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty(tokens, half, dtype=x.dtype, device=x.device)
+    block = min(1024, _pow2(half))
+    if tokens:
+        _jit().silu_and_mul_kernel[(tokens, -(-half // block))](
+            x_ptr=x, out_ptr=out, half=half, stride_x_token=x.stride(0),
+            stride_out_token=out.stride(0), BLOCK_N=block, num_warps=4)
+    return out
+
+
+def rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+            inv_freq: torch.Tensor, rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate the first `rotary_dim` channels of q [tokens, q_heads, d] and k
+    [tokens, k_heads, d] in place (rotate-half); returns them."""
+    tokens = q.shape[0]
+    if tokens:
+        half = rotary_dim // 2
+        _jit().rotary_kernel[(tokens,)](
+            q_ptr=q, k_ptr=k, positions_ptr=positions, inv_freq_ptr=inv_freq,
+            q_heads=q.shape[1], k_heads=k.shape[1],
+            stride_q_token=q.stride(0), stride_q_head=q.stride(1),
+            stride_k_token=k.stride(0), stride_k_head=k.stride(1),
+            HALF=half, BLOCK_HALF=_pow2(half), BLOCK_QH=_pow2(q.shape[1]),
+            BLOCK_KH=_pow2(k.shape[1]), num_warps=1)
+    return q, k

@@ -1,0 +1,113 @@
+"""Launcher of the paged attention kernel (`attention_jit`): one launch per layer and step,
+prefill (any number of sequences, causal with a cached offset) or decode (one query per
+sequence), reading the block tables on the device. Decode needs no host data at all, so it
+can be graphed. Checked against `reference_paged_attention`, the torch path the engine runs
+on CPU (`freetoken.layers.attention.PagedAttention`)."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch.nn.functional as F
+
+
+def _jit():
+    """The kernel module, imported on first use (see `freetoken.kernels.use_interpreter`)."""
+    return importlib.import_module("freetoken.kernels.attention_jit")
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def rows_per_program(num_heads: int, num_kv_heads: int, head_dim: int, decode: bool) -> int:
+    """BLOCK_M: (query, head) rows per program; at least 16 for `tl.dot`, a whole GQA group
+    for decode, and fewer for wide heads (the float32 accumulator lives in registers)."""
+    group = num_heads // num_kv_heads
+    if decode:
+        return max(16, _pow2(group))
+    return max(16, _pow2(group), 32 if head_dim > 128 else 64)
+
+
+def prefill_work(query_lens: list[int], queries_per_program: int, device) -> torch.Tensor:
+    """int32 [programs, 2]: (sequence, first query) of each prefill program (host data,
+    known before the step)."""
+    work = [(i, first) for i, qlen in enumerate(query_lens)
+            for first in range(0, qlen, queries_per_program)]
+    return torch.tensor(work, dtype=torch.int32, device=device).reshape(-1, 2)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, query_starts: torch.Tensor,
+                    context_lens: torch.Tensor, scale: float, work: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    """q [T, heads, d]; k_cache, v_cache [blocks, block_size, kv_heads, d] with this step's
+    keys already written; block_tables int32 [B, max_blocks]; query_starts int32 [B + 1]
+    (sequence i's queries are q[query_starts[i]:query_starts[i + 1]]); context_lens int32
+    [B]. `work` from `prefill_work`, or None for decode (one query per sequence, T = B).
+    Returns [T, heads, d] in q's dtype."""
+    tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    decode = work is None
+    block_m = rows_per_program(num_heads, num_kv_heads, head_dim, decode)
+    programs = block_tables.shape[0] if decode else work.shape[0]
+    out = torch.empty_like(q)
+    if tokens == 0:
+        return out
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    _jit().paged_attention_kernel[(programs, num_kv_heads)](
+        q_ptr=q, k_cache_ptr=k_flat, v_cache_ptr=v_flat, out_ptr=out,
+        block_tables_ptr=block_tables, query_starts_ptr=query_starts,
+        context_lens_ptr=context_lens, work_ptr=block_tables if decode else work,
+        scale=scale, block_size=block_size,
+        stride_q_token=q.stride(0), stride_q_head=q.stride(1),
+        stride_cache_slot=k_flat.stride(0), stride_cache_head=k_flat.stride(1),
+        stride_out_token=out.stride(0), stride_out_head=out.stride(1),
+        stride_table_seq=block_tables.stride(0),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, _pow2(head_dim)),
+        BLOCK_M=block_m, BLOCK_N=32 if head_dim > 128 else 64, DECODE=decode,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
+    return out
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store k and v [T, kv_heads, d] at cache slots `slot_mapping` [T] of k_cache and
+    v_cache [blocks, block_size, kv_heads, d], in one launch."""
+    tokens, kv_heads, head_dim = k.shape
+    if not tokens:
+        return
+    k_flat = k_cache.view(-1, kv_heads, head_dim)
+    v_flat = v_cache.view(-1, kv_heads, head_dim)
+    k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
+    _jit().write_kv_kernel[(tokens, kv_heads)](
+        k_ptr=k, v_ptr=v, k_cache_ptr=k_flat, v_cache_ptr=v_flat, slot_mapping_ptr=slot_mapping,
+        head_dim=head_dim, stride_k_token=k.stride(0), stride_k_head=k.stride(1),
+        stride_v_token=v.stride(0), stride_v_head=v.stride(1),
+        stride_cache_slot=k_flat.stride(0), stride_cache_head=k_flat.stride(1),
+        BLOCK_D=_pow2(head_dim), num_warps=1)
+
+
+def reference_paged_attention(q, k_cache, v_cache, block_tables: list[list[int]],
+                              query_lens: list[int], context_lens: list[int], scale: float
+                              ) -> torch.Tensor:
+    """Per sequence: gather its context from the cache, expand the GQA groups and run
+    causal SDPA with the cached offset (the engine's CPU path)."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    group = q.shape[1] // num_kv_heads
+    k_flat, v_flat = k_cache.reshape(-1, num_kv_heads, head_dim), v_cache.reshape(
+        -1, num_kv_heads, head_dim)
+    out, start = torch.empty_like(q), 0
+    for qlen, clen, blocks in zip(query_lens, context_lens, block_tables):
+        pos = torch.arange(clen)
+        slots = torch.tensor(blocks)[pos // block_size] * block_size + pos % block_size
+        k = k_flat[slots].repeat_interleave(group, dim=1).transpose(0, 1)
+        v = v_flat[slots].repeat_interleave(group, dim=1).transpose(0, 1)
+        mask = torch.arange(clen - qlen, clen)[:, None] >= pos[None, :]
+        part = F.scaled_dot_product_attention(q[start:start + qlen].transpose(0, 1), k, v,
+                                              attn_mask=mask, scale=scale)
+        out[start:start + qlen] = part.transpose(0, 1)
+        start += qlen
+    return out

@@ -1,0 +1,43 @@
+"""Decode graphs' static inputs (CPU-checkable part of `freetoken.engine.graphs`): buckets
+are powers of two covering the batch limit, every step's rows land in the static buffers,
+and padding rows point only at the scratch cache block and scratch state slot."""
+
+from __future__ import annotations
+
+import torch
+
+from freetoken.engine.graphs import DecodeGraphs, buckets
+
+
+def _make_graphs() -> DecodeGraphs:
+    return DecodeGraphs(torch.nn.Identity(), max_batch=5, max_blocks=6, block_size=4,
+                        scratch_block=9, scratch_state=7, device="cpu")
+
+
+def test_buckets_cover_the_batch_limit():
+    """1, 2, 4, ... up to the first power of two >= the limit."""
+    assert buckets(1) == [1]
+    assert buckets(5) == [1, 2, 4, 8]
+    assert buckets(16) == [1, 2, 4, 8, 16]
+
+
+def test_fill_writes_real_rows_then_scratch_padding():
+    """Three sequences in bucket 4: their ids, positions, slots, context lengths, state
+    slots and block tables; the fourth row writes to the scratch block's first slot, reads
+    one position of it and uses the scratch state slot. A later, smaller step overwrites the
+    rows it uses (no stale input)."""
+    g = _make_graphs()
+    g._fill(4, [11, 12, 13], [5, 0, 8], [21, 2, 33], [6, 1, 9], [[5, 1], [0], [3, 8, 2]],
+            [2, 0, 1])
+    assert g.ids[:4].tolist() == [11, 12, 13, 0]
+    assert g.positions[:4].tolist() == [5, 0, 8, 0]
+    assert g.slot_mapping[:4].tolist() == [21, 2, 33, 36]
+    assert g.context_lens[:4].tolist() == [6, 1, 9, 1]
+    assert g.seq_slots[:4].tolist() == [2, 0, 1, 7]
+    assert g.block_tables[:4, :3].tolist() == [[5, 1, 0], [0, 0, 0], [3, 8, 2], [9, 0, 0]]
+    g._fill(2, [40], [6], [22], [7], [[5, 1]], [3])
+    assert g.ids[:2].tolist() == [40, 0]
+    assert g.slot_mapping[:2].tolist() == [22, 36]
+    assert g.context_lens[:2].tolist() == [7, 1]
+    assert g.seq_slots[:2].tolist() == [3, 7]
+    assert g.block_tables[:2, :2].tolist() == [[5, 1], [9, 0]]

@@ -1,0 +1,141 @@
+"""The engine's per-token CUDA kernels (`freetoken.kernels.norm_rope`,
+`freetoken.kernels.delta_rule`) in Triton's interpreter with float32 inputs, against the torch
+layers the engine runs on CPU, at the TP-local shapes of TP 1, 2, 4 and 8: RMSNorm, rotary,
+GatedDeltaNet's gated norm, SiLU-and-mul, and GatedDeltaNet's conv update and decode step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from freetoken.layers.linear import local_kv_heads
+
+TP_SIZES = (1, 2, 4, 8)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter():
+    """Kernels in this process run interpreted (sets TRITON_INTERPRET=1 for the process)."""
+    from freetoken.kernels import use_interpreter
+
+    use_interpreter()
+
+
+def _assert_close(got, want, what):
+    atol = 1e-5 * max(float(want.abs().max()), 1e-30)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+def _module_weights(module, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for p in module.parameters():
+        p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    return module
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("offset", [False, True])
+def test_rms_norm_matches_module(tp, offset):
+    """Decoder norms [tokens, hidden] and per-head q norms [tokens, 16 / tp, 32] of a
+    strided view (q rows inside a fused projection) equal the torch RMSNorm's."""
+    from freetoken.kernels.norm_rope import rms_norm
+    from freetoken.layers.norm import RMSNorm
+
+    norm = _module_weights(RMSNorm(32, 1e-6, offset=offset), tp)
+    fused = torch.randn(7, (16 // tp + 2) * 32, generator=torch.Generator().manual_seed(tp))
+    q = fused[:, : 16 // tp * 32].view(7, 16 // tp, 32)
+    _assert_close(rms_norm(q, norm.weight, 1e-6, offset), norm(q), f"heads tp={tp}")
+    x = torch.randn(5, 32)
+    _assert_close(rms_norm(x, norm.weight, 1e-6, offset), norm(x), f"rows tp={tp}")
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("head_dim, rotary_dim", [(16, 16), (64, 16)])
+def test_rotary_matches_module(tp, head_dim, rotary_dim):
+    """Full and partial rotary (a quarter of each head, as Qwen3.5) over 16 / tp q heads and
+    the TP-local KV heads equal the torch RotaryEmbedding's, the rest of each head untouched."""
+    from freetoken.kernels.norm_rope import rotary_
+    from freetoken.layers.rotary import RotaryEmbedding
+
+    rope = RotaryEmbedding(head_dim, rotary_dim, 10000.0)
+    gen = torch.Generator().manual_seed(tp)
+    q = torch.randn(6, 16 // tp, head_dim, generator=gen)
+    k = torch.randn(6, local_kv_heads(2, tp), head_dim, generator=gen)
+    positions = torch.tensor([0, 1, 5, 17, 300, 1999])
+    want_q, want_k = rope(positions, q, k)
+    got_q, got_k = rotary_(q.clone(), k.clone(), positions, rope.inv_freq, rotary_dim)
+    _assert_close(got_q, want_q, f"q tp={tp}")
+    _assert_close(got_k, want_k, f"k tp={tp}")
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_gated_delta_decode_matches_recurrent_rule(tp):
+    """One decode step over 16 / tp key heads and 32 / tp value heads (Qwen3.5's ratio)
+    with dk != dv, gating and normalisation inside: the output and the state written back
+    at each sequence's slot equal the torch path's (GatedDeltaNet's gating, l2norm and the
+    recurrent rule); the slots not in the batch are untouched."""
+    import torch.nn.functional as F
+
+    from freetoken.kernels.delta_rule import gated_delta_decode
+    from freetoken.layers.delta_rule import l2norm, recurrent_gated_delta_rule
+
+    gen = torch.Generator().manual_seed(tp)
+    batch, nk, nv, dk, dv = 3, 16 // tp, 32 // tp, 16, 8
+    q, k = (torch.randn(batch, nk, dk, generator=gen) for _ in range(2))
+    v = torch.randn(batch, nv, dv, generator=gen)
+    a, b = (torch.randn(batch, nv, generator=gen) * 3 for _ in range(2))
+    a_log, dt_bias = torch.randn(nv, generator=gen), torch.randn(nv, generator=gen)
+    state = torch.randn(5, nv, dk, dv, generator=gen)
+    slots = torch.tensor([4, 0, 2])
+    g = -a_log.exp() * F.softplus(a + dt_bias)
+    rep = nv // nk
+    q_n = (l2norm(q) * dk**-0.5).repeat_interleave(rep, 1)
+    want_out, want_state = recurrent_gated_delta_rule(
+        q_n[:, None], l2norm(k).repeat_interleave(rep, 1)[:, None], v[:, None], g[:, None],
+        b.sigmoid()[:, None], state[slots])
+    got_state = state.clone()
+    got = gated_delta_decode(q, k, v, a, b, a_log, dt_bias, got_state, slots)
+    _assert_close(got, want_out[:, 0], f"output tp={tp}")
+    _assert_close(got_state[slots], want_state, f"state tp={tp}")
+    assert torch.equal(got_state[[1, 3]], state[[1, 3]]), "a slot outside the batch changed"
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_conv_update_matches_causal_conv(tp):
+    """One new input per sequence through the depthwise conv (kernel 4) over 96 / tp
+    channels: silu(conv) and the shifted state at each slot equal CausalConv1d's; other
+    slots untouched."""
+    from freetoken.kernels.delta_rule import conv_update
+    from freetoken.layers.causal_conv import CausalConv1d
+
+    channels = 96 // tp
+    conv = _module_weights(CausalConv1d(channels, 4), tp)
+    gen = torch.Generator().manual_seed(tp)
+    x = torch.randn(3, channels, generator=gen)
+    state = torch.randn(5, channels, 3, generator=gen)
+    slots = torch.tensor([4, 0, 2])
+    want, want_state = conv(x[:, None], state[slots])
+    got_state = state.clone()
+    got = conv_update(x, conv.weight, got_state, slots)
+    _assert_close(got, want[:, 0], f"output tp={tp}")
+    assert torch.equal(got_state[slots], want_state), f"state tp={tp}"
+    assert torch.equal(got_state[[1, 3]], state[[1, 3]]), "a slot outside the batch changed"
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_gated_rms_norm_and_silu_and_mul_match_modules(tp):
+    """GatedDeltaNet's output norm over 32 / tp value heads (the gate a strided view into a
+    projection) and SiLU-and-mul of a [gate | up] view equal the torch paths."""
+    from freetoken.kernels.norm_rope import gated_rms_norm, silu_and_mul
+    from freetoken.layers.activation import silu_and_mul as torch_silu_and_mul
+    from freetoken.layers.gated_norm import GatedRMSNorm
+
+    heads, dim = 32 // tp, 8
+    norm = _module_weights(GatedRMSNorm(dim, 1e-6), tp)
+    gen = torch.Generator().manual_seed(tp)
+    x = torch.randn(5, heads, dim, generator=gen)
+    projection = torch.randn(5, heads * dim + 7, generator=gen)
+    z = projection[:, 7:].view(5, heads, dim)
+    _assert_close(gated_rms_norm(x, z, norm.weight, 1e-6), norm(x, z), f"gated norm tp={tp}")
+    fused = torch.randn(4, 2 * 96 // tp + 3, generator=gen)[:, 3:]
+    _assert_close(silu_and_mul(fused), torch_silu_and_mul(fused), f"silu_and_mul tp={tp}")
