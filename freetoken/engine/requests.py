@@ -3,7 +3,6 @@ ranks would tear the rank group down, and the next (good) request would find no 
 
 from __future__ import annotations
 
-import math
 import operator
 from collections.abc import Sequence
 
@@ -51,16 +50,3 @@ def check_request(ids: list[list[int]], params: list[SamplingParams], vocab_size
         if len(prompt) + sp.max_tokens > max_len:
             raise ValueError(f"prompt {i}: {len(prompt)} tokens + max_tokens={sp.max_tokens} "
                              f"exceed the model length {max_len}")
-
-
-def check_sampling(max_tokens, temperature, top_k, top_p, seed) -> None:
-    """SamplingParams' field types and ranges (called from its constructor)."""
-    for name, value in (("max_tokens", max_tokens), ("top_k", top_k)):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ValueError(f"{name} must be an integer, got {value!r}")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-        raise ValueError(f"seed must be an integer or None, got {seed!r}")
-    for name, value in (("temperature", temperature), ("top_p", top_p)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                not math.isfinite(value):
-            raise ValueError(f"{name} must be a finite number, got {value!r}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -23,9 +24,7 @@ class SamplingParams:
     return_prompt_logits: bool = False
 
     def __post_init__(self) -> None:
-        from freetoken.engine.requests import check_sampling
-
-        check_sampling(self.max_tokens, self.temperature, self.top_k, self.top_p, self.seed)
+        _check_sampling(self.max_tokens, self.temperature, self.top_k, self.top_p, self.seed)
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
@@ -34,6 +33,19 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+def _check_sampling(max_tokens, temperature, top_k, top_p, seed) -> None:
+    """SamplingParams' field types and ranges (called from its constructor)."""
+    for name, value in (("max_tokens", max_tokens), ("top_k", top_k)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise ValueError(f"seed must be an integer or None, got {seed!r}")
+    for name, value in (("temperature", temperature), ("top_p", top_p)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {value!r}")
 
 
 @dataclass
