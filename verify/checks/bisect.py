@@ -176,10 +176,14 @@ def _capture_on_rank(rank_ctx, engine_args: dict, prompt: list[int]) -> dict:
     phases = iter(("prefill", "decode"))
     pre = core.model.register_forward_pre_hook(
         lambda m, args: recorder.phase(next(phases, "late"), args[0].numel()))
+    # A replayed CUDA graph runs no Python, so no hook would see the decode step; replay is
+    # bitwise equal to the eager step (tests/engine/test_cuda_engine.py), so record eagerly.
+    graphs, core.graphs = getattr(core, "graphs", None), None
     try:
         params = SamplingParams(max_tokens=2, ignore_eos=True)
         result = core.generate([prompt], [params])[0]
     finally:
+        core.graphs = graphs
         pre.remove()
         recorder.remove()
     return {"captures": [(c.key, c.layout, c.tensor) for c in recorder.captures],
