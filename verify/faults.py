@@ -72,6 +72,8 @@ def split_replicated() -> None:
 
     specs.Replicate.shard = lambda self, full, rank, size, name="": _view_chunk(
         full, 0, rank, size, name).clone()
+    specs.Replicate.pieces = lambda self, full, rank, size, name="": specs.whole(_view_chunk(
+        full, 0, rank, size, name))
     specs.Replicate.unshard = lambda self, parts, name="": torch.cat(parts)
 
 
@@ -80,11 +82,12 @@ def vocab_pad_dropped() -> None:
     rank gets a short shard."""
     from freetoken.loading import specs
 
-    def shard(self, full, rank, size, name=""):
+    def rows(self, full, rank, size, name=""):
         step = -(-self.full_size // size)
-        return full[rank * step : (rank + 1) * step].clone()
+        return full[rank * step : (rank + 1) * step]
 
-    specs.PaddedSplit.shard = shard
+    specs.PaddedSplit.shard = lambda *args: rows(*args).clone()
+    specs.PaddedSplit.pieces = lambda *args: specs.whole(rows(*args))
 
 
 def pin_checkpoint_views() -> None:
@@ -195,6 +198,19 @@ def keep_shard_copies() -> None:
     core.load_weights = load
 
 
+def double_copy_load() -> None:
+    """The loader builds every shard as a fresh tensor (`spec.shard`) and then copies it into
+    its parameter, as it did before shards were copied straight into place: each tensor is
+    copied twice and the host holds one shard more than the parameters (on a GPU, the whole
+    shard in pageable memory)."""
+    from freetoken.loading import loader
+
+    def copy(spec, full, rank, size, dest, name, stager):
+        dest.copy_(spec.shard(full, rank, size, name))
+
+    loader._copy_shard = copy
+
+
 def _wrap_nvfp4_moe(transform: Callable[[dict], dict]) -> None:
     """Pass `fused_moe`'s arguments through `transform` before the NVFP4 kernels see them, so
     the kernels compute exactly what a kernel with the bug would."""
@@ -279,6 +295,7 @@ FAULTS: dict[str, Callable[[], None]] = {
     "vocab-pad-dropped": vocab_pad_dropped,
     "pin-checkpoint-views": pin_checkpoint_views,
     "keep-shard-copies": keep_shard_copies,
+    "double-copy-load": double_copy_load,
     "nvfp4-load-globals-swapped": nvfp4_load_globals_swapped,
     "nvfp4-nibble-swap": nvfp4_nibble_swap,
     "nvfp4-drop-global-scale": nvfp4_drop_global_scale,
