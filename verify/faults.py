@@ -211,6 +211,43 @@ def double_copy_load() -> None:
     loader._copy_shard = copy
 
 
+def kv_cache_global_heads() -> None:
+    """The per-rank paged KV cache is sized with the global `num_key_value_heads` instead of
+    the rank's local KV heads: every rank allocates the whole model's cache."""
+    import freetoken.engine.core as core
+
+    original = core.EngineCore._allocate_cache
+
+    def allocate(self):
+        allocate_kv_cache = core.allocate_kv_cache
+        heads = self.model_config.num_key_value_heads
+        core.allocate_kv_cache = lambda layers, blocks, block_size, _local, *rest: \
+            allocate_kv_cache(layers, blocks, block_size, heads, *rest)
+        try:
+            return original(self)
+        finally:
+            core.allocate_kv_cache = allocate_kv_cache
+
+    core.EngineCore._allocate_cache = allocate
+
+
+def gdn_state_global_heads() -> None:
+    """GatedDeltaNet's recurrent state is sized with the global `linear_num_value_heads`
+    instead of the rank's local value heads."""
+    from freetoken.distributed import get_tp_info
+    from freetoken.models.qwen3_5_moe.gdn import GatedDeltaNet
+
+    original = GatedDeltaNet.allocate_state
+
+    def allocate_state(self, num_slots, dtype, device):
+        original(self, num_slots, dtype, device)
+        heads = self.num_v_heads * get_tp_info().size
+        self.recurrent_state = torch.zeros(num_slots, heads, self.head_k_dim, self.head_v_dim,
+                                           dtype=torch.float32, device=device)
+
+    GatedDeltaNet.allocate_state = allocate_state
+
+
 def _wrap_nvfp4_moe(transform: Callable[[dict], dict]) -> None:
     """Pass `fused_moe`'s arguments through `transform` before the NVFP4 kernels see them, so
     the kernels compute exactly what a kernel with the bug would."""
@@ -296,6 +333,8 @@ FAULTS: dict[str, Callable[[], None]] = {
     "pin-checkpoint-views": pin_checkpoint_views,
     "keep-shard-copies": keep_shard_copies,
     "double-copy-load": double_copy_load,
+    "kv-cache-global-heads": kv_cache_global_heads,
+    "gdn-state-global-heads": gdn_state_global_heads,
     "nvfp4-load-globals-swapped": nvfp4_load_globals_swapped,
     "nvfp4-nibble-swap": nvfp4_nibble_swap,
     "nvfp4-drop-global-scale": nvfp4_drop_global_scale,
