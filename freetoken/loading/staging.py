@@ -52,8 +52,11 @@ def _as_rows(pieces: ShardPieces) -> ShardPieces:
 class PinnedStager:
     """One loader thread's pinned ring and copy stream on `device`."""
 
-    def __init__(self, device: torch.device, buffer_bytes: int = STAGE_BYTES, ring: int = RING):
+    def __init__(self, device: torch.device, buffer_bytes: int | None = None, ring: int = RING):
+        buffer_bytes = buffer_bytes or STAGE_BYTES
         self.device = torch.device(device)
+        # Per thread: a loader thread starts on GPU 0, and would create a context there.
+        torch.cuda.set_device(self.device)
         self.stream = torch.cuda.Stream(self.device)
         # Parameters were allocated (and maybe initialised) on the current stream.
         self.stream.wait_stream(torch.cuda.current_stream(self.device))

@@ -35,15 +35,17 @@ def _build(cfg: ModelConfig, dtype: torch.dtype) -> torch.nn.Module:
     return model
 
 
-def _load(folder, cfg, tp: int, rank: int, dtype: torch.dtype, threads: int) -> dict:
+def _load(folder, cfg, tp: int, rank: int, dtype: torch.dtype, threads: int,
+          device: str = "cpu") -> dict:
     set_tp_info(TPInfo(rank, tp))
     try:
-        model = _build(cfg, dtype)
+        with torch.device(device):
+            model = _build(cfg, dtype)
         load_weights(model, CheckpointReader(folder), shard_plan(cfg, tp), progress=False,
                      threads=threads)
     finally:
         reset_tp_info()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
 
 
 def _assert_bitwise_same(fast: dict, slow: dict, label: str) -> None:
@@ -72,6 +74,27 @@ def test_fast_path_matches_shard_path_on_bundled_cases(case, dtype, monkeypatch)
             slow = _load(folder, cfg, tp, rank, dtype, threads=1)
             monkeypatch.setattr(loader, "_copy_shard", slow_copy)
             _assert_bitwise_same(fast, slow, f"{case} {dtype} tp={tp} rank={rank}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gpu_staging_matches_shard_path_on_bundled_cases(case, monkeypatch):
+    """Loaded onto the GPU through the pinned staging ring (buffers small enough that shards
+    go in several chunks), every parameter is bitwise the shard() path's, in bf16."""
+    from freetoken.loading import staging
+
+    folder = GOLDEN / case
+    cfg = ModelConfig.from_folder(folder)
+    monkeypatch.setattr(staging, "STAGE_BYTES", 4096)
+    slow_copy = loader._copy_shard
+    for tp in TP_SIZES:
+        for rank in range(tp):
+            fast = _load(folder, cfg, tp, rank, torch.bfloat16, threads=3, device="cuda")
+            double_copy_load()
+            slow = _load(folder, cfg, tp, rank, torch.bfloat16, threads=1)
+            monkeypatch.setattr(loader, "_copy_shard", slow_copy)
+            _assert_bitwise_same(fast, slow, f"{case} cuda tp={tp} rank={rank}")
 
 
 SPECS = [
