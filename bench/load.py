@@ -3,7 +3,7 @@ shard-then-copy path and against views copied into place, on CPU or GPU.
 
     .venv/bin/python bench/load.py [--case llama,qwen35-bf16,qwen35-nvfp4] [--tp 1,2,4]
         [--layers N] [--dtype float32|bfloat16] [--modes fast,clone,view,view-held]
-        [--device cpu|cuda] [--model FOLDER]
+        [--device cpu|cuda] [--repeat N] [--model FOLDER]
 
 Checkpoints (`bench/load_checkpoints.py`): the Llama (default; 2.17 GiB at 10 layers in fp32)
 and Qwen3.6-35B-A3B's text dimensions with bf16 or NVFP4 experts (`--layers` layers, 2 by
@@ -92,6 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", type=_choices(MODES), default=["fast", "clone", "view"],
                    help=f"comma-separated subset of {','.join(MODES)} (default fast,clone,view)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run the modes this many times, interleaved (default 1)")
     p.add_argument("--model", type=Path, default=None,
                    help="an existing checkpoint folder instead of a generated one")
     args = p.parse_args(argv)
@@ -237,11 +239,13 @@ def bench_case(case: str, args, tmp: str, rows: list, began: float) -> str:
     folder = args.model or Path(tmp) / case
     if args.model is None:
         size = write(folder, case, layers, DTYPES[dtype])
+        # Written pages still being flushed to disk would slow whichever mode runs first.
+        os.sync()
         print(f"{case}: wrote {size / 2**30:.2f} GiB in {time.perf_counter() - began:.0f}s",
               file=sys.stderr)
     size = warm_page_cache(folder)
     for tp in args.tp:
-        for mode in args.modes:
+        for mode in args.modes * args.repeat:
             for rank, r in enumerate(run_one(folder, tp, mode, dtype, args.device)):
                 rows.append(row(case, tp, mode, rank, r, args.device == "cuda"))
             print(f"{case} tp={tp} {mode}: done ({time.perf_counter() - began:.0f}s)",
