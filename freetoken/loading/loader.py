@@ -25,7 +25,7 @@ from freetoken.distributed import get_tp_info
 from freetoken.loading.checkpoint import CheckpointReader
 from freetoken.loading.plan import ShardPlan, slot_key
 from freetoken.loading.specs import shard_into
-from freetoken.loading.staging import PinnedStager
+from freetoken.loading.staging import PinnedStager, release_pinned
 
 MAX_THREADS = 8
 """More threads than this stop paying: they contend for the same memory bus."""
@@ -86,6 +86,8 @@ def load_weights(model: nn.Module, reader: CheckpointReader, plan: ShardPlan,
         for done in [pool.submit(_copy_span, span, reader, tp.rank, tp.size, bar)
                      for span in spans]:
             done.result()
+    if any(job.dest.is_cuda for job in jobs):
+        release_pinned()
     bar.close()
     reader.close()
     return {p: sum(v.values()) for p, v in filled.items()}

@@ -24,6 +24,15 @@ def staging_bytes(threads: int) -> int:
     return threads * RING * STAGE_BYTES
 
 
+def release_pinned() -> None:
+    """Hand cached pinned host memory back to the OS: torch keeps freed pinned blocks for
+    reuse, and the staging rings would otherwise stay pinned on every rank after the load."""
+    release = getattr(torch.accelerator, "empty_host_cache", None) or getattr(
+        torch._C, "_host_emptyCache", None)
+    if release is not None:
+        release()
+
+
 def _row_pieces(pieces: ShardPieces, first: int, stop: int, stage: torch.Tensor):
     """(region of `stage`, source view or None) for rows [first, stop) of the shard, `stage`
     holding exactly those rows."""
