@@ -138,7 +138,7 @@ def _copy_span(span: list[_Job], reader: CheckpointReader, rank: int, size: int,
     stager = None
     for job in span:
         if job.dest.is_cuda and stager is None:
-            stager = PinnedStager(job.dest.device)
+            stager = PinnedStager(job.dest.device, reader)
         with _reader_lock:
             full = reader.get(job.name)
         for observe in list(_observers):
@@ -158,7 +158,7 @@ def _copy_shard(spec, full: torch.Tensor, rank: int, size: int, dest: torch.Tens
     if stager is None:
         shard_into(spec, full, rank, size, dest, name)
     else:
-        stager.write(spec.pieces(full, rank, size, name), dest)
+        stager.write(name, full, spec.pieces(full, rank, size, name), dest)
 
 
 
