@@ -29,6 +29,8 @@ Modes (monkeypatched inside each rank process):
 
 * `fast`: the engine as is: each shard copied once from the mapped file into its parameter
   (on GPU through pinned staging buffers), threads over runs of tensors;
+* `fast-mmap`: as `fast`, but GPU staging buffers are filled by copying from the mapped
+  views (page faults on the mapping) instead of reading the file (no difference on CPU);
 * `clone`: the old path (`verify.faults.double_copy_load`): each shard built as a fresh
   tensor, then copied into the parameter (on GPU from pageable memory);
 * `view`: as `clone`, but shards are `narrow()` views of the full tensor (replicated: the
@@ -43,7 +45,6 @@ import argparse
 import gc
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import threading
@@ -52,8 +53,8 @@ from pathlib import Path
 
 import psutil
 import torch
-from _common import cpu_name, int_list
-from load_checkpoints import CASES, write
+from _common import cpu_name, h2d_bandwidth, int_list
+from load_checkpoints import CASES, warm_page_cache, write
 from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -61,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from freetoken.distributed import Placement, RankGroup  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-MODES = ("fast", "clone", "view", "view-held")
+MODES = ("fast", "fast-mmap", "clone", "view", "view-held")
 DEFAULT_LAYERS = {"llama": 10, "qwen35-bf16": 2, "qwen35-nvfp4": 2}
 SAMPLE_S = 0.02
 MIB = 2**20
@@ -105,16 +106,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def warm_page_cache(folder: Path) -> int:
-    """Read every weight file once so no mode pays the first read from disk."""
-    total = 0
-    for file in sorted(folder.glob("*.safetensors")):
-        with open(file, "rb") as f:
-            while chunk := f.read(64 * MIB):
-                total += len(chunk)
-    return total
-
-
 # --- rank functions (module level: pickled to the rank processes) ----------------------------
 
 
@@ -124,6 +115,9 @@ def _use_mode(ctx, mode: str) -> None:
     from verify.faults import double_copy_load
 
     if mode == "fast":
+        return
+    if mode == "fast-mmap":
+        _stage_from_mapping()
         return
     double_copy_load()
     if mode == "clone":
@@ -140,6 +134,17 @@ def _use_mode(ctx, mode: str) -> None:
     _HELD.clear()
 
 
+def _stage_from_mapping() -> None:
+    """GPU staging fills its buffers from the mapped views only (no file reads)."""
+    from freetoken.loading import staging
+
+    def fill(stage, pieces, first, stop, files, origin):
+        for region, source in staging._row_pieces(pieces, first, stop, stage):
+            region.zero_() if source is None else region.copy_(source)
+
+    staging.fill = fill
+
+
 def _sample_memory(proc: psutil.Process, stop: threading.Event, peak: dict) -> None:
     while True:
         m = proc.memory_info()
@@ -147,21 +152,6 @@ def _sample_memory(proc: psutil.Process, stop: threading.Event, peak: dict) -> N
         peak["anon"] = max(peak["anon"], m.rss - m.shared)
         if stop.wait(SAMPLE_S):
             return
-
-
-def _h2d_bandwidth(device: torch.device) -> float:
-    """Pinned host-to-device copy bandwidth in GB/s (median of 5 copies of H2D_BYTES)."""
-    src = torch.empty(H2D_BYTES, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(H2D_BYTES, dtype=torch.uint8, device=device)
-    times = []
-    for _ in range(6):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src, non_blocking=True)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return H2D_BYTES / statistics.median(times[1:]) / 1e6
 
 
 def _measure_load(ctx, folder: str, dtype: str) -> dict:
@@ -201,7 +191,7 @@ def _measure_load(ctx, folder: str, dtype: str) -> dict:
         out["gpu"] = torch.cuda.max_memory_allocated(ctx.device) - gpu_base
         out["expected"] = _expected_bytes(folder, core, ctx)
         del core
-        out["h2d"] = _h2d_bandwidth(ctx.device)
+        out["h2d"] = h2d_bandwidth(ctx.device, H2D_BYTES)
     return out
 
 
