@@ -121,3 +121,18 @@ def test_cache_sized_from_global_heads_fails_naming_the_part(capsys, tmp_path, f
     message = by_tp[2]["message"]
     assert f"{part} is {actual} bytes" in message and f"expected {expected} bytes" in message, \
         message
+
+
+def test_split_part_compared_with_tp1_over_n():
+    """A split part that is not 1/N of TP=1's fails twice: against the config's bytes, and as
+    a ratio to TP=1's share; a part whose padding explains the excess passes."""
+    from verify.checks.memory import _expectation_failures
+    from verify.checks.memory_expected import Part
+
+    kv = Part("KV cache", 1000, "formula", 1000, 2000)
+    failures = _expectation_failures({"KV cache": 2000}, {"KV cache": kv}, rank=1, size=2)
+    assert len(failures) == 2, failures
+    assert "KV cache is 2000 bytes" in failures[0] and "expected 1000 bytes" in failures[0]
+    assert "2.00x TP=1's x 1/2" in failures[1], failures[1]
+    padded = Part("parameters", 1100, "formula", 1010, 2000)
+    assert _expectation_failures({"parameters": 1100}, {"parameters": padded}, 0, 2) == []

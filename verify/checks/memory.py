@@ -206,13 +206,13 @@ def _expectation_failures(actual: dict, expected: dict, rank: int, size: int) ->
             failures.append(f"rank {rank}: {name} is {got} bytes ({got / MiB:.2f} MiB), "
                             f"expected {part.nbytes} bytes ({part.nbytes / MiB:.2f} MiB) from "
                             f"the config: {part.formula}")
-            split = got - (part.nbytes - part.split_bytes)
-            padding = part.split_bytes * size - part.split_tp1
-            if part.split_bytes and abs(split * size - part.split_tp1) > (
-                    padding + SPLIT_TOLERANCE * part.split_tp1):
-                failures.append(f"rank {rank}: {name} split across tp={size} ranks is "
-                                f"{split * size / part.split_tp1:.2f}x TP=1's x 1/{size}, "
-                                "expected 1.00x")
+        split = got - (part.nbytes - part.split_bytes)
+        padding = part.split_bytes * size - part.split_tp1
+        if part.split_bytes and abs(split * size - part.split_tp1) > (
+                padding + SPLIT_TOLERANCE * part.split_tp1):
+            failures.append(f"rank {rank}: {name} split across tp={size} ranks is "
+                            f"{split * size / part.split_tp1:.2f}x TP=1's x 1/{size}, "
+                            "expected 1.00x")
     return failures
 
 
