@@ -17,13 +17,13 @@ names the tensor being copied at the peak."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import torch
 
 from verify.checks import CheckContext
 from verify.checks.memory_expected import PARAMETERS, expected_parts
+from verify.checks.memory_sampler import PeakSampler
 from verify.checks.shards import owns_storage
 from verify.report import CheckResult
 
@@ -54,57 +54,6 @@ def run(ctx: CheckContext) -> CheckResult:
                        ctx.placement, metrics, message)
 
 
-class _PeakSampler:
-    """Samples this process's anonymous resident memory (RSS minus file-backed pages): its
-    peak overall, and its peak while the loader was copying tensors (`load_peak`), with the
-    tensors in flight then (`at_peak`)."""
-
-    def __init__(self, period: float = 0.001):
-        import psutil
-
-        self._proc = psutil.Process()
-        self.base = self.peak = self.load_peak = self.now()
-        self.at_peak: tuple[str, ...] = ()
-        self._in_flight: dict[str, None] = {}
-        self._lock = threading.Lock()
-        self._period = period
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def now(self) -> int:
-        info = self._proc.memory_info()
-        return info.rss - info.shared
-
-    def copying(self, name: str, done: bool) -> None:
-        """Loader observer: `name`'s copy starts (done=False) or ends."""
-        with self._lock:
-            if done:
-                self._in_flight.pop(name, None)
-            else:
-                self._in_flight[name] = None
-
-    def sample(self) -> None:
-        now = self.now()
-        with self._lock:
-            self.peak = max(self.peak, now)
-            if self._in_flight and now > self.load_peak:
-                self.load_peak, self.at_peak = now, tuple(self._in_flight)
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self.sample()
-            time.sleep(self._period)
-
-    def __enter__(self) -> _PeakSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.sample()
-
-
 def _measure(rank_ctx, engine_args: dict) -> dict:
     """Runs on every rank: load the engine afresh under measurement."""
     from freetoken.loading.loader import default_threads, observe_loading
@@ -118,7 +67,7 @@ def _measure(rank_ctx, engine_args: dict) -> dict:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         device_base = torch.cuda.memory_allocated()
-    with _PeakSampler() as host, observe_loading(host.copying):
+    with PeakSampler() as host, observe_loading(host.copying):
         core = build_engine(rank_ctx, engine_args)
         if cuda:
             torch.cuda.synchronize()
