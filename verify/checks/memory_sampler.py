@@ -11,7 +11,6 @@ sampling gap."""
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 KIB = 1024
@@ -82,9 +81,10 @@ class PeakSampler:
                 self.load_peak, self.at_peak = now, tuple(self._in_flight)
 
     def _loop(self) -> None:
-        while not self._stop.is_set():
+        while True:
             self.sample()
-            time.sleep(self._period)
+            if self._stop.wait(self._period):
+                return
 
     def __enter__(self) -> PeakSampler:
         self._kernel_peak = _reset_kernel_peak()
