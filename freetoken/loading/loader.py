@@ -22,6 +22,7 @@ from torch import nn
 from tqdm import tqdm
 
 from freetoken.distributed import get_tp_info
+from freetoken.loading import staging
 from freetoken.loading.checkpoint import CheckpointReader
 from freetoken.loading.plan import ShardPlan, slot_key
 from freetoken.loading.specs import shard_into
@@ -136,9 +137,11 @@ def _spans(jobs: list[_Job], threads: int) -> list[list[_Job]]:
 def _copy_span(span: list[_Job], reader: CheckpointReader, rank: int, size: int, bar) -> None:
     """Copy one run of tensors into their slots (runs in a loader thread)."""
     stager = None
+    # A ring no larger than the span's largest shard: small models pin little.
+    largest = max(job.nbytes for job in span)
     for job in span:
         if job.dest.is_cuda and stager is None:
-            stager = PinnedStager(job.dest.device, reader)
+            stager = PinnedStager(job.dest.device, reader, min(staging.STAGE_BYTES, largest))
         with _reader_lock:
             full = reader.get(job.name)
         for observe in list(_observers):
