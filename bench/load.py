@@ -60,6 +60,7 @@ from tabulate import tabulate
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from freetoken.distributed import Placement, RankGroup  # noqa: E402
+from freetoken.distributed.launch import RankError  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MODES = ("fast", "fast-mmap", "clone", "view", "view-held")
@@ -246,7 +247,13 @@ def bench_case(case: str, args, tmp: str, rows: list, began: float) -> str:
     size = warm_page_cache(folder)
     for tp in args.tp:
         for mode in args.modes * args.repeat:
-            for rank, r in enumerate(run_one(folder, tp, mode, dtype, args.device)):
+            try:
+                results = run_one(folder, tp, mode, dtype, args.device)
+            except RankError as e:
+                # One mode failing should not cost the others' numbers: report it, go on.
+                print(f"{case} tp={tp} {mode}: FAILED: {e}", file=sys.stderr)
+                continue
+            for rank, r in enumerate(results):
                 rows.append(row(case, tp, mode, rank, r, args.device == "cuda"))
             print(f"{case} tp={tp} {mode}: done ({time.perf_counter() - began:.0f}s)",
                   file=sys.stderr)
