@@ -74,17 +74,13 @@ def _measure(rank_ctx, engine_args: dict) -> dict:
     actual = _actual_parts(core)
     expected = expected_parts(engine_args["folder"], core.cfg, core.dtype, rank_ctx.rank,
                               rank_ctx.size)
-    weights = expected[PARAMETERS].nbytes + actual["buffers"]
-    own = weights + sum(p.nbytes for n, p in expected.items() if n != PARAMETERS)
     failures = (_ownership_failures(core, rank_ctx.rank) + _mmap_failures(core, rank_ctx.rank))
     not_owned = len(failures)
     failures += _expectation_failures(actual, expected, rank_ctx.rank, rank_ctx.size)
+    weights = expected[PARAMETERS].nbytes + actual["buffers"]
+    own = weights + sum(p.nbytes for n, p in expected.items() if n != PARAMETERS)
     transient = staging_bytes(default_threads(rank_ctx.size)) if cuda else 0
-    host_own = 0 if cuda else own
-    peak_host, load_peak = host.peak - host.base, host.load_peak - host.base
-    budget_host = _with_slack(host_own + transient)
-    # While loading, the caches are not allocated yet: the parameters alone bound it.
-    budget_load = _with_slack((0 if cuda else weights) + transient)
+    measured = _host_budgets(host, weights, own, transient, cuda, rank_ctx.rank, failures)
     peak_device = budget_device = None
     if cuda:
         peak_device = torch.cuda.max_memory_allocated() - device_base
@@ -92,17 +88,27 @@ def _measure(rank_ctx, engine_args: dict) -> dict:
         if peak_device > budget_device:
             failures.append(_over("GPU memory", "during load", rank_ctx.rank, peak_device,
                                   budget_device, own, 0))
-    if load_peak > budget_load:
-        failures.append(_over("host memory", "while copying weights", rank_ctx.rank, load_peak,
-                              budget_load, 0 if cuda else weights, transient, host.at_peak))
-    elif peak_host > budget_host:
-        failures.append(_over("host memory", "during load", rank_ctx.rank, peak_host,
-                              budget_host, host_own, transient))
     return {"rank": rank_ctx.rank, "expected": own, "transient": transient,
             "expected_parts": {n: p.nbytes for n, p in expected.items()}, "actual_parts": actual,
-            "peak_host": peak_host, "budget_host": budget_host, "load_peak_host": load_peak,
-            "budget_load_host": budget_load, "peak_device": peak_device,
-            "budget_device": budget_device, "not_owned": not_owned, "failures": failures}
+            **measured, "peak_device": peak_device, "budget_device": budget_device,
+            "not_owned": not_owned, "failures": failures}
+
+
+def _host_budgets(host, weights: int, own: int, transient: int, cuda: bool, rank: int,
+                  failures: list[str]) -> dict:
+    """Host growth while copying weights against the parameters (the caches come later), and
+    over the whole construction against everything; on GPU the host holds neither."""
+    if cuda:
+        weights = own = 0
+    peak, load_peak = host.peak - host.base, host.load_peak - host.base
+    budget, budget_load = _with_slack(own + transient), _with_slack(weights + transient)
+    if load_peak > budget_load:
+        failures.append(_over("host memory", "while copying weights", rank, load_peak,
+                              budget_load, weights, transient, host.at_peak))
+    elif peak > budget:
+        failures.append(_over("host memory", "during load", rank, peak, budget, own, transient))
+    return {"peak_host": peak, "budget_host": budget, "load_peak_host": load_peak,
+            "budget_load_host": budget_load}
 
 
 def _with_slack(nbytes: int) -> int:
