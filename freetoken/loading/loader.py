@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -32,8 +31,6 @@ MAX_THREADS = 8
 """More threads than this stop paying: they contend for the same memory bus."""
 
 _observers: list[Callable[[str, bool], None]] = []
-# The reader opens files lazily into a dict: one thread at a time.
-_reader_lock = threading.Lock()
 
 
 class LoadError(ValueError):
@@ -45,6 +42,7 @@ class _Job:
     """One checkpoint tensor and the parameter slot its shard goes to."""
 
     name: str
+    full: torch.Tensor
     spec: object
     dest: torch.Tensor
     nbytes: int
@@ -115,7 +113,8 @@ def _plan(params: dict, reader: CheckpointReader, plan: ShardPlan, rank: int, si
             raise LoadError(f"parameter {target.param!r} slot {key} written twice "
                             f"(second time by {name!r})")
         filled[target.param][key] = dest.numel()
-        jobs.append(_Job(name, target.rule.spec, dest, dest.numel() * dest.element_size()))
+        # `full` maps the file (no bytes are read until the copy): kept, not read twice.
+        jobs.append(_Job(name, full, target.rule.spec, dest, dest.numel() * dest.element_size()))
     return jobs, filled
 
 
@@ -142,12 +141,9 @@ def _copy_span(span: list[_Job], reader: CheckpointReader, rank: int, size: int,
     for job in span:
         if job.dest.is_cuda and stager is None:
             stager = PinnedStager(job.dest.device, reader, min(staging.STAGE_BYTES, largest))
-        with _reader_lock:
-            full = reader.get(job.name)
         for observe in list(_observers):
             observe(job.name, False)
-        _copy_shard(job.spec, full, rank, size, job.dest, job.name, stager)
-        del full
+        _copy_shard(job.spec, job.full, rank, size, job.dest, job.name, stager)
         for observe in list(_observers):
             observe(job.name, True)
         bar.update(1)
