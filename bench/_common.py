@@ -56,3 +56,20 @@ def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 20) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     return 2 * nbytes / time_ms(lambda: dst.copy_(src), reps) / 1e6
+
+
+def h2d_bandwidth(device, nbytes: int = 512 << 20, reps: int = 5) -> float:
+    """Pinned host-to-device copy bandwidth in GB/s (median of `reps` copies after one)."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    times = []
+    for _ in range(reps + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return nbytes / statistics.median(times[1:]) / 1e6

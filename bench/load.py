@@ -1,44 +1,48 @@
-"""Checkpoint load time and peak host memory per rank, with fresh shards and with views.
+"""Checkpoint load time and peak memory per rank: the engine's loader against the old
+shard-then-copy path and against views copied into place, on CPU or GPU.
 
-    .venv/bin/python bench/load.py [--tp 1,2,4] [--layers 10] [--dtype float32|bfloat16]
-        [--modes clone,view,view-held] [--model FOLDER]
+    .venv/bin/python bench/load.py [--case llama,qwen35-bf16,qwen35-nvfp4] [--tp 1,2,4]
+        [--layers N] [--dtype float32|bfloat16] [--modes fast,clone,view,view-held]
+        [--device cpu|cuda] [--repeat N] [--model FOLDER]
 
-Without `--model` a Llama-architecture checkpoint (hidden 2048, intermediate 5632, 16 heads,
-4 KV heads, vocab 32000, untied head, `--layers` decoder layers; 2.3 GB at 10 layers in fp32)
-is written with safetensors directly from random tensors into a temporary folder, as several
-files with a `model.safetensors.index.json`, read once to warm the page cache, and deleted at
-the end.
+Checkpoints (`bench/load_checkpoints.py`): the Llama (default; 2.17 GiB at 10 layers in fp32)
+and Qwen3.6-35B-A3B's text dimensions with bf16 or NVFP4 experts (`--layers` layers, 2 by
+default for them), written with safetensors into a temporary folder as several files with an
+index, read once to warm the page cache, and deleted at the end.
 
-Method. For each TP size and mode a fresh rank group (`RankGroup`, `cpu-gloo`) is started and
-every rank builds `EngineCore(folder, EngineConfig(tp=N, device="cpu", progress=False,
-num_kv_blocks=1))` at the same time, as the engine does. Per rank:
+Method. For each case, TP size and mode a fresh rank group is started (`cpu-gloo`, or
+`cuda-nccl` with rank r on cuda:r) and every rank builds `EngineCore(folder,
+EngineConfig(tp=N, device=..., progress=False, num_kv_blocks=1))` at the same time. Per rank:
 
-* `load_s`: wall time of the `EngineCore(...)` construction (model build + load + a one-block
-  KV cache, so the cache adds nothing measurable);
-* `peak_rss` / `peak_anon`: growth over the rank's own RSS just before the load, sampled by a
-  thread every 20 ms with `psutil` (`anon` = RSS minus file-backed and shared pages:
-  memory only this rank holds; the rest of RSS is mapped checkpoint pages, which live in the
-  page cache and are shared by every rank reading the same file);
-* `after_rss`: RSS growth once the constructor has returned (what the load left behind);
-* `local`: the bytes of the rank's parameters; `rss/local` and `anon/local` are the peaks
-  over it.
+* `load_s`: wall time of the construction (model build + load + a one-block KV cache);
+  `GB/s`: the rank's parameter bytes over it;
+* `peak_rss` / `peak_anon`: growth over the rank's RSS just before the load, sampled every
+  20 ms with `psutil` (`anon` = RSS minus file-backed and shared pages: memory only this
+  rank holds; the rest is mapped checkpoint pages, shared page cache); `after_rss`: RSS
+  growth once the constructor has returned; `local`: the rank's parameter bytes;
+* on GPU: `gpu/expected`, `max_memory_allocated` growth over the bytes the memory check
+  expects from the config (parameters, KV cache, GatedDeltaNet state, buffers); `h2d_GB/s`,
+  the pinned host-to-device bandwidth measured in the same rank right after the load (512 MiB
+  copies, median of 5), and `%h2d`, the load rate as a share of it.
 
-Modes (the view modes monkeypatch `freetoken.loading.specs` inside each rank process):
+Modes (monkeypatched inside each rank process):
 
-* `clone`: the engine as is; every shard is a fresh copy.
-* `view`: `_chunk` returns `full.narrow(...)` and `Replicate.shard` returns `full`, so every
-  shard aliases the full checkpoint tensor. The loader still copies each shard into the
-  parameter and drops it.
-* `view-held`: as `view`, and every shard is also kept alive until the load ends, as in a
-  loader that adopts shards as parameter storage (`param.data = shard`) or collects a rank
-  state dict before assigning it.
+* `fast`: the engine as is: each shard copied once from the mapped file into its parameter
+  (on GPU through pinned staging buffers), threads over runs of tensors;
+* `fast-mmap`: as `fast`, but GPU staging buffers are filled by copying from the mapped
+  views (page faults on the mapping) instead of reading the file (no difference on CPU);
+* `clone`: the old path (`verify.faults.double_copy_load`): each shard built as a fresh
+  tensor, then copied into the parameter (on GPU from pageable memory);
+* `view`: as `clone`, but shards are `narrow()` views of the full tensor (replicated: the
+  tensor itself; `specs._fresh` returns its input), so the copy into the parameter is the
+  only one: views copied into place, one tensor at a time;
+* `view-held`: as `view`, and every shard is kept alive until the load ends.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import sys
@@ -49,142 +53,97 @@ from pathlib import Path
 
 import psutil
 import torch
-from _common import cpu_name, int_list
+from _common import cpu_name, h2d_bandwidth, int_list
+from load_checkpoints import CASES, warm_page_cache, write
 from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from freetoken.distributed import Placement, RankGroup  # noqa: E402
+from freetoken.distributed.launch import RankError  # noqa: E402
 
-DIMS = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=16,
-            num_key_value_heads=4, head_dim=128, vocab_size=32000)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-MODES = ("clone", "view", "view-held")
-LAYERS_PER_FILE = 2
+MODES = ("fast", "fast-mmap", "clone", "view", "view-held")
+DEFAULT_LAYERS = {"llama": 10, "qwen35-bf16": 2, "qwen35-nvfp4": 2}
 SAMPLE_S = 0.02
 MIB = 2**20
-SEED = 0
+H2D_BYTES = 512 * MIB
 
 _HELD: list[torch.Tensor] = []
 
 
-def mode_list(text: str) -> list[str]:
-    modes = [m.strip() for m in text.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
-    if not modes or bad:
-        raise argparse.ArgumentTypeError(f"modes are {', '.join(MODES)}; got {text!r}")
-    return modes
+def _choices(allowed: tuple[str, ...]):
+    def parse(text: str) -> list[str]:
+        items = [m.strip() for m in text.split(",") if m.strip()]
+        bad = [m for m in items if m not in allowed]
+        if not items or bad:
+            raise argparse.ArgumentTypeError(f"choose from {', '.join(allowed)}; got {text!r}")
+        return items
+    return parse
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--case", type=_choices(CASES), default=["llama"],
+                   help=f"comma-separated subset of {','.join(CASES)} (default llama)")
     p.add_argument("--tp", type=int_list, default=[1, 2, 4], help="TP sizes (default 1,2,4)")
-    p.add_argument("--layers", type=int, default=10, help="decoder layers (default 10)")
-    p.add_argument("--dtype", choices=list(DTYPES), default="float32")
-    p.add_argument("--modes", type=mode_list, default=list(MODES),
-                   help=f"comma-separated subset of {','.join(MODES)}")
+    p.add_argument("--layers", type=int, default=None,
+                   help="decoder layers (default 10 for llama, 2 for qwen35)")
+    p.add_argument("--dtype", choices=list(DTYPES), default=None,
+                   help="checkpoint and engine dtype (default float32 llama, bfloat16 qwen35)")
+    p.add_argument("--modes", type=_choices(MODES), default=["fast", "clone", "view"],
+                   help=f"comma-separated subset of {','.join(MODES)} (default fast,clone,view)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run the modes this many times, interleaved (default 1)")
     p.add_argument("--model", type=Path, default=None,
-                   help="an existing Llama checkpoint folder instead of a generated one")
+                   help="an existing checkpoint folder instead of a generated one")
     args = p.parse_args(argv)
-    if args.layers < 1:
+    if args.layers is not None and args.layers < 1:
         p.error("--layers must be >= 1")
+    if args.device == "cuda" and torch.cuda.device_count() < max(args.tp):
+        p.error(f"--device cuda needs {max(args.tp)} GPUs, {torch.cuda.device_count()} visible")
     return args
-
-
-# --- the checkpoint ------------------------------------------------------------------------
-
-
-def layer_shapes(layer: int) -> dict[str, tuple[int, ...]]:
-    h, i, hd = DIMS["hidden_size"], DIMS["intermediate_size"], DIMS["head_dim"]
-    q, kv = DIMS["num_attention_heads"] * hd, DIMS["num_key_value_heads"] * hd
-    p = f"model.layers.{layer}"
-    return {
-        f"{p}.input_layernorm.weight": (h,), f"{p}.post_attention_layernorm.weight": (h,),
-        f"{p}.self_attn.q_proj.weight": (q, h), f"{p}.self_attn.k_proj.weight": (kv, h),
-        f"{p}.self_attn.v_proj.weight": (kv, h), f"{p}.self_attn.o_proj.weight": (h, q),
-        f"{p}.mlp.gate_proj.weight": (i, h), f"{p}.mlp.up_proj.weight": (i, h),
-        f"{p}.mlp.down_proj.weight": (h, i),
-    }
-
-
-def file_shapes(layers: int) -> list[dict[str, tuple[int, ...]]]:
-    """Tensor shapes per file: LAYERS_PER_FILE decoder layers each, embeddings last."""
-    files = []
-    for first in range(0, layers, LAYERS_PER_FILE):
-        shapes = {}
-        for layer in range(first, min(first + LAYERS_PER_FILE, layers)):
-            shapes.update(layer_shapes(layer))
-        files.append(shapes)
-    v, h = DIMS["vocab_size"], DIMS["hidden_size"]
-    files.append({"model.embed_tokens.weight": (v, h), "lm_head.weight": (v, h),
-                  "model.norm.weight": (h,)})
-    return files
-
-
-def make_checkpoint(folder: Path, layers: int, dtype: torch.dtype) -> int:
-    """Write the checkpoint one file at a time; returns its tensor bytes."""
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
-    gen = torch.Generator().manual_seed(SEED)
-    files = file_shapes(layers)
-    weight_map, total = {}, 0
-    for n, shapes in enumerate(files, 1):
-        name = f"model-{n:05d}-of-{len(files):05d}.safetensors"
-        tensors = {k: (torch.randn(s, generator=gen) * 0.02).to(dtype) for k, s in shapes.items()}
-        total += sum(t.nbytes for t in tensors.values())
-        save_file(tensors, folder / name, metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, name))
-        del tensors
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-    config = dict(DIMS, architectures=["LlamaForCausalLM"], model_type="llama",
-                  num_hidden_layers=layers, rms_norm_eps=1e-5, rope_theta=10000.0,
-                  max_position_embeddings=2048, tie_word_embeddings=False,
-                  dtype=str(dtype).removeprefix("torch."), eos_token_id=2)
-    (folder / "config.json").write_text(json.dumps(config, indent=1))
-    return total
-
-
-def warm_page_cache(folder: Path) -> int:
-    """Read every weight file once so no mode pays the first read from disk."""
-    total = 0
-    for file in sorted(folder.glob("*.safetensors")):
-        with open(file, "rb") as f:
-            while chunk := f.read(64 * MIB):
-                total += len(chunk)
-    return total
 
 
 # --- rank functions (module level: pickled to the rank processes) ----------------------------
 
 
-def _use_views(ctx, hold: bool) -> None:
-    """Make every shard alias its full checkpoint tensor; with `hold`, keep each alive."""
+def _use_mode(ctx, mode: str) -> None:
+    """Switch the loader to `mode`'s path in this rank process."""
     from freetoken.loading import specs
+    from verify.faults import double_copy_load
 
-    def chunk(full, dim, rank, size, name):
-        length = full.shape[dim]
-        if length % size:
-            raise specs.ShardError(f"{name}: dim {dim} of size {length} cannot be split "
-                                   f"across tp_size={size}")
-        view = full.narrow(dim, rank * (length // size), length // size)
+    if mode == "fast":
+        return
+    if mode == "fast-mmap":
+        _stage_from_mapping()
+        return
+    double_copy_load()
+    if mode == "clone":
+        return
+    hold = mode == "view-held"
+
+    def view(t):
         if hold:
-            _HELD.append(view)
-        return view
+            _HELD.append(t)
+        return t
 
-    def replicate(self, full, rank, size, name=""):
-        if hold:
-            _HELD.append(full)
-        return full
-
-    specs._chunk = chunk
-    specs.Replicate.shard = replicate
-    probe = torch.zeros(4, 2)
-    assert specs.Split(0).shard(probe, 1, 2).untyped_storage().data_ptr() == \
-        probe.untyped_storage().data_ptr(), "views not in effect"
+    # Every fresh copy a spec makes (Split, Heads, Replicate, PaddedSplit) becomes the view.
+    specs._fresh = view
     _HELD.clear()
+
+
+def _stage_from_mapping() -> None:
+    """GPU staging fills its buffers from the mapped views only (no file reads)."""
+    from freetoken.loading import staging
+
+    def fill(stage, pieces, first, stop, files, origin):
+        for region, source in staging._row_pieces(pieces, first, stop, stage):
+            region.zero_() if source is None else region.copy_(source)
+
+    staging.fill = fill
 
 
 def _sample_memory(proc: psutil.Process, stop: threading.Event, peak: dict) -> None:
@@ -200,6 +159,12 @@ def _measure_load(ctx, folder: str, dtype: str) -> dict:
     from freetoken.config import EngineConfig
     from freetoken.engine.core import EngineCore
 
+    cuda = ctx.device.type == "cuda"
+    if cuda:
+        torch.zeros(1, device=ctx.device)
+        torch.cuda.synchronize(ctx.device)
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+        gpu_base = torch.cuda.memory_allocated(ctx.device)
     proc = psutil.Process()
     gc.collect()
     before = proc.memory_info()
@@ -207,10 +172,12 @@ def _measure_load(ctx, folder: str, dtype: str) -> dict:
     stop = threading.Event()
     sampler = threading.Thread(target=_sample_memory, args=(proc, stop, peak), daemon=True)
     sampler.start()
-    cfg = EngineConfig(folder, tp=ctx.size, device="cpu", dtype=dtype, progress=False,
+    cfg = EngineConfig(folder, tp=ctx.size, device=ctx.device.type, dtype=dtype, progress=False,
                        num_kv_blocks=1)
     t0 = time.perf_counter()
-    core = EngineCore(folder, cfg, "cpu")
+    core = EngineCore(folder, cfg, ctx.device)
+    if cuda:
+        torch.cuda.synchronize(ctx.device)
     seconds = time.perf_counter() - t0
     stop.set()
     sampler.join()
@@ -218,61 +185,105 @@ def _measure_load(ctx, folder: str, dtype: str) -> dict:
     peak_rss, peak_anon = max(peak["rss"], after.rss), max(peak["anon"], after.rss - after.shared)
     local = sum(p.nbytes for p in core.model.parameters())
     _HELD.clear()
-    return {"load_s": seconds, "peak_rss": peak_rss - before.rss,
-            "peak_anon": peak_anon - (before.rss - before.shared),
-            "after_rss": after.rss - before.rss, "local": local}
+    out = {"load_s": seconds, "peak_rss": peak_rss - before.rss,
+           "peak_anon": peak_anon - (before.rss - before.shared),
+           "after_rss": after.rss - before.rss, "local": local}
+    if cuda:
+        out["gpu"] = torch.cuda.max_memory_allocated(ctx.device) - gpu_base
+        out["expected"] = _expected_bytes(folder, core, ctx)
+        del core
+        out["h2d"] = h2d_bandwidth(ctx.device, H2D_BYTES)
+    return out
+
+
+def _expected_bytes(folder: str, core, ctx) -> int:
+    """What the rank should hold, from the config (the memory check's computation)."""
+    from verify.checks.memory_expected import expected_parts
+
+    parts = expected_parts(folder, core.cfg, core.dtype, ctx.rank, ctx.size)
+    return sum(p.nbytes for p in parts.values()) + sum(b.nbytes for b in core.model.buffers())
 
 
 # --- driver --------------------------------------------------------------------------------
 
 
-def run_one(folder: Path, tp: int, mode: str, dtype: str) -> list[dict]:
-    with RankGroup(tp, Placement("cpu-gloo"), timeout=600.0) as group:
-        if mode != "clone":
-            group.run(_use_views, mode == "view-held")
+def run_one(folder: Path, tp: int, mode: str, dtype: str, device: str) -> list[dict]:
+    placement = Placement("cuda-nccl", torch.cuda.device_count()) if device == "cuda" \
+        else Placement("cpu-gloo")
+    with RankGroup(tp, placement, timeout=600.0) as group:
+        group.run(_use_mode, mode)
         return group.run(_measure_load, str(folder), dtype)
 
 
-def machine() -> str:
+def machine(device: str) -> str:
     import safetensors
 
     ram = psutil.virtual_memory().total / 2**30
+    gpu = f", {torch.cuda.get_device_name(0)}" if device == "cuda" else ""
     return (f"machine: {platform.machine()} {cpu_name()}, os.cpu_count()={os.cpu_count()}, "
-            f"{ram:.0f} GiB RAM, torch {torch.__version__}, safetensors {safetensors.__version__}")
+            f"{ram:.0f} GiB RAM{gpu}, torch {torch.__version__}, "
+            f"safetensors {safetensors.__version__}")
+
+
+def row(case: str, tp: int, mode: str, rank: int, r: dict, cuda: bool) -> list:
+    rate = r["local"] / r["load_s"] / 1e9
+    cells = [case, tp, mode, rank, r["load_s"], rate, r["peak_rss"] / MIB, r["peak_anon"] / MIB,
+             r["after_rss"] / MIB, r["local"] / MIB, r["peak_anon"] / r["local"]]
+    if cuda:
+        cells += [r["gpu"] / r["expected"], r["h2d"], 100 * rate / r["h2d"]]
+    return cells
+
+
+def bench_case(case: str, args, tmp: str, rows: list, began: float) -> str:
+    dtype = args.dtype or ("float32" if case == "llama" else "bfloat16")
+    layers = args.layers or DEFAULT_LAYERS[case]
+    folder = args.model or Path(tmp) / case
+    if args.model is None:
+        size = write(folder, case, layers, DTYPES[dtype])
+        # Written pages still being flushed to disk would slow whichever mode runs first.
+        os.sync()
+        print(f"{case}: wrote {size / 2**30:.2f} GiB in {time.perf_counter() - began:.0f}s",
+              file=sys.stderr)
+    size = warm_page_cache(folder)
+    for tp in args.tp:
+        for mode in args.modes * args.repeat:
+            try:
+                results = run_one(folder, tp, mode, dtype, args.device)
+            except RankError as e:
+                # One mode failing should not cost the others' numbers: report it, go on.
+                print(f"{case} tp={tp} {mode}: FAILED: {e}", file=sys.stderr)
+                continue
+            for rank, r in enumerate(results):
+                rows.append(row(case, tp, mode, rank, r, args.device == "cuda"))
+            print(f"{case} tp={tp} {mode}: done ({time.perf_counter() - began:.0f}s)",
+                  file=sys.stderr)
+    label = str(args.model) if args.model else f"generated {case}, {layers} layers"
+    return f"{label}: {size / 2**30:.2f} GiB of {dtype} safetensors files (page cache warm)"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    rows = []
+    rows, labels = [], []
+    began = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="freetoken-bench-load-") as tmp:
-        folder = args.model or Path(tmp) / "llama"
-        began = time.perf_counter()
-        if args.model is None:
-            size = make_checkpoint(folder, args.layers, DTYPES[args.dtype])
-            print(f"wrote {size / 1e9:.2f} GB ({size / 2**30:.2f} GiB) in "
-                  f"{time.perf_counter() - began:.0f}s: {folder}", file=sys.stderr)
-        size = warm_page_cache(folder)
-        for tp in args.tp:
-            for mode in args.modes:
-                results = run_one(folder, tp, mode, args.dtype)
-                for rank, r in enumerate(results):
-                    rows.append([tp, mode, rank, r["load_s"], r["peak_rss"] / MIB,
-                                 r["peak_anon"] / MIB, r["after_rss"] / MIB, r["local"] / MIB,
-                                 r["peak_rss"] / r["local"], r["peak_anon"] / r["local"]])
-                print(f"tp={tp} {mode}: done ({time.perf_counter() - began:.0f}s)",
-                      file=sys.stderr)
-    print(machine())
-    label = str(args.model) if args.model else (
-        f"generated Llama, {args.layers} layers, " + ", ".join(f"{k}={v}" for k, v in DIMS.items()))
-    print(f"checkpoint: {label}; {size / 2**30:.2f} GiB of {args.dtype} safetensors files "
-          "(page cache warm)")
+        for case in args.case:
+            labels.append(bench_case(case, args, tmp, rows, began))
+            if args.model is None:
+                for file in (Path(tmp) / case).glob("*"):
+                    file.unlink()
+    print(machine(args.device))
+    for label in labels:
+        print(f"checkpoint: {label}")
     print("MiB of growth over each rank's RSS just before the load; anon = RSS minus "
-          "file-backed and shared pages")
+          "file-backed and shared pages; GB/s = parameter bytes / load_s")
     print()
-    print(tabulate(rows, headers=["tp", "mode", "rank", "load_s", "peak_rss_MiB",
-                                  "peak_anon_MiB", "after_rss_MiB", "local_param_MiB",
-                                  "rss/local", "anon/local"],
-                   floatfmt=("", "", "", ".2f", ".0f", ".0f", ".0f", ".0f", ".2f", ".2f")))
+    headers = ["case", "tp", "mode", "rank", "load_s", "GB/s", "peak_rss_MiB", "peak_anon_MiB",
+               "after_rss_MiB", "local_MiB", "anon/local"]
+    fmt = ["", "", "", "", ".2f", ".2f", ".0f", ".0f", ".0f", ".0f", ".2f"]
+    if args.device == "cuda":
+        headers += ["gpu/expected", "h2d_GB/s", "%h2d"]
+        fmt += [".3f", ".1f", ".0f"]
+    print(tabulate(rows, headers=headers, floatfmt=fmt))
     return 0
 
 

@@ -82,6 +82,8 @@ def split_replicated() -> None:
 
     specs.Replicate.shard = lambda self, full, rank, size, name="": _view_chunk(
         full, 0, rank, size, name).clone()
+    specs.Replicate.pieces = lambda self, full, rank, size, name="": specs.whole(_view_chunk(
+        full, 0, rank, size, name))
     specs.Replicate.unshard = lambda self, parts, name="": torch.cat(parts)
 
 
@@ -90,11 +92,12 @@ def vocab_pad_dropped() -> None:
     rank gets a short shard."""
     from freetoken.loading import specs
 
-    def shard(self, full, rank, size, name=""):
+    def rows(self, full, rank, size, name=""):
         step = -(-self.full_size // size)
-        return full[rank * step : (rank + 1) * step].clone()
+        return full[rank * step : (rank + 1) * step]
 
-    specs.PaddedSplit.shard = shard
+    specs.PaddedSplit.shard = lambda *args: rows(*args).clone()
+    specs.PaddedSplit.pieces = lambda *args: specs.whole(rows(*args))
 
 
 def pin_checkpoint_views() -> None:
@@ -203,6 +206,56 @@ def keep_shard_copies() -> None:
         return out
 
     core.load_weights = load
+
+
+def double_copy_load() -> None:
+    """The loader builds every shard as a fresh tensor (`spec.shard`) and then copies it into
+    its parameter, as it did before shards were copied straight into place: each tensor is
+    copied twice and the host holds one shard more than the parameters (on a GPU, the whole
+    shard in pageable memory)."""
+    from freetoken.loading import loader
+
+    def copy(spec, full, rank, size, dest, name, stager):
+        dest.copy_(spec.shard(full, rank, size, name))
+
+    loader._copy_shard = copy
+
+
+def kv_cache_global_heads() -> None:
+    """The per-rank paged KV cache is sized with the global `num_key_value_heads` instead of
+    the rank's local KV heads: every rank allocates the whole model's cache."""
+    import freetoken.engine.core as core
+
+    original = core.EngineCore._allocate_cache
+
+    def allocate(self):
+        allocate_kv_cache = core.allocate_kv_cache
+        heads = self.model_config.num_key_value_heads
+        core.allocate_kv_cache = lambda layers, blocks, block_size, _local, *rest: \
+            allocate_kv_cache(layers, blocks, block_size, heads, *rest)
+        try:
+            return original(self)
+        finally:
+            core.allocate_kv_cache = allocate_kv_cache
+
+    core.EngineCore._allocate_cache = allocate
+
+
+def gdn_state_global_heads() -> None:
+    """GatedDeltaNet's recurrent state is sized with the global `linear_num_value_heads`
+    instead of the rank's local value heads."""
+    from freetoken.distributed import get_tp_info
+    from freetoken.models.qwen3_5_moe.gdn import GatedDeltaNet
+
+    original = GatedDeltaNet.allocate_state
+
+    def allocate_state(self, num_slots, dtype, device):
+        original(self, num_slots, dtype, device)
+        heads = self.num_v_heads * get_tp_info().size
+        self.recurrent_state = torch.zeros(num_slots, heads, self.head_k_dim, self.head_v_dim,
+                                           dtype=torch.float32, device=device)
+
+    GatedDeltaNet.allocate_state = allocate_state
 
 
 def _wrap_nvfp4_moe(transform: Callable[[dict], dict]) -> None:
@@ -342,6 +395,9 @@ FAULTS: dict[str, Callable[[], None]] = {
     "vocab-pad-dropped": vocab_pad_dropped,
     "pin-checkpoint-views": pin_checkpoint_views,
     "keep-shard-copies": keep_shard_copies,
+    "double-copy-load": double_copy_load,
+    "kv-cache-global-heads": kv_cache_global_heads,
+    "gdn-state-global-heads": gdn_state_global_heads,
     "nvfp4-load-globals-swapped": nvfp4_load_globals_swapped,
     "nvfp4-nibble-swap": nvfp4_nibble_swap,
     "nvfp4-drop-global-scale": nvfp4_drop_global_scale,

@@ -1,64 +1,177 @@
 """Strict loading: every checkpoint tensor is consumed by exactly one rule, every parameter
-element is written exactly once, shapes and dtypes are checked."""
+element is written exactly once, shapes and dtypes are checked.
+
+One copy per shard: each rank's shard goes from the memory-mapped checkpoint straight into its
+parameter slot (on CPU a copy of a view, on a GPU through a pinned staging ring), with any dtype
+cast fused into that copy; no shard is ever built on the side. Everything is checked before the
+first byte is copied, then threads copy contiguous runs of tensors (in file order, so each
+thread mostly reads one file front to back) in parallel."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections import defaultdict
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
 from freetoken.distributed import get_tp_info
+from freetoken.loading import staging
 from freetoken.loading.checkpoint import CheckpointReader
 from freetoken.loading.finite import check_finite
 from freetoken.loading.plan import ShardPlan, slot_key
+from freetoken.loading.specs import shard_into
+from freetoken.loading.staging import PinnedStager, release_pinned
+
+MAX_THREADS = 8
+"""More threads than this stop paying: they contend for the same memory bus."""
+
+_observers: list[Callable[[str, bool], None]] = []
 
 
 class LoadError(ValueError):
     """A checkpoint does not fit the model it is loaded into."""
 
 
+@dataclass(frozen=True, eq=False)
+class _Job:
+    """One checkpoint tensor and the parameter slot its shard goes to."""
+
+    name: str
+    full: torch.Tensor
+    spec: object
+    dest: torch.Tensor
+    nbytes: int
+
+
+@contextlib.contextmanager
+def observe_loading(callback: Callable[[str, bool], None]) -> Iterator[None]:
+    """Call `callback(tensor_name, done)` before (done=False) and after (done=True) each
+    tensor's copy, from the thread that copies it, while the block runs (memory checks
+    use it to name the tensor in flight at a peak)."""
+    _observers.append(callback)
+    try:
+        yield
+    finally:
+        _observers.remove(callback)
+
+
+def default_threads(tp_size: int) -> int:
+    """Loader threads per rank: the host's cores shared by the ranks on it, after torch's
+    own intra-op threads, at most MAX_THREADS."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(MAX_THREADS, (cores or 1) // (tp_size * torch.get_num_threads())))
+
+
 def load_weights(model: nn.Module, reader: CheckpointReader, plan: ShardPlan,
-                 progress: bool = True) -> dict[str, int]:
+                 progress: bool = True, threads: int | None = None) -> dict[str, int]:
     """Fill `model`'s parameters with this rank's shards; returns bytes read per tensor kind.
 
     Rank-dependent: each rank writes its own shard of every tensor.
     """
     tp = get_tp_info()
     params = dict(model.named_parameters())
-    filled: dict[str, dict[str, int]] = defaultdict(dict)
-    names = reader.names()
-    bar = tqdm(names, desc="loading", unit="tensor", disable=not (progress and tp.is_first),
-               leave=False)
-    for name in bar:
+    jobs, filled = _plan(params, reader, plan, tp.rank, tp.size)
+    _check_complete(params, filled)
+    threads = threads or default_threads(tp.size)
+    bar = tqdm(total=len(jobs), desc="loading", unit="tensor",
+               disable=not (progress and tp.is_first), leave=False)
+    spans = _spans(jobs, threads)
+    with ThreadPoolExecutor(max_workers=len(spans) or 1, thread_name_prefix="load") as pool:
+        for done in [pool.submit(_copy_span, span, reader, tp.rank, tp.size, bar)
+                     for span in spans]:
+            done.result()
+    if any(job.dest.is_cuda for job in jobs):
+        release_pinned()
+    bar.close()
+    reader.close()
+    return {p: sum(v.values()) for p, v in filled.items()}
+
+
+def _plan(params: dict, reader: CheckpointReader, plan: ShardPlan, rank: int, size: int
+          ) -> tuple[list[_Job], dict]:
+    """Every tensor's destination, checked (rule, parameter, shape, dtype, each slot once)
+    before anything is copied."""
+    jobs, filled = [], defaultdict(dict)
+    for name in reader.names():
         target = plan.resolve(name)
         if target.param is None:
             continue
         if target.param not in params:
             raise LoadError(f"checkpoint tensor {name!r} maps to parameter {target.param!r}, "
                             "which the model does not have")
-        shard = target.rule.spec.shard(reader.get(name), tp.rank, tp.size, name)
+        full = reader.get(name)
+        pieces = target.rule.spec.pieces(full, rank, size, name)
         dest = params[target.param].data[target.slot] if target.slot else params[target.param].data
-        _check_fit(name, shard, dest, target.param)
+        _check_fit(name, pieces.shape, full.dtype, dest, target.param)
         key = slot_key(target.slot)
         if key in filled[target.param]:
             raise LoadError(f"parameter {target.param!r} slot {key} written twice "
                             f"(second time by {name!r})")
-        dest.copy_(shard)
-        check_finite(name, dest)
         filled[target.param][key] = dest.numel()
-    _check_complete(params, filled)
-    reader.close()
-    return {p: sum(v.values()) for p, v in filled.items()}
+        # `full` maps the file (no bytes are read until the copy): kept, not read twice.
+        jobs.append(_Job(name, full, target.rule.spec, dest, dest.numel() * dest.element_size()))
+    return jobs, filled
 
 
-def _check_fit(name: str, shard: torch.Tensor, dest: torch.Tensor, param: str) -> None:
-    if tuple(shard.shape) != tuple(dest.shape):
-        raise LoadError(f"checkpoint tensor {name!r}: shard shape {tuple(shard.shape)} does not "
+def _spans(jobs: list[_Job], threads: int) -> list[list[_Job]]:
+    """At most `threads` contiguous runs of `jobs` with about equal bytes each."""
+    total = sum(j.nbytes for j in jobs)
+    spans, current, size = [], [], 0
+    for job in jobs:
+        current.append(job)
+        size += job.nbytes
+        if size * threads >= total * (len(spans) + 1) and len(spans) < threads - 1:
+            spans.append(current)
+            current = []
+    if current:
+        spans.append(current)
+    return spans
+
+
+def _copy_span(span: list[_Job], reader: CheckpointReader, rank: int, size: int, bar) -> None:
+    """Copy one run of tensors into their slots (runs in a loader thread)."""
+    stager = None
+    # A ring no larger than the span's largest shard: small models pin little.
+    largest = max(job.nbytes for job in span)
+    for job in span:
+        if job.dest.is_cuda and stager is None:
+            stager = PinnedStager(job.dest.device, reader, min(staging.STAGE_BYTES, largest))
+        for observe in list(_observers):
+            observe(job.name, False)
+        _copy_shard(job.spec, job.full, rank, size, job.dest, job.name, stager)
+        for observe in list(_observers):
+            observe(job.name, True)
+        bar.update(1)
+    if stager is not None:
+        stager.finish()
+        # Staged copies run on the stager's stream: checked once they have all landed.
+        for job in span:
+            check_finite(job.name, job.dest)
+
+
+def _copy_shard(spec, full: torch.Tensor, rank: int, size: int, dest: torch.Tensor, name: str,
+                stager: PinnedStager | None) -> None:
+    """The one copy of a shard: from the mapped checkpoint into `dest`."""
+    if stager is None:
+        shard_into(spec, full, rank, size, dest, name)
+        check_finite(name, dest)
+    else:
+        stager.write(name, full, spec.pieces(full, rank, size, name), dest)
+
+
+def _check_fit(name: str, shape: tuple, dtype: torch.dtype, dest: torch.Tensor,
+               param: str) -> None:
+    if tuple(shape) != tuple(dest.shape):
+        raise LoadError(f"checkpoint tensor {name!r}: shard shape {tuple(shape)} does not "
                         f"fit parameter {param!r} slot of shape {tuple(dest.shape)}")
-    if shard.dtype.is_floating_point != dest.dtype.is_floating_point:
-        raise LoadError(f"checkpoint tensor {name!r}: dtype {shard.dtype} cannot fill "
+    if dtype.is_floating_point != dest.dtype.is_floating_point:
+        raise LoadError(f"checkpoint tensor {name!r}: dtype {dtype} cannot fill "
                         f"parameter {param!r} of dtype {dest.dtype}")
 
 

@@ -1,5 +1,7 @@
-"""The memory check: parameters must own their storage, and load-time memory growth per rank
-must stay within the budget computed from the rank's own bytes."""
+"""The memory check: parameters must own their storage, each rank holds exactly the bytes the
+config implies (parameters, KV cache of the local KV heads, GatedDeltaNet state of the local
+value heads), and load-time memory growth per rank stays within the expected bytes plus what
+the loader needs on the side (nothing on CPU)."""
 
 from __future__ import annotations
 
@@ -20,9 +22,10 @@ def _memory_results(capsys, tmp_path, *args: str) -> tuple[int, list[dict]]:
     return exit_info.value.code, json.loads(report.read_text())["results"]
 
 
-def _make_deep_llama(folder, layers=8, hidden=512, inter=2048, vocab=8192):
-    """A ~150 MiB Llama checkpoint of many mid-sized tensors (largest 16 MiB), written straight
-    with safetensors (fast): pinning it whole on every rank cannot hide inside the budget."""
+def _make_deep_llama(folder, layers=4, hidden=512, inter=2048, vocab=32768):
+    """A ~190 MiB Llama checkpoint (embedding and head 64 MiB each, the rest mid-sized),
+    written straight with safetensors (fast): pinning it whole on every rank, or one extra
+    copy of its largest shard, cannot hide inside the budget."""
     from transformers import LlamaConfig
 
     LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
@@ -70,7 +73,7 @@ def test_pinned_views_fail_ownership_naming_the_parameter(capsys, tmp_path):
 
 
 def test_kept_shard_copies_blow_the_budget(capsys, tmp_path):
-    """A loader that keeps its shards after copying them holds the weights twice: on a ~150
+    """A loader that keeps its shards after copying them holds the weights twice: on a ~190
     MiB checkpoint at TP 2 measured growth exceeds the budget (b) and the message says by how
     much, while the honest loader stays inside it."""
     folder = _make_deep_llama(tmp_path / "deep")
@@ -81,3 +84,55 @@ def test_kept_shard_copies_blow_the_budget(capsys, tmp_path):
     per_rank = results[0]["metrics"]["per_rank"]
     assert code == 1 and all(r["peak_host"] > r["budget_host"] for r in per_rank), per_rank
     assert "host memory grew" in results[0]["message"], results[0]["message"]
+
+
+def test_double_copy_fails_naming_the_tensor_at_the_peak(capsys, tmp_path):
+    """The loader copies each shard straight into its parameter, so host growth stays within
+    the expected bytes plus slack; the old path (build each shard, then copy it) overshoots by
+    the largest shard, and the message names the tensor being copied at the peak."""
+    folder = _make_deep_llama(tmp_path / "deep")
+    code, results = _memory_results(capsys, tmp_path, "--model", str(folder), "--tp", "1")
+    assert code == 0, results[0]["message"]
+    code, results = _memory_results(capsys, tmp_path, "--model", str(folder), "--tp", "1",
+                                    "--inject", "double-copy-load")
+    message = results[0]["message"]
+    assert code == 1 and "host memory grew" in message and "while copying" in message, message
+    assert "copying model.embed_tokens.weight" in message or "copying lm_head.weight" in message, \
+        message
+
+
+@pytest.mark.parametrize("fault, model, part", [
+    ("kv-cache-global-heads", "tiny-llama", "KV cache"),
+    ("gdn-state-global-heads", "tiny-qwen3.5-moe", "GatedDeltaNet recurrent state"),
+])
+def test_cache_sized_from_global_heads_fails_naming_the_part(capsys, tmp_path, fault, model,
+                                                              part):
+    """A per-rank cache sized with a global head count is what TP=1 holds: green at TP 1, red
+    at TP 2 with a message naming the part and its expected and actual bytes (expected from
+    the config, not from what the engine allocated)."""
+    code, results = _memory_results(capsys, tmp_path, "--model", model, "--tp", "1,2",
+                                    "--inject", fault)
+    by_tp = {r["tp"]: r for r in results}
+    assert code == 1 and by_tp[1]["status"] == "pass", by_tp[1]
+    assert by_tp[2]["status"] == "fail", by_tp[2]
+    rank = by_tp[2]["metrics"]["per_rank"][0]
+    actual, expected = rank["actual_parts"][part], rank["expected_parts"][part]
+    assert actual == 2 * expected, rank
+    message = by_tp[2]["message"]
+    assert f"{part} is {actual} bytes" in message and f"expected {expected} bytes" in message, \
+        message
+
+
+def test_split_part_compared_with_tp1_over_n():
+    """A split part that is not 1/N of TP=1's fails twice: against the config's bytes, and as
+    a ratio to TP=1's share; a part whose padding explains the excess passes."""
+    from verify.checks.memory import _expectation_failures
+    from verify.checks.memory_expected import Part
+
+    kv = Part("KV cache", 1000, "formula", 1000, 2000)
+    failures = _expectation_failures({"KV cache": 2000}, {"KV cache": kv}, rank=1, size=2)
+    assert len(failures) == 2, failures
+    assert "KV cache is 2000 bytes" in failures[0] and "expected 1000 bytes" in failures[0]
+    assert "2.00x TP=1's x 1/2" in failures[1], failures[1]
+    padded = Part("parameters", 1100, "formula", 1010, 2000)
+    assert _expectation_failures({"parameters": 1100}, {"parameters": padded}, 0, 2) == []

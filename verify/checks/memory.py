@@ -3,27 +3,35 @@
 (a) Every parameter and buffer owns its storage (`untyped_storage().nbytes()` equals its own
 bytes) and none lies inside a memory-mapped checkpoint file: a `narrow()` view or a
 safetensors tensor kept as a parameter pins the whole checkpoint tensor (safetensors hands out
-tensors backed by a private mapping of the file). (b) Peak anonymous host memory growth
-(file-backed pages excluded: reading maps the file) and, on GPU, `max_memory_allocated` growth
-stay within a budget computed from the rank's own bytes: parameters + buffers, plus the
-transient of loading (the largest checkpoint tensor, read whole, and its shard before it is
-copied into place), plus the caches allocated with the engine (paged KV cache, linear-attention
-state pool), plus a slack of 16 MiB + 5%."""
+tensors backed by a private mapping of the file).
+(b) What the rank holds equals what it should hold, computed from the config, the checkpoint
+headers and the engine settings (`memory_expected`: parameters, the KV cache of the LOCAL KV
+heads, GatedDeltaNet conv and recurrent state of the local value heads), part by part; and the
+split parts at TP=N are 1/N of TP=1's (padding aside).
+(c) Peak anonymous host memory growth (file-backed pages excluded: reading maps the file) and,
+on GPU, `max_memory_allocated` growth stay within a budget of the expected bytes plus what the
+loader needs on the side: nothing on CPU (each shard is copied from the mapped file straight
+into its parameter), the pinned staging rings on GPU; plus a slack of 16 MiB + 2%. A loader
+that builds each shard before copying it overshoots by its largest shard, and the message
+names the tensor being copied at the peak."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import torch
 
 from verify.checks import CheckContext
+from verify.checks.memory_expected import PARAMETERS, expected_parts
+from verify.checks.memory_sampler import PeakSampler
 from verify.checks.shards import owns_storage
 from verify.report import CheckResult
 
 MiB = 1 << 20
 SLACK_FIXED = 16 * MiB
-SLACK_FRACTION = 0.05
+SLACK_FRACTION = 0.02
+SPLIT_TOLERANCE = 0.01
+"""Split parts x tp may exceed TP=1's by their padding and this fraction."""
 
 
 def run(ctx: CheckContext) -> CheckResult:
@@ -46,39 +54,10 @@ def run(ctx: CheckContext) -> CheckResult:
                        ctx.placement, metrics, message)
 
 
-class _PeakSampler:
-    """Samples this process's anonymous resident memory (RSS minus file-backed pages)."""
-
-    def __init__(self, period: float = 0.002):
-        import psutil
-
-        self._proc = psutil.Process()
-        self.base = self.peak = self.now()
-        self._period = period
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def now(self) -> int:
-        info = self._proc.memory_info()
-        return info.rss - info.shared
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.now())
-            time.sleep(self._period)
-
-    def __enter__(self) -> _PeakSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.now())
-
-
 def _measure(rank_ctx, engine_args: dict) -> dict:
     """Runs on every rank: load the engine afresh under measurement."""
+    from freetoken.loading.loader import default_threads, observe_loading
+    from freetoken.loading.staging import staging_bytes
     from verify.engine import build_engine, release_engine
 
     release_engine(rank_ctx)
@@ -88,30 +67,52 @@ def _measure(rank_ctx, engine_args: dict) -> dict:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         device_base = torch.cuda.memory_allocated()
-    with _PeakSampler() as host:
+    with PeakSampler() as host, observe_loading(host.copying):
         core = build_engine(rank_ctx, engine_args)
         if cuda:
             torch.cuda.synchronize()
-    own = _weight_bytes(core) + _cache_bytes(core)
-    largest = _largest_tensor_bytes(engine_args)
-    transient = largest + largest // rank_ctx.size
-    failures = _ownership_failures(core, rank_ctx.rank) + _mmap_failures(core, rank_ctx.rank)
+    actual = _actual_parts(core)
+    expected = expected_parts(engine_args["folder"], core.cfg, core.dtype, rank_ctx.rank,
+                              rank_ctx.size)
+    failures = (_ownership_failures(core, rank_ctx.rank) + _mmap_failures(core, rank_ctx.rank))
     not_owned = len(failures)
-    peak_host = host.peak - host.base
-    budget_host = (0 if cuda else own) + transient
-    budget_host += SLACK_FIXED + int(SLACK_FRACTION * budget_host)
+    failures += _expectation_failures(actual, expected, rank_ctx.rank, rank_ctx.size)
+    weights = expected[PARAMETERS].nbytes + actual["buffers"]
+    own = weights + sum(p.nbytes for n, p in expected.items() if n != PARAMETERS)
+    transient = staging_bytes(default_threads(rank_ctx.size)) if cuda else 0
+    measured = _host_budgets(host, weights, own, transient, cuda, rank_ctx.rank, failures)
     peak_device = budget_device = None
     if cuda:
         peak_device = torch.cuda.max_memory_allocated() - device_base
-        budget_device = own + SLACK_FIXED + int(SLACK_FRACTION * own)
+        budget_device = _with_slack(own)
         if peak_device > budget_device:
-            failures.append(_over("GPU memory", rank_ctx.rank, peak_device, budget_device, own, 0))
-    if peak_host > budget_host:
-        failures.append(_over("host memory", rank_ctx.rank, peak_host, budget_host,
-                              0 if cuda else own, transient))
+            failures.append(_over("GPU memory", "during load", rank_ctx.rank, peak_device,
+                                  budget_device, own, 0))
     return {"rank": rank_ctx.rank, "expected": own, "transient": transient,
-            "peak_host": peak_host, "budget_host": budget_host, "peak_device": peak_device,
-            "budget_device": budget_device, "not_owned": not_owned, "failures": failures}
+            "expected_parts": {n: p.nbytes for n, p in expected.items()}, "actual_parts": actual,
+            **measured, "peak_device": peak_device, "budget_device": budget_device,
+            "not_owned": not_owned, "failures": failures}
+
+
+def _host_budgets(host, weights: int, own: int, transient: int, cuda: bool, rank: int,
+                  failures: list[str]) -> dict:
+    """Host growth while copying weights against the parameters (the caches come later), and
+    over the whole construction against everything; on GPU the host holds neither."""
+    if cuda:
+        weights = own = 0
+    peak, load_peak = host.peak - host.base, host.load_peak - host.base
+    budget, budget_load = _with_slack(own + transient), _with_slack(weights + transient)
+    if load_peak > budget_load:
+        failures.append(_over("host memory", "while copying weights", rank, load_peak,
+                              budget_load, weights, transient, host.at_peak))
+    elif peak > budget:
+        failures.append(_over("host memory", "during load", rank, peak, budget, own, transient))
+    return {"peak_host": peak, "budget_host": budget, "load_peak_host": load_peak,
+            "budget_load_host": budget_load}
+
+
+def _with_slack(nbytes: int) -> int:
+    return nbytes + SLACK_FIXED + int(SLACK_FRACTION * nbytes)
 
 
 def _return_freed_memory() -> None:
@@ -126,27 +127,53 @@ def _return_freed_memory() -> None:
         libc.malloc_trim(0)
 
 
-def _over(what, rank, peak, budget, own, transient) -> str:
-    return (f"rank {rank}: {what} grew {peak / MiB:.1f} MiB during load, budget "
+def _over(what, when, rank, peak, budget, own, transient, at_peak=()) -> str:
+    during = f"; at the peak the loader was copying {', '.join(at_peak)}" if at_peak else ""
+    return (f"rank {rank}: {what} grew {peak / MiB:.1f} MiB {when}, budget "
             f"{budget / MiB:.1f} MiB ({own / MiB:.1f} MiB own + {transient / MiB:.1f} MiB "
-            f"transient + slack)")
+            f"transient + slack){during}")
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _actual_parts(core) -> dict[str, int]:
+    """What the engine allocated, by the parts `memory_expected` names."""
+    from verify.checks.memory_expected import CONV_STATE, KV_CACHE, RECURRENT_STATE
+
+    linear = getattr(core.model, "linear_state_layers", list)()
+    parts = {PARAMETERS: _nbytes(core.model.parameters()),
+             "buffers": _nbytes(core.model.buffers()),
+             KV_CACHE: _nbytes([getattr(core, "kv_cache", None)])}
+    if linear:
+        parts[CONV_STATE] = _nbytes(layer.conv_state for layer in linear)
+        parts[RECURRENT_STATE] = _nbytes(layer.recurrent_state for layer in linear)
+    return parts
+
+
+def _expectation_failures(actual: dict, expected: dict, rank: int, size: int) -> list[str]:
+    """Each part as computed from the config, and its split bytes 1/size of TP=1's."""
+    failures = []
+    for name, part in expected.items():
+        got = actual.get(name, 0)
+        if got != part.nbytes:
+            failures.append(f"rank {rank}: {name} is {got} bytes ({got / MiB:.2f} MiB), "
+                            f"expected {part.nbytes} bytes ({part.nbytes / MiB:.2f} MiB) from "
+                            f"the config: {part.formula}")
+        split = got - (part.nbytes - part.split_bytes)
+        padding = part.split_bytes * size - part.split_tp1
+        if part.split_bytes and abs(split * size - part.split_tp1) > (
+                padding + SPLIT_TOLERANCE * part.split_tp1):
+            failures.append(f"rank {rank}: {name} split across tp={size} ranks is "
+                            f"{split * size / part.split_tp1:.2f}x TP=1's x 1/{size}, "
+                            "expected 1.00x")
+    return failures
 
 
 def _tensors(core):
     yield from core.model.named_parameters()
     yield from core.model.named_buffers()
-
-
-def _weight_bytes(core) -> int:
-    return sum(t.numel() * t.element_size() for _, t in _tensors(core))
-
-
-def _cache_bytes(core) -> int:
-    """The paged KV cache and any per-sequence linear-attention state."""
-    caches = [getattr(core, "kv_cache", None)]
-    for layer in getattr(core.model, "linear_state_layers", list)():
-        caches += [layer.conv_state, layer.recurrent_state]
-    return sum(t.numel() * t.element_size() for t in caches if t is not None)
 
 
 def _checkpoint_mappings() -> list[tuple[int, int, str]]:
@@ -188,22 +215,3 @@ def _ownership_failures(core, rank: int) -> list[str]:
             failures.append(f"rank {rank}: {name} shares storage with {seen[storage.data_ptr()]}")
         seen[storage.data_ptr()] = name
     return failures
-
-
-def _largest_tensor_bytes(engine_args: dict) -> int:
-    """Bytes of the largest checkpoint tensor, from the safetensors headers alone."""
-    import math
-
-    from freetoken.loading import CheckpointReader
-
-    reader = CheckpointReader(engine_args["folder"], engine_args["num_layers"])
-    sizes = []
-    for name in reader.names():
-        shape, dtype = reader.meta(name)
-        sizes.append(math.prod(shape) * _DTYPE_BYTES.get(dtype, 4))
-    reader.close()
-    return max(sizes, default=0)
-
-
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "U8": 1, "I8": 1,
-                "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1}

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from freetoken.loading.specs import ShardError
+from freetoken.loading.specs import Piece, ShardError, ShardPieces
 
 
 @dataclass(frozen=True)
@@ -29,11 +29,26 @@ class InterleavedHeads:
                              f"{self.parts} parts of equal size")
         return rows // (self.num_heads * self.parts)
 
-    def shard(self, full, rank, size, name=""):
+    def _local_heads(self, size, name):
         if self.num_heads % size:
             raise ShardError(f"{name}: {self.num_heads} heads cannot be split across "
                              f"tp_size={size}")
-        head_dim, local = self._head_rows(full, name), self.num_heads // size
+        return self.num_heads // size
+
+    def pieces(self, full, rank, size, name=""):
+        """One piece per (part, local head): `head_dim` contiguous checkpoint rows each."""
+        local, head_dim = self._local_heads(size, name), self._head_rows(full, name)
+        pieces = []
+        for part in range(self.parts):
+            for h in range(local):
+                row = ((rank * local + h) * self.parts + part) * head_dim
+                at = (part * local + h) * head_dim
+                pieces.append(Piece(full.narrow(0, row, head_dim), 0, at, head_dim))
+        return ShardPieces((self.parts * local * head_dim, *full.shape[1:]), tuple(pieces))
+
+    def shard(self, full, rank, size, name=""):
+        local = self._local_heads(size, name)
+        head_dim = self._head_rows(full, name)
         rest = tuple(full.shape[1:])
         mine = full.reshape(self.num_heads, self.parts, head_dim, *rest)[
             rank * local : (rank + 1) * local]

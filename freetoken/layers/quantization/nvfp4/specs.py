@@ -1,6 +1,7 @@
 """Shard specs for NVFP4 tensors, in the style of `freetoken.loading.specs`: pure functions of
 (full checkpoint tensor, rank, size, name) returning a fresh, contiguous tensor, each with its
-bitwise inverse.
+bitwise inverse, and a `pieces` method giving the views of the full tensor the loader copies
+straight into the parameter (see `freetoken.loading.specs.shard_into`).
 
 Output rows (gate_proj / up_proj rows, the rows of their block scales) split like any weight:
 use `Split(0)`, or `Segments` for a fused gate|up tensor. Input columns are different: the
@@ -19,7 +20,7 @@ import torch
 from freetoken.layers.quantization.nvfp4.checkpoint import COMPRESSED_TENSORS, tensor_suffixes
 from freetoken.layers.quantization.nvfp4.format import GROUP
 from freetoken.loading.plan import Rule
-from freetoken.loading.specs import ShardError, Split
+from freetoken.loading.specs import ShardError, Split, whole
 
 PACKED, SCALE = "packed", "scale"
 _INPUTS_PER_COLUMN = {PACKED: 2, SCALE: GROUP}
@@ -55,7 +56,7 @@ class InputSplit:
             raise ValueError(f"InputSplit kind must be {PACKED!r} or {SCALE!r}, "
                              f"got {self.kind!r}")
 
-    def shard(self, full: torch.Tensor, rank: int, size: int, name: str = "") -> torch.Tensor:
+    def _view(self, full: torch.Tensor, rank: int, size: int, name: str) -> torch.Tensor:
         per_column = _INPUTS_PER_COLUMN[self.kind]
         columns = full.shape[self.dim]
         try:
@@ -64,7 +65,13 @@ class InputSplit:
             raise ShardError(f"{e} ({name} dim {self.dim} has {columns} "
                              f"{_WHAT[self.kind]}, shape {tuple(full.shape)})") from None
         step = local // per_column
-        return _fresh(full.narrow(self.dim, rank * step, step))
+        return full.narrow(self.dim, rank * step, step)
+
+    def shard(self, full: torch.Tensor, rank: int, size: int, name: str = "") -> torch.Tensor:
+        return _fresh(self._view(full, rank, size, name))
+
+    def pieces(self, full, rank, size, name=""):
+        return whole(self._view(full, rank, size, name))
 
     def unshard(self, parts: list[torch.Tensor], name: str = "") -> torch.Tensor:
         return torch.cat(parts, dim=self.dim)
@@ -79,7 +86,7 @@ class GlobalScale:
 
     shape: tuple[int, ...] = ()
 
-    def shard(self, full: torch.Tensor, rank: int, size: int, name: str = "") -> torch.Tensor:
+    def _check(self, full: torch.Tensor, name: str) -> None:
         if full.dtype != torch.float32:
             raise ShardError(f"{name}: NVFP4 global scale must be float32, got {full.dtype}")
         if tuple(full.shape) not in ((), (1,)):
@@ -90,7 +97,14 @@ class GlobalScale:
             # A NaN global scale otherwise loads and turns every weight of the tensor to NaN.
             what = "NaN" if math.isnan(value) else "Inf" if math.isinf(value) else "negative"
             raise ShardError(f"{name}: NVFP4 global scale holds {what} ({value})")
+
+    def shard(self, full: torch.Tensor, rank: int, size: int, name: str = "") -> torch.Tensor:
+        self._check(full, name)
         return _fresh(full).reshape(())
+
+    def pieces(self, full, rank, size, name=""):
+        self._check(full, name)
+        return whole(full.reshape(()))
 
     def unshard(self, parts: list[torch.Tensor], name: str = "") -> torch.Tensor:
         return parts[0].reshape(self.shape)

@@ -1,0 +1,164 @@
+"""The loader's fast path (each shard copied once, straight from the mapped checkpoint into its
+parameter slot) gives bitwise the parameters of the shard() path (a fresh shard per tensor,
+then copied), on every bundled case at TP 1, 2, 4 and 8, in the checkpoint's dtype and with a
+cast to bf16 fused into the copy. Ranks are simulated in one process (`set_tp_info`): loading
+is a pure function of (checkpoint, rank, size)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from freetoken.config import ModelConfig
+from freetoken.distributed import TPInfo, reset_tp_info, set_tp_info
+from freetoken.loading import CheckpointReader, load_weights, loader
+from freetoken.loading.specs import Heads, PaddedSplit, Replicate, Segments, Split
+from freetoken.loading.staging import FileReader, _row_pieces, fill
+from freetoken.models.qwen3_5_moe.specs import InterleavedHeads
+from freetoken.models.registry import build_model, shard_plan
+from verify.cases import CASES, GOLDEN
+from verify.faults import double_copy_load
+
+TP_SIZES = (1, 2, 4, 8)
+
+
+def _build(cfg: ModelConfig, dtype: torch.dtype) -> torch.nn.Module:
+    """The rank-local model with every float parameter NaN, so an unwritten element shows."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        model = build_model(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    for p in model.parameters():
+        p.data.fill_(float("nan") if p.dtype.is_floating_point else 0xA5)
+    return model
+
+
+def _load(folder, cfg, tp: int, rank: int, dtype: torch.dtype, threads: int,
+          device: str = "cpu") -> dict:
+    set_tp_info(TPInfo(rank, tp))
+    try:
+        with torch.device(device):
+            model = _build(cfg, dtype)
+        load_weights(model, CheckpointReader(folder), shard_plan(cfg, tp), progress=False,
+                     threads=threads)
+    finally:
+        reset_tp_info()
+    return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+
+
+def _assert_bitwise_same(fast: dict, slow: dict, label: str) -> None:
+    assert fast.keys() == slow.keys(), label
+    for name, want in slow.items():
+        same = _bytes(fast[name]).equal(_bytes(want))
+        assert same, f"{label}: {name} differs between the fast path and the shard() path"
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_path_matches_shard_path_on_bundled_cases(case, dtype, monkeypatch):
+    """Every parameter of every rank at TP 1, 2, 4, 8 is bitwise the same either way."""
+    folder = GOLDEN / case
+    cfg = ModelConfig.from_folder(folder)
+    slow_copy = loader._copy_shard
+    for tp in TP_SIZES:
+        for rank in range(tp):
+            fast = _load(folder, cfg, tp, rank, dtype, threads=3)
+            monkeypatch.setattr(loader, "_copy_shard", slow_copy)
+            double_copy_load()
+            slow = _load(folder, cfg, tp, rank, dtype, threads=1)
+            monkeypatch.setattr(loader, "_copy_shard", slow_copy)
+            _assert_bitwise_same(fast, slow, f"{case} {dtype} tp={tp} rank={rank}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gpu_staging_matches_shard_path_on_bundled_cases(case, monkeypatch):
+    """Loaded onto the GPU through the pinned staging ring (buffers small enough that shards
+    go in several chunks), every parameter is bitwise the shard() path's, in bf16."""
+    from freetoken.loading import staging
+
+    folder = GOLDEN / case
+    cfg = ModelConfig.from_folder(folder)
+    monkeypatch.setattr(staging, "STAGE_BYTES", 4096)
+    slow_copy = loader._copy_shard
+    for tp in TP_SIZES:
+        for rank in range(tp):
+            fast = _load(folder, cfg, tp, rank, torch.bfloat16, threads=3, device="cuda")
+            double_copy_load()
+            slow = _load(folder, cfg, tp, rank, torch.bfloat16, threads=1)
+            monkeypatch.setattr(loader, "_copy_shard", slow_copy)
+            _assert_bitwise_same(fast, slow, f"{case} cuda tp={tp} rank={rank}")
+
+
+SPECS = [
+    (Replicate(), (6, 5)), (Split(0), (8, 5)), (Split(1), (6, 8)),
+    (Segments((4, 8, 4)), (16, 3)), (Segments((4, 8, 4), dim=1), (5, 16)),
+    (Heads(2), (8, 3)), (PaddedSplit(7), (7, 3)), (InterleavedHeads(4), (16, 3)),
+]
+
+
+@pytest.mark.parametrize("spec, shape", SPECS, ids=lambda v: repr(v))
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_staging_chunks_reassemble_the_shard(spec, shape, rows):
+    """The GPU path stages a shard `rows` rows at a time; the pieces restricted to each chunk
+    fill exactly that chunk of the shard (checked on CPU: the chunking is device-free)."""
+    full = torch.randn(shape)
+    for rank in range(4):
+        want = spec.shard(full, rank, 4, "t")
+        pieces = spec.pieces(full, rank, 4, "t")
+        got = torch.full(want.shape, float("nan"))
+        for first in range(0, want.shape[0], rows):
+            stop = min(first + rows, want.shape[0])
+            stage = torch.full((stop - first, *want.shape[1:]), float("nan"))
+            for region, source in _row_pieces(pieces, first, stop, stage):
+                region.copy_(source) if source is not None else region.zero_()
+            got[first:stop] = stage
+        assert torch.equal(got, want), f"{spec} rank {rank} in chunks of {rows} rows"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_staging_fill_reads_the_file_bitwise(case, dtype):
+    """Staging chunks of 3 rows, filled by reading the file where rows lie contiguously (in the
+    checkpoint's dtype) and by copying from the mapped view elsewhere (casts, column splits),
+    reassemble every shard of every bundled tensor at TP 1, 2, 4, 8 bit for bit."""
+    folder = GOLDEN / case
+    cfg = ModelConfig.from_folder(folder)
+    reader = CheckpointReader(folder)
+    files = FileReader(reader)
+    try:
+        for tp in TP_SIZES:
+            plan = shard_plan(cfg, tp)
+            for name in reader.names():
+                full = reader.get(name)
+                spec = plan.resolve(name).rule.spec
+                for rank in range(tp):
+                    want = spec.shard(full, rank, tp, name).reshape(-1, *full.shape[1:])
+                    kind = dtype if dtype and full.dtype.is_floating_point else full.dtype
+                    got = _staged(spec, full, rank, tp, name, kind, files)
+                    label = f"{case} {name} tp={tp} rank={rank}"
+                    assert _bytes(got).equal(_bytes(want.to(kind))), label
+    finally:
+        files.close()
+        reader.close()
+
+
+def _staged(spec, full, rank, size, name, dtype, files, rows=3):
+    from freetoken.loading.staging import _as_rows
+
+    pieces = _as_rows(spec.pieces(full, rank, size, name))
+    out = torch.empty(pieces.shape, dtype=dtype)
+    origin = files.origin(name, full)
+    for first in range(0, pieces.shape[0], rows):
+        stop = min(first + rows, pieces.shape[0])
+        stage = torch.empty((stop - first, *pieces.shape[1:]), dtype=dtype)
+        fill(stage, pieces, first, stop, files, origin)
+        out[first:stop] = stage
+    return out
