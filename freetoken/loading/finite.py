@@ -23,13 +23,31 @@ def _nonfinite_mask(t: torch.Tensor) -> torch.Tensor | None:
     return None  # integer and packed tensors (NVFP4 codes) have no non-finite values
 
 
+# Elements tested per step (isfinite builds a float and two bool temporaries of the input's
+# size): over a whole shard that transient would be more than its bytes again, which the
+# memory check's load budget (rightly) refuses.
+_CHUNK = 1 << 16
+
+
+def _has_nonfinite(t: torch.Tensor) -> bool:
+    if not t.is_contiguous():
+        return any(_has_nonfinite(part) for part in t)
+    flat = t.reshape(-1)
+    for start in range(0, flat.numel(), _CHUNK):
+        bad = _nonfinite_mask(flat[start : start + _CHUNK])
+        if bad is None:
+            return False
+        if bool(bad.any()):
+            return True
+    return False
+
+
 def check_finite(name: str, t: torch.Tensor) -> None:
     """Raise NonFiniteError naming checkpoint tensor `name` if its loaded shard `t` holds
     NaN or Inf (counts and the first flat index in the message)."""
-    bad = _nonfinite_mask(t)
-    if bad is None or not bool(bad.any()):
+    if not _has_nonfinite(t):
         return
-    flat = bad.flatten()
+    flat = _nonfinite_mask(t).flatten()
     values = t.flatten()[flat].float()
     kinds = [f"{n} {label}" for label, n in (("NaN", int(values.isnan().sum())),
                                              ("Inf", int(values.isinf().sum()))) if n]

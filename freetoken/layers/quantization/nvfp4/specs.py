@@ -92,6 +92,8 @@ class GlobalScale:
         if tuple(full.shape) not in ((), (1,)):
             raise ShardError(f"{name}: NVFP4 global scale has shape {tuple(full.shape)}, "
                              "expected a scalar, () or (1,)")
+        if full.is_meta:
+            return
         value = float(full)
         if not math.isfinite(value) or value < 0:
             # A NaN global scale otherwise loads and turns every weight of the tensor to NaN.
