@@ -2,9 +2,11 @@
 makes in real source: a bias added on every rank, a sampler seeded per rank, a range check off
 by one, a reduction forgotten in one layer family, a shard taken from the neighbour's slice.
 
-`verify.faults.FAULTS` registers them; `CATALOGUE` lists every injectable bug with the bundled
-case and TP sizes where it bites, the checks that must catch it and the words the failing row
-must contain, and `tests/verify/test_catalogue.py` proves each entry."""
+`verify.faults.FAULTS` registers them; `CATALOGUE` lists the injectable bugs with the bundled
+case and TP sizes where it bites (the extra-copy faults `keep-shard-copies` and
+`double-copy-load` need a checkpoint larger than the tiny cases and are proven on a generated
+one in `tests/verify/test_memory_check.py`), the checks that must catch it and the words the
+failing row must contain, and `tests/verify/test_catalogue.py` proves each entry."""
 
 from __future__ import annotations
 
@@ -278,8 +280,10 @@ CATALOGUE: tuple[Entry, ...] = (
           ("shards",), r"view", tp1_green=False),
     Entry("loader pins the checkpoint", "pin-checkpoint-views", "tiny-llama", (1, 2),
           ("memory",), r"pins", tp1_green=False),
-    Entry("loader keeps shard copies", "keep-shard-copies", "tiny-llama", (2,), ("memory",),
-          r"bytes|peak|budget"),
+    Entry("KV cache sized with the global KV heads", "kv-cache-global-heads", "tiny-llama",
+          (2,), ("memory",), r"KV cache is \d+ bytes"),
+    Entry("GatedDeltaNet state sized with the global value heads", "gdn-state-global-heads",
+          "tiny-qwen3.5-moe", (2,), ("memory",), r"GatedDeltaNet recurrent state is \d+ bytes"),
     Entry("NVFP4 nibbles swapped", "nvfp4-nibble-swap", "tiny-llama", (1,), ("kernels",),
           r"kernel|nvfp4", tp1_green=False),
     Entry("NVFP4 down global scale dropped", "nvfp4-drop-global-scale", "tiny-llama", (1,),
