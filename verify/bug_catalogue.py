@@ -152,6 +152,9 @@ class _NextRank:
     def shard(self, full, rank, size, name=""):
         return self.spec.shard(full, (rank + 1) % size, size, name)
 
+    def pieces(self, full, rank, size, name=""):
+        return self.spec.pieces(full, (rank + 1) % size, size, name)
+
     def unshard(self, parts, name=""):
         return self.spec.unshard(parts[-1:] + parts[:-1], name)
 

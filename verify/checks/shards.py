@@ -189,6 +189,9 @@ class _Audit:
 
         parts = [shards[r] for r in range(self.size)]
         back = spec.unshard(parts, name)
+        if back.numel() == 1 == full.numel():
+            # A scalar (a global scale) is read as () or (1,) alike; the value must come back.
+            back = back.reshape(full.shape)
         if back.dtype != full.dtype or back.shape != full.shape or not torch.equal(back, full):
             self.fail(f"{name}: reassembling the {self.size} shards does not give the "
                       f"checkpoint tensor back ({_diff(back, full)})")
