@@ -12,11 +12,23 @@ import torch
 
 from verify.backend_faults import torch_nvfp4_drop_w13_global, torch_nvfp4_nibble_swap
 from verify.bug_catalogue import BUGS
+from verify.collective_faults import (
+    allreduce_contiguous_copy,
+    embedding_extra_allreduce,
+    lm_head_no_gather,
+    moe_reduce_routed_and_shared_separately,
+)
 from verify.layout_faults import (
     gdn_heads_from_first,
     nvfp4_scale_group_shifted,
     plain_chunk_gdn_zba,
     plain_chunk_shared_gate_up,
+)
+from verify.memory_faults import (
+    double_copy_load,
+    gdn_state_global_heads,
+    keep_shard_copies,
+    kv_cache_global_heads,
 )
 
 
@@ -189,75 +201,6 @@ def plain_chunk_expert_gate_up() -> None:
     core.load_weights = load
 
 
-def keep_shard_copies() -> None:
-    """The loader keeps every shard it copied into a parameter (a forgotten cache): each rank
-    holds its weights twice."""
-    import freetoken.engine.core as core
-    from freetoken.distributed import get_tp_info
-
-    original = core.load_weights
-
-    def load(model, reader, plan, progress=True):
-        out = original(model, reader, plan, progress)
-        tp = get_tp_info()
-        model.kept_shards = [plan.shard(name, reader.get(name), tp.rank)
-                             for name in reader.names() if plan.resolve(name).param]
-        reader.close()
-        return out
-
-    core.load_weights = load
-
-
-def double_copy_load() -> None:
-    """The loader builds every shard as a fresh tensor (`spec.shard`) and then copies it into
-    its parameter, as it did before shards were copied straight into place: each tensor is
-    copied twice and the host holds one shard more than the parameters (on a GPU, the whole
-    shard in pageable memory)."""
-    from freetoken.loading import loader
-
-    def copy(spec, full, rank, size, dest, name, stager):
-        dest.copy_(spec.shard(full, rank, size, name))
-
-    loader._copy_shard = copy
-
-
-def kv_cache_global_heads() -> None:
-    """The per-rank paged KV cache is sized with the global `num_key_value_heads` instead of
-    the rank's local KV heads: every rank allocates the whole model's cache."""
-    import freetoken.engine.core as core
-
-    original = core.EngineCore._allocate_cache
-
-    def allocate(self):
-        allocate_kv_cache = core.allocate_kv_cache
-        heads = self.model_config.num_key_value_heads
-        core.allocate_kv_cache = lambda layers, blocks, block_size, _local, *rest: \
-            allocate_kv_cache(layers, blocks, block_size, heads, *rest)
-        try:
-            return original(self)
-        finally:
-            core.allocate_kv_cache = allocate_kv_cache
-
-    core.EngineCore._allocate_cache = allocate
-
-
-def gdn_state_global_heads() -> None:
-    """GatedDeltaNet's recurrent state is sized with the global `linear_num_value_heads`
-    instead of the rank's local value heads."""
-    from freetoken.distributed import get_tp_info
-    from freetoken.models.qwen3_5_moe.gdn import GatedDeltaNet
-
-    original = GatedDeltaNet.allocate_state
-
-    def allocate_state(self, num_slots, dtype, device):
-        original(self, num_slots, dtype, device)
-        heads = self.num_v_heads * get_tp_info().size
-        self.recurrent_state = torch.zeros(num_slots, heads, self.head_k_dim, self.head_v_dim,
-                                           dtype=torch.float32, device=device)
-
-    GatedDeltaNet.allocate_state = allocate_state
-
-
 def _wrap_nvfp4_moe(transform: Callable[[dict], dict]) -> None:
     """Pass `fused_moe`'s arguments through `transform` before the NVFP4 kernels see them, so
     the kernels compute exactly what a kernel with the bug would."""
@@ -327,59 +270,6 @@ def nvfp4_load_globals_swapped() -> None:
         return out
 
     core.load_weights = load
-
-
-def moe_reduce_routed_and_shared_separately() -> None:
-    """The Qwen3.5-MoE block all-reduces the routed experts' partial sum and the shared
-    expert's separately, then adds them: the same numbers for twice the communication."""
-    from freetoken.distributed import get_communicator
-    from freetoken.layers.moe import route
-    from freetoken.models.qwen3_5_moe.moe import SparseMoeBlock
-
-    def forward(self, x):
-        weights, ids = route(self.gate(x), self.top_k, True, x.dtype)
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        comm = get_communicator()
-        return comm.all_reduce(self.experts(x, weights, ids)) + comm.all_reduce(shared)
-
-    SparseMoeBlock.forward = forward
-
-
-def embedding_extra_allreduce() -> None:
-    """The vocab-parallel embedding all-reduces its already reduced output once more: every
-    embedding row comes out tp_size times too large."""
-    from freetoken.distributed import get_communicator
-    from freetoken.layers.embedding import VocabParallelEmbedding
-
-    original = VocabParallelEmbedding.forward
-    VocabParallelEmbedding.forward = lambda self, ids: get_communicator().all_reduce(
-        original(self, ids))
-
-
-def lm_head_no_gather() -> None:
-    """The LM head returns each rank's own vocab-shard logits without gathering them."""
-    from freetoken.layers.embedding import ParallelLMHead
-
-    def forward(self, hidden):
-        weight = self.tied.weight if self.tied is not None else self.weight
-        return torch.nn.functional.linear(hidden, weight)[..., : self.vocab_size]
-
-    ParallelLMHead.forward = forward
-
-
-def allreduce_contiguous_copy() -> None:
-    """Communicator.all_reduce reduces `x.contiguous()` and returns `x`: a non-contiguous
-    input is reduced in a copy that is thrown away and comes back unreduced."""
-    import torch.distributed as dist
-
-    from freetoken.distributed.comm import Communicator
-
-    def all_reduce(self, x):
-        if self.size > 1:
-            dist.all_reduce(x.contiguous())
-        return x
-
-    Communicator.all_reduce = all_reduce
 
 
 FAULTS: dict[str, Callable[[], None]] = {
