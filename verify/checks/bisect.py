@@ -59,6 +59,8 @@ class Row:
 
 @dataclass
 class Bisection:
+    """Every compared module in execution order, and which references were available."""
+
     rows: list[Row] = field(default_factory=list)
     references: tuple[str, ...] = ()
 
