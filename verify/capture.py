@@ -128,15 +128,15 @@ class Recorder:
             n = self._calls.get(name, 0)
             self._calls[name] = n + 1
             key = f"{self._phase}/{name}" + (f"#{n}" if n else "")
-            self.captures.append(Capture(key, layout, _flat(out, self._tokens)))
+            self.captures.append(Capture(key, layout, flat(out, self._tokens)))
             if layout == FULL and type(module).__name__ == "RowParallelLinear":
                 partial = F.linear(inputs[0], module.weight)
                 self.captures.append(Capture(key + ":partial", PARTIAL,
-                                             _flat(partial, self._tokens)))
+                                             flat(partial, self._tokens)))
         return record
 
 
-def _flat(t: torch.Tensor, tokens: int) -> torch.Tensor:
+def flat(t: torch.Tensor, tokens: int) -> torch.Tensor:
     """`[rows, features]` in float32 on the CPU: rows are the forward's `tokens` where the
     tensor is per token (`[tokens, ...]`, or `[1, tokens, ...]` for a one-sequence batch),
     else its first dim (the LM head on a prefill's last token); trailing dims (heads,

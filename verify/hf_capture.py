@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from verify.capture import flat
+
 # Engine leaf name -> the HF leaves whose outputs, concatenated, are its output.
 FUSED = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -19,12 +21,14 @@ FUSED = {
 
 @torch.inference_mode()
 def hf_activations(model: torch.nn.Module, ids: list[int]) -> dict[str, torch.Tensor]:
-    """HF module name -> its output on `ids` as float32 `[tokens, features]` on the CPU."""
+    """HF module name -> its first floating output on `ids` as float32 `[rows, features]` on
+    the CPU (rows are tokens where the output is per token), flattened as the engine's
+    captures are (`verify.capture.flat`)."""
     out: dict[str, torch.Tensor] = {}
     handles = []
     for name, module in model.named_modules():
         if name:
-            handles.append(module.register_forward_hook(_keep(out, name)))
+            handles.append(module.register_forward_hook(_keep(out, name, len(ids))))
     try:
         model(torch.tensor([ids], device=model.device))
     finally:
@@ -33,15 +37,12 @@ def hf_activations(model: torch.nn.Module, ids: list[int]) -> dict[str, torch.Te
     return out
 
 
-def _keep(out: dict, name: str):
+def _keep(out: dict, name: str, tokens: int):
     def hook(module, inputs, output):
         t = output[0] if isinstance(output, tuple) else output
-        if isinstance(t, torch.Tensor) and name not in out and t.is_floating_point():
-            t = t.detach()
-            while t.dim() > 2 and t.shape[0] == 1:
-                t = t[0]
-            if t.dim() >= 2:
-                out[name] = t.reshape(t.shape[0], -1).float().cpu()
+        if isinstance(t, torch.Tensor) and name not in out and t.is_floating_point() \
+                and t.dim() >= 2:
+            out[name] = flat(t, tokens)
     return hook
 
 

@@ -75,12 +75,7 @@ def _fresh(t: torch.Tensor) -> torch.Tensor:
 
 
 def _chunk(full: torch.Tensor, dim: int, rank: int, size: int, name: str) -> torch.Tensor:
-    length = full.shape[dim]
-    if length % size:
-        raise ShardError(f"{name}: dim {dim} of size {length} cannot be split across "
-                         f"tp_size={size}")
-    step = length // size
-    return _fresh(full.narrow(dim, rank * step, step))
+    return _fresh(_chunk_view(full, dim, rank, size, name))
 
 
 def _chunk_view(full: torch.Tensor, dim: int, rank: int, size: int, name: str) -> torch.Tensor:

@@ -8,23 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from interpreted import TP_SIZES, interpreter  # noqa: F401  (module-wide fixture)
+from interpreted import assert_close as _assert_close
 
 from freetoken.layers.linear import local_kv_heads
-
-TP_SIZES = (1, 2, 4, 8)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def interpreter():
-    """Kernels in this process run interpreted (sets TRITON_INTERPRET=1 for the process)."""
-    from freetoken.kernels import use_interpreter
-
-    use_interpreter()
-
-
-def _assert_close(got, want, what):
-    atol = 1e-5 * max(float(want.abs().max()), 1e-30)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
 def _make_experts(experts: int, hidden: int, inter: int, seed: int):

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from verify.capture import FULL, PARTIAL, _flat, unshard
+from verify.capture import FULL, PARTIAL, flat, unshard
 from verify.checks.bisect import Bisection, Row, rel_l2
 from verify.hf_capture import NameMap
 
@@ -60,9 +60,9 @@ def test_partial_sums_add_and_full_takes_rank_zero():
 def test_flat_rows_are_tokens():
     """A one-token decode keeps one row, whatever its head dims; a [1, T, C] batch drops the
     batch dim; an LM head on the last token keeps its single row."""
-    assert _flat(torch.randn(1, 4, 16), tokens=1).shape == (1, 64)
-    assert _flat(torch.randn(1, 7, 12), tokens=7).shape == (7, 12)
-    assert _flat(torch.randn(1, 301), tokens=23).shape == (1, 301)
+    assert flat(torch.randn(1, 4, 16), tokens=1).shape == (1, 64)
+    assert flat(torch.randn(1, 7, 12), tokens=7).shape == (7, 12)
+    assert flat(torch.randn(1, 301), tokens=23).shape == (1, 301)
 
 
 def _make_bisection(*rows: Row) -> Bisection:
