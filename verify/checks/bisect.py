@@ -263,12 +263,13 @@ def _logit_bound(ctx: CheckContext) -> float:
     """Without HF at the engine's dtype, a module may differ from TP=1 by as much as golden
     lets the logits differ (for a bundled case: its stored low-precision baseline)."""
     from verify.compare import effective_tolerance
-    from verify.references import golden_reference
+    from verify.references import reference_for, reference_source
 
     dtype = resolve_dtype(ctx.options.dtype, ctx.case.model_config)
     baseline = None
-    if ctx.case.bundled and ctx.options.num_layers is None:
-        stored = golden_reference(ctx.case, ctx.options).baseline
+    if reference_source(ctx.case, ctx.options) == "golden":
+        # The run's stored reference, loaded once and shared with golden.
+        stored = reference_for(ctx).baseline
         baseline = stored[0] if stored else None
     return effective_tolerance(dtype, baseline).max_rel_l2
 
