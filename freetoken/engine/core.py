@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 from freetoken.config import EngineConfig, ModelConfig
+from freetoken.context import ForwardContext, device_batch, set_forward_context
 from freetoken.distributed import get_communicator, get_tp_info
-from freetoken.engine.context import ForwardContext, device_batch, set_forward_context
 from freetoken.engine.graphs import DecodeGraphs
 from freetoken.engine.kv_cache import BlockManager, StatePool, allocate_kv_cache
 from freetoken.engine.sampler import sample

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from freetoken.engine.context import DeviceBatch, ForwardContext, set_forward_context
+from freetoken.context import DeviceBatch, ForwardContext, set_forward_context
 
 
 def buckets(max_batch: int) -> list[int]:

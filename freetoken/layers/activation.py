@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from freetoken.engine.context import uses_kernels
+from freetoken.context import uses_kernels
 from freetoken.kernels import norm_rope
 
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from freetoken.engine.context import ForwardContext, get_forward_context
+from freetoken.context import ForwardContext, get_forward_context
 from freetoken.kernels import paged_attention as kernel
 
 

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from freetoken.context import uses_kernels
 from freetoken.distributed import divide, get_tp_info
-from freetoken.engine.context import uses_kernels
 from freetoken.kernels import fused_moe
 from freetoken.layers.activation import silu_and_mul
 

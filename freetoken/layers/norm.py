@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from freetoken.engine.context import uses_kernels
+from freetoken.context import uses_kernels
 from freetoken.kernels import norm_rope
 
 

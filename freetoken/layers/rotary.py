@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from freetoken.engine.context import uses_kernels
+from freetoken.context import uses_kernels
 from freetoken.kernels import norm_rope
 
 

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from freetoken.context import get_forward_context, uses_kernels
 from freetoken.distributed import divide, get_tp_info
-from freetoken.engine.context import get_forward_context, uses_kernels
 from freetoken.kernels.delta_rule import conv_update, gated_delta_decode
 from freetoken.layers.causal_conv import CausalConv1d
 from freetoken.layers.delta_rule import (
