@@ -112,7 +112,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _use_mode(ctx, mode: str) -> None:
     """Switch the loader to `mode`'s path in this rank process."""
-    from freetoken.loading import specs
+    from freetoken.formats import specs
     from verify.faults import double_copy_load
 
     if mode == "fast":

@@ -157,7 +157,7 @@ def _parse_quantization(raw: dict | None):
     """config.json's `quantization_config` as an NVFP4Config (None when absent)."""
     if raw is None:
         return None
-    from freetoken.layers.quantization.nvfp4.checkpoint import (
+    from freetoken.formats.nvfp4.checkpoint import (
         NVFP4ConfigError,
         parse_quant_config,
     )
@@ -171,7 +171,7 @@ def _parse_quantization(raw: dict | None):
 def _read_quantization(folder: Path):
     """A checkpoint folder's NVFP4Config: `hf_quant_config.json` first, else config.json's
     `quantization_config`; None when unquantized."""
-    from freetoken.layers.quantization.nvfp4.checkpoint import (
+    from freetoken.formats.nvfp4.checkpoint import (
         NVFP4ConfigError,
         read_quant_config,
     )

@@ -186,7 +186,7 @@ def o_proj_next_rank() -> None:
 def expert_down_split_rows() -> None:
     """Qwen3-MoE expert down_proj split on its output rows (like gate/up) instead of its
     input columns: a shape error naming the tensor at load."""
-    from freetoken.loading.specs import Split
+    from freetoken.formats.specs import Split
 
     _respec("qwen3_moe", "down_proj", lambda spec: Split(0))
 

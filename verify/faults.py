@@ -37,8 +37,8 @@ def plain_chunk_gate_up() -> None:
     of splitting gate and up separately: rank 0 of 2 gets all of gate, rank 1 all of up."""
     import freetoken.engine.core as core
     from freetoken.distributed import get_tp_info
+    from freetoken.formats.specs import Split
     from freetoken.layers.linear import MergedColumnParallelLinear
-    from freetoken.loading.specs import Split
 
     original = core.load_weights
 
@@ -67,7 +67,7 @@ def drop_row_parallel_allreduce() -> None:
 
 def kv_head_wrong_rank() -> None:
     """With fewer KV heads than ranks, each rank loads the KV head of the next rank over."""
-    from freetoken.loading.specs import Heads
+    from freetoken.formats.specs import Heads
 
     def owner(self, rank, size):
         return (rank * self.num_heads // size + 1) % self.num_heads
@@ -82,7 +82,7 @@ def _view_chunk(full, dim, rank, size, name):
 
 def shard_views() -> None:
     """Shard functions return `narrow()` views of the checkpoint tensor instead of copies."""
-    from freetoken.loading import specs
+    from freetoken.formats import specs
 
     specs._chunk = _view_chunk
     specs.Replicate.shard = lambda self, full, rank, size, name="": full
@@ -90,7 +90,7 @@ def shard_views() -> None:
 
 def split_replicated() -> None:
     """Tensors meant to be replicated (norms, routers) are split across ranks instead."""
-    from freetoken.loading import specs
+    from freetoken.formats import specs
 
     specs.Replicate.shard = lambda self, full, rank, size, name="": _view_chunk(
         full, 0, rank, size, name).clone()
@@ -102,7 +102,7 @@ def split_replicated() -> None:
 def vocab_pad_dropped() -> None:
     """Vocab-parallel rows are cut in ceil(vocab / tp) chunks without padding, so the last
     rank gets a short shard."""
-    from freetoken.loading import specs
+    from freetoken.formats import specs
 
     def rows(self, full, rank, size, name=""):
         step = -(-self.full_size // size)
@@ -143,8 +143,8 @@ def _plain_chunk_rules(arch: str, needle: str) -> None:
     row chunk (dim 0), keeping destinations as they are."""
     import dataclasses
 
+    from freetoken.formats.specs import Split
     from freetoken.loading.plan import ShardPlan
-    from freetoken.loading.specs import Split
     from freetoken.models import registry
 
     original = registry.PLANS[arch]
@@ -178,8 +178,8 @@ def plain_chunk_expert_gate_up() -> None:
     of gate and up split separately."""
     import freetoken.engine.core as core
     from freetoken.distributed import get_tp_info
+    from freetoken.formats.specs import Split
     from freetoken.layers.moe import FusedExperts
-    from freetoken.loading.specs import Split
 
     original = core.load_weights
 

@@ -71,7 +71,7 @@ def plain_chunk_gdn_zba() -> None:
     """GatedDeltaNet in_proj_z, in_proj_b and in_proj_a loaded as one packed `[z | b | a]`
     cut in plain row chunks: each rank's z slot gets z rows, but its b and a slots get more
     z rows instead of the b and a of its value heads."""
-    from freetoken.loading.specs import Split
+    from freetoken.formats.specs import Split
     from freetoken.models.qwen3_5_moe.gdn import GatedDeltaNet
 
     def patch(model, reader, tp):
@@ -91,7 +91,7 @@ def plain_chunk_gdn_zba() -> None:
 def plain_chunk_shared_gate_up() -> None:
     """The shared expert's merged gate|up weight filled with a plain row chunk of the packed
     `[gate; up]`: at TP 2 rank 0 gets all of gate, rank 1 all of up."""
-    from freetoken.loading.specs import Split
+    from freetoken.formats.specs import Split
 
     def patch(model, reader, tp):
         names = reader.names()
@@ -111,7 +111,7 @@ def nvfp4_scale_group_shifted() -> None:
     """NVFP4 block scales of a split input dimension start one 16-input group late on every
     rank after the first (a fencepost in the group offset), wrapping around: the scales no
     longer line up with the packed inputs they scale."""
-    from freetoken.layers.quantization.nvfp4 import specs
+    from freetoken.formats.nvfp4 import specs
 
     original = specs.InputSplit.shard
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from freetoken.formats.nvfp4.format import check_shapes
 from freetoken.kernels import nvfp4_moe
-from freetoken.layers.quantization.nvfp4.format import check_shapes
 
 
 def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tensor,

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from freetoken.formats.nvfp4.format import GROUP, NVFP4FormatError
 from freetoken.kernels.moe_align import align_by_expert
-from freetoken.layers.quantization.nvfp4.format import GROUP, NVFP4FormatError
 
 DECODE_MAX_TOKENS = 16
 """Up to this many tokens, each (token, slot) pair streams its expert's weights itself."""

@@ -21,11 +21,11 @@ from torch import nn
 from tqdm import tqdm
 
 from freetoken.distributed import get_tp_info
+from freetoken.formats.shard import shard_into
 from freetoken.loading import staging
 from freetoken.loading.checkpoint import CheckpointReader
 from freetoken.loading.finite import check_finite
 from freetoken.loading.plan import ShardPlan, slot_key
-from freetoken.loading.specs import shard_into
 from freetoken.loading.staging import PinnedStager, release_pinned
 
 MAX_THREADS = 8

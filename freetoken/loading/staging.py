@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from freetoken.loading.specs import Piece, ShardPieces
+from freetoken.formats.shard import Piece, ShardPieces
 
 STAGE_BYTES = 16 << 20
 """Bytes per pinned buffer: large enough that a transfer runs at the bus's speed."""

@@ -7,11 +7,11 @@ from torch import nn
 from freetoken.config import ModelConfig
 from freetoken.loading.plan import ShardPlan
 from freetoken.models.llama import LlamaForCausalLM
-from freetoken.models.plans import decoder_plan
 from freetoken.models.qwen3 import Qwen3ForCausalLM
 from freetoken.models.qwen3_5_moe.model import Qwen35MoeForCausalLM
 from freetoken.models.qwen3_5_moe.plan import qwen3_5_moe_plan
 from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM
+from freetoken.models.shard_rules import decoder_plan
 
 MODELS: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
@@ -57,8 +57,8 @@ def check_tp(cfg: ModelConfig, tp_size: int) -> None:
 def _check_nvfp4_experts(cfg: ModelConfig, tp_size: int) -> None:
     """NVFP4 experts split their inputs (down_proj's) on 16-element group boundaries: a
     ValueError naming the dimension before any rank starts."""
-    from freetoken.layers.quantization.nvfp4.format import GROUP
-    from freetoken.layers.quantization.nvfp4.specs import local_inputs
+    from freetoken.formats.nvfp4.format import GROUP
+    from freetoken.formats.nvfp4.specs import local_inputs
 
     if cfg.hidden_size % GROUP:
         raise ValueError(f"hidden_size={cfg.hidden_size} is not a multiple of the "

@@ -9,8 +9,8 @@ import ptx_emulator
 import pytest
 import torch
 
-from freetoken.layers.quantization.nvfp4.format import NVFP4FormatError
-from freetoken.layers.quantization.nvfp4.quantizer import quantize
+from freetoken.formats.nvfp4.format import NVFP4FormatError
+from freetoken.formats.nvfp4.quantizer import quantize
 from freetoken.layers.quantization.nvfp4.reference import reference_moe
 from verify.checks.kernels import make_experts
 
@@ -92,8 +92,8 @@ def test_ptx_word_decode_gives_every_e2m1_value_exactly():
     """The PTX of the GPU decode kernels, executed instruction by instruction on the CPU with
     the tables the kernels pass it, turns every nibble value at every position of a word into
     the float32 e2m1 value bit for bit (signs and zeros included)."""
+    from freetoken.formats.nvfp4.format import E2M1_VALUES
     from freetoken.kernels import nvfp4_jit
-    from freetoken.layers.quantization.nvfp4.format import E2M1_VALUES
 
     program = nvfp4_jit._word_asm()
     tables = {"$9": nvfp4_jit.BF16_HIGH[0], "$10": nvfp4_jit.BF16_HIGH[1],

@@ -11,10 +11,16 @@ import torch
 
 from freetoken.config import ModelConfig
 from freetoken.distributed import TPInfo, reset_tp_info, set_tp_info
+from freetoken.formats.specs import (
+    Heads,
+    InterleavedHeads,
+    PaddedSplit,
+    Replicate,
+    Segments,
+    Split,
+)
 from freetoken.loading import CheckpointReader, load_weights, loader
-from freetoken.loading.specs import Heads, PaddedSplit, Replicate, Segments, Split
 from freetoken.loading.staging import FileReader, _row_pieces, fill
-from freetoken.models.qwen3_5_moe.specs import InterleavedHeads
 from freetoken.models.registry import build_model, shard_plan
 from verify.cases import CASES, GOLDEN
 from verify.faults import double_copy_load

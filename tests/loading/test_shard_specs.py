@@ -1,4 +1,4 @@
-"""Property tests of the shard specs (freetoken.loading.specs) and unit tests of
+"""Property tests of the shard specs (freetoken.formats.specs) and unit tests of
 `ShardPlan.resolve`.
 
 Every full tensor here is made of random bytes reinterpreted as its dtype, so NaNs, infinities
@@ -13,8 +13,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from freetoken.formats.shard import ShardError
+from freetoken.formats.specs import Heads, PaddedSplit, Replicate, Segments, Split
 from freetoken.loading.plan import Rule, ShardPlan
-from freetoken.loading.specs import Heads, PaddedSplit, Replicate, Segments, ShardError, Split
 
 TP_SIZES = (1, 2, 4, 8)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.int64)

@@ -20,7 +20,7 @@ from conftest import GOLDEN, case_differences
 
 from freetoken import LLM, SamplingParams
 from freetoken.config import ConfigError, ModelConfig
-from freetoken.layers.quantization.nvfp4.checkpoint import parse_quant_config
+from freetoken.formats.nvfp4.checkpoint import parse_quant_config
 from freetoken.models.registry import check_tp
 from verify.cases import CASES, load_reference, write_case
 from verify.cli import main

@@ -12,13 +12,13 @@ import torch
 from conftest import GOLDEN
 
 from freetoken.config import ConfigError, ModelConfig
+from freetoken.formats.specs import InterleavedHeads
 from freetoken.layers.causal_conv import CausalConv1d
 from freetoken.layers.delta_rule import (
     chunk_gated_delta_rule,
     l2norm,
     recurrent_gated_delta_rule,
 )
-from freetoken.models.qwen3_5_moe.specs import InterleavedHeads
 from freetoken.models.registry import check_tp
 
 CASE = "tiny-qwen3.5-moe"

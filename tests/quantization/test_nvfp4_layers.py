@@ -8,16 +8,17 @@ import pytest
 import torch
 
 from freetoken.distributed import TPInfo, reset_tp_info, set_tp_info
+from freetoken.formats.nvfp4.quantizer import quantize
+from freetoken.formats.nvfp4.specs import PACKED, SCALE, InputSplit
+from freetoken.formats.shard import ShardError
+from freetoken.formats.specs import Split
 from freetoken.layers.quantization.nvfp4 import NVFP4FusedExperts, NVFP4Linear
 from freetoken.layers.quantization.nvfp4.backend import (
     BackendError,
     choose_backend,
     triton_unavailable_reason,
 )
-from freetoken.layers.quantization.nvfp4.quantizer import quantize
 from freetoken.layers.quantization.nvfp4.reference import reference_linear
-from freetoken.layers.quantization.nvfp4.specs import PACKED, SCALE, InputSplit
-from freetoken.loading.specs import ShardError, Split
 
 
 def test_cpu_defaults_to_torch_and_triton_refusals_say_why(monkeypatch):

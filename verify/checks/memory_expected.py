@@ -104,7 +104,7 @@ def parameter_part(folder: str, model: ModelConfig, num_layers: int | None,
                    dtype: torch.dtype, rank: int, size: int) -> Part:
     """Rank-dependent: the sum of this rank's shard shapes (and, padding aside, 1/size of
     the split tensors)."""
-    from freetoken.layers.quantization.nvfp4.specs import GlobalScale
+    from freetoken.formats.nvfp4.specs import GlobalScale
     from freetoken.loading import CheckpointReader
     from freetoken.models.registry import shard_plan
 

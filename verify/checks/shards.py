@@ -56,7 +56,8 @@ def owns_storage(t: torch.Tensor) -> bool:
 
 def _audit(rank_ctx, engine_args: dict) -> dict:
     """Runs on every rank; rank 0 also checks round trips and replication across ranks."""
-    from freetoken.loading import CheckpointReader, ShardError
+    from freetoken.formats.shard import ShardError
+    from freetoken.loading import CheckpointReader
     from verify.engine import resident_engine
 
     audit = _Audit(rank_ctx, engine_args)
@@ -185,7 +186,7 @@ class _Audit:
                 return
 
     def _across_ranks(self, name, full, spec, shards) -> None:
-        from freetoken.loading.specs import Replicate
+        from freetoken.formats.specs import Replicate
 
         parts = [shards[r] for r in range(self.size)]
         back = spec.unshard(parts, name)

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from freetoken.formats.nvfp4.format import GROUP
 from freetoken.kernels import interpreter_requested, triton_available
-from freetoken.layers.quantization.nvfp4.format import GROUP
 
 TRITON, TORCH = "triton", "torch"
 BACKENDS = ("auto", TRITON, TORCH)

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from freetoken.layers.quantization.nvfp4.format import GROUP, check_shapes
-from freetoken.layers.quantization.nvfp4.quantizer import NVFP4Tensor
+from freetoken.formats.nvfp4.format import GROUP, check_shapes
+from freetoken.formats.nvfp4.quantizer import NVFP4Tensor
 
 MODELOPT = "modelopt"
 COMPRESSED_TENSORS = "compressed-tensors"
