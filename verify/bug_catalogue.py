@@ -167,14 +167,14 @@ def _respec(arch: str, needle: str, make) -> None:
     from freetoken.loading.plan import ShardPlan
     from freetoken.models import registry
 
-    original = registry.PLANS[arch]
+    original = registry.ARCHITECTURES[arch].plan
 
     def plan(cfg, tp):
         rules = [dataclasses.replace(r, spec=make(r.spec)) if needle in r.pattern else r
                  for r in original(cfg, tp).rules]
         return ShardPlan(rules, tp)
 
-    registry.PLANS[arch] = plan
+    registry.ARCHITECTURES[arch] = dataclasses.replace(registry.ARCHITECTURES[arch], plan=plan)
 
 
 def o_proj_next_rank() -> None:

@@ -287,9 +287,9 @@ class Case:
 
     @cached_property
     def model_config(self):
-        from freetoken.config import ModelConfig
+        from freetoken.models.registry import load_config
 
-        return ModelConfig.from_folder(self.folder)
+        return load_config(self.folder)
 
     def engine_args(self, options) -> dict:
         """What a rank needs to build this model's engine under `options`."""

@@ -147,14 +147,14 @@ def _plain_chunk_rules(arch: str, needle: str) -> None:
     from freetoken.loading.plan import ShardPlan
     from freetoken.models import registry
 
-    original = registry.PLANS[arch]
+    original = registry.ARCHITECTURES[arch].plan
 
     def plan(cfg, tp):
         rules = [dataclasses.replace(r, spec=Split(0)) if needle in r.pattern else r
                  for r in original(cfg, tp).rules]
         return ShardPlan(rules, tp)
 
-    registry.PLANS[arch] = plan
+    registry.ARCHITECTURES[arch] = dataclasses.replace(registry.ARCHITECTURES[arch], plan=plan)
 
 
 def plain_chunk_gdn_qkv() -> None:

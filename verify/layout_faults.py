@@ -28,14 +28,14 @@ def _replace_rule_specs(arch: str, needles: tuple[str, ...], spec) -> None:
     from freetoken.loading.plan import ShardPlan
     from freetoken.models import registry
 
-    original = registry.PLANS[arch]
+    original = registry.ARCHITECTURES[arch].plan
 
     def plan(cfg, tp):
         rules = [dataclasses.replace(r, spec=spec) if any(n in r.pattern for n in needles)
                  else r for r in original(cfg, tp).rules]
         return ShardPlan(rules, tp)
 
-    registry.PLANS[arch] = plan
+    registry.ARCHITECTURES[arch] = dataclasses.replace(registry.ARCHITECTURES[arch], plan=plan)
 
 
 def gdn_heads_from_first() -> None:

@@ -5,6 +5,7 @@ machinery is `freetoken.loading.plan`; the specs are `freetoken.formats`."""
 from __future__ import annotations
 
 from freetoken.config import ModelConfig
+from freetoken.distributed import divide
 from freetoken.formats.nvfp4.checkpoint import COMPRESSED_TENSORS, tensor_suffixes
 from freetoken.formats.nvfp4.specs import PACKED, SCALE, GlobalScale, InputSplit, local_inputs
 from freetoken.formats.specs import Heads, PaddedSplit, Replicate, Split
@@ -118,3 +119,14 @@ def decoder_plan(cfg: ModelConfig, tp: int) -> ShardPlan:
         rules += expert_rules(rf"{LAYER}\.mlp\.experts\.(?P<e>\d+)", r"\g<p>.mlp.experts",
                               cfg.moe_intermediate_size, tp)
     return ShardPlan(rules, tp)
+
+
+def check_decoder_tp(cfg: ModelConfig, tp: int) -> None:
+    """ValueError naming the first dimension of a Llama-style decoder `tp` ranks cannot split
+    (attention heads, KV heads unless replicated, dense and expert intermediate sizes)."""
+    divide(cfg.num_attention_heads, tp, "num_attention_heads")
+    local_kv_heads(cfg.num_key_value_heads, tp)
+    if any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
+        divide(cfg.intermediate_size, tp, "intermediate_size")
+    if cfg.num_experts:
+        divide(cfg.moe_intermediate_size, tp, "moe_intermediate_size")

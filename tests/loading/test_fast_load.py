@@ -21,7 +21,7 @@ from freetoken.formats.specs import (
 )
 from freetoken.loading import CheckpointReader, load_weights, loader
 from freetoken.loading.staging import FileReader, _row_pieces, fill
-from freetoken.models.registry import build_model, shard_plan
+from freetoken.models.registry import build_model, load_config, shard_plan
 from verify.cases import CASES, GOLDEN
 from verify.faults import double_copy_load
 
@@ -70,7 +70,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 def test_fast_path_matches_shard_path_on_bundled_cases(case, dtype, monkeypatch):
     """Every parameter of every rank at TP 1, 2, 4, 8 is bitwise the same either way."""
     folder = GOLDEN / case
-    cfg = ModelConfig.from_folder(folder)
+    cfg = load_config(folder)
     slow_copy = loader._copy_shard
     for tp in TP_SIZES:
         for rank in range(tp):
@@ -91,7 +91,7 @@ def test_gpu_staging_matches_shard_path_on_bundled_cases(case, monkeypatch):
     from freetoken.loading import staging
 
     folder = GOLDEN / case
-    cfg = ModelConfig.from_folder(folder)
+    cfg = load_config(folder)
     monkeypatch.setattr(staging, "STAGE_BYTES", 4096)
     slow_copy = loader._copy_shard
     for tp in TP_SIZES:
@@ -136,7 +136,7 @@ def test_staging_fill_reads_the_file_bitwise(case, dtype):
     checkpoint's dtype) and by copying from the mapped view elsewhere (casts, column splits),
     reassemble every shard of every bundled tensor at TP 1, 2, 4, 8 bit for bit."""
     folder = GOLDEN / case
-    cfg = ModelConfig.from_folder(folder)
+    cfg = load_config(folder)
     reader = CheckpointReader(folder)
     files = FileReader(reader)
     try:

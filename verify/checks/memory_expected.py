@@ -46,7 +46,9 @@ class Part:
 def expected_parts(folder: str, cfg: EngineConfig, dtype: torch.dtype, rank: int,
                    size: int) -> dict[str, Part]:
     """The expected bytes of `rank` of `size`, by part (parameters, KV cache, GDN states)."""
-    model = ModelConfig.from_folder(folder)
+    from freetoken.models.registry import load_config
+
+    model = load_config(folder)
     if cfg.num_layers is not None:
         model = model.truncated(cfg.num_layers)
     parts = [parameter_part(folder, model, cfg.num_layers, dtype, rank, size),

@@ -76,10 +76,9 @@ def _audit(rank_ctx, engine_args: dict) -> dict:
 
 class _Audit:
     def __init__(self, rank_ctx, engine_args: dict):
-        from freetoken.config import ModelConfig
-        from freetoken.models.registry import build_model, shard_plan
+        from freetoken.models.registry import build_model, load_config, shard_plan
 
-        cfg = ModelConfig.from_folder(engine_args["folder"])
+        cfg = load_config(engine_args["folder"])
         if engine_args["num_layers"] is not None:
             cfg = cfg.truncated(engine_args["num_layers"])
         self.rank, self.size = rank_ctx.rank, rank_ctx.size

@@ -7,6 +7,9 @@ from __future__ import annotations
 import math
 import re
 
+from freetoken.distributed import divide
+from freetoken.formats.nvfp4.format import GROUP
+from freetoken.formats.nvfp4.specs import local_inputs
 from freetoken.formats.specs import (
     Heads,
     InterleavedHeads,
@@ -18,7 +21,7 @@ from freetoken.formats.specs import (
 from freetoken.layers.linear import local_kv_heads
 from freetoken.loading.plan import Rule, ShardPlan
 from freetoken.models.qwen3_5_moe.config import Qwen35MoeConfig
-from freetoken.models.shard_rules import expert_rules
+from freetoken.models.shard_rules import check_decoder_tp, expert_rules
 
 DEST = r"model.layers.\g<l>"
 
@@ -113,3 +116,18 @@ def moe_rules(cfg: Qwen35MoeConfig, tp: int, layer: str) -> list[Rule]:
              f"{dest}.shared_expert.down_proj.weight"),
     ] + expert_rules(expert, f"{dest}.experts", cfg.moe_intermediate_size, tp,
                      cfg.quantization.producer if cfg.nvfp4_experts else None)
+
+
+def check_qwen3_5_moe_tp(cfg: Qwen35MoeConfig, tp: int) -> None:
+    """ValueError naming the first dimension `tp` ranks cannot split: the decoder's, then the
+    GatedDeltaNet heads and the shared expert; NVFP4 experts split their inputs (down_proj's)
+    on 16-element group boundaries, checked before any rank starts."""
+    check_decoder_tp(cfg, tp)
+    divide(cfg.linear_num_key_heads, tp, "linear_num_key_heads")
+    divide(cfg.linear_num_value_heads, tp, "linear_num_value_heads")
+    divide(cfg.shared_expert_intermediate_size, tp, "shared_expert_intermediate_size")
+    if cfg.nvfp4_experts:
+        if cfg.hidden_size % GROUP:
+            raise ValueError(f"hidden_size={cfg.hidden_size} is not a multiple of the "
+                             f"{GROUP}-element NVFP4 group")
+        local_inputs(cfg.moe_intermediate_size, tp, "moe_intermediate_size")
