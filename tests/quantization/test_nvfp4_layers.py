@@ -39,6 +39,28 @@ def test_cpu_defaults_to_torch_and_triton_refusals_say_why(monkeypatch):
         choose_backend("cpu", torch.float32, 64, requested="cutlass")
 
 
+def test_backend_is_decided_once_per_configuration(monkeypatch):
+    """Layers ask for their backend on every forward: the decision (triton's presence, the
+    device) is made once per configuration, and again only for a new configuration or a
+    changed interpreter switch."""
+    from freetoken.layers.quantization.nvfp4 import backend
+
+    calls = []
+    decide = backend.triton_unavailable_reason
+    monkeypatch.setattr(backend, "triton_unavailable_reason",
+                        lambda *args: calls.append(args) or decide(*args))
+    backend._choose.cache_clear()
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for _ in range(3):
+        choose_backend("cpu", torch.float32, 64, 32)
+    assert len(calls) == 1, f"3 identical choices decided {len(calls)} times"
+    choose_backend("cpu", torch.float32, 64, 48)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert choose_backend("cpu", torch.float32, 64, 32).name == "torch"
+    assert len(calls) == 3, f"2 new configurations decided {len(calls) - 1} times"
+    backend._choose.cache_clear()
+
+
 def test_experts_refuse_an_intermediate_that_cuts_groups():
     """moe_intermediate_size=96 at tp=4 gives 24 per rank: not whole groups, named."""
     reset_tp_info()
