@@ -145,8 +145,8 @@ def test_fused_moe_names_the_mis_shaped_tensor():
 
 
 def test_layers_triton_backend_matches_torch_backend():
-    """NVFP4FusedExperts and NVFP4Linear give the same output on either backend."""
-    from freetoken.layers.quantization.nvfp4 import NVFP4FusedExperts, NVFP4Linear
+    """NVFP4FusedExperts gives the same output on either backend."""
+    from freetoken.layers.quantization.nvfp4 import NVFP4FusedExperts
 
     w = make_experts(4, 64, 32, 1, seed=3)
     layers = {b: NVFP4FusedExperts(4, 64, 32, backend=b) for b in ("torch", "triton")}
@@ -157,14 +157,6 @@ def test_layers_triton_backend_matches_torch_backend():
             getattr(layer, name).data.copy_(w[src])
     x, weights, ids = _make_routing(9, 4, 2, 64, seed=3)
     _assert_close(layers["triton"](x, weights, ids), layers["torch"](x, weights, ids), "moe")
-    q = quantize(torch.randn(32, 64, generator=torch.Generator().manual_seed(4)))
-    linears = {b: NVFP4Linear(64, 32, backend=b, bias=True) for b in ("torch", "triton")}
-    for layer in linears.values():
-        layer.weight.data.copy_(q.packed)
-        layer.weight_scale.data.copy_(q.block_scale)
-        layer.weight_scale_2.data.copy_(q.global_scale)
-        layer.bias.data.copy_(torch.arange(32.0))
-    _assert_close(linears["triton"](x), linears["torch"](x), "linear")
 
 
 def test_decode_kernels_compile_for_sm90_with_their_ptx():

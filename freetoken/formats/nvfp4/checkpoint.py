@@ -77,10 +77,6 @@ class NVFP4Config:
         """True when stored global scales divide (compressed-tensors) instead of multiply."""
         return self.producer == COMPRESSED_TENSORS
 
-    def suffixes(self) -> dict[str, str]:
-        """Checkpoint tensor suffix -> normalised field."""
-        return tensor_suffixes(self.producer)
-
 
 def tensor_suffixes(producer: str) -> dict[str, str]:
     """`producer`'s checkpoint tensor suffix -> normalised (ModelOpt) field."""
