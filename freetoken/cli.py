@@ -1,4 +1,5 @@
-"""`freetoken generate`: run the engine from the command line."""
+"""`freetoken generate`: run the engine from the command line; `freetoken plan`: print how a
+checkpoint splits across ranks."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def _parse_ids(text: str) -> list[int]:
                                  param_hint="--prompt-ids") from None
 
 
-@click.group()
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """FreeToken: a tensor-parallel LLM inference engine."""
 
@@ -88,8 +89,9 @@ def _generate(prompts, model, tp, device, dtype, oversubscribe, sampling: dict,
 
     try:
         params = SamplingParams(**sampling)
+        # Progress bars redraw with carriage returns: only for a person at a terminal.
         with LLM(model, tp=tp, device=device, dtype=dtype, oversubscribe=oversubscribe,
-                 enforce_eager=enforce_eager) as llm:
+                 enforce_eager=enforce_eager, progress=sys.stderr.isatty()) as llm:
             return llm.generate(prompts, params)
     except RankError as e:
         if e.summary.split(":")[0] in INPUT_FAULTS:
@@ -102,6 +104,23 @@ def _generate(prompts, model, tp, device, dtype, oversubscribe, sampling: dict,
         click.echo(e.describe(), err=True)
         click.echo(f"error: {e}", err=True)
         sys.exit(1)
+    except USAGE_ERRORS as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+
+
+@main.command()
+@click.option("--model", required=True, help="checkpoint folder or hub id in the local HF cache")
+@click.option("--tp", type=PositiveInt(), required=True, help="tensor-parallel size")
+@click.option("--tensor", "pattern", default=None,
+              help="only checkpoint tensors whose name matches this regex (re.search)")
+def plan(model, tp, pattern) -> None:
+    """Print, per checkpoint tensor, its shard rule, spec, destination and the global rows
+    and columns each rank holds."""
+    from freetoken.plan_view import print_plan
+
+    try:
+        sys.exit(print_plan(model, tp, pattern, click.echo))
     except USAGE_ERRORS as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
