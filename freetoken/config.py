@@ -149,21 +149,27 @@ def _parse_quantization(raw: dict | None):
         raise ConfigError(str(e)) from None
 
 
-def decoder_config(arch: str) -> Callable[[dict, Any], ModelConfig]:
-    """The config parser of a plain decoder family (`arch`): the common fields, no
+def decoder_config(arch: str, qk_norm: bool = False, norm_topk_prob: bool = True
+                   ) -> Callable[[dict, Any], ModelConfig]:
+    """The config parser of a plain decoder family (`arch`): the common fields, per-head q/k
+    RMSNorm when `qk_norm`, `norm_topk_prob` when the HF config leaves it out; no
     quantization."""
 
     def parse(hf: dict, quantization: Any) -> ModelConfig:
         if quantization is not None:
             raise ConfigError(f"{arch}: NVFP4 checkpoints are not supported for this "
                               "architecture")
-        return ModelConfig(**common_fields(hf, arch))
+        fields = common_fields(hf, arch)
+        fields.update(qk_norm=qk_norm,
+                      norm_topk_prob=bool(hf.get("norm_topk_prob", norm_topk_prob)))
+        return ModelConfig(**fields)
 
     return parse
 
 
 def common_fields(hf: dict, arch: str) -> dict:
-    """ModelConfig's fields from a flat (text) HF config dict."""
+    """ModelConfig's fields from a flat (text) HF config dict, the ones every decoder reads
+    alike; a family's parser sets or overrides the rest."""
     heads = hf["num_attention_heads"]
     theta, scaling = _rope(hf)
     eos = hf.get("eos_token_id")
@@ -185,11 +191,10 @@ def common_fields(hf: dict, arch: str) -> dict:
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=bool(hf.get("attention_bias", False)),
-        qk_norm=arch in ("qwen3", "qwen3_moe"),
         num_experts=hf.get("num_experts") or hf.get("num_local_experts") or 0,
         num_experts_per_tok=hf.get("num_experts_per_tok", 0),
         moe_intermediate_size=hf.get("moe_intermediate_size", 0),
-        norm_topk_prob=bool(hf.get("norm_topk_prob", arch != "qwen3_moe")),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
         decoder_sparse_step=hf.get("decoder_sparse_step", 1) or 1,
         mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
         dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
