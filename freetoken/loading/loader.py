@@ -21,7 +21,7 @@ from torch import nn
 from tqdm import tqdm
 
 from freetoken.distributed import get_tp_info
-from freetoken.formats.shard import shard_into
+from freetoken.formats.shard import ShardSpec, shard_into
 from freetoken.loading import staging
 from freetoken.loading.checkpoint import CheckpointReader
 from freetoken.loading.finite import check_finite
@@ -44,7 +44,7 @@ class _Job:
 
     name: str
     full: torch.Tensor
-    spec: object
+    spec: ShardSpec
     dest: torch.Tensor
     nbytes: int
 
