@@ -23,7 +23,7 @@ from tqdm import tqdm
 from freetoken.distributed import get_tp_info
 from freetoken.loading import staging
 from freetoken.loading.checkpoint import CheckpointReader
-from freetoken.loading.finite import check_finite
+from freetoken.loading.finite import check_finite, check_finite_all
 from freetoken.loading.plan import ShardPlan, slot_key
 from freetoken.loading.specs import shard_into
 from freetoken.loading.staging import PinnedStager, release_pinned
@@ -151,8 +151,7 @@ def _copy_span(span: list[_Job], reader: CheckpointReader, rank: int, size: int,
     if stager is not None:
         stager.finish()
         # Staged copies run on the stager's stream: checked once they have all landed.
-        for job in span:
-            check_finite(job.name, job.dest)
+        check_finite_all([(job.name, job.dest) for job in span])
 
 
 def _copy_shard(spec, full: torch.Tensor, rank: int, size: int, dest: torch.Tensor, name: str,
