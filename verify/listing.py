@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-
 # Descriptions longer than this are cut at a word boundary: a listing line, not the docstring.
 _WIDTH = 100
 
