@@ -1,6 +1,6 @@
 """Input checks that run before any rank starts: report paths, checkpoint files (headers
 only) and the bundled cases' weights against the hashes their `meta.json` records. Each
-failure is a one-line usage error naming the path or tensor."""
+failure is a one-line `InputError` naming the path or tensor."""
 
 from __future__ import annotations
 
@@ -9,10 +9,9 @@ import os
 import tempfile
 from pathlib import Path
 
-import click
-
 from freetoken.loading.checkpoint import CheckpointError
 from freetoken.loading.validate import validate_checkpoint
+from verify.errors import InputError
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -26,20 +25,20 @@ def check_report_path(option: str, value: str) -> Path:
     folder we can create files in (probed with a real temporary file: permission bits lie to
     root and on read-only mounts)."""
     if not value.strip():
-        raise click.UsageError(f"{option}: empty path")
+        raise InputError(f"{option}: empty path")
     path = Path(value).expanduser().absolute()
     if path.is_dir():
-        raise click.UsageError(f"{option}: {path} is a directory")
+        raise InputError(f"{option}: {path} is a directory")
     if path.exists() and not os.access(path, os.W_OK):
-        raise click.UsageError(f"{option}: {path} is not writable")
+        raise InputError(f"{option}: {path} is not writable")
     base = _nearest_existing(path.parent)
     if not base.is_dir():
-        raise click.UsageError(f"{option}: cannot create {path}: {base} is not a directory")
+        raise InputError(f"{option}: cannot create {path}: {base} is not a directory")
     try:
         with tempfile.TemporaryFile(dir=base):
             pass
     except OSError as e:
-        raise click.UsageError(f"{option}: cannot write under {base} ({e.strerror})") from None
+        raise InputError(f"{option}: cannot write under {base} ({e.strerror})") from None
     return path
 
 
@@ -48,8 +47,8 @@ def check_report_paths(report_json: str | None, junit_xml: str | None) -> None:
     paths = {opt: check_report_path(opt, v) for opt, v in
              (("--report-json", report_json), ("--junit-xml", junit_xml)) if v is not None}
     if len(paths) == 2 and paths["--report-json"].resolve() == paths["--junit-xml"].resolve():
-        raise click.UsageError(f"--report-json and --junit-xml are the same file "
-                               f"{paths['--junit-xml']}: one would overwrite the other")
+        raise InputError(f"--report-json and --junit-xml are the same file "
+                         f"{paths['--junit-xml']}: one would overwrite the other")
 
 
 def check_case_files(case) -> None:
@@ -58,7 +57,7 @@ def check_case_files(case) -> None:
     try:
         validate_checkpoint(case.folder)
     except (CheckpointError, OSError) as e:
-        raise click.UsageError(f"{case.name}: {e}") from None
+        raise InputError(f"{case.name}: {e}") from None
     if case.bundled:
         _check_bundled_hashes(case)
 
@@ -70,11 +69,11 @@ def _check_bundled_hashes(case) -> None:
     try:
         recorded = json.loads(meta_path.read_text())["weights_sha256"]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise click.UsageError(f"{case.name}: {meta_path} has no usable weights_sha256 "
-                               f"({type(e).__name__}: {e}); run `make golden`") from None
+        raise InputError(f"{case.name}: {meta_path} has no usable weights_sha256 "
+                         f"({type(e).__name__}: {e}); run `make golden`") from None
     actual = weights_sha256(case.folder)
     for name in sorted(set(recorded) | set(actual)):
         if recorded.get(name) != actual.get(name):
-            raise click.UsageError(
+            raise InputError(
                 f"{case.name}: {case.folder / name} does not match the sha256 in {meta_path} "
                 "(the bundled case was modified; restore it with git or run `make golden`)")

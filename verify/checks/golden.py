@@ -11,9 +11,10 @@ import time
 import torch
 
 from freetoken.engine.core import resolve_dtype
-from verify.checks import CheckContext, bisect
+from verify.checks import bisect
+from verify.checks.base import CheckContext
 from verify.compare import effective_tolerance, greedy_check, judge_logits, logit_metrics
-from verify.engine import engine_on_rank
+from verify.engine_cache import engine_on_rank
 from verify.references import Reference, prompts_for, reference_for
 from verify.report import CheckResult
 

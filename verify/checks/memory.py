@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from verify.checks import CheckContext
+from verify.checks.base import CheckContext
 from verify.checks.memory_expected import PARAMETERS, expected_parts
 from verify.checks.memory_sampler import PeakSampler
 from verify.checks.shards import owns_storage
@@ -59,7 +59,7 @@ def _measure(rank_ctx, engine_args: dict) -> dict:
     from freetoken.engine.core import graphs_allowed
     from freetoken.loading.loader import default_threads, observe_loading
     from freetoken.loading.staging import staging_bytes
-    from verify.engine import build_engine, release_engine
+    from verify.engine_cache import build_engine, release_engine
 
     release_engine(rank_ctx)
     _return_freed_memory()
