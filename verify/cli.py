@@ -55,8 +55,9 @@ class PositiveSeconds(click.ParamType):
 @click.option("--oversubscribe", is_flag=True, help="let gloo ranks share GPUs")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
               default="auto", show_default=True)
-@click.option("--reference", type=click.Choice(["auto", "golden", "hf"]), default="auto",
-              show_default=True, help="auto: stored golden for bundled cases, live HF otherwise")
+@click.option("--reference", default="auto", show_default=True,
+              help="auto, golden, hf, or a folder written by --save-reference; auto: stored "
+                   "golden for bundled cases with default prompts, live HF otherwise")
 @click.option("--num-layers", type=PositiveInt(), default=None,
               help="truncate the model to its first K layers (engine and HF reference)")
 @click.option("--report-json", type=click.Path(dir_okay=False), default=None)
@@ -65,6 +66,20 @@ class PositiveSeconds(click.ParamType):
               help="seconds a rank group may take for one call")
 @click.option("--inject", "faults", multiple=True, type=click.Choice(sorted(FAULTS)),
               help="inject a known TP bug into the engine (to prove the checks catch it)")
+@click.option("--save-reference", type=click.Path(file_okay=False), default=None,
+              help="compute HF's reference for the one --model once, store it in DIR with the "
+                   "weights' fingerprints, and run against it (reuse with --reference DIR)")
+@click.option("--prompts-file", type=click.Path(dir_okay=False), default=None,
+              help="reference prompts: one text prompt a line (the model's tokenizer), or a "
+                   ".json list of lists of token ids")
+@click.option("--seed", type=click.IntRange(min=0), default=None,
+              help="seed of the random reference prompts and of seeded sampling [default: 0 "
+                   "for prompts, 1234 for sampling]")
+@click.option("--max-new-tokens", type=PositiveInt(), default=None,
+              help="greedy continuation length of the reference [default: 16]")
+@click.option("--download", is_flag=True,
+              help="let a hub id Org/Name[@revision] missing from the local HF cache be "
+                   "downloaded (never otherwise)")
 @click.option("-v", "--verbose", is_flag=True, help="print rank tracebacks of errors")
 def verify(**kwargs) -> int:
     """Verify the engine's tensor-parallel path against references at several TP sizes."""

@@ -7,7 +7,12 @@ import click
 from freetoken.distributed import PlacementError, choose_placement
 from verify.cases import CASES, CaseError, resolve_case
 from verify.checks import ALL_CHECK_NAMES, VerifyOptions, available_checks
-from verify.inputs import check_case_files, check_report_paths
+from verify.inputs import (
+    check_case_files,
+    check_reference_options,
+    check_report_paths,
+    save_references,
+)
 from verify.options import EXIT_FAILED, EXIT_OK, EXIT_USAGE, parse_tp, split_values
 from verify.references import reference_source
 from verify.report import count_line, environment, render_table, write_json, write_junit
@@ -55,17 +60,20 @@ def _validate(cases, tp_sizes, options, selected: dict) -> None:
             choose_placement(options.device, tp, options.oversubscribe)
         except PlacementError as e:
             _fail_usage(str(e))
+    check_reference_options(cases, options)
 
 
 def build_plan(models, tp, checks, device, oversubscribe, dtype, reference, num_layers,
-               timeout, faults) -> Plan:
+               timeout, faults, **reference_options) -> Plan:
     tp_sizes = parse_tp(tp)
     if not tp_sizes:
         _fail_usage("--tp: no TP sizes given")
-    options = VerifyOptions(device, dtype, reference, num_layers, oversubscribe, timeout)
+    options = VerifyOptions(device, dtype, reference, num_layers, oversubscribe, timeout,
+                            **reference_options)
     selected = _checks(split_values(checks, "--checks"))
     try:
-        cases = [resolve_case(m) for m in split_values(models, "--model") or sorted(CASES)]
+        cases = [resolve_case(m, options.download)
+                 for m in split_values(models, "--model") or sorted(CASES)]
     except CaseError as e:
         _fail_usage(str(e))
     _validate(cases, tp_sizes, options, selected)
@@ -73,10 +81,11 @@ def build_plan(models, tp, checks, device, oversubscribe, dtype, reference, num_
 
 
 def execute(models, tp, checks, device, oversubscribe, dtype, reference, num_layers,
-            report_json, junit_xml, timeout, faults, verbose) -> int:
+            report_json, junit_xml, timeout, faults, verbose, **reference_options) -> int:
     check_report_paths(report_json, junit_xml)
     plan = build_plan(models, tp, checks, device, oversubscribe, dtype, reference, num_layers,
-                      timeout, faults)
+                      timeout, faults, **reference_options)
+    save_references(plan.cases, plan.tp_sizes, plan.options)
     if plan.faults:
         click.echo(f"injected faults: {', '.join(plan.faults)}", err=True)
     results = run_plan(plan)
