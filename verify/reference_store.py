@@ -106,17 +106,17 @@ def check_store(folder: str | Path, case, options, requested: tuple | None, dtyp
     where = Path(folder) / META
     stored = meta.get("weights", {})
     actual = sorted(p.name for p in case.folder.glob("*.safetensors"))
-    for name in sorted(set(stored) | set(actual)):
-        path = case.folder / name
-        if name not in actual:
-            raise StoreError(f"{case.name}: {path} is missing but {where} recorded it")
-        if name not in stored:
-            raise StoreError(f"{case.name}: {path} was not in the checkpoint {where} was saved "
-                             "from")
-        if path.stat().st_size != stored[name]["size"] or \
-                fingerprint(path, stored[name]["method"])["digest"] != stored[name]["digest"]:
+    for name in sorted(set(stored) - set(actual)):
+        raise StoreError(f"{case.name}: {case.folder / name} is missing but {where} recorded it")
+    for name in sorted(set(actual) - set(stored)):
+        raise StoreError(f"{case.name}: {case.folder / name} was not in the checkpoint {where} "
+                         "was saved from")
+    for name in actual:
+        path, saved = case.folder / name, stored[name]
+        if path.stat().st_size != saved["size"] or \
+                fingerprint(path, saved["method"])["digest"] != saved["digest"]:
             raise StoreError(f"{case.name}: {path} differs from the checkpoint {where} was "
-                             f"saved from ({stored[name]['method']}); save the reference again")
+                             f"saved from ({saved['method']}); save the reference again")
     if meta["num_layers"] != options.num_layers:
         raise StoreError(f"{case.name}: {where} was saved at {_depth(meta['num_layers'])}, "
                          f"this run uses {_depth(options.num_layers)}")
