@@ -138,3 +138,7 @@ def save_references(cases, tp_sizes, options) -> None:
     except OSError as e:
         raise click.UsageError(f"--save-reference: cannot write {options.save_reference} "
                                f"({e.strerror or e})") from None
+    except Exception as e:  # HF failing on this checkpoint: one line, as any bad input
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise click.UsageError(f"{cases[0].name}: HF transformers could not compute the "
+                               f"reference ({type(e).__name__}: {first})") from None

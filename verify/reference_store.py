@@ -71,17 +71,29 @@ def weights_fingerprints(folder: Path) -> dict[str, dict]:
     return {p.name: fingerprint(p) for p in sorted(folder.glob("*.safetensors"))}
 
 
+_KEYS = ("prompts", "num_greedy", "num_layers", "baselines", "weights")
+
+
 def read_meta(folder: str | Path) -> dict:
-    """The store's `reference.json`; StoreError when DIR is no saved reference."""
-    path = Path(folder) / META
+    """The store's `reference.json`; StoreError when DIR is no (complete) saved reference."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise StoreError(f"--reference: {str(folder)!r} is neither auto, golden, hf nor a "
+                         "folder written by --save-reference")
+    path = folder / META
     try:
         meta = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise StoreError(f"--reference: {path} is not a saved reference "
                          f"({type(e).__name__}); write one with --save-reference") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise StoreError(f"--reference: {path} has format {meta.get('format')!r}, "
-                         f"expected {FORMAT}; save the reference again")
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise StoreError(f"--reference: {path} has format {found!r}, expected {FORMAT}; "
+                         "save the reference again")
+    missing = [k for k in _KEYS if k not in meta]
+    if missing or not (folder / TENSORS).is_file():
+        what = f"no {missing[0]!r}" if missing else f"no {TENSORS} beside it"
+        raise StoreError(f"--reference: {path} has {what}; save the reference again")
     return meta
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -82,13 +83,24 @@ def prompts_for(case, options) -> tuple[list[list[int]], int]:
 def requested_prompts(case, options) -> tuple[list[list[int]], int]:
     """The prompts the options ask for (`--prompts-file`, else seeded random ids with every
     vocab-shard boundary id, `--seed`), and the continuation length (`--max-new-tokens`)."""
-    prompts, num_new = _requested(case, options)
+    from verify.prompts import PromptError
+
+    stamp = None
+    if options.prompts_file:
+        try:
+            stat = Path(options.prompts_file).stat()
+        except OSError as e:
+            raise PromptError(f"--prompts-file: cannot read {options.prompts_file} "
+                              f"({e.strerror})") from None
+        stamp = (stat.st_mtime_ns, stat.st_size)
+    prompts, num_new = _requested(case, options, stamp)
     return [list(p) for p in prompts], num_new
 
 
 @functools.lru_cache(maxsize=16)
-def _requested(case, options) -> tuple[tuple[tuple[int, ...], ...], int]:
-    """Tokenizing a prompts file loads the tokenizer: once per model and options."""
+def _requested(case, options, stamp) -> tuple[tuple[tuple[int, ...], ...], int]:
+    """Tokenizing a prompts file loads the tokenizer: once per model, options and version of
+    the file (`stamp`), so an edited file is read again."""
     from verify.prompts import DEFAULT_SEED, read_prompts_file, tokenize_prompts
 
     num_new = options.max_new_tokens or NUM_GREEDY

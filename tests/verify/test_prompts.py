@@ -93,7 +93,8 @@ def test_text_prompts_need_a_tokenizer(capsys, tmp_path):
 
 
 def test_other_prompt_refusals(capsys, tmp_path):
-    """An empty file, a prompt too long for the model, or user prompts with the stored golden."""
+    """An empty or missing file, a prompt too long for the model, or user prompts with the
+    stored golden."""
     empty = _make_file(tmp_path, "empty.txt", "\n \n")
     _assert_refused(capsys, ["--model", "tiny-llama", "--prompts-file", str(empty)],
                     "no non-empty line")
@@ -102,6 +103,8 @@ def test_other_prompt_refusals(capsys, tmp_path):
                     "prompt 0 (510 tokens) plus 16 new tokens exceeds")
     _assert_refused(capsys, ["--model", "tiny-llama", "--reference", "golden", "--seed", "3"],
                     "stored golden covers its own prompts")
+    _assert_refused(capsys, ["--model", "tiny-llama", "--prompts-file", str(tmp_path / "no.txt")],
+                    "--prompts-file: cannot read", "no.txt")
 
 
 def test_json_prompts_drive_the_golden_check(capsys, tmp_path):

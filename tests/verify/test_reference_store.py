@@ -115,7 +115,8 @@ def test_run_the_store_does_not_cover_is_refused(capsys, tmp_path, extra, needle
 
 
 def test_save_reference_refusals(capsys, tmp_path):
-    """--save-reference needs one model, a folder it may write, and a reference HF computes."""
+    """--save-reference needs one model, a folder it may write, and a reference HF computes;
+    --reference needs a choice or a folder holding a saved reference."""
     folder = _make_checkpoint(tmp_path)
     busy = tmp_path / "busy"
     busy.mkdir()
@@ -126,8 +127,8 @@ def test_save_reference_refusals(capsys, tmp_path):
                              str(tmp_path / "s")], "exactly one --model")
     _assert_refused(capsys, [*base, "--reference", "golden", "--save-reference",
                              str(tmp_path / "s")], "cannot be combined")
-    _assert_refused(capsys, [*base, "--reference", str(tmp_path / "nothing")],
-                    "is not a saved reference")
+    _assert_refused(capsys, [*base, "--reference", "hff"], "'hff' is neither auto, golden, hf")
+    _assert_refused(capsys, [*base, "--reference", str(busy)], "is not a saved reference")
 
 
 def test_sampled_fingerprint_sees_header_size_and_sampled_bytes(tmp_path, monkeypatch):
@@ -144,3 +145,18 @@ def test_sampled_fingerprint_sees_header_size_and_sampled_bytes(tmp_path, monkey
     tensors = load_file(GOLDEN / "tiny-llama" / "model.safetensors")
     save_file(tensors, path, metadata={"format": "pt", "note": "resaved"})
     assert reference_store.fingerprint(path)["digest"] != first["digest"], "header"
+
+
+def test_incomplete_store_is_refused(capsys, tmp_path):
+    """A store missing its tensors file or a field of reference.json is refused by name."""
+    folder = _make_checkpoint(tmp_path)
+    store = _make_store(capsys, tmp_path, folder)
+    args = ["--model", str(folder), "--tp", "1", "--reference", str(store)]
+    saved = (store / reference_store.META).read_text()
+    meta = json.loads(saved)
+    del meta["weights"]
+    (store / reference_store.META).write_text(json.dumps(meta))
+    _assert_refused(capsys, args, "has no 'weights'")
+    (store / reference_store.META).write_text(saved)
+    (store / reference_store.TENSORS).unlink()
+    _assert_refused(capsys, args, f"no {reference_store.TENSORS}")
