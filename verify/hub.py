@@ -15,6 +15,9 @@ from pathlib import Path
 
 from freetoken.engine.resolve import ModelNotFound
 
+DOWNLOADED = ("*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt")
+"""What a download fetches: configs, weights and tokenizer files, never other weight formats
+(`*.bin`, `*.pth`, GGUF) a repository may also carry."""
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 
 
@@ -54,7 +57,8 @@ def resolve_hub_id(arg: str, download: bool = False) -> tuple[Path, dict]:
     cache_dir = os.environ.get("HF_HUB_CACHE") or None
     try:
         folder = Path(snapshot_download(repo, revision=revision, cache_dir=cache_dir,
-                                        local_files_only=not download))
+                                        local_files_only=not download,
+                                        allow_patterns=list(DOWNLOADED)))
     except Exception as e:  # the hub raises several types for "not cached" / "not found"
         at = f" at revision {revision!r}" if revision else ""
         if download:

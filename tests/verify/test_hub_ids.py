@@ -70,14 +70,17 @@ def test_uncached_revision_is_refused_without_network(capsys, tmp_path, monkeypa
 
 
 def test_download_only_when_asked(tmp_path, monkeypatch):
-    """Without --download the hub is asked for local files only; with it, it may download;
-    with HF_HUB_OFFLINE set, --download is refused instead of silently ignored."""
+    """Without --download the hub is asked for local files only; with it, it may download
+    (configs, safetensors and tokenizer files only); with HF_HUB_OFFLINE set, --download is
+    refused instead of silently ignored."""
     import huggingface_hub
 
     calls = []
     snapshot = _make_cache(tmp_path, monkeypatch) / "models--Org--Tiny" / "snapshots" / _V1
 
-    def fake_snapshot_download(repo, revision=None, cache_dir=None, local_files_only=False):
+    def fake_snapshot_download(repo, revision=None, cache_dir=None, local_files_only=False,
+                               allow_patterns=None):
+        assert "*.safetensors" in allow_patterns and "*.bin" not in allow_patterns
         calls.append((repo, revision, local_files_only))
         return str(snapshot)
 
