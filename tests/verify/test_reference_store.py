@@ -160,3 +160,39 @@ def test_incomplete_store_is_refused(capsys, tmp_path):
     (store / reference_store.META).write_text(saved)
     (store / reference_store.TENSORS).unlink()
     _assert_refused(capsys, args, f"no {reference_store.TENSORS}")
+
+
+def test_save_reference_from_the_command_line(capsys, tmp_path):
+    """`--save-reference DIR` writes the store before the ranks start (prompts, continuation
+    length, versions, source, each weights file's sha256) and the run then passes against it."""
+    from verify.cases import sha256_file
+
+    folder = _make_checkpoint(tmp_path)
+    store = tmp_path / "saved"
+    code, out, err = _run(capsys, "--model", str(folder), "--tp", "1", "--checks", "golden",
+                          "--max-new-tokens", "2", "--seed", "4", "--save-reference", str(store))
+    assert code == 0, out + err
+    assert err.index("computing HF's reference") < err.index("starting"), err
+    meta = json.loads((store / reference_store.META).read_text())
+    assert meta["num_greedy"] == 2 and meta["seed"] == 4 and len(meta["prompts"]) == 3
+    assert meta["source"] == {"path": str(folder.resolve())} and meta["transformers"]
+    assert meta["weights"] == {"model.safetensors": {
+        "size": (folder / "model.safetensors").stat().st_size, "method": "sha256",
+        "digest": sha256_file(folder / "model.safetensors")}}
+
+
+def test_low_precision_baseline_is_saved_per_dtype(capsys, tmp_path):
+    """Saved with --dtype bfloat16, the store carries HF's bf16 baseline per prompt: a bf16
+    run reuses it with that baseline, a float16 run is refused."""
+    import torch
+
+    folder = _make_checkpoint(tmp_path)
+    store = _make_store(capsys, tmp_path, folder, dtype="bfloat16")
+    case = resolve_case(str(folder))
+    options = VerifyOptions(device="cpu", dtype="bfloat16", reference=str(store))
+    reference_store.check_store(store, case, options, None, torch.bfloat16)
+    ref = reference_store.stored_reference(store, case, options)
+    assert ref.source == "stored" and len(ref.baseline) == len(ref.prompts)
+    assert all(0 < b.rel_l2 < 0.5 for b in ref.baseline), ref.baseline
+    with pytest.raises(reference_store.StoreError, match="no float16 baseline"):
+        reference_store.check_store(store, case, options, None, torch.float16)
