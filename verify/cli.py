@@ -111,8 +111,9 @@ def _print_list(ctx: click.Context, _param, value: bool) -> None:
               help="with fewer GPUs than ranks, let gloo ranks share GPUs round-robin")
 @click.option("--dtype", type=click.Choice(DTYPES), default="auto", show_default=True,
               help="engine dtype; auto: the checkpoint's")
-@click.option("--reference", type=click.Choice(REFERENCES), default="auto", show_default=True,
-              help="auto: stored golden for bundled cases, live HF otherwise")
+@click.option("--reference", default="auto", show_default=True, metavar="REF",
+              help=f"{', '.join(REFERENCES)}, or a folder written by --save-reference; auto: "
+                   "stored golden for bundled cases with the default prompts, live HF otherwise")
 @click.option("--num-layers", type=PositiveInt(), default=None,
               help="truncate the model to its first K layers (engine and HF reference)  "
                    "[default: all layers]")
@@ -125,6 +126,20 @@ def _print_list(ctx: click.Context, _param, value: bool) -> None:
 @click.option("--inject", "faults", multiple=True, metavar="FAULT",
               help="inject a known TP bug by name, to prove the checks catch it; repeatable "
                    "(names: --list)")
+@click.option("--save-reference", type=click.Path(file_okay=False), default=None, metavar="DIR",
+              help="compute HF's reference for the one --model once, store it in DIR with the "
+                   "weights' fingerprints, and run against it (reuse with --reference DIR)")
+@click.option("--prompts-file", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="reference prompts: one text prompt a line (the model's tokenizer), or a "
+                   ".json list of lists of token ids")
+@click.option("--seed", type=click.IntRange(min=0), default=None,
+              help="seed of the random reference prompts and of seeded sampling  [default: 0 "
+                   "for prompts, 1234 for sampling]")
+@click.option("--max-new-tokens", type=PositiveInt(), default=None,
+              help="greedy continuation length of the reference  [default: 16]")
+@click.option("--download", is_flag=True,
+              help="let a hub id Org/Name[@revision] missing from the local HF cache be "
+                   "downloaded (never otherwise)")
 @click.option("-v", "--verbose", is_flag=True, help="print rank tracebacks of errors")
 @click.option("--list", "list_", is_flag=True, expose_value=False, is_eager=True,
               callback=_print_list, help="list bundled cases, checks and faults, then exit")

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 
 from freetoken.loading.checkpoint import CheckpointError
 from freetoken.loading.validate import validate_checkpoint
-from verify.errors import InputError
+from verify.errors import InputError, UsageError
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -77,3 +78,67 @@ def _check_bundled_hashes(case) -> None:
             raise InputError(
                 f"{case.name}: {case.folder / name} does not match the sha256 in {meta_path} "
                 "(the bundled case was modified; restore it with git or run `make golden`)")
+
+
+def check_reference_options(cases, options) -> None:
+    """The reference options fit the models: prompts that tokenize and fit each model, a
+    saved reference (`--reference DIR`) that matches the checkpoint, a `--save-reference`
+    folder that can receive one. Runs before any rank starts (it hashes the weights)."""
+    from freetoken.engine.core import resolve_dtype
+    from verify.prompts import PromptError, check_lengths
+    from verify.reference_store import StoreError, check_store, check_writable
+    from verify.references import custom_prompts, reference_source, requested_prompts, stored_dir
+
+    saving, reusing = options.save_reference, stored_dir(options) and not options.save_reference
+    if saving and options.reference not in ("auto", "hf"):
+        raise UsageError(f"--save-reference computes HF's reference; it cannot be "
+                               f"combined with --reference {options.reference}")
+    if (saving or reusing) and len(cases) != 1:
+        option = "--save-reference" if saving else "--reference DIR"
+        raise UsageError(f"{option} holds one model's reference; give exactly one --model "
+                               f"(got {len(cases)})")
+    try:
+        for case in cases:
+            source = reference_source(case, options)
+            if source == "golden" and custom_prompts(options):
+                raise UsageError(f"{case.name}: the stored golden covers its own prompts; "
+                                       "--prompts-file, --seed and --max-new-tokens need "
+                                       "--reference hf or a saved reference")
+            if saving and case.model_config.quantization is not None:
+                raise InputError(f"{case.name}: HF transformers cannot run this quantized "
+                                       "checkpoint, so there is no reference to save")
+            if saving:
+                check_writable(saving)
+            requested = requested_prompts(case, options) if source != "golden" else None
+            if reusing:
+                dtype = resolve_dtype(options.dtype, case.model_config)
+                asked = (requested[0] if options.prompts_file or options.seed is not None
+                         else None, options.max_new_tokens)
+                meta = check_store(options.reference, case, options, asked, dtype)
+                requested = (meta["prompts"], meta["num_greedy"])
+            if requested is not None:
+                check_lengths(*requested, case)
+    except (PromptError, StoreError) as e:
+        raise InputError(str(e)) from None
+
+
+def save_references(cases, tp_sizes, options) -> None:
+    """`--save-reference DIR`: compute HF's reference once, before any rank starts (HF's model
+    is freed before the engine loads), on the device rank 0 of the first TP size uses."""
+    if not options.save_reference:
+        return
+    from freetoken.distributed import choose_placement
+    from verify.reference_store import save_reference
+
+    device = choose_placement(options.device, tp_sizes[0], options.oversubscribe).device_for(0)
+    print(f"{cases[0].name}: computing HF's reference into {options.save_reference}",
+          file=sys.stderr)
+    try:
+        save_reference(cases[0], options, device, options.save_reference)
+    except OSError as e:
+        raise InputError(f"--save-reference: cannot write {options.save_reference} "
+                               f"({e.strerror or e})") from None
+    except Exception as e:  # HF failing on this checkpoint: one line, as any bad input
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise InputError(f"{cases[0].name}: HF transformers could not compute the "
+                               f"reference ({type(e).__name__}: {first})") from None

@@ -7,6 +7,7 @@ Python API (`verify.api`) passes them through."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import click
 
@@ -14,7 +15,12 @@ from freetoken.distributed import PlacementError, choose_placement
 from verify.cases import CASES, CaseError, resolve_case
 from verify.checks.base import CHECK_NAMES, VerifyOptions, available_checks
 from verify.errors import InputError, UsageError
-from verify.inputs import check_case_files, check_report_paths
+from verify.inputs import (
+    check_case_files,
+    check_reference_options,
+    check_report_paths,
+    save_references,
+)
 from verify.options import (
     DEFAULT_TIMEOUT,
     DEFAULT_TP,
@@ -62,24 +68,46 @@ def _validate(cases, tp_sizes, options, selected: dict) -> None:
             choose_placement(options.device, tp, options.oversubscribe)
         except PlacementError as e:
             raise InputError(str(e)) from None
+    check_reference_options(cases, options)
 
 
-def _options(device, dtype, reference, num_layers, oversubscribe, timeout) -> VerifyOptions:
+def _reference(reference) -> str:
+    """One of REFERENCES, or a folder written by `--save-reference` (checked, with the
+    checkpoint it must match, by `check_reference_options`)."""
+    if isinstance(reference, str) and reference not in REFERENCES and reference.strip():
+        if Path(reference).is_dir():
+            return reference
+        raise UsageError(f"reference: {reference!r} is neither {', '.join(REFERENCES[:-1])}, "
+                         f"{REFERENCES[-1]} nor a folder written by --save-reference")
+    return check_choice("reference", reference, REFERENCES)
+
+
+def _options(device, dtype, reference, num_layers, oversubscribe, timeout, prompts_file=None,
+             seed=None, max_new_tokens=None, save_reference=None, download=False
+             ) -> VerifyOptions:
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+        raise UsageError(f"seed: {seed!r} is not a non-negative integer")
     return VerifyOptions(
         device=check_choice("device", device, DEVICES),
         dtype=check_choice("dtype", dtype, DTYPES),
-        reference=check_choice("reference", reference, REFERENCES),
+        reference=_reference(reference),
         num_layers=None if num_layers is None else check_count("num_layers", num_layers),
         oversubscribe=bool(oversubscribe),
-        timeout=check_seconds("timeout", timeout))
+        timeout=check_seconds("timeout", timeout),
+        prompts_file=None if prompts_file is None else str(prompts_file),
+        seed=seed,
+        max_new_tokens=None if max_new_tokens is None else check_count("max_new_tokens",
+                                                                        max_new_tokens),
+        save_reference=None if save_reference is None else str(save_reference),
+        download=bool(download))
 
 
-def _cases(models: Sequence[str]) -> list:
+def _cases(models: Sequence[str], download: bool = False) -> list:
     names = [models] if isinstance(models, str) else list(models)
     if any(not isinstance(m, str) or not m.strip() for m in names):
         raise UsageError(f"models: empty or non-string entry in {names!r}")
     try:
-        return [resolve_case(m) for m in names or sorted(CASES)]
+        return [resolve_case(m, download) for m in names or sorted(CASES)]
     except CaseError as e:
         raise InputError(str(e)) from None
 
@@ -87,22 +115,28 @@ def _cases(models: Sequence[str]) -> list:
 def build_plan(models: Sequence[str] = (), tp: Sequence[int] | int = DEFAULT_TP,
                checks: Sequence[str] = (), device: str = "auto", oversubscribe: bool = False,
                dtype: str = "auto", reference: str = "auto", num_layers: int | None = None,
-               timeout: float = DEFAULT_TIMEOUT, faults: Sequence[str] = ()) -> Plan:
+               timeout: float = DEFAULT_TIMEOUT, faults: Sequence[str] = (),
+               prompts_file: str | None = None, seed: int | None = None,
+               max_new_tokens: int | None = None, save_reference: str | None = None,
+               download: bool = False) -> Plan:
     """A validated plan: models (bundled case names, checkpoint folders or cached hub ids; all
     bundled cases when empty) x TP sizes x checks (all when empty), in run order. Raises
     `UsageError` for a malformed or unknown value and `InputError` for a model that cannot be
-    verified as asked, before any rank starts."""
+    verified as asked, before any rank starts. `reference` may also be a folder written by
+    `save_reference`; `prompts_file`, `seed` and `max_new_tokens` choose the reference prompts
+    and continuation (see `freetoken-verify --help`)."""
     from verify.faults import FAULTS
 
     sizes = [tp] if isinstance(tp, int) else list(tp)
     if not sizes:
         raise UsageError("tp: no TP sizes given")
     tp_sizes = sorted({check_count("tp", size) for size in sizes})
-    options = _options(device, dtype, reference, num_layers, oversubscribe, timeout)
+    options = _options(device, dtype, reference, num_layers, oversubscribe, timeout,
+                       prompts_file, seed, max_new_tokens, save_reference, download)
     wanted = check_names("checks", "check", checks, CHECK_NAMES)
     selected = {n: f for n, f in available_checks().items() if not wanted or n in wanted}
     fault_names = tuple(check_names("faults", "fault", faults, tuple(FAULTS), False))
-    cases = _cases(models)
+    cases = _cases(models, options.download)
     _validate(cases, tp_sizes, options, selected)
     return Plan(cases, tp_sizes, selected, options, fault_names)
 
@@ -114,6 +148,7 @@ def execute(plan_args: dict, report_json: str | None = None, junit_xml: str | No
     line, write the reports. Returns the exit status."""
     check_report_paths(report_json, junit_xml)
     plan = build_plan(**plan_args)
+    save_references(plan.cases, plan.tp_sizes, plan.options)
     if plan.faults:
         click.echo(f"injected faults: {', '.join(plan.faults)}", err=True)
     results = run_plan(plan, Progress())

@@ -22,6 +22,11 @@ class VerifyOptions:
     num_layers: int | None = None
     oversubscribe: bool = False
     timeout: float = 600.0
+    prompts_file: str | None = None
+    seed: int | None = None
+    max_new_tokens: int | None = None
+    save_reference: str | None = None
+    download: bool = False
 
 
 @dataclass

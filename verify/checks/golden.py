@@ -26,7 +26,7 @@ def run(ctx: CheckContext) -> CheckResult:
     start = time.monotonic()
     prompts, num_greedy = prompts_for(ctx.case, ctx.options)
     records = ctx.runner.run(_engine_outputs, ctx.case.engine_args(ctx.options), prompts,
-                             num_greedy)
+                             num_greedy, sampling_seed(ctx.options))
     ref = reference_for(ctx)
     outputs = records[0].value
     dtype = resolve_dtype(ctx.options.dtype, ctx.case.model_config)
@@ -80,6 +80,11 @@ def _first_divergence(ctx: CheckContext) -> str:
     return f"{found}; " if found else ""
 
 
+def sampling_seed(options) -> int:
+    """The first prompt's sampling seed (prompt i uses seed + i): `--seed`, else the default."""
+    return SAMPLING_SEED if options.seed is None else options.seed
+
+
 def _result(ctx, start, status, metrics, message) -> CheckResult:
     return CheckResult("golden", ctx.case.name, ctx.tp, status, time.monotonic() - start,
                        ctx.placement, metrics, message)
@@ -95,7 +100,7 @@ def _temperature(prompt_logits: list[torch.Tensor]) -> float:
     return max(0.8, float(f"{float(last.std(dim=-1).mean()):.2g}"))
 
 
-def _engine_outputs(rank_ctx, engine_args: dict, prompts, num_greedy: int) -> dict:
+def _engine_outputs(rank_ctx, engine_args: dict, prompts, num_greedy: int, seed: int) -> dict:
     """Runs on every rank: prompt logits and greedy continuation for each prompt. Rank 0 sends
     the tensors; other ranks send a digest of theirs (every rank must hold the same logits)."""
     from freetoken.engine.sequence import SamplingParams
@@ -111,7 +116,7 @@ def _engine_outputs(rank_ctx, engine_args: dict, prompts, num_greedy: int) -> di
     temperature = _temperature([o["prompt_logits"] for o in out])
     sampled = [r.token_ids for r in core.generate(prompts, [
         SamplingParams(max_tokens=SAMPLED_TOKENS, ignore_eos=True, temperature=temperature,
-                       seed=SAMPLING_SEED + i) for i in range(len(prompts))])]
+                       seed=seed + i) for i in range(len(prompts))])]
     return {"digest": digest, "outputs": out if rank_ctx.rank == 0 else None,
             "sampled": sampled}
 
@@ -157,10 +162,11 @@ def _aggregate(per_prompt) -> dict:
 def _sampling_disagrees(ctx: CheckContext, sampled: list[list[list[int]]], dtype) -> list[str]:
     """Every rank must end with the tokens rank 0 sampled; in float32 the TP=1 engine's
     tokens too (the same seed draws the same numbers from nearly the same distribution)."""
+    seed = sampling_seed(ctx.options)
     for rank, tokens in enumerate(sampled):
         for i, (mine, first) in enumerate(zip(tokens, sampled[0])):
             if mine != first:
-                return [f"seeded sampling (seed {SAMPLING_SEED + i}): rank {rank} "
+                return [f"seeded sampling (seed {seed + i}): rank {rank} "
                         f"produced {mine} where rank 0 produced {first} (prompt {i})"]
     key = ("golden-sampled-tp1", ctx.case.name)
     if ctx.tp == 1:
@@ -168,7 +174,7 @@ def _sampling_disagrees(ctx: CheckContext, sampled: list[list[list[int]]], dtype
     base = ctx.cache.get(key)
     if ctx.tp == 1 or base is None or dtype != torch.float32:
         return []
-    return [f"seeded sampling (seed {SAMPLING_SEED + i}): tp={ctx.tp} produced "
+    return [f"seeded sampling (seed {seed + i}): tp={ctx.tp} produced "
             f"{mine} where tp=1 produced {first} (prompt {i})"
             for i, (mine, first) in enumerate(zip(sampled[0], base)) if mine != first][:1]
 
