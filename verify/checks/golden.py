@@ -2,6 +2,8 @@
 against the reference (the stored golden outputs, or HF run live), and against the engine at
 TP=1. Every rank must also hold the same full logits, and a short seeded continuation at
 temperature > 0 must give the same tokens on every rank and (in float32) at every TP size.
+Where decode runs as CUDA graphs, the graphed continuation must equal the eager one bit for
+bit (`verify.graph_replay`).
 A failure carries the first divergent module (the `bisect` check's localisation)."""
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from verify.checks import bisect
 from verify.checks.base import CheckContext
 from verify.compare import effective_tolerance, greedy_check, judge_logits, logit_metrics
 from verify.engine_cache import engine_on_rank
+from verify.graph_replay import batch_sizes, graph_replay_mismatch
 from verify.references import Reference, prompts_for, reference_for
 from verify.report import CheckResult
 
@@ -32,13 +35,18 @@ def run(ctx: CheckContext) -> CheckResult:
     dtype = resolve_dtype(ctx.options.dtype, ctx.case.model_config)
     metrics, numeric = _against_reference(outputs, ref, dtype)
     metrics.update(_against_tp1(ctx, outputs, dtype, numeric, ref))
-    hard = _ranks_disagree([r.value for r in records])
+    # A graph replay that differs from eager is the most precise finding: it goes first.
+    graph = [f"rank {r.rank}: {r.value['graph_replay']}" for r in records
+             if r.value["graph_replay"]][:1]
+    hard = graph + _ranks_disagree([r.value for r in records])
+    if records[0].value["graphs"]:
+        metrics["graph_replay_batches"] = len(batch_sizes(len(prompts)))
     hard += _sampling_disagrees(ctx, [r.value["sampled"] for r in records], dtype)
     bisect.remember_tp1(ctx)
     if numeric and not hard and _within_module_precision(ctx, outputs, dtype):
         metrics["judged_per_module"] = 1
         return _result(ctx, start, "pass", metrics, _EXCUSED)
-    failures = numeric + hard
+    failures = graph + numeric + hard[len(graph):]
     if failures:
         where = _first_divergence(ctx)
         return _result(ctx, start, "fail", metrics,
@@ -118,7 +126,8 @@ def _engine_outputs(rank_ctx, engine_args: dict, prompts, num_greedy: int, seed:
         SamplingParams(max_tokens=SAMPLED_TOKENS, ignore_eos=True, temperature=temperature,
                        seed=seed + i) for i in range(len(prompts))])]
     return {"digest": digest, "outputs": out if rank_ctx.rank == 0 else None,
-            "sampled": sampled}
+            "sampled": sampled, "graphs": core.graphs is not None,
+            "graph_replay": graph_replay_mismatch(core, prompts, num_greedy)}
 
 
 def _against_reference(outputs: dict, ref: Reference, dtype) -> tuple[dict, list[str]]:
