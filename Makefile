@@ -24,7 +24,7 @@ test-slow: $(SETUP)
 	$(PYTHON) -m pytest -n 2 -q -m slow
 
 golden: $(SETUP)
-	$(PYTHON) -m verify.cases --write golden
+	$(PYTHON) -m verify.cases --write verify/golden
 
 lint: $(SETUP)
 	$(PYTHON) -m ruff check freetoken verify tests bench
