@@ -92,19 +92,31 @@ def _driver_version() -> str | None:
     return out.splitlines()[0].strip() if out else None
 
 
+def _nccl_version(torch) -> str | None:
+    if not (torch.distributed.is_available() and torch.distributed.is_nccl_available()):
+        return None
+    try:
+        version = torch.cuda.nccl.version()
+    except RuntimeError:  # the library is built in but cannot be loaded here
+        return None
+    # A (major, minor, patch) tuple; older torch returned one integer (2708 for 2.7.8).
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
 def environment(device: str) -> dict:
     """The software and hardware a report was produced with; `device` is where ranks ran
     (`cpu` or `cuda`). Package versions come from metadata (importing triton without a GPU
-    driver can fail or take seconds); CUDA facts only when a GPU is visible."""
+    driver can fail or take seconds); CUDA facts only when a GPU is visible (reading the GPU
+    names starts CUDA in this process, as the live HF reference does anyway; ranks start from
+    a fresh forkserver, so this is safe)."""
     import torch
+    import torch.distributed
 
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     cuda = torch.cuda.is_available()
     gpus = torch.cuda.device_count() if cuda else 0
-    nccl = None
-    if cuda and torch.distributed.is_available() and torch.distributed.is_nccl_available():
-        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    nccl = _nccl_version(torch) if cuda else None
     return {"python": platform.python_version(), "platform": platform.platform(),
             "torch": package_version("torch"), "triton": package_version("triton"),
             "transformers": package_version("transformers"), "cuda": torch.version.cuda,

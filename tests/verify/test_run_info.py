@@ -72,6 +72,32 @@ def test_environment_names_software_and_hardware(monkeypatch):
         environment("auto")
 
 
+def test_environment_on_a_gpu_machine(monkeypatch):
+    """With GPUs visible: their names, the NCCL version as `major.minor.patch`, and the
+    driver as the first line `nvidia-smi` prints (one per GPU)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: f"NVIDIA H200 #{i}")
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 21, 5))
+    monkeypatch.setattr(run_info.shutil, "which", lambda name: f"/usr/bin/{name}")
+    calls = []
+
+    def nvidia_smi(args, cwd=None):
+        calls.append(args)
+        return "550.54.15\n550.54.15"
+
+    monkeypatch.setattr(run_info, "_command_output", nvidia_smi)
+    env = environment("cuda")
+    assert env["gpus"] == 2 and env["gpu_names"] == ["NVIDIA H200 #0", "NVIDIA H200 #1"]
+    assert (env["nccl"], env["driver"]) == ("2.21.5", "550.54.15")
+    assert calls and calls[0][0] == "nvidia-smi"
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: 2708)
+    assert environment("cuda")["nccl"] == "2708"
+
+
 def test_git_state_of_a_checkout_and_of_an_installed_package(tmp_path, monkeypatch):
     """In a checkout: HEAD and whether tracked files changed. Without `.git` next to the
     package (an installed wheel, even inside another repository) or without git: None."""
