@@ -147,14 +147,14 @@ def hub_source(folder: Path) -> dict:
 
 def model_entry(case, options) -> dict:
     """One model of the run: name, whether it is bundled, the dtype the engine runs it at,
-    its reference and its source (`case.source` when model resolution recorded one)."""
+    its reference and its source (what model resolution recorded on `case.source` over what
+    the folder's path says)."""
     from verify.references import reference_source
 
     dtype = options.dtype if options.dtype != "auto" else case.model_config.dtype
-    source = getattr(case, "source", None)
     return {"name": case.name, "bundled": case.bundled, "dtype": str(dtype),
             "reference": reference_source(case, options),
-            "source": dict(source) if source is not None else hub_source(case.folder)}
+            "source": {**hub_source(case.folder), **(case.source or {})}}
 
 
 def _plain(value):

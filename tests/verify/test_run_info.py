@@ -127,7 +127,8 @@ def test_hub_source_reads_id_snapshot_and_ref(tmp_path):
 
 def test_model_entry_resolves_dtype_reference_and_source():
     """`auto` dtype is the checkpoint's own; a bundled case at full depth is checked against
-    its stored golden, truncated against live HF; a source recorded on the case wins."""
+    its stored golden, truncated against live HF; what model resolution recorded on the case
+    wins over what the path says, and every source has all four keys."""
     case = resolve_case("tiny-llama")
     entry = model_entry(case, VerifyOptions())
     assert (entry["dtype"], entry["reference"], entry["bundled"]) == ("float32", "golden", True)
@@ -138,6 +139,9 @@ def test_model_entry_resolves_dtype_reference_and_source():
     recorded = SimpleNamespace(name="Org/X", bundled=False, folder=case.folder,
                                model_config=case.model_config, source=source)
     assert model_entry(recorded, VerifyOptions())["source"] == source
+    partial = SimpleNamespace(**{**vars(recorded), "source": {"path": "/elsewhere"}})
+    assert model_entry(partial, VerifyOptions())["source"] == {
+        "path": "/elsewhere", "hub_id": None, "revision": None, "snapshot": None}
 
 
 def test_run_identity_records_request_and_code():
