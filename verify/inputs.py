@@ -134,12 +134,14 @@ def save_references(cases, tp_sizes, options) -> None:
         return
     from freetoken.distributed import choose_placement
     from verify.reference_store import save_reference
+    from verify.references import live_hf_reference
 
     device = choose_placement(options.device, tp_sizes[0], options.oversubscribe).device_for(0)
     print(f"{cases[0].name}: computing HF's reference into {options.save_reference}",
           file=sys.stderr)
     try:
-        save_reference(cases[0], options, device, options.save_reference)
+        save_reference(live_hf_reference(cases[0], options, device), cases[0], options,
+                       device, options.save_reference)
     except OSError as e:
         raise InputError(f"--save-reference: cannot write {options.save_reference} "
                                f"({e.strerror or e})") from None

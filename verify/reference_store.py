@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from verify.references import Reference
+from verify.reference_data import Reference
 
 FORMAT = 1
 META = "reference.json"
@@ -152,16 +152,15 @@ def _depth(num_layers: int | None) -> str:
     return "full depth" if num_layers is None else f"--num-layers {num_layers}"
 
 
-def save_reference(case, options, device, folder: str | Path) -> Path:
-    """Run HF on `case` (as the live reference does) and write the store into `folder`."""
+def save_reference(ref: Reference, case, options, device, folder: str | Path) -> Path:
+    """Write the store of `ref` (HF's live reference on `case`, computed on `device`) into
+    `folder`."""
     import transformers
     from safetensors.torch import save_file
 
     from freetoken.engine.core import resolve_dtype
-    from verify.references import live_hf_reference
 
     folder = Path(folder)
-    ref = live_hf_reference(case, options, device)
     dtype = str(resolve_dtype(options.dtype, case.model_config)).removeprefix("torch.")
     tensors = {}
     for i, prompt in enumerate(ref.prompts):

@@ -6,36 +6,14 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from verify.cases import NUM_GREEDY, PROMPT_LENS, hf_reference, load_reference, reference_prompts
+from verify.reference_data import Reference
 
-
-@dataclass
-class Reference:
-    """What the engine is compared with. `baseline[i]` (engine in bf16 / fp16 only) measures
-    how far HF itself at that dtype is from HF in fp32 on prompt i: the reference's own noise,
-    which widens the low-precision tolerances for a model that is numerically sensitive. A
-    live reference measures it by running HF at that dtype; a golden one stores it (measured
-    on CPU when `make golden` wrote the case)."""
-
-    source: str
-    prompts: list[list[int]]
-    prefill_logits: list[torch.Tensor]
-    greedy_ids: list[list[int]]
-    greedy_logits: list[torch.Tensor]
-    baseline: list | None = None
-
-    @classmethod
-    def from_tensors(cls, source: str, prompts, tensors: dict) -> Reference:
-        n = range(len(prompts))
-        return cls(source, [list(map(int, p)) for p in prompts],
-                   [tensors[f"prefill_logits_{i}"] for i in n],
-                   [tensors[f"greedy_ids_{i}"].tolist() for i in n],
-                   [tensors[f"greedy_logits_{i}"] for i in n])
+__all__ = ["Reference"]  # re-exported: checks import it from here
 
 
 LIVE_CHOICES = ("auto", "golden", "hf")

@@ -17,6 +17,7 @@ from verify import reference_store
 from verify.cases import resolve_case
 from verify.checks import VerifyOptions
 from verify.cli import main
+from verify.references import live_hf_reference
 
 
 def _run(capsys, *args: str) -> tuple[int, str, str]:
@@ -50,7 +51,8 @@ def _make_store(capsys, tmp_path: Path, folder: Path, **options) -> Path:
     progress output is dropped so that the next command's stderr is its own."""
     store = tmp_path / "ref"
     opts = VerifyOptions(device="cpu", save_reference=str(store), **options)
-    reference_store.save_reference(resolve_case(str(folder)), opts, "cpu", store)
+    case = resolve_case(str(folder))
+    reference_store.save_reference(live_hf_reference(case, opts, "cpu"), case, opts, "cpu", store)
     capsys.readouterr()
     return store
 
