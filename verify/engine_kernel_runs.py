@@ -20,6 +20,8 @@ from verify.engine_kernel_cases import EngineCase
 
 @dataclass
 class Output:
+    """A kernel result `got` beside its reference `want`; `what` names it in a failing row."""
+
     what: str
     got: torch.Tensor
     want: torch.Tensor
@@ -27,8 +29,8 @@ class Output:
 
 
 class _Inputs:
-    """Random tensors on `device` from one seeded generator: `draw` in the run's dtype,
-    `ref` the same values in float32 for the reference."""
+    """Random tensors on `device` from one seeded generator, drawn in float32 and rounded to
+    the run's dtype (`_ref` gives the reference the same values in float32)."""
 
     def __init__(self, device, dtype: torch.dtype, seed: int):
         self.device, self.dtype = torch.device(device), dtype

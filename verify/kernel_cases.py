@@ -49,7 +49,7 @@ def gpu_matrix(hiddens=(2048, 1040), intermediate=512) -> list[KernelCase]:
 
 
 # (tp, tokens, experts, top_k, hidden index): one decode (<= 16 tokens) and one prefill case per
-# TP size; across them every tokens, experts, top-k and hidden value runs in decode and in
+# TP size; every tokens value once, every experts, top-k and hidden value in decode and in
 # prefill. Interpreted decode costs about one program pass per (token, slot) pair, so the decode
 # cases keep pairs few (at most 14).
 CPU_MOE = ((1, 1, 64, 2, 0), (1, 64, 8, 8, 0), (2, 7, 8, 2, 1), (2, 300, 8, 2, 0),

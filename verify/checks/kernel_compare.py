@@ -36,9 +36,11 @@ def compare_output(label: str, out: torch.Tensor, ref: torch.Tensor, dtype,
     elif dtype in LOW_PRECISION_REL_L2 and cmp.actual_shape is None:
         if rel_l2 > LOW_PRECISION_REL_L2[dtype]:
             failure = (f"{cmp.name}: rel L2 {rel_l2:.2g} > allowed "
-                       f"{LOW_PRECISION_REL_L2[dtype]:.0e} ({cmp.message()})")
+                       f"{LOW_PRECISION_REL_L2[dtype]:.0e} "
+                       f"({cmp.message().removeprefix(cmp.name + ': ')})")
         elif cmp.num_mismatched > (1 - MIN_WITHIN) * cmp.numel:
-            failure = f"more than {100 * (1 - MIN_WITHIN):.1f}% mismatched: {cmp.message()}"
+            failure = (f"{_with_rel_l2(cmp.name, cmp.message(), rel_l2)}; at most "
+                       f"{100 * (1 - MIN_WITHIN):.1f}% may mismatch")
     elif not cmp.passed:
         failure = _with_rel_l2(cmp.name, cmp.message(), rel_l2)
     within = cmp.numel - cmp.num_mismatched

@@ -19,12 +19,12 @@ of each TP size, on rank 0 only (other ranks idle), and reports `skip` for the o
 GPU: bf16 activations (or --dtype); NVFP4 the full product of its axes, engine kernels every
 distinct shape of every model. CPU: the Triton interpreter, float32 activations (it computes
 bf16 arithmetic wrongly), and reduced matrices because it runs programs one by one in numpy:
-NVFP4 one decode and one prefill case per TP size with every tokens, experts, top-k and hidden
-value in each path; engine kernels one case per kernel and TP size, the models taking turns
-(about 15 s and 5 s of CPU time per TP size). The interpreter is switched on inside the rank
-process (`freetoken.kernels.use_interpreter`, before the first launch, re-importing a kernel
-module imported earlier as compiled code): rank groups are started once per TP size for every
-check, so the check cannot give its ranks a different environment.
+NVFP4 one decode and one prefill case per TP size (every tokens value once, every experts,
+top-k and hidden value in each path); engine kernels one case per kernel and TP size, the
+models taking turns (about 15 s and 5 s of CPU time per TP size). The interpreter is switched
+on inside the rank process (`freetoken.kernels.use_interpreter`, before the first launch,
+re-importing a kernel module imported earlier as compiled code): rank groups are started once
+per TP size for every check, so the check cannot give its ranks a different environment.
 
 Per output: NaN / Inf fail it; elements are compared with |out - ref| <= atol * rms(ref) +
 rtol * |ref| (`verify.checks.kernel_compare`); copies, integer results (expert ids, alignment
