@@ -167,3 +167,12 @@ def test_exact_outputs_fail_on_one_differing_element():
     assert row["failure"] == ("align tp=any (experts 8): rows: 1 / 12 elements differ (must "
                               "be equal), first at [2, 1]: kernel 99, reference 9"), row
     assert engine_kernels._exact("x", Output("rows", want, want, True))["failure"] is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_matrix_passes_in_bf16():
+    """On a GPU every engine-kernel case, the real dimensions included, agrees with its float32
+    torch reference within the bf16 rule (relative L2 <= 1e-2, 99.9 % of elements within)."""
+    rows = engine_kernels.run_matrix(gpu_matrix(), "cuda", torch.bfloat16)
+    assert engine_kernels.verdict(rows, "bfloat16") == "", [r["failure"] for r in rows]
