@@ -92,13 +92,13 @@ def local_shapes(cfg, tp: int, device_type: str) -> list[tuple[str, tuple]]:
 
     heads = divide(cfg.num_attention_heads, tp, "num_attention_heads")
     kv = local_kv_heads(cfg.num_key_value_heads, tp)
-    qwen35 = cfg.arch == "qwen3_5_moe"
+    qwen35 = cfg.arch == "qwen3_5_moe"  # its decoder and q/k norms weight by 1 + w
     attn = (("heads", heads), ("kv heads", kv), ("head_dim", cfg.head_dim))
+    queries, contexts = PREFILL[device_type]
     out = [("paged_attention", (("mode", "decode"), *attn, ("block", BLOCK_SIZE),
-                                ("contexts", DECODE_CONTEXTS[device_type])))]
-    out += [("paged_attention", (("mode", "prefill"), *attn, ("block", BLOCK_SIZE),
-                                 ("queries", q), ("contexts", c)))
-            for q, c in [PREFILL[device_type]]]
+                                ("contexts", DECODE_CONTEXTS[device_type]))),
+           ("paged_attention", (("mode", "prefill"), *attn, ("block", BLOCK_SIZE),
+                                ("queries", queries), ("contexts", contexts)))]
     out.append(("write_kv", (("kv heads", kv), ("head_dim", cfg.head_dim), ("tokens", 5))))
     out.append(("rotary", (*attn[:2], ("head_dim", cfg.head_dim),
                            ("rotary_dim", cfg.rotary_dim), ("theta", cfg.rope_theta),
@@ -107,11 +107,8 @@ def local_shapes(cfg, tp: int, device_type: str) -> list[tuple[str, tuple]]:
         out.append(("rms_norm", (("heads", heads), ("head_dim", cfg.head_dim),
                                  ("offset", qwen35))))
     out.append(("rms_norm", (("rows", cfg.hidden_size), ("offset", qwen35))))
-    dense = [cfg.shared_expert_intermediate_size] if qwen35 else \
-        [cfg.intermediate_size] if not all(map(cfg.is_moe_layer, range(cfg.num_hidden_layers))) \
-        else []
-    out += [("silu_and_mul", (("intermediate", divide(i, tp, "intermediate_size")),))
-            for i in dense]
+    out += [("silu_and_mul", (("intermediate", divide(size, tp, what)),))
+            for what, size in _gated_mlps(cfg)]
     if cfg.num_experts and not getattr(cfg, "nvfp4_experts", False):
         inter = divide(cfg.moe_intermediate_size, tp, "moe_intermediate_size")
         out += [("fused_moe", (("experts", cfg.num_experts), ("top_k", cfg.num_experts_per_tok),
@@ -124,6 +121,16 @@ def local_shapes(cfg, tp: int, device_type: str) -> list[tuple[str, tuple]]:
     if qwen35:
         out += _gdn_shapes(cfg, tp)
     return out
+
+
+def _gated_mlps(cfg) -> list[tuple[str, int]]:
+    """(config key, full intermediate size) of the SiLU-gated MLPs outside the routed
+    experts: Qwen3.5's shared expert, the dense MLP of any layer that is not MoE."""
+    if cfg.arch == "qwen3_5_moe":
+        return [("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size)]
+    if all(cfg.is_moe_layer(layer) for layer in range(cfg.num_hidden_layers)):
+        return []
+    return [("intermediate_size", cfg.intermediate_size)]
 
 
 def _gdn_shapes(cfg, tp: int) -> list[tuple[str, tuple]]:

@@ -86,8 +86,7 @@ def test_local_shapes_are_the_layers_shapes(tp):
         moe = _dims(shapes, "fused_moe")
         if moe:
             assert {d["intermediate"] for d in moe} == {layers["experts"]}, name
-        if cfg.arch != "qwen3_moe":
-            assert _dims(shapes, "silu_and_mul")[0]["intermediate"] == layers["mlp"], name
+        assert _dims(shapes, "silu_and_mul")[0]["intermediate"] == layers["mlp"], name
         if "gdn" in layers:
             gdn, conv = _dims(shapes, "gated_delta_decode")[0], _dims(shapes, "conv_update")[0]
             assert (gdn["key heads"], gdn["value heads"], conv["channels"]) == layers["gdn"]
