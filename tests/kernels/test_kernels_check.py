@@ -66,7 +66,7 @@ def test_kernels_check_blames_the_torch_backend(capsys, tmp_path):
     assert code == 1, out
     (result,) = json.loads(report.read_text())["results"]
     assert result["status"] == "fail" and result["metrics"]["failed_cases"] == 0, result
-    nvfp4_cases = result["metrics"]["families"]["nvfp4_moe"]["cases"]
+    nvfp4_cases = result["metrics"]["families"]["nvfp4"]["cases"]
     assert result["metrics"]["backend_failed_cases"] == nvfp4_cases, result
     message = result["message"]
     assert message.startswith("tiny-llama tp=1: torch NVFP4 backend disagrees with the format "

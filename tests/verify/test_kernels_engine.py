@@ -126,7 +126,7 @@ def test_engine_matrix_passes_on_the_real_kernels(interpreter):
     rows = engine_kernels.run_matrix(cpu_matrix(), "cpu", torch.float32)
     assert engine_kernels.verdict(rows, "float32") == "", [r["failure"] for r in rows]
     families = kernels.metrics([], rows)["families"]
-    assert set(families) == {"nvfp4_moe", "paged_attention", "fused_moe", "delta_rule",
+    assert set(families) == {"nvfp4", "paged_attention", "fused_moe", "delta_rule",
                              "norm_rope"}
     for name in ("paged_attention", "fused_moe", "delta_rule", "norm_rope"):
         assert families[name]["failed_cases"] == 0 and families[name]["cases"] >= 4, name

@@ -43,8 +43,8 @@ moves relative L2 by 0.3 or more.
 
 Metrics: max_abs, rel_l2 (worst case) and pct_within_tol (all elements) over both parts, cases
 and failed_cases over both, backend_failed_cases (the torch NVFP4 backend vs the oracle), and
-`families`: the same per kernel family (nvfp4_moe, paged_attention, fused_moe, delta_rule,
-norm_rope), in the JSON report.
+`families`: the same per kernel family (nvfp4: MoE and linear, paged_attention, fused_moe,
+delta_rule, norm_rope), in the JSON report.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def _on_rank(rank_ctx, dtype_name: str) -> dict | None:
 def metrics(nvfp4_rows: list[dict], engine_rows: list[dict]) -> dict:
     """Both parts' metrics: overall, and per kernel family under `families`."""
     nvfp4, _ = summarize(nvfp4_rows)
-    families = {"nvfp4_moe": {k: v for k, v in nvfp4.items() if k != "backend_failed_cases"}}
+    families = {"nvfp4": {k: v for k, v in nvfp4.items() if k != "backend_failed_cases"}}
     families.update(engine.family_metrics(engine_rows))
     rows = nvfp4_rows + engine_rows
     numel = sum(r["numel"] for r in rows)
