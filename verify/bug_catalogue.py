@@ -208,8 +208,8 @@ BUGS = {
 @dataclass(frozen=True)
 class Entry:
     """One TP bug class: inject `fault` into `model` and run `checks` at `tp` (TP=1 too when
-    `tp1_green`): every TP size in `tp` must fail a row whose message matches `words` (a
-    regex naming the module, tensor or rank); at TP=1 every row must pass."""
+    `tp1_green`) on `device`: every TP size in `tp` must fail a row whose message matches
+    `words` (a regex naming the module, tensor or rank); at TP=1 every row must pass."""
 
     bug_class: str
     fault: str
@@ -218,6 +218,7 @@ class Entry:
     checks: tuple[str, ...]
     words: str
     tp1_green: bool = True
+    device: str = "cpu"
 
 
 CATALOGUE: tuple[Entry, ...] = (
@@ -309,4 +310,7 @@ CATALOGUE: tuple[Entry, ...] = (
     Entry("NVFP4 gate/up global scales swapped at load", "nvfp4-load-globals-swapped",
           "tiny-qwen3.5-moe-nvfp4", (1, 2), ("golden", "shards"), r"weight_scale_2",
           tp1_green=False),
+    Entry("CUDA graph static input not refreshed", "graph-stale-positions", "tiny-llama", (1,),
+          ("golden",), r"CUDA graph replay differs from eager decode at batch \d+: prompt \d+ "
+          r"step \d+", tp1_green=False, device="cuda"),
 )

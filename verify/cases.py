@@ -284,6 +284,9 @@ class Case:
     name: str
     folder: Path
     bundled: bool
+    source: dict = field(default_factory=dict, compare=False)
+    """Where the checkpoint came from: `path`, and for a hub id `hub_id`, `revision` and
+    `snapshot` (the commit hash of the cached snapshot), for the report."""
 
     @cached_property
     def model_config(self):
@@ -297,18 +300,21 @@ class Case:
                 "num_layers": options.num_layers}
 
 
-def resolve_case(arg: str) -> Case:
-    """A bundled case name, a local checkpoint folder, or a hub id in the local HF cache."""
+def resolve_case(arg: str, download: bool = False) -> Case:
+    """A bundled case name, a local checkpoint folder, or a hub id `Org/Name[@revision]` from
+    the local HF cache (fetched only when `download` is set: `verify.hub`)."""
     from freetoken.config import ConfigError
-    from freetoken.engine.resolve import ModelNotFound, resolve_model
+    from freetoken.engine.resolve import ModelNotFound
+    from verify.hub import resolve_checkpoint
 
     if arg in CASES:
         if not (GOLDEN / arg / "config.json").is_file():
             raise CaseError(f"bundled case {arg!r} is missing from {GOLDEN}; run `make golden`")
-        case = Case(arg, GOLDEN / arg, True)
+        case = Case(arg, GOLDEN / arg, True, {"path": str(GOLDEN / arg)})
     else:
         try:
-            case = Case(arg, resolve_model(arg), False)
+            folder, source = resolve_checkpoint(arg, download)
+            case = Case(arg, folder, False, source)
         except ModelNotFound as e:
             raise CaseError(f"{e} (bundled cases: {', '.join(sorted(CASES))})") from None
     try:

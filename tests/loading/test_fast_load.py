@@ -65,14 +65,16 @@ def test_fast_path_matches_shard_path_on_bundled_cases(case, dtype, monkeypatch)
     """Every parameter of every rank at TP 1, 2, 4, 8 is bitwise the same either way."""
     folder = GOLDEN / case
     cfg = ModelConfig.from_folder(folder)
-    slow_copy = loader._copy_shard
+    real_copy = loader._copy_shard
+    # Recorded first, so the teardown restores the real copy, not the injected one.
+    monkeypatch.setattr(loader, "_copy_shard", real_copy)
     for tp in TP_SIZES:
         for rank in range(tp):
             fast = _load(folder, cfg, tp, rank, dtype, threads=3)
-            monkeypatch.setattr(loader, "_copy_shard", slow_copy)
+            monkeypatch.setattr(loader, "_copy_shard", real_copy)
             double_copy_load()
             slow = _load(folder, cfg, tp, rank, dtype, threads=1)
-            monkeypatch.setattr(loader, "_copy_shard", slow_copy)
+            monkeypatch.setattr(loader, "_copy_shard", real_copy)
             _assert_bitwise_same(fast, slow, f"{case} {dtype} tp={tp} rank={rank}")
 
 
@@ -87,13 +89,15 @@ def test_gpu_staging_matches_shard_path_on_bundled_cases(case, monkeypatch):
     folder = GOLDEN / case
     cfg = ModelConfig.from_folder(folder)
     monkeypatch.setattr(staging, "STAGE_BYTES", 4096)
-    slow_copy = loader._copy_shard
+    real_copy = loader._copy_shard
+    # Recorded first, so the teardown restores the real copy, not the injected one.
+    monkeypatch.setattr(loader, "_copy_shard", real_copy)
     for tp in TP_SIZES:
         for rank in range(tp):
             fast = _load(folder, cfg, tp, rank, torch.bfloat16, threads=3, device="cuda")
             double_copy_load()
             slow = _load(folder, cfg, tp, rank, torch.bfloat16, threads=1)
-            monkeypatch.setattr(loader, "_copy_shard", slow_copy)
+            monkeypatch.setattr(loader, "_copy_shard", real_copy)
             _assert_bitwise_same(fast, slow, f"{case} cuda tp={tp} rank={rank}")
 
 

@@ -168,10 +168,23 @@ def test_exact_outputs_fail_on_one_differing_element():
     assert engine_kernels._exact("x", Output("rows", want, want, True))["failure"] is None
 
 
+# A fresh process: one that ran an interpreter test has TRITON_INTERPRET on for good.
+_GPU_MATRIX = """
+import torch
+from verify.checks import engine_kernels
+from verify.engine_kernel_cases import gpu_matrix
+rows = engine_kernels.run_matrix(gpu_matrix(), "cuda", torch.bfloat16)
+print(len(rows), "cases", engine_kernels.verdict(rows, "bfloat16") or "pass")
+raise SystemExit(1 if any(r["failure"] for r in rows) else 0)
+"""
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_matrix_passes_in_bf16():
     """On a GPU every engine-kernel case, the real dimensions included, agrees with its float32
     torch reference within the bf16 rule (relative L2 <= 1e-2, 99.9 % of elements within)."""
-    rows = engine_kernels.run_matrix(gpu_matrix(), "cuda", torch.bfloat16)
-    assert engine_kernels.verdict(rows, "bfloat16") == "", [r["failure"] for r in rows]
+    from conftest import run_compiled
+
+    proc = run_compiled(["-c", _GPU_MATRIX])
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]

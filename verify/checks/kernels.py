@@ -54,8 +54,8 @@ import time
 import torch
 
 from verify import engine_kernel_cases
-from verify.checks import CheckContext
 from verify.checks import engine_kernels as engine
+from verify.checks.base import CheckContext
 from verify.checks.kernel_compare import LOW_PRECISION_REL_L2, MIN_WITHIN, TOLERANCE
 from verify.checks.nvfp4_kernels import run_case, run_matrix, summarize, verdict
 from verify.kernel_cases import KernelCase, cpu_matrix, gpu_matrix, make_experts

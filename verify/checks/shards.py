@@ -21,7 +21,7 @@ from collections import defaultdict
 
 import torch
 
-from verify.checks import CheckContext
+from verify.checks.base import CheckContext
 from verify.layout_book import LayoutBook
 from verify.layout_compare import identical_to, mismatch
 from verify.layouts import LayoutError
@@ -57,7 +57,7 @@ def owns_storage(t: torch.Tensor) -> bool:
 def _audit(rank_ctx, engine_args: dict) -> dict:
     """Runs on every rank; rank 0 also checks round trips and replication across ranks."""
     from freetoken.loading import CheckpointReader, ShardError
-    from verify.engine import resident_engine
+    from verify.engine_cache import resident_engine
 
     audit = _Audit(rank_ctx, engine_args)
     engine = resident_engine(rank_ctx, engine_args)
