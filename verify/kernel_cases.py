@@ -49,11 +49,12 @@ def gpu_matrix(hiddens=(2048, 1040), intermediate=512) -> list[KernelCase]:
 
 
 # (tp, tokens, experts, top_k, hidden index): one decode (<= 16 tokens) and one prefill case per
-# TP size; every tokens value once, every experts, top-k and hidden value in decode and in
-# prefill. Interpreted decode costs about one program pass per (token, slot) pair, so the decode
-# cases keep pairs few (at most 14).
-CPU_MOE = ((1, 1, 64, 2, 0), (1, 64, 8, 8, 0), (2, 7, 8, 2, 1), (2, 300, 8, 2, 0),
-           (4, 1, 8, 8, 1), (4, 64, 64, 1, 1), (8, 7, 8, 1, 0), (8, 300, 8, 1, 1))
+# TP size; every tokens value of the GPU matrix, and every experts, top-k and hidden value in
+# decode and in prefill. Interpreted decode costs about one program pass per (token, slot) pair
+# and prefill one per block of an expert hit, so decode keeps pairs few (at most 8) and the
+# 64-expert prefill tokens few (20).
+CPU_MOE = ((1, 1, 64, 2, 0), (1, 64, 8, 8, 0), (2, 7, 8, 1, 1), (2, 300, 8, 2, 0),
+           (4, 1, 8, 8, 1), (4, 20, 64, 1, 1), (8, 7, 8, 1, 0), (8, 300, 8, 1, 1))
 
 
 def cpu_matrix(hiddens=(64, 48), intermediate=128) -> list[KernelCase]:

@@ -19,7 +19,7 @@ of each TP size, on rank 0 only (other ranks idle), and reports `skip` for the o
 GPU: bf16 activations (or --dtype); NVFP4 the full product of its axes, engine kernels every
 distinct shape of every model. CPU: the Triton interpreter, float32 activations (it computes
 bf16 arithmetic wrongly), and reduced matrices because it runs programs one by one in numpy:
-NVFP4 one decode and one prefill case per TP size (every tokens value once, every experts,
+NVFP4 one decode and one prefill case per TP size (every tokens value, and every experts,
 top-k and hidden value in each path); engine kernels one case per kernel and TP size, the
 models taking turns (about 15 s and 5 s of CPU time per TP size). The interpreter is switched
 on inside the rank process (`freetoken.kernels.use_interpreter`, before the first launch,
