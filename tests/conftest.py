@@ -13,7 +13,7 @@ import torch
 # carries the same name, already loaded it).
 pytest_plugins = ["verify.pytest_plugin"]
 
-GOLDEN = Path(__file__).resolve().parent.parent / "golden"
+GOLDEN = Path(__file__).resolve().parent.parent / "verify" / "golden"
 BUNDLED = ["tiny-llama", "tiny-qwen3", "tiny-qwen3-moe"]
 
 

@@ -1,7 +1,8 @@
 """Bundled verification cases: tiny checkpoints in the on-disk format of real models, built and
 saved by HF transformers itself, with every parameter re-randomised at a scale where layers
-matter, plus HF's reference outputs. `python -m verify.cases --write golden` regenerates them
-(`make golden`); the same environment writes the same bytes.
+matter, plus HF's reference outputs, shipped as package data in `verify/golden/`.
+`python -m verify.cases --write verify/golden` regenerates them (`make golden`); the same
+environment writes the same bytes.
 
 Dimensions are valid at TP 1, 2, 4 and 8; 2 KV heads make TP 4 and 8 replicate KV heads; the
 odd vocab (301) makes every TP>1 pad the vocab-parallel rows."""
@@ -15,6 +16,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -22,7 +24,8 @@ import torch
 from verify.case_models import qwen3_5_moe_tiny, qwen3_5_moe_tiny_nvfp4, write_realdims
 from verify.randomise import rerandomise
 
-GOLDEN = Path(__file__).resolve().parent.parent / "golden"
+# Package data: found through importlib.resources so an installed wheel finds its own copy.
+GOLDEN = Path(str(resources.files("verify") / "golden"))
 VOCAB = 301
 PROMPT_LENS = (5, 23, 70)
 NUM_GREEDY = 16
@@ -326,7 +329,7 @@ def resolve_case(arg: str, download: bool = False) -> Case:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Regenerate the bundled verification cases.")
-    parser.add_argument("--write", type=Path, default=GOLDEN, help="output root (golden/)")
+    parser.add_argument("--write", type=Path, default=GOLDEN, help="output root (verify/golden/)")
     parser.add_argument("--case", action="append", choices=sorted(CASES), help="only these")
     parser.add_argument("--realdims", type=Path, metavar="FOLDER",
                         help="instead, write qwen3.5-moe-realdims (not bundled) into FOLDER")

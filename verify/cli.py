@@ -118,9 +118,13 @@ def _print_list(ctx: click.Context, _param, value: bool) -> None:
               help="truncate the model to its first K layers (engine and HF reference)  "
                    "[default: all layers]")
 @click.option("--report-json", type=click.Path(dir_okay=False), default=None, metavar="FILE",
-              help="write the JSON report (see docs/verification.md) to FILE")
+              help="write the JSON report (docs/report.md) to FILE, rewritten as each row "
+                   "finishes")
 @click.option("--junit-xml", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="write a JUnit XML report to FILE, for CI test reporters")
+@click.option("--summary-md", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="write a compact markdown table of the results to FILE (also appended to "
+                   "$GITHUB_STEP_SUMMARY when that is set)")
 @click.option("--timeout", type=PositiveSeconds(), default=DEFAULT_TIMEOUT, show_default=True,
               help="seconds a rank group may take for one call")
 @click.option("--inject", "faults", multiple=True, metavar="FAULT",
@@ -145,7 +149,8 @@ def _print_list(ctx: click.Context, _param, value: bool) -> None:
               callback=_print_list, help="list bundled cases, checks and faults, then exit")
 @click.option("--version", is_flag=True, expose_value=False, is_eager=True,
               callback=_print_version, help="print the version and exit")
-def verify(models, tp, checks, faults, report_json, junit_xml, verbose, **options) -> int:
+def verify(models, tp, checks, faults, report_json, junit_xml, summary_md, verbose,
+           **options) -> int:
     """Verify the engine's tensor-parallel path against references at several TP sizes."""
     from freetoken.distributed import stop_on_signals
     from verify.main import execute
@@ -154,7 +159,7 @@ def verify(models, tp, checks, faults, report_json, junit_xml, verbose, **option
                      checks=split_values(checks, "--checks"),
                      faults=split_values(faults, "--inject"), **options)
     with stop_on_signals():
-        return execute(plan_args, report_json, junit_xml, verbose)
+        return execute(plan_args, report_json, junit_xml, verbose, summary_md)
 
 
 def main(argv: list[str] | None = None) -> None:

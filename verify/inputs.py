@@ -43,13 +43,18 @@ def check_report_path(option: str, value: str) -> Path:
     return path
 
 
-def check_report_paths(report_json: str | None, junit_xml: str | None) -> None:
-    """Both report paths writable and, when both are given, distinct."""
+def check_report_paths(report_json: str | None, junit_xml: str | None,
+                       summary_md: str | None = None) -> None:
+    """Every report path writable and no two of them the same file."""
     paths = {opt: check_report_path(opt, v) for opt, v in
-             (("--report-json", report_json), ("--junit-xml", junit_xml)) if v is not None}
-    if len(paths) == 2 and paths["--report-json"].resolve() == paths["--junit-xml"].resolve():
-        raise InputError(f"--report-json and --junit-xml are the same file "
-                         f"{paths['--junit-xml']}: one would overwrite the other")
+             (("--report-json", report_json), ("--junit-xml", junit_xml),
+              ("--summary-md", summary_md)) if v is not None}
+    seen: dict[Path, str] = {}
+    for option, path in paths.items():
+        if path.resolve() in seen:
+            raise InputError(f"{seen[path.resolve()]} and {option} are the same file {path}: "
+                             "one would overwrite the other")
+        seen[path.resolve()] = option
 
 
 def check_case_files(case) -> None:

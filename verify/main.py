@@ -37,7 +37,9 @@ from verify.options import (
 )
 from verify.progress import Progress
 from verify.references import reference_source
-from verify.report import count_line, environment, render_table, write_json, write_junit
+from verify.report import count_line, render_table
+from verify.report_writer import ReportPaths, ReportWriter
+from verify.run_info import describe_run
 from verify.runner import Plan, run_plan
 
 
@@ -142,45 +144,27 @@ def build_plan(models: Sequence[str] = (), tp: Sequence[int] | int = DEFAULT_TP,
 
 
 def execute(plan_args: dict, report_json: str | None = None, junit_xml: str | None = None,
-            verbose: bool = False) -> int:
+            verbose: bool = False, summary_md: str | None = None) -> int:
     """The command line's run: check the report paths, build the plan from `plan_args`
-    (`build_plan`'s keywords), run it with progress on stderr, print the table and the count
-    line, write the reports. Returns the exit status."""
-    check_report_paths(report_json, junit_xml)
+    (`build_plan`'s keywords), run it with progress on stderr, writing the reports as rows
+    finish (`verify.report_writer`), print the table and the count line. Returns the exit
+    status."""
+    check_report_paths(report_json, junit_xml, summary_md)
     plan = build_plan(**plan_args)
     save_references(plan.cases, plan.tp_sizes, plan.options)
     if plan.faults:
         click.echo(f"injected faults: {', '.join(plan.faults)}", err=True)
-    results = run_plan(plan, Progress())
+    reports = ReportWriter(describe_run(plan), ReportPaths(report_json, junit_xml, summary_md),
+                           plan.details).start()
+    results = run_plan(plan, Progress(), on_result=reports.add)
+    reports.finish()
     click.echo(render_table(results))
     if verbose:
         for (model, check, tp_size), detail in plan.details.items():
             click.echo(f"\n=== {model} {check} tp={tp_size} ===\n{detail}")
-    resolved = "cuda" if any(r.placement.startswith("cuda") for r in results) else "cpu"
-    env = environment(resolved, _gpu_count())
-    written = [_write_report("--report-json", report_json, write_json, results, env),
-               _write_report("--junit-xml", junit_xml, write_junit, results)]
+    for line in reports.errors:
+        click.echo(f"error: {line}", err=True)
     click.echo(count_line(results))
-    bad = any(r.status in ("fail", "error") for r in results)
-    if not all(written):
+    if reports.errors:
         return EXIT_USAGE
-    return EXIT_FAILED if bad else EXIT_OK
-
-
-def _write_report(option: str, path: str | None, writer, *args) -> bool:
-    """Write one report; a path that became unwritable during the run (checked before it)
-    is one error line, and the other report and the count line still come out."""
-    if not path:
-        return True
-    try:
-        writer(path, *args)
-    except OSError as e:
-        click.echo(f"error: {option}: could not write {path} ({e.strerror or e})", err=True)
-        return False
-    return True
-
-
-def _gpu_count() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return EXIT_FAILED if any(r.status in ("fail", "error") for r in results) else EXIT_OK

@@ -29,11 +29,11 @@ class Plan:
     details: dict = field(default_factory=dict)
 
 
-def run_plan(plan: Plan, progress: Progress | Callable[[str], None] | None = None
-             ) -> list[CheckResult]:
+def run_plan(plan: Plan, progress: Progress | Callable[[str], None] | None = None,
+             on_result: Callable[[CheckResult], None] | None = None) -> list[CheckResult]:
     """Every check on every model at every TP size, in that nesting (TP outermost so each
     rank group starts once). `progress` gets a line per step (a callable: plain lines; None:
-    stderr, updating in place on a terminal)."""
+    stderr, updating in place on a terminal); `on_result` sees each result as it finishes."""
     progress = progress if isinstance(progress, Progress) else Progress(progress)
     say = progress.line
     results: list[CheckResult] = []
@@ -50,6 +50,8 @@ def run_plan(plan: Plan, progress: Progress | Callable[[str], None] | None = Non
                     with progress.step(f"[tp={tp}] {case.name} {name}"):
                         result = _run_one(name, check, ctx, plan.details)
                     results.append(result)
+                    if on_result is not None:
+                        on_result(result)
                     say(f"[{len(results)}/{total}] {case.name} {name} tp={tp}: "
                         f"{result.status.upper()} ({result.seconds:.1f}s)")
     return results

@@ -60,14 +60,15 @@ def test_bundled_cases_pass_with_table_and_count_line(capsys, tmp_path):
 
 
 def _assert_report_contract(report: dict, expected_results: int) -> None:
-    assert set(report) == {"version", "env", "results", "summary"}, report.keys()
-    assert report["version"] == 1
-    assert set(report["env"]) == {"torch", "triton", "transformers", "device", "gpus"}
+    assert set(report) == {"version", "complete", "env", "run", "models", "results",
+                           "summary"}, report.keys()
+    assert report["version"] == 2 and report["complete"] is True
+    assert {"torch", "triton", "transformers", "device", "gpus"} <= set(report["env"])
     assert report["env"]["device"] in ("cpu", "cuda") and isinstance(report["env"]["gpus"], int)
     assert len(report["results"]) == expected_results
     for r in report["results"]:
         assert set(r) == {"check", "model", "tp", "status", "seconds", "placement", "metrics",
-                          "message"}, r.keys()
+                          "message", "detail"}, r.keys()
         assert r["status"] in ("pass", "fail", "skip", "error")
         assert r["placement"] in ("cpu-gloo", "cuda-nccl", "cuda-shared-gloo")
         assert isinstance(r["tp"], int) and isinstance(r["seconds"], float)

@@ -19,7 +19,7 @@ from verify.cli import main
 from verify.collective_sites import expected_sites, moe_blocks
 from verify.collective_trace import ENGINE, Call, Step, trace_generation
 
-GOLDEN = Path(__file__).resolve().parents[2] / "golden"
+GOLDEN = Path(__file__).resolve().parents[2] / "verify" / "golden"
 CASES = ("tiny-llama", "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3.5-moe",
          "tiny-qwen3.5-moe-nvfp4")
 
