@@ -19,6 +19,7 @@ from verify.collective_faults import (
     moe_reduce_routed_and_shared_separately,
 )
 from verify.graph_faults import GRAPH_FAULTS
+from verify.kernel_faults import KERNEL_FAULTS
 from verify.layout_faults import (
     gdn_heads_from_first,
     nvfp4_scale_group_shifted,
@@ -305,6 +306,7 @@ FAULTS: dict[str, Callable[[], None]] = {
     "block-scale-group-shifted": nvfp4_scale_group_shifted,
     "torch-nvfp4-nibble-swap": torch_nvfp4_nibble_swap,
     "torch-nvfp4-drop-w13-global": torch_nvfp4_drop_w13_global,
+    **KERNEL_FAULTS,
     **GRAPH_FAULTS,
 }
 

@@ -48,13 +48,19 @@ def gpu_matrix(hiddens=(2048, 1040), intermediate=512) -> list[KernelCase]:
                     for t, h in itertools.product(TOKENS, hiddens)]
 
 
+# (tp, tokens, experts, top_k, hidden index): one decode (<= 16 tokens) and one prefill case per
+# TP size; every tokens value of the GPU matrix, and every experts, top-k and hidden value in
+# decode and in prefill. Interpreted decode costs about one program pass per (token, slot) pair
+# and prefill one per block of an expert hit, so decode keeps pairs few (at most 8) and the
+# 64-expert prefill tokens few (20).
+CPU_MOE = ((1, 1, 64, 2, 0), (1, 64, 8, 8, 0), (2, 7, 8, 1, 1), (2, 300, 8, 2, 0),
+           (4, 1, 8, 8, 1), (4, 20, 64, 1, 1), (8, 7, 8, 1, 0), (8, 300, 8, 1, 1))
+
+
 def cpu_matrix(hiddens=(64, 48), intermediate=128) -> list[KernelCase]:
-    """Each tokens x tp pair once, top-k and hidden cycling; 64 experts (the slowest to
-    interpret) in 3 cases, one per top-k; 4 linear cases."""
-    cases = []
-    for i, (t, tp) in enumerate(itertools.product(TOKENS, TP_SIZES)):
-        cases.append(KernelCase("moe", t, 64 if i % 5 == 1 else 8, (1, 2, 8)[i % 3],
-                                hiddens[(i // 2) % 2], intermediate, tp))
+    """CPU_MOE (8 MoE cases), then a dense linear per tokens value, hidden alternating."""
+    cases = [KernelCase("moe", t, e, k, hiddens[h], intermediate, tp)
+             for tp, t, e, k, h in CPU_MOE]
     return cases + [KernelCase("linear", t, 1, 1, hiddens[i % 2], intermediate, 1)
                     for i, t in enumerate(TOKENS)]
 
