@@ -1,4 +1,4 @@
-"""Run the bug catalogue (`verify.bug_catalogue.CATALOGUE`): each entry's fault injected into
+"""Run the bug catalogue (`verify.catalogue.CATALOGUE`): each entry's fault injected into
 its bundled case, its checks at TP=1 and the TP sizes where it bites. `python -m
 verify.catalogue_run [FAULT ...]` prints one line per entry (caught and named, or not)."""
 
@@ -8,8 +8,8 @@ import re
 import sys
 from dataclasses import dataclass
 
-from verify.bug_catalogue import CATALOGUE, Entry
 from verify.cases import resolve_case
+from verify.catalogue import CATALOGUE, Entry
 from verify.checks import VerifyOptions, available_checks
 from verify.report import CheckResult
 from verify.runner import Plan, run_plan

@@ -1,4 +1,4 @@
-"""Every entry of the TP bug catalogue (`verify.bug_catalogue.CATALOGUE`): injected into its
+"""Every entry of the TP bug catalogue (`verify.catalogue.CATALOGUE`): injected into its
 bundled case, it fails a row naming the module, tensor or rank at every TP size where it
 bites, and TP=1 stays green where the bug is TP-only. A harness that goes green, or red
 without saying where, on any of them has regressed."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verify.bug_catalogue import CATALOGUE
+from verify.catalogue import CATALOGUE
 from verify.catalogue_run import run_entry
 from verify.faults import FAULTS
 
