@@ -83,7 +83,7 @@ def restore_nvfp4(monkeypatch):
     pytest restore the originals after the test."""
     from freetoken.kernels import use_interpreter
 
-    use_interpreter()  # first: it may reload kernel modules, replacing their attributes
+    use_interpreter()
     from freetoken.kernels import nvfp4_linear, nvfp4_moe
     from freetoken.layers.quantization.nvfp4 import format as nvfp4_format
     from freetoken.layers.quantization.nvfp4 import reference
