@@ -22,8 +22,8 @@ CPU: the Triton interpreter, float32 activations (it computes bf16 arithmetic wr
 reduced matrix because it runs programs one by one in numpy: H in {64, 48}, I = 128, every
 tokens x tp pair once, experts / top-k / H cycling, so each value of each axis and both the
 decode (<= 16 tokens) and prefill paths are covered. The interpreter is switched on inside the
-rank process (`freetoken.kernels.use_interpreter`, before the first launch, re-importing a
-kernel module imported earlier as compiled code): rank groups are started once per TP size for
+rank process (`freetoken.kernels.use_interpreter`, before the first kernel import, which fixes
+the process's kernel mode): rank groups are started once per TP size for
 every check, so the check cannot give its ranks a different environment.
 
 Per case: NaN / Inf in the kernel output fail it; elements are compared with
