@@ -124,9 +124,10 @@ def _unbias(ASM: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_tiles(w_ptr, w_scale_ptr, rows, rows_ok, intermediate, first_word, k_words,
-                   stride_w_row, stride_scale_row, KW: tl.constexpr):
-    """Gate and up `_word_tile`s of one step (up rows follow the `intermediate` gate rows)."""
+def _gate_up_tiles(expert, rows, rows_ok, intermediate, first_word, k_words, KW: tl.constexpr):
+    """Gate and up `_word_tile`s of one step (up rows follow the `intermediate` gate rows);
+    `expert` = (w_ptr, w_scale_ptr, stride_w_row, stride_scale_row) of the pair's expert."""
+    w_ptr, w_scale_ptr, stride_w_row, stride_scale_row = expert
     gate_words, gate_scales = _word_tile(
         w_ptr, w_scale_ptr, rows=rows, rows_ok=rows_ok, first_word=first_word,
         k_words=k_words, stride_w_row=stride_w_row, stride_scale_row=stride_scale_row, KW=KW)
@@ -137,10 +138,12 @@ def _gate_up_tiles(w_ptr, w_scale_ptr, rows, rows_ok, intermediate, first_word, 
 
 
 @triton.jit
-def _gate_up_step(acc_gate, acc_up, tiles, x_row_ptr, stride_x_nibble, first_word, k_words,
-                  tables, BLOCK_N: tl.constexpr, KW: tl.constexpr, ASM: tl.constexpr,
+def _gate_up_step(acc_gate, acc_up, tiles, x_row, first_word, k_words, tables,
+                  BLOCK_N: tl.constexpr, KW: tl.constexpr, ASM: tl.constexpr,
                   EVEN: tl.constexpr):
-    x = _x_words(x_row_ptr, stride_x_nibble, first_word=first_word, k_words=k_words,
+    """Gate and up `_word_step`s of one step; `x_row` = (the token's activation row, its
+    j-stride)."""
+    x = _x_words(x_row[0], x_row[1], first_word=first_word, k_words=k_words,
                  live=first_word < k_words, BLOCK_N=BLOCK_N, KW=KW, EVEN=EVEN)
     return (_word_step(acc_gate, tiles[0], tiles[1], x, tables, ASM),
             _word_step(acc_up, tiles[2], tiles[3], x, tables, ASM))
@@ -191,29 +194,33 @@ def gate_up_decode(
     rows_ok = rows < intermediate
     w_expert_ptr = w_ptr.to(tl.pointer_type(tl.int32)) + expert * stride_w_expert
     scale_expert_ptr = w_scale_ptr + expert * stride_scale_expert
+    expert_w = (w_expert_ptr, scale_expert_ptr, stride_w_row, stride_scale_row)
+    x_row = (x_row_ptr, stride_x_nibble)
     tables = word_tables(zero, BLOCK_N, KW)
     acc_gate = tl.full([BLOCK_N, KW // 2], 0.0, tl.float32)
     acc_up = tl.full([BLOCK_N, KW // 2], 0.0, tl.float32)
-    a = _gate_up_tiles(w_expert_ptr, scale_expert_ptr, rows, rows_ok, intermediate, 0,
-                       k_words, stride_w_row, stride_scale_row, KW)
-    b = _gate_up_tiles(w_expert_ptr, scale_expert_ptr, rows, rows_ok, intermediate, KW,
-                       k_words, stride_w_row, stride_scale_row, KW)
+    a = _gate_up_tiles(expert_w, rows, rows_ok, intermediate, first_word=0, k_words=k_words,
+                       KW=KW)
+    b = _gate_up_tiles(expert_w, rows, rows_ok, intermediate, first_word=KW, k_words=k_words,
+                       KW=KW)
     for first_word in range(0, k_words, 3 * KW):
         first_word = tl.multiple_of(first_word, KW)
-        c = _gate_up_tiles(w_expert_ptr, scale_expert_ptr, rows, rows_ok, intermediate,
-                           first_word + 2 * KW, k_words, stride_w_row, stride_scale_row, KW)
-        acc_gate, acc_up = _gate_up_step(acc_gate, acc_up, a, x_row_ptr, stride_x_nibble,
-                                         first_word, k_words, tables, BLOCK_N, KW, ASM, EVEN)
-        a = _gate_up_tiles(w_expert_ptr, scale_expert_ptr, rows, rows_ok, intermediate,
-                           first_word + 3 * KW, k_words, stride_w_row, stride_scale_row, KW)
-        acc_gate, acc_up = _gate_up_step(acc_gate, acc_up, b, x_row_ptr, stride_x_nibble,
-                                         first_word + KW, k_words, tables, BLOCK_N, KW, ASM,
-                                         EVEN)
-        b = _gate_up_tiles(w_expert_ptr, scale_expert_ptr, rows, rows_ok, intermediate,
-                           first_word + 4 * KW, k_words, stride_w_row, stride_scale_row, KW)
-        acc_gate, acc_up = _gate_up_step(acc_gate, acc_up, c, x_row_ptr, stride_x_nibble,
-                                         first_word + 2 * KW, k_words, tables, BLOCK_N, KW,
-                                         ASM, EVEN)
+        c = _gate_up_tiles(expert_w, rows, rows_ok, intermediate,
+                           first_word=first_word + 2 * KW, k_words=k_words, KW=KW)
+        acc_gate, acc_up = _gate_up_step(acc_gate, acc_up, a, x_row, first_word=first_word,
+                                         k_words=k_words, tables=tables, BLOCK_N=BLOCK_N,
+                                         KW=KW, ASM=ASM, EVEN=EVEN)
+        a = _gate_up_tiles(expert_w, rows, rows_ok, intermediate,
+                           first_word=first_word + 3 * KW, k_words=k_words, KW=KW)
+        acc_gate, acc_up = _gate_up_step(acc_gate, acc_up, b, x_row, first_word=first_word + KW,
+                                         k_words=k_words, tables=tables, BLOCK_N=BLOCK_N,
+                                         KW=KW, ASM=ASM, EVEN=EVEN)
+        b = _gate_up_tiles(expert_w, rows, rows_ok, intermediate,
+                           first_word=first_word + 4 * KW, k_words=k_words, KW=KW)
+        acc_gate, acc_up = _gate_up_step(acc_gate, acc_up, c, x_row,
+                                         first_word=first_word + 2 * KW, k_words=k_words,
+                                         tables=tables, BLOCK_N=BLOCK_N, KW=KW, ASM=ASM,
+                                         EVEN=EVEN)
     h = silu_mul(sum_(acc_gate, 1) * _unbias(ASM), sum_(acc_up, 1) * _unbias(ASM),
                  gate_up_global_ptr, expert)
     h = h * (tl.load(down_global_ptr + expert) * tl.load(topk_weights_ptr + pair).to(tl.float32))
@@ -231,12 +238,14 @@ def _next_step(slot, first_word, k_words, KW: tl.constexpr):
 
 
 @triton.jit
-def _slot_tile(topk_ids_ptr, w_ptr, w_scale_ptr, token, top_k, step, rows, rows_ok, k_words,
-               stride_w_expert, stride_w_row, stride_scale_expert, stride_scale_row,
-               KW: tl.constexpr):
+def _slot_tile(experts, token, top_k, step, rows, rows_ok, k_words, KW: tl.constexpr):
     """`_word_tile` of walk step `step` = (slot, first word) of `token` (its expert's words;
     zeros once the slot is past the last one: the prefetch runs two steps past the end),
-    and the step after."""
+    and the step after. `experts` = (topk_ids_ptr, w_ptr, w_scale_ptr, stride_w_expert,
+    stride_w_row, stride_scale_expert, stride_scale_row)."""
+    topk_ids_ptr, w_ptr, w_scale_ptr = experts[0], experts[1], experts[2]
+    stride_w_expert, stride_w_row = experts[3], experts[4]
+    stride_scale_expert, stride_scale_row = experts[5], experts[6]
     slot, first_word = step
     expert = tl.load(topk_ids_ptr + token * top_k + tl.minimum(slot, top_k - 1)).to(tl.int64)
     tile = _word_tile(w_ptr + expert * stride_w_expert, w_scale_ptr + expert * stride_scale_expert,
@@ -247,10 +256,11 @@ def _slot_tile(topk_ids_ptr, w_ptr, w_scale_ptr, token, top_k, step, rows, rows_
 
 
 @triton.jit
-def _down_step(acc, tile, h_ptr, token, top_k, step, stride_h_pair, stride_h_nibble, k_words,
-               tables, BLOCK_N: tl.constexpr, KW: tl.constexpr, ASM: tl.constexpr,
-               EVEN: tl.constexpr):
-    """`_word_step` of walk step `step` = (slot, first word), and the step after."""
+def _down_step(acc, tile, h_rows, token, top_k, step, k_words, tables, BLOCK_N: tl.constexpr,
+               KW: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr):
+    """`_word_step` of walk step `step` = (slot, first word), and the step after; `h_rows` =
+    (h_ptr, stride_h_pair, stride_h_nibble)."""
+    h_ptr, stride_h_pair, stride_h_nibble = h_rows
     slot, first_word = step
     pair = token * top_k + tl.minimum(slot, top_k - 1)
     h_row_ptr = h_ptr + pair.to(tl.int64) * stride_h_pair
@@ -301,28 +311,26 @@ def down_decode(
     w_words_ptr = w_ptr.to(tl.pointer_type(tl.int32))
     tables = word_tables(zero, BLOCK_N, KW)
     acc = tl.full([BLOCK_N, KW // 2], 0.0, tl.float32)
+    experts = (topk_ids_ptr, w_words_ptr, w_scale_ptr, stride_w_expert, stride_w_row,
+               stride_scale_expert, stride_scale_row)
+    h_rows = (h_ptr, stride_h_pair, stride_h_nibble)
     cur = (0, 0)
-    a, ld = _slot_tile(topk_ids_ptr, w_words_ptr, w_scale_ptr, token, top_k, cur, rows,
-                       rows_ok, k_words, stride_w_expert, stride_w_row, stride_scale_expert,
-                       stride_scale_row, KW)
-    b, ld = _slot_tile(topk_ids_ptr, w_words_ptr, w_scale_ptr, token, top_k, ld, rows,
-                       rows_ok, k_words, stride_w_expert, stride_w_row, stride_scale_expert,
-                       stride_scale_row, KW)
+    a, ld = _slot_tile(experts, token, top_k, step=cur, rows=rows, rows_ok=rows_ok,
+                       k_words=k_words, KW=KW)
+    b, ld = _slot_tile(experts, token, top_k, step=ld, rows=rows, rows_ok=rows_ok,
+                       k_words=k_words, KW=KW)
     for _ in range(0, top_k * steps_per_slot, 3):
-        c, ld = _slot_tile(topk_ids_ptr, w_words_ptr, w_scale_ptr, token, top_k, ld, rows,
-                           rows_ok, k_words, stride_w_expert, stride_w_row,
-                           stride_scale_expert, stride_scale_row, KW)
-        acc, cur = _down_step(acc, a, h_ptr, token, top_k, cur, stride_h_pair,
-                              stride_h_nibble, k_words, tables, BLOCK_N, KW, ASM, EVEN)
-        a, ld = _slot_tile(topk_ids_ptr, w_words_ptr, w_scale_ptr, token, top_k, ld, rows,
-                           rows_ok, k_words, stride_w_expert, stride_w_row,
-                           stride_scale_expert, stride_scale_row, KW)
-        acc, cur = _down_step(acc, b, h_ptr, token, top_k, cur, stride_h_pair,
-                              stride_h_nibble, k_words, tables, BLOCK_N, KW, ASM, EVEN)
-        b, ld = _slot_tile(topk_ids_ptr, w_words_ptr, w_scale_ptr, token, top_k, ld, rows,
-                           rows_ok, k_words, stride_w_expert, stride_w_row,
-                           stride_scale_expert, stride_scale_row, KW)
-        acc, cur = _down_step(acc, c, h_ptr, token, top_k, cur, stride_h_pair,
-                              stride_h_nibble, k_words, tables, BLOCK_N, KW, ASM, EVEN)
+        c, ld = _slot_tile(experts, token, top_k, step=ld, rows=rows, rows_ok=rows_ok,
+                           k_words=k_words, KW=KW)
+        acc, cur = _down_step(acc, a, h_rows, token, top_k, step=cur, k_words=k_words,
+                              tables=tables, BLOCK_N=BLOCK_N, KW=KW, ASM=ASM, EVEN=EVEN)
+        a, ld = _slot_tile(experts, token, top_k, step=ld, rows=rows, rows_ok=rows_ok,
+                           k_words=k_words, KW=KW)
+        acc, cur = _down_step(acc, b, h_rows, token, top_k, step=cur, k_words=k_words,
+                              tables=tables, BLOCK_N=BLOCK_N, KW=KW, ASM=ASM, EVEN=EVEN)
+        b, ld = _slot_tile(experts, token, top_k, step=ld, rows=rows, rows_ok=rows_ok,
+                           k_words=k_words, KW=KW)
+        acc, cur = _down_step(acc, c, h_rows, token, top_k, step=cur, k_words=k_words,
+                              tables=tables, BLOCK_N=BLOCK_N, KW=KW, ASM=ASM, EVEN=EVEN)
     out = sum_(acc, 1) * _unbias(ASM)
     tl.store(out_ptr + token.to(tl.int64) * stride_out_token + rows, out, mask=rows_ok)

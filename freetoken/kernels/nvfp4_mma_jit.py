@@ -119,12 +119,13 @@ def to_fragments(
 
 
 @triton.jit
-def _gate_up_load(w_ptr, w_scale_ptr, rows, intermediate, step, split, lane_t, k_words,
-                  stride_w_row, stride_scale_row, V: tl.constexpr, S: tl.constexpr,
-                  FULL: tl.constexpr):
-    """Gate rows and up rows of `step` (chunk step S + split), and the chunk. FULL: every step
-    of the warps is a whole chunk of whole row tiles, and the loads ahead of the last step
-    re-read the last chunk (never used) instead of being masked."""
+def _gate_up_load(expert, rows, intermediate, step, split, lane_t, k_words, V: tl.constexpr,
+                  S: tl.constexpr, FULL: tl.constexpr):
+    """Gate rows and up rows of `step` (chunk step S + split), and the chunk; `expert` =
+    (w_ptr, w_scale_ptr, stride_w_row, stride_scale_row) of the pair's expert. FULL: every
+    step of the warps is a whole chunk of whole row tiles, and the loads ahead of the last
+    step re-read the last chunk (never used) instead of being masked."""
+    w_ptr, w_scale_ptr, stride_w_row, stride_scale_row = expert
     chunk = step * S + split
     if FULL:
         chunk = tl.minimum(chunk, k_words // (4 * V) - 1)
@@ -205,31 +206,32 @@ def gate_up_mma(
     # Loads run two steps ahead in three buffers that the loop body names (as in
     # nvfp4_decode_jit.gate_up_decode); Triton's own pipelining of these loads through
     # shared memory (tl.range num_stages) is slower (docs/performance.md).
-    a = _gate_up_load(w_expert_ptr, scale_expert_ptr, rows, intermediate, 0, split, lane_t,
-                      k_words, stride_w_row, stride_scale_row, V, S, FULL)
-    b = _gate_up_load(w_expert_ptr, scale_expert_ptr, rows, intermediate, 1, split, lane_t,
-                      k_words, stride_w_row, stride_scale_row, V, S, FULL)
+    expert_w = (w_expert_ptr, scale_expert_ptr, stride_w_row, stride_scale_row)
+    a = _gate_up_load(expert_w, rows, intermediate, step=0, split=split, lane_t=lane_t,
+                      k_words=k_words, V=V, S=S, FULL=FULL)
+    b = _gate_up_load(expert_w, rows, intermediate, step=1, split=split, lane_t=lane_t,
+                      k_words=k_words, V=V, S=S, FULL=FULL)
     grid_wait(PDL)
     for j in range(0, steps - 2, 3):
-        c = _gate_up_load(w_expert_ptr, scale_expert_ptr, rows, intermediate, j + 2, split,
-                          lane_t, k_words, stride_w_row, stride_scale_row, V, S, FULL)
-        acc_gate, acc_up = _gate_up_step(acc_gate, acc_up, a, x16_row_ptr, lane_t, k_words, V,
-                                         TILES * S, ASM, FULL)
-        a = _gate_up_load(w_expert_ptr, scale_expert_ptr, rows, intermediate, j + 3, split,
-                          lane_t, k_words, stride_w_row, stride_scale_row, V, S, FULL)
-        acc_gate, acc_up = _gate_up_step(acc_gate, acc_up, b, x16_row_ptr, lane_t, k_words, V,
-                                         TILES * S, ASM, FULL)
-        b = _gate_up_load(w_expert_ptr, scale_expert_ptr, rows, intermediate, j + 4, split,
-                          lane_t, k_words, stride_w_row, stride_scale_row, V, S, FULL)
-        acc_gate, acc_up = _gate_up_step(acc_gate, acc_up, c, x16_row_ptr, lane_t, k_words, V,
-                                         TILES * S, ASM, FULL)
+        c = _gate_up_load(expert_w, rows, intermediate, step=j + 2, split=split, lane_t=lane_t,
+                          k_words=k_words, V=V, S=S, FULL=FULL)
+        acc_gate, acc_up = _gate_up_step(acc_gate, acc_up, a, x16_row_ptr, lane_t=lane_t,
+                                         k_words=k_words, V=V, NW=TILES * S, ASM=ASM, FULL=FULL)
+        a = _gate_up_load(expert_w, rows, intermediate, step=j + 3, split=split, lane_t=lane_t,
+                          k_words=k_words, V=V, S=S, FULL=FULL)
+        acc_gate, acc_up = _gate_up_step(acc_gate, acc_up, b, x16_row_ptr, lane_t=lane_t,
+                                         k_words=k_words, V=V, NW=TILES * S, ASM=ASM, FULL=FULL)
+        b = _gate_up_load(expert_w, rows, intermediate, step=j + 4, split=split, lane_t=lane_t,
+                          k_words=k_words, V=V, S=S, FULL=FULL)
+        acc_gate, acc_up = _gate_up_step(acc_gate, acc_up, c, x16_row_ptr, lane_t=lane_t,
+                                         k_words=k_words, V=V, NW=TILES * S, ASM=ASM, FULL=FULL)
     # the last steps % 3 steps are loaded (a, then b) but not computed yet
     if steps % 3 >= 1:
-        acc_gate, acc_up = _gate_up_step(acc_gate, acc_up, a, x16_row_ptr, lane_t, k_words, V,
-                                         TILES * S, ASM, FULL)
+        acc_gate, acc_up = _gate_up_step(acc_gate, acc_up, a, x16_row_ptr, lane_t=lane_t,
+                                         k_words=k_words, V=V, NW=TILES * S, ASM=ASM, FULL=FULL)
     if steps % 3 == 2:
-        acc_gate, acc_up = _gate_up_step(acc_gate, acc_up, b, x16_row_ptr, lane_t, k_words, V,
-                                         TILES * S, ASM, FULL)
+        acc_gate, acc_up = _gate_up_step(acc_gate, acc_up, b, x16_row_ptr, lane_t=lane_t,
+                                         k_words=k_words, V=V, NW=TILES * S, ASM=ASM, FULL=FULL)
     # lane (g, t) holds column 2t of rows g (d0) and g + 8 (d2): the pair is column 0
     xf = tl.load(xf_ptr + token)
     gate_factor = xf * tl.load(gate_up_global_ptr + 2 * expert)
@@ -261,10 +263,13 @@ def _down_slot(token, top_k, q, CHUNKS: tl.constexpr, FULL: tl.constexpr):
 
 
 @triton.jit
-def _down_weights(topk_ids_ptr, w_ptr, w_scale_ptr, token, top_k, q, rows, n_rows, lane_t,
-                  k_words, stride_w_expert, stride_w_row, stride_scale_expert,
-                  stride_scale_row, V: tl.constexpr, CHUNKS: tl.constexpr, FULL: tl.constexpr):
-    """Weights of walk step q (zeros where not live)."""
+def _down_weights(experts, token, top_k, q, rows, n_rows, lane_t, k_words, V: tl.constexpr,
+                  CHUNKS: tl.constexpr, FULL: tl.constexpr):
+    """Weights of walk step q (zeros where not live); `experts` = (topk_ids_ptr, w_ptr,
+    w_scale_ptr, stride_w_expert, stride_w_row, stride_scale_expert, stride_scale_row)."""
+    topk_ids_ptr, w_ptr, w_scale_ptr = experts[0], experts[1], experts[2]
+    stride_w_expert, stride_w_row = experts[3], experts[4]
+    stride_scale_expert, stride_scale_row = experts[5], experts[6]
     pair, live, chunk = _down_slot(token, top_k, q, CHUNKS, FULL)
     expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
     return rows_tile(w_ptr, w_scale_ptr, expert_words=expert * stride_w_expert,
@@ -275,9 +280,11 @@ def _down_weights(topk_ids_ptr, w_ptr, w_scale_ptr, token, top_k, q, rows, n_row
 
 
 @triton.jit
-def _down_acts(h16_ptr, token, top_k, q, lane_t, k_words, stride_h16_pair, V: tl.constexpr,
+def _down_acts(h_rows, token, top_k, q, lane_t, k_words, V: tl.constexpr,
                CHUNKS: tl.constexpr, FULL: tl.constexpr):
-    """h fragments of walk step q (zeros where not live)."""
+    """h fragments of walk step q (zeros where not live); `h_rows` = (h16_ptr,
+    stride_h16_pair)."""
+    h16_ptr, stride_h16_pair = h_rows
     pair, live, chunk = _down_slot(token, top_k, q, CHUNKS, FULL)
     h16_row_ptr = (h16_ptr.to(tl.pointer_type(tl.int64))
                    + (pair.to(tl.int64) * (stride_h16_pair // 4))[:, None])
@@ -285,17 +292,13 @@ def _down_acts(h16_ptr, token, top_k, q, lane_t, k_words, stride_h16_pair, V: tl
 
 
 @triton.jit
-def _down_load(topk_ids_ptr, w_ptr, w_scale_ptr, h16_ptr, token, top_k, q, rows, n_rows,
-               lane_t, k_words, strides, V: tl.constexpr, CHUNKS: tl.constexpr,
-               FULL: tl.constexpr):
-    """Weights and fragments of walk step q; `strides` = (stride_w_expert, stride_w_row,
-    stride_scale_expert, stride_scale_row, stride_h16_pair)."""
-    weights = _down_weights(topk_ids_ptr, w_ptr, w_scale_ptr, token, top_k, q, rows, n_rows,
-                            lane_t, k_words, stride_w_expert=strides[0],
-                            stride_w_row=strides[1], stride_scale_expert=strides[2],
-                            stride_scale_row=strides[3], V=V, CHUNKS=CHUNKS, FULL=FULL)
-    acts = _down_acts(h16_ptr, token, top_k, q, lane_t, k_words, stride_h16_pair=strides[4],
-                      V=V, CHUNKS=CHUNKS, FULL=FULL)
+def _down_load(experts, h_rows, token, top_k, q, rows, n_rows, lane_t, k_words,
+               V: tl.constexpr, CHUNKS: tl.constexpr, FULL: tl.constexpr):
+    """Weights and fragments of walk step q."""
+    weights = _down_weights(experts, token, top_k, q=q, rows=rows, n_rows=n_rows,
+                            lane_t=lane_t, k_words=k_words, V=V, CHUNKS=CHUNKS, FULL=FULL)
+    acts = _down_acts(h_rows, token, top_k, q=q, lane_t=lane_t, k_words=k_words, V=V,
+                      CHUNKS=CHUNKS, FULL=FULL)
     return weights, acts
 
 
@@ -339,32 +342,31 @@ def down_mma(
     lane_g, lane_t, tile, split = lanes(TILES * S, S)
     rows = tl.program_id(1) * (16 * TILES) + 16 * tile + lane_g
     w_words_ptr = w_ptr.to(tl.pointer_type(tl.int32))
-    strides = (stride_w_expert, stride_w_row, stride_scale_expert, stride_scale_row,
-               stride_h16_pair)
+    experts = (topk_ids_ptr, w_words_ptr, w_scale_ptr, stride_w_expert, stride_w_row,
+               stride_scale_expert, stride_scale_row)
+    h_rows = (h16_ptr, stride_h16_pair)
     steps = (top_k * CHUNKS + S - 1) // S
     z = tl.full([32 * TILES * S], 0.0, tl.float32)
     acc = (z, z, z, z)
-    weights_a = _down_weights(topk_ids_ptr, w_words_ptr, w_scale_ptr, token, top_k, split,
-                              rows, n_rows, lane_t, k_words, stride_w_expert, stride_w_row,
-                              stride_scale_expert, stride_scale_row, V, CHUNKS, FULL)
-    weights_b = _down_weights(topk_ids_ptr, w_words_ptr, w_scale_ptr, token, top_k, split + S,
-                              rows, n_rows, lane_t, k_words, stride_w_expert, stride_w_row,
-                              stride_scale_expert, stride_scale_row, V, CHUNKS, FULL)
+    weights_a = _down_weights(experts, token, top_k, q=split, rows=rows, n_rows=n_rows,
+                              lane_t=lane_t, k_words=k_words, V=V, CHUNKS=CHUNKS, FULL=FULL)
+    weights_b = _down_weights(experts, token, top_k, q=split + S, rows=rows, n_rows=n_rows,
+                              lane_t=lane_t, k_words=k_words, V=V, CHUNKS=CHUNKS, FULL=FULL)
     grid_wait(PDL)
-    a = (weights_a, _down_acts(h16_ptr, token, top_k, split, lane_t, k_words, stride_h16_pair,
-                               V, CHUNKS, FULL))
-    b = (weights_b, _down_acts(h16_ptr, token, top_k, split + S, lane_t, k_words,
-                               stride_h16_pair, V, CHUNKS, FULL))
+    a = (weights_a, _down_acts(h_rows, token, top_k, q=split, lane_t=lane_t, k_words=k_words,
+                               V=V, CHUNKS=CHUNKS, FULL=FULL))
+    b = (weights_b, _down_acts(h_rows, token, top_k, q=split + S, lane_t=lane_t,
+                               k_words=k_words, V=V, CHUNKS=CHUNKS, FULL=FULL))
     for j in range(0, steps - 2, 3):
         q = (j + 2) * S + split
-        c = _down_load(topk_ids_ptr, w_words_ptr, w_scale_ptr, h16_ptr, token, top_k, q, rows,
-                       n_rows, lane_t, k_words, strides, V, CHUNKS, FULL)
+        c = _down_load(experts, h_rows, token, top_k, q=q, rows=rows, n_rows=n_rows,
+                       lane_t=lane_t, k_words=k_words, V=V, CHUNKS=CHUNKS, FULL=FULL)
         acc = mma(acc, a[0], a[1], TILES * S, ASM, BF16)
-        a = _down_load(topk_ids_ptr, w_words_ptr, w_scale_ptr, h16_ptr, token, top_k, q + S,
-                       rows, n_rows, lane_t, k_words, strides, V, CHUNKS, FULL)
+        a = _down_load(experts, h_rows, token, top_k, q=q + S, rows=rows, n_rows=n_rows,
+                       lane_t=lane_t, k_words=k_words, V=V, CHUNKS=CHUNKS, FULL=FULL)
         acc = mma(acc, b[0], b[1], TILES * S, ASM, BF16)
-        b = _down_load(topk_ids_ptr, w_words_ptr, w_scale_ptr, h16_ptr, token, top_k,
-                       q + 2 * S, rows, n_rows, lane_t, k_words, strides, V, CHUNKS, FULL)
+        b = _down_load(experts, h_rows, token, top_k, q=q + 2 * S, rows=rows, n_rows=n_rows,
+                       lane_t=lane_t, k_words=k_words, V=V, CHUNKS=CHUNKS, FULL=FULL)
         acc = mma(acc, c[0], c[1], TILES * S, ASM, BF16)
     if steps % 3 >= 1:
         acc = mma(acc, a[0], a[1], TILES * S, ASM, BF16)
