@@ -18,9 +18,9 @@ from verify.checks.kernels import make_experts
 @pytest.fixture(scope="module", autouse=True)
 def interpreter():
     """Kernels in this process run interpreted (sets TRITON_INTERPRET=1 for the process)."""
-    from freetoken.kernels import use_interpreter
+    from interpreted import require_interpreter
 
-    use_interpreter()
+    require_interpreter()
 
 
 def _make_routing(tokens: int, experts: int, top_k: int, hidden: int, seed: int):

@@ -150,9 +150,11 @@ def test_to_fragments_writes_scaled_fp16_fragments():
     fragment position with e per row such that the row's largest magnitude lands in
     [2^14, 2^15) (rows of 1e6 and 1e-6 alike; e = 0 for a zero row, -100 at the least),
     zero padding, and 2^(7 + e) as the row's output factor."""
-    from freetoken.kernels import nvfp4_mma_launch, use_interpreter
+    from interpreted import require_interpreter
 
-    use_interpreter()
+    from freetoken.kernels import nvfp4_mma_launch
+
+    require_interpreter()
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(5, 80, generator=gen)
     x[1] *= 1e6
@@ -205,12 +207,14 @@ def mma_in_interpreter(monkeypatch):
     """The tensor-core decode kernels run in Triton's interpreter, their mma emulated over the
     whole tensor (`_mma_portable`, the same fragments as the PTX); the CUDA-core decode
     launchers refuse, so a test cannot pass on them."""
-    from freetoken.kernels import nvfp4_launch, use_interpreter
+    from interpreted import require_interpreter
+
+    from freetoken.kernels import nvfp4_launch
 
     def refuse(*args, **kwargs):
         raise AssertionError("decode took the CUDA-core kernels, not the mma ones")
 
-    use_interpreter()
+    require_interpreter()
     monkeypatch.setattr(nvfp4_launch, "uses_mma", lambda x, tiles: True)
     monkeypatch.setattr(nvfp4_launch, "gate_up_decode_launch", refuse)
     monkeypatch.setattr(nvfp4_launch, "down_decode_launch", refuse)
@@ -306,9 +310,9 @@ def test_h_rounds_to_bf16_to_nearest_even():
     """gate_up's h is rounded to bf16 as torch rounds (to nearest, ties to even: halfway cases
     both ways, carries into the exponent, negatives, subnormals, infinities) and NaN stays
     NaN; Triton's interpreter would truncate `.to(tl.bfloat16)`."""
-    from freetoken.kernels import use_interpreter
+    from interpreted import require_interpreter
 
-    use_interpreter()
+    require_interpreter()
     import bf16_rounding_kernel
 
     x = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-8 + 2**-20, -(1 + 2**-8 + 2**-20),
