@@ -1,6 +1,7 @@
 # `make verify TP=2` and `make test` work on a fresh clone: the first run creates .venv from the
 # CPU pins in constraints/cpu.txt. On a machine whose Python already has torch (a GPU runner),
-# pass PYTHON=python3 to use that interpreter instead.
+# pass PYTHON=python3 to use that interpreter instead (the package is installed into it if it
+# is not there yet).
 TP ?= 2
 CONSTRAINTS := constraints/cpu.txt
 
@@ -11,10 +12,72 @@ else
 SETUP := external-setup
 endif
 
-.PHONY: verify test test-slow golden lint external-setup
+# The GPU gate (`make verify-gpu`, docs/gpu.md). TP sizes: TP=1,2,4 on the command line, else
+# every power of two up to GPUS, so each size runs one rank per GPU over NCCL (--oversubscribe
+# lets a larger TP share GPUs over gloo). DEVICE=cpu dry-runs the gate on CPU ranks (without the
+# GPU kernel tests); PART=bundled, realdims or kernels runs one part of it. The real-dimension
+# checkpoint is generated once into REALDIMS.
+GPUS ?= 1
+DEVICE ?= cuda
+PART ?= all
+REPORTS ?= reports
+REALDIMS ?= $(HOME)/.cache/freetoken/qwen3.5-moe-realdims
+comma := ,
+tp_upto_1 := 1
+tp_upto_2 := 1,2
+tp_upto_4 := 1,2,4
+tp_upto_8 := 1,2,4,8
+ifeq ($(origin TP), command line)
+GATE_TP := $(TP)
+else
+GATE_TP = $(or $(tp_upto_$(GPUS)),$(error GPUS=$(GPUS): expected 1, 2, 4 or 8, or give TP=...))
+endif
+# Bundled case names, comma separated: those HF can run live, and the quantized ones (an
+# hf_quant_config.json: NVFP4) that it cannot.
+space := $(subst ,, )
+case_names = $(subst $(space),$(comma),$(sort $(notdir $(patsubst %/,%,$(dir $(1))))))
+quantized_cases := $(wildcard verify/golden/*/hf_quant_config.json)
+hf_cases := $(filter-out $(dir $(quantized_cases)),$(dir $(wildcard verify/golden/*/config.json)))
+# One run of the gate: $(call gate,NAME,ARGS). A failing run is listed in $(REPORTS)/failed and
+# the gate goes on to the next; verify-gpu fails at the end if any run failed.
+gate = echo "=== $(1): freetoken-verify $(2)"; \
+	$(PYTHON) -m verify.cli --device $(DEVICE) --oversubscribe --tp $(GATE_TP) $(2) \
+	    --report-json $(REPORTS)/$(1).json --junit-xml $(REPORTS)/$(1).xml \
+	    --summary-md $(REPORTS)/$(1).md || echo $(1) >> $(REPORTS)/failed
+
+.PHONY: verify verify-gpu test test-slow golden lint external-setup
 
 verify: $(SETUP)
 	$(PYTHON) -m verify.cli --tp 1,$(TP)
+
+# The nightly gate: on CUDA the kernels check's GPU tests (pytest -m gpu tests/gpu); every
+# bundled case in fp32 against its stored golden; in bf16 the unquantized cases against live HF
+# on the same GPU and the NVFP4 case against its stored golden and stored bf16 baseline; the
+# real-dimension Qwen3.5-MoE in bf16 and fp32 against HF.
+verify-gpu: $(SETUP)
+	@mkdir -p $(REPORTS) && rm -f $(REPORTS)/failed
+ifeq ($(DEVICE)-$(filter $(PART),all kernels),cuda-$(PART))
+	@echo "=== kernels-gpu: pytest -m gpu tests/gpu"; \
+	    $(PYTHON) -m pytest -q -m gpu tests/gpu --junit-xml $(REPORTS)/kernels-gpu.xml || \
+	    echo kernels-gpu >> $(REPORTS)/failed
+endif
+ifneq ($(filter $(PART),all bundled),)
+	@$(call gate,bundled-fp32,)
+	@$(call gate,bundled-bf16,--dtype bfloat16 --reference hf --checks golden \
+	    --model $(call case_names,$(hf_cases)))
+	@$(call gate,bundled-nvfp4-bf16,--dtype bfloat16 --checks golden --model $(call case_names,$(quantized_cases)))
+endif
+ifneq ($(filter $(PART),all realdims),)
+	@test -f $(REALDIMS)/config.json || \
+	    $(PYTHON) -m verify.cases --realdims $(REALDIMS) --dtype bfloat16 || \
+	    echo realdims-checkpoint >> $(REPORTS)/failed
+	@$(call gate,realdims-bf16,--model $(REALDIMS) --dtype bfloat16 --reference hf \
+	    --checks golden$(comma)memory$(comma)shards)
+	@$(call gate,realdims-fp32,--model $(REALDIMS) --dtype float32 --reference hf --checks golden)
+endif
+	@if [ -f $(REPORTS)/failed ]; then \
+	    echo "verify-gpu: failed: $$(tr '\n' ' ' < $(REPORTS)/failed)"; exit 1; fi
+	@echo "verify-gpu: every run passed; reports in $(REPORTS)/"
 
 test: $(SETUP)
 	$(PYTHON) -m pytest -n 2 -q -m "not slow"
@@ -24,7 +87,7 @@ test-slow: $(SETUP)
 	$(PYTHON) -m pytest -n 2 -q -m slow
 
 golden: $(SETUP)
-	$(PYTHON) -m verify.cases --write golden
+	$(PYTHON) -m verify.cases --write verify/golden
 
 lint: $(SETUP)
 	$(PYTHON) -m ruff check freetoken verify tests bench
@@ -34,6 +97,8 @@ lint: $(SETUP)
 	.venv/bin/python -m pip install -q -c $(CONSTRAINTS) -e '.[test]'
 	touch $@
 
+# An interpreter given as PYTHON=...: install the package (editable, with the test extra) if
+# it is not installed there yet; its own torch stays.
 external-setup:
-	@$(PYTHON) -c "import freetoken, verify, pytest, xdist" 2>/dev/null || \
-		$(PYTHON) -m pip install -q -e '.[test]'
+	@$(PYTHON) -c "import importlib.metadata as m; m.version('freetoken'); \
+		import pytest, xdist" 2>/dev/null || $(PYTHON) -m pip install -q -e '.[test]'

@@ -251,9 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     copy_gbs = copy_bandwidth() if args.device == "cuda" else None
     with tempfile.TemporaryDirectory(prefix="freetoken-bench-") as tmp:
         folder, label = checkpoint(args, tmp)
-        from freetoken.config import ModelConfig
+        from freetoken.models.registry import load_config
 
-        vocab = ModelConfig.from_folder(folder).vocab_size
+        vocab = load_config(folder).vocab_size
         prompts = {b: make_prompts(b, args.prompt_len, vocab) for b in args.batches}
 
         hf = bench_hf(folder, args, prompts)

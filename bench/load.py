@@ -112,7 +112,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _use_mode(ctx, mode: str) -> None:
     """Switch the loader to `mode`'s path in this rank process."""
-    from freetoken.loading import specs
+    from freetoken.formats import specs
     from verify.faults import double_copy_load
 
     if mode == "fast":
@@ -198,9 +198,11 @@ def _measure_load(ctx, folder: str, dtype: str) -> dict:
 
 def _expected_bytes(folder: str, core, ctx) -> int:
     """What the rank should hold, from the config (the memory check's computation)."""
+    from freetoken.engine.core import graphs_allowed
     from verify.checks.memory_expected import expected_parts
 
-    parts = expected_parts(folder, core.cfg, core.dtype, ctx.rank, ctx.size)
+    parts = expected_parts(folder, core.cfg, core.dtype, ctx.rank, ctx.size,
+                           graphs=graphs_allowed(core.cfg, core.device))
     return sum(p.nbytes for p in parts.values()) + sum(b.nbytes for b in core.model.buffers())
 
 

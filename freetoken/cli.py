@@ -1,8 +1,11 @@
-"""`freetoken generate`: run the engine from the command line."""
+"""`freetoken generate`: run the engine from the command line; `freetoken plan`: print how a
+checkpoint splits across ranks."""
 
 from __future__ import annotations
 
+import re
 import sys
+from collections.abc import Callable
 
 import click
 
@@ -37,7 +40,7 @@ def _parse_ids(text: str) -> list[int]:
                                  param_hint="--prompt-ids") from None
 
 
-@click.group()
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """FreeToken: a tensor-parallel LLM inference engine."""
 
@@ -88,8 +91,9 @@ def _generate(prompts, model, tp, device, dtype, oversubscribe, sampling: dict,
 
     try:
         params = SamplingParams(**sampling)
+        # Progress bars redraw with carriage returns: only for a person at a terminal.
         with LLM(model, tp=tp, device=device, dtype=dtype, oversubscribe=oversubscribe,
-                 enforce_eager=enforce_eager) as llm:
+                 enforce_eager=enforce_eager, progress=sys.stderr.isatty()) as llm:
             return llm.generate(prompts, params)
     except RankError as e:
         if e.summary.split(":")[0] in INPUT_FAULTS:
@@ -105,6 +109,58 @@ def _generate(prompts, model, tp, device, dtype, oversubscribe, sampling: dict,
     except USAGE_ERRORS as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
+
+
+@main.command()
+@click.option("--model", required=True, help="checkpoint folder or hub id in the local HF cache")
+@click.option("--tp", type=PositiveInt(), required=True, help="tensor-parallel size")
+@click.option("--tensor", "pattern", default=None,
+              help="only checkpoint tensors whose name matches this regex (re.search)")
+def plan(model, tp, pattern) -> None:
+    """Print, per checkpoint tensor, its shard rule, spec, destination and the global rows
+    and columns each rank holds."""
+    try:
+        sys.exit(print_plan(model, tp, pattern, click.echo))
+    except USAGE_ERRORS as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+
+
+def print_plan(model: str, tp: int, pattern: str | None, echo: Callable[[str], None]) -> int:
+    """Print the layout of every checkpoint tensor of `model` (whose name matches `pattern`)
+    at `tp` ranks through `echo`; returns the exit status: 0, or 1 when a tensor matches no
+    rule (or two) or its rule cannot split it (each such tensor printed with the reason).
+    ValueError (bad model, TP size or regex) for the caller to report."""
+    from freetoken.engine.resolve import resolve_model
+    from freetoken.formats.shard import ShardError
+    from freetoken.loading.checkpoint import CheckpointReader
+    from freetoken.loading.describe import describe_tensor
+    from freetoken.models.registry import check_tp, load_config, shard_plan
+
+    try:
+        wanted = re.compile(pattern or "")
+    except re.error as e:
+        raise ValueError(f"--tensor {pattern!r} is not a regex ({e})") from None
+    folder = resolve_model(model)
+    cfg = load_config(folder)
+    check_tp(cfg, tp)
+    plan = shard_plan(cfg, tp)
+    reader = CheckpointReader(folder)
+    names = sorted(n for n in reader.names() if wanted.search(n))
+    if not names:
+        raise ValueError(f"{folder}: no checkpoint tensor matches {pattern!r}")
+    failed = 0
+    for name in names:
+        shape, _ = reader.meta(name)
+        try:
+            lines = describe_tensor(plan, name, shape).lines()
+        except ShardError as e:
+            failed += 1
+            lines = [f"{name} {list(shape)}", f"  error: {e}"]
+        for line in lines:
+            echo(line)
+    reader.close()
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

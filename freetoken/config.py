@@ -1,26 +1,23 @@
-"""Engine and model configuration. `ModelConfig.from_hf` normalises HF config quirks once
-(transformers 4 vs 5 key names, rope layouts, multimodal wrappers) so nothing downstream reads
-raw HF dicts."""
+"""Engine and model configuration. The generic half of reading a checkpoint's config: the
+folder's `config.json` and quantization config (`read_hf_config`), the fields every decoder
+shares with HF's config quirks normalised once (transformers 4 vs 5 key names, rope layouts;
+`common_fields`), and the error wrapping (`parse_config`). Which parser an architecture uses
+is `freetoken.models.registry`'s table (`load_config`): nothing here knows a model family."""
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen3ForCausalLM": "qwen3",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
-    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
-}
-MODEL_TYPES = {
-    "llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
-    "qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe",
-}
+from freetoken.formats.nvfp4.checkpoint import (
+    NVFP4ConfigError,
+    parse_quant_config,
+    read_quant_config,
+)
 
 
 class ConfigError(ValueError):
@@ -107,97 +104,72 @@ class ModelConfig:
             raise ConfigError(f"num_layers={num_layers} outside 1..{self.num_hidden_layers}")
         return replace(self, num_hidden_layers=num_layers)
 
-    @classmethod
-    def from_folder(cls, folder: str | Path) -> ModelConfig:
-        path = Path(folder) / "config.json"
-        if not path.is_file():
-            raise ConfigError(f"{folder}: no config.json (not a checkpoint folder)")
-        try:
-            hf = json.loads(path.read_text())
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ConfigError(f"{path}: invalid JSON ({e})") from None
-        if not isinstance(hf, dict):
-            raise ConfigError(f"{path}: not a JSON object")
-        quantization = _read_quantization(Path(folder))
-        try:
-            return cls.from_hf(hf, quantization)
-        except ConfigError as e:
-            raise ConfigError(f"{path}: {e}") from None
 
-    @classmethod
-    def from_hf(cls, hf: dict, quantization: Any = None) -> ModelConfig:
-        """`quantization`: the checkpoint's NVFP4Config when read from its folder (which may
-        hold `hf_quant_config.json`); else config.json's `quantization_config`, if any."""
-        try:
-            return cls._from_hf(hf, quantization)
-        except ConfigError:
-            raise
-        except KeyError as e:
-            raise ConfigError(f"missing key {e.args[0]!r}") from None
-        except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
-            raise ConfigError(f"malformed ({type(e).__name__}: {e})") from None
+def read_hf_config(folder: str | Path) -> tuple[dict, Any]:
+    """A checkpoint folder's `config.json` as a dict, and its NVFP4Config
+    (`hf_quant_config.json` first, else config.json's `quantization_config`; None when
+    unquantized). ConfigError naming the file when either is missing or unreadable."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{folder}: no config.json (not a checkpoint folder)")
+    try:
+        hf = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: invalid JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{path}: not a JSON object")
+    try:
+        return hf, read_quant_config(Path(folder))
+    except NVFP4ConfigError as e:
+        raise ConfigError(str(e)) from None
 
-    @classmethod
-    def _from_hf(cls, hf: dict, quantization: Any) -> ModelConfig:
+
+def parse_config(parser: Callable[[dict, Any], ModelConfig], hf: dict,
+                 quantization: Any = None) -> ModelConfig:
+    """`parser(hf, quantization)` (an architecture's config parser), with any malformed or
+    missing key reported as one ConfigError. `quantization`: the checkpoint's NVFP4Config
+    when read from its folder; else config.json's `quantization_config`, if any."""
+    try:
         if quantization is None:
             quantization = _parse_quantization(hf.get("quantization_config"))
-        arch = architecture(hf)
-        if arch == "qwen3_5_moe":
-            # Imported here: the model package imports this module.
-            from freetoken.models.qwen3_5_moe.config import qwen3_5_moe_config
-
-            return qwen3_5_moe_config(hf, quantization)
-        if quantization is not None:
-            raise ConfigError(f"{arch}: NVFP4 checkpoints are supported for Qwen3.5-MoE experts "
-                              "only")
-        return cls(**common_fields(hf, arch))
+        return parser(hf, quantization)
+    except ConfigError:
+        raise
+    except KeyError as e:
+        raise ConfigError(f"missing key {e.args[0]!r}") from None
+    except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
+        raise ConfigError(f"malformed ({type(e).__name__}: {e})") from None
 
 
 def _parse_quantization(raw: dict | None):
     """config.json's `quantization_config` as an NVFP4Config (None when absent)."""
-    if raw is None:
-        return None
-    from freetoken.layers.quantization.nvfp4.checkpoint import (
-        NVFP4ConfigError,
-        parse_quant_config,
-    )
-
     try:
         return parse_quant_config(raw, "config.json quantization_config")
     except NVFP4ConfigError as e:
         raise ConfigError(str(e)) from None
 
 
-def _read_quantization(folder: Path):
-    """A checkpoint folder's NVFP4Config: `hf_quant_config.json` first, else config.json's
-    `quantization_config`; None when unquantized."""
-    from freetoken.layers.quantization.nvfp4.checkpoint import (
-        NVFP4ConfigError,
-        read_quant_config,
-    )
+def decoder_config(arch: str, qk_norm: bool = False, norm_topk_prob: bool = True
+                   ) -> Callable[[dict, Any], ModelConfig]:
+    """The config parser of a plain decoder family (`arch`): the common fields, per-head q/k
+    RMSNorm when `qk_norm`, `norm_topk_prob` when the HF config leaves it out; no
+    quantization."""
 
-    try:
-        return read_quant_config(folder)
-    except NVFP4ConfigError as e:
-        raise ConfigError(str(e)) from None
+    def parse(hf: dict, quantization: Any) -> ModelConfig:
+        if quantization is not None:
+            raise ConfigError(f"{arch}: NVFP4 checkpoints are not supported for this "
+                              "architecture")
+        fields = common_fields(hf, arch)
+        fields.update(qk_norm=qk_norm,
+                      norm_topk_prob=bool(hf.get("norm_topk_prob", norm_topk_prob)))
+        return ModelConfig(**fields)
 
-
-def architecture(hf: dict) -> str:
-    """The engine's architecture name for an HF config (from `architectures`, else
-    `model_type`), or a ConfigError listing the supported ones."""
-    archs = hf.get("architectures") or []
-    arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
-    if arch is None:
-        arch = MODEL_TYPES.get(hf.get("model_type", ""))
-    if arch is None:
-        raise ConfigError(
-            f"unsupported architecture {archs or hf.get('model_type')!r}; supported: "
-            f"{', '.join(sorted(ARCHITECTURES))}")
-    return arch
+    return parse
 
 
 def common_fields(hf: dict, arch: str) -> dict:
-    """ModelConfig's fields from a flat (text) HF config dict."""
+    """ModelConfig's fields from a flat (text) HF config dict, the ones every decoder reads
+    alike; a family's parser sets or overrides the rest."""
     heads = hf["num_attention_heads"]
     theta, scaling = _rope(hf)
     eos = hf.get("eos_token_id")
@@ -219,11 +191,10 @@ def common_fields(hf: dict, arch: str) -> dict:
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=bool(hf.get("attention_bias", False)),
-        qk_norm=arch in ("qwen3", "qwen3_moe"),
         num_experts=hf.get("num_experts") or hf.get("num_local_experts") or 0,
         num_experts_per_tok=hf.get("num_experts_per_tok", 0),
         moe_intermediate_size=hf.get("moe_intermediate_size", 0),
-        norm_topk_prob=bool(hf.get("norm_topk_prob", arch != "qwen3_moe")),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
         decoder_sparse_step=hf.get("decoder_sparse_step", 1) or 1,
         mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
         dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),

@@ -7,7 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-GOLDEN = Path(__file__).resolve().parent.parent / "golden"
+# FreeToken's pytest plugin (markers `gpu` / `multi_gpu(n)`, fixture `freetoken_verify`) is
+# registered through the `pytest11` entry point; an editable install made before that entry
+# point existed does not advertise it, so load it by name (a no-op when the entry point, which
+# carries the same name, already loaded it).
+pytest_plugins = ["verify.pytest_plugin"]
+
+GOLDEN = Path(__file__).resolve().parent.parent / "verify" / "golden"
 BUNDLED = ["tiny-llama", "tiny-qwen3", "tiny-qwen3-moe"]
 
 

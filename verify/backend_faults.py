@@ -10,7 +10,7 @@ import torch
 def torch_nvfp4_nibble_swap() -> None:
     """The torch backend's dequantizer reads element 2j from the high nibble and 2j + 1 from
     the low one (ModelOpt stores the even element in the low nibble)."""
-    from freetoken.layers.quantization.nvfp4 import format as nvfp4_format
+    from freetoken.formats.nvfp4 import format as nvfp4_format
 
     original = nvfp4_format.unpack_nibbles
     nvfp4_format.unpack_nibbles = lambda packed: original((packed << 4) | (packed >> 4))

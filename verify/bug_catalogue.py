@@ -167,14 +167,14 @@ def _respec(arch: str, needle: str, make) -> None:
     from freetoken.loading.plan import ShardPlan
     from freetoken.models import registry
 
-    original = registry.PLANS[arch]
+    original = registry.ARCHITECTURES[arch].plan
 
     def plan(cfg, tp):
         rules = [dataclasses.replace(r, spec=make(r.spec)) if needle in r.pattern else r
                  for r in original(cfg, tp).rules]
         return ShardPlan(rules, tp)
 
-    registry.PLANS[arch] = plan
+    registry.ARCHITECTURES[arch] = dataclasses.replace(registry.ARCHITECTURES[arch], plan=plan)
 
 
 def o_proj_next_rank() -> None:
@@ -186,7 +186,7 @@ def o_proj_next_rank() -> None:
 def expert_down_split_rows() -> None:
     """Qwen3-MoE expert down_proj split on its output rows (like gate/up) instead of its
     input columns: a shape error naming the tensor at load."""
-    from freetoken.loading.specs import Split
+    from freetoken.formats.specs import Split
 
     _respec("qwen3_moe", "down_proj", lambda spec: Split(0))
 
@@ -208,8 +208,8 @@ BUGS = {
 @dataclass(frozen=True)
 class Entry:
     """One TP bug class: inject `fault` into `model` and run `checks` at `tp` (TP=1 too when
-    `tp1_green`): every TP size in `tp` must fail a row whose message matches `words` (a
-    regex naming the module, tensor or rank); at TP=1 every row must pass."""
+    `tp1_green`) on `device`: every TP size in `tp` must fail a row whose message matches
+    `words` (a regex naming the module, tensor or rank); at TP=1 every row must pass."""
 
     bug_class: str
     fault: str
@@ -218,6 +218,7 @@ class Entry:
     checks: tuple[str, ...]
     words: str
     tp1_green: bool = True
+    device: str = "cpu"
 
 
 CATALOGUE: tuple[Entry, ...] = (
@@ -298,4 +299,7 @@ CATALOGUE: tuple[Entry, ...] = (
     Entry("NVFP4 gate/up global scales swapped at load", "nvfp4-load-globals-swapped",
           "tiny-qwen3.5-moe-nvfp4", (1, 2), ("golden", "shards"), r"weight_scale_2",
           tp1_green=False),
+    Entry("CUDA graph static input not refreshed", "graph-stale-positions", "tiny-llama", (1,),
+          ("golden",), r"CUDA graph replay differs from eager decode at batch \d+: prompt \d+ "
+          r"step \d+", tp1_green=False, device="cuda"),
 )

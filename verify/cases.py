@@ -1,7 +1,8 @@
 """Bundled verification cases: tiny checkpoints in the on-disk format of real models, built and
 saved by HF transformers itself, with every parameter re-randomised at a scale where layers
-matter, plus HF's reference outputs. `python -m verify.cases --write golden` regenerates them
-(`make golden`); the same environment writes the same bytes.
+matter, plus HF's reference outputs, shipped as package data in `verify/golden/`.
+`python -m verify.cases --write verify/golden` regenerates them (`make golden`); the same
+environment writes the same bytes.
 
 Dimensions are valid at TP 1, 2, 4 and 8; 2 KV heads make TP 4 and 8 replicate KV heads; the
 odd vocab (301) makes every TP>1 pad the vocab-parallel rows."""
@@ -15,6 +16,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -22,7 +24,8 @@ import torch
 from verify.case_models import qwen3_5_moe_tiny, qwen3_5_moe_tiny_nvfp4, write_realdims
 from verify.randomise import rerandomise
 
-GOLDEN = Path(__file__).resolve().parent.parent / "golden"
+# Package data: found through importlib.resources so an installed wheel finds its own copy.
+GOLDEN = Path(str(resources.files("verify") / "golden"))
 VOCAB = 301
 PROMPT_LENS = (5, 23, 70)
 NUM_GREEDY = 16
@@ -284,12 +287,15 @@ class Case:
     name: str
     folder: Path
     bundled: bool
+    source: dict = field(default_factory=dict, compare=False)
+    """Where the checkpoint came from: `path`, and for a hub id `hub_id`, `revision` and
+    `snapshot` (the commit hash of the cached snapshot), for the report."""
 
     @cached_property
     def model_config(self):
-        from freetoken.config import ModelConfig
+        from freetoken.models.registry import load_config
 
-        return ModelConfig.from_folder(self.folder)
+        return load_config(self.folder)
 
     def engine_args(self, options) -> dict:
         """What a rank needs to build this model's engine under `options`."""
@@ -297,18 +303,21 @@ class Case:
                 "num_layers": options.num_layers}
 
 
-def resolve_case(arg: str) -> Case:
-    """A bundled case name, a local checkpoint folder, or a hub id in the local HF cache."""
+def resolve_case(arg: str, download: bool = False) -> Case:
+    """A bundled case name, a local checkpoint folder, or a hub id `Org/Name[@revision]` from
+    the local HF cache (fetched only when `download` is set: `verify.hub`)."""
     from freetoken.config import ConfigError
-    from freetoken.engine.resolve import ModelNotFound, resolve_model
+    from freetoken.engine.resolve import ModelNotFound
+    from verify.hub import resolve_checkpoint
 
     if arg in CASES:
         if not (GOLDEN / arg / "config.json").is_file():
             raise CaseError(f"bundled case {arg!r} is missing from {GOLDEN}; run `make golden`")
-        case = Case(arg, GOLDEN / arg, True)
+        case = Case(arg, GOLDEN / arg, True, {"path": str(GOLDEN / arg)})
     else:
         try:
-            case = Case(arg, resolve_model(arg), False)
+            folder, source = resolve_checkpoint(arg, download)
+            case = Case(arg, folder, False, source)
         except ModelNotFound as e:
             raise CaseError(f"{e} (bundled cases: {', '.join(sorted(CASES))})") from None
     try:
@@ -320,7 +329,7 @@ def resolve_case(arg: str) -> Case:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Regenerate the bundled verification cases.")
-    parser.add_argument("--write", type=Path, default=GOLDEN, help="output root (golden/)")
+    parser.add_argument("--write", type=Path, default=GOLDEN, help="output root (verify/golden/)")
     parser.add_argument("--case", action="append", choices=sorted(CASES), help="only these")
     parser.add_argument("--realdims", type=Path, metavar="FOLDER",
                         help="instead, write qwen3.5-moe-realdims (not bundled) into FOLDER")

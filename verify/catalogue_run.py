@@ -30,7 +30,7 @@ def run_entry(entry: Entry, timeout: float = 300.0) -> Verdict:
     sizes = sorted(set(entry.tp) | ({1} if entry.tp1_green else set()))
     checks = {n: f for n, f in available_checks().items() if n in entry.checks}
     plan = Plan([resolve_case(entry.model)], sizes, checks,
-                VerifyOptions(device="cpu", timeout=timeout), (entry.fault,))
+                VerifyOptions(device=entry.device, timeout=timeout), (entry.fault,))
     results = run_plan(plan, progress=lambda line: None)
     return Verdict(entry, results, judge(entry, results))
 

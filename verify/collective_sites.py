@@ -49,10 +49,7 @@ def _routed_expert_types() -> tuple[type, ...]:
 
 
 def _is_row_parallel(module: torch.nn.Module) -> bool:
-    from freetoken.layers.quantization.nvfp4 import NVFP4Linear
-
-    return isinstance(module, RowParallelLinear) or (
-        isinstance(module, NVFP4Linear) and module.mode == "row")
+    return isinstance(module, RowParallelLinear)
 
 
 def moe_blocks(model: torch.nn.Module) -> dict[str, str]:

@@ -18,6 +18,7 @@ from verify.collective_faults import (
     lm_head_no_gather,
     moe_reduce_routed_and_shared_separately,
 )
+from verify.graph_faults import GRAPH_FAULTS
 from verify.layout_faults import (
     gdn_heads_from_first,
     nvfp4_scale_group_shifted,
@@ -37,8 +38,8 @@ def plain_chunk_gate_up() -> None:
     of splitting gate and up separately: rank 0 of 2 gets all of gate, rank 1 all of up."""
     import freetoken.engine.core as core
     from freetoken.distributed import get_tp_info
+    from freetoken.formats.specs import Split
     from freetoken.layers.linear import MergedColumnParallelLinear
-    from freetoken.loading.specs import Split
 
     original = core.load_weights
 
@@ -67,7 +68,7 @@ def drop_row_parallel_allreduce() -> None:
 
 def kv_head_wrong_rank() -> None:
     """With fewer KV heads than ranks, each rank loads the KV head of the next rank over."""
-    from freetoken.loading.specs import Heads
+    from freetoken.formats.specs import Heads
 
     def owner(self, rank, size):
         return (rank * self.num_heads // size + 1) % self.num_heads
@@ -82,7 +83,7 @@ def _view_chunk(full, dim, rank, size, name):
 
 def shard_views() -> None:
     """Shard functions return `narrow()` views of the checkpoint tensor instead of copies."""
-    from freetoken.loading import specs
+    from freetoken.formats import specs
 
     specs._chunk = _view_chunk
     specs.Replicate.shard = lambda self, full, rank, size, name="": full
@@ -90,7 +91,7 @@ def shard_views() -> None:
 
 def split_replicated() -> None:
     """Tensors meant to be replicated (norms, routers) are split across ranks instead."""
-    from freetoken.loading import specs
+    from freetoken.formats import specs
 
     specs.Replicate.shard = lambda self, full, rank, size, name="": _view_chunk(
         full, 0, rank, size, name).clone()
@@ -102,7 +103,7 @@ def split_replicated() -> None:
 def vocab_pad_dropped() -> None:
     """Vocab-parallel rows are cut in ceil(vocab / tp) chunks without padding, so the last
     rank gets a short shard."""
-    from freetoken.loading import specs
+    from freetoken.formats import specs
 
     def rows(self, full, rank, size, name=""):
         step = -(-self.full_size // size)
@@ -143,18 +144,18 @@ def _plain_chunk_rules(arch: str, needle: str) -> None:
     row chunk (dim 0), keeping destinations as they are."""
     import dataclasses
 
+    from freetoken.formats.specs import Split
     from freetoken.loading.plan import ShardPlan
-    from freetoken.loading.specs import Split
     from freetoken.models import registry
 
-    original = registry.PLANS[arch]
+    original = registry.ARCHITECTURES[arch].plan
 
     def plan(cfg, tp):
         rules = [dataclasses.replace(r, spec=Split(0)) if needle in r.pattern else r
                  for r in original(cfg, tp).rules]
         return ShardPlan(rules, tp)
 
-    registry.PLANS[arch] = plan
+    registry.ARCHITECTURES[arch] = dataclasses.replace(registry.ARCHITECTURES[arch], plan=plan)
 
 
 def plain_chunk_gdn_qkv() -> None:
@@ -178,8 +179,8 @@ def plain_chunk_expert_gate_up() -> None:
     of gate and up split separately."""
     import freetoken.engine.core as core
     from freetoken.distributed import get_tp_info
+    from freetoken.formats.specs import Split
     from freetoken.layers.moe import FusedExperts
-    from freetoken.loading.specs import Split
 
     original = core.load_weights
 
@@ -304,6 +305,7 @@ FAULTS: dict[str, Callable[[], None]] = {
     "block-scale-group-shifted": nvfp4_scale_group_shifted,
     "torch-nvfp4-nibble-swap": torch_nvfp4_nibble_swap,
     "torch-nvfp4-drop-w13-global": torch_nvfp4_drop_w13_global,
+    **GRAPH_FAULTS,
 }
 
 

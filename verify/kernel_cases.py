@@ -69,9 +69,9 @@ def _heavy_tailed(shape, scale: float, gen: torch.Generator) -> torch.Tensor:
 
 def _quantized_shard(w: torch.Tensor, tp: int, rows: bool) -> tuple:
     """Quantize a full checkpoint weight, then take rank 0's shard as the loader would."""
-    from freetoken.layers.quantization.nvfp4.quantizer import quantize
-    from freetoken.layers.quantization.nvfp4.specs import PACKED, SCALE, InputSplit
-    from freetoken.loading.specs import Split
+    from freetoken.formats.nvfp4.quantizer import quantize
+    from freetoken.formats.nvfp4.specs import PACKED, SCALE, InputSplit
+    from freetoken.formats.specs import Split
 
     q = quantize(w)
     packed_spec, scale_spec = (Split(0), Split(0)) if rows else \
@@ -108,7 +108,7 @@ def weights_for(case: KernelCase, device, cache: dict) -> dict:
     if key not in cache:
         seed = sum(key[1:]) * 7919 + len(case.kind)
         if case.kind == "linear":
-            from freetoken.layers.quantization.nvfp4.quantizer import quantize
+            from freetoken.formats.nvfp4.quantizer import quantize
 
             gen = torch.Generator(device=device).manual_seed(seed)
             shape = (case.local_intermediate, case.hidden)

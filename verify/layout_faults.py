@@ -28,14 +28,14 @@ def _replace_rule_specs(arch: str, needles: tuple[str, ...], spec) -> None:
     from freetoken.loading.plan import ShardPlan
     from freetoken.models import registry
 
-    original = registry.PLANS[arch]
+    original = registry.ARCHITECTURES[arch].plan
 
     def plan(cfg, tp):
         rules = [dataclasses.replace(r, spec=spec) if any(n in r.pattern for n in needles)
                  else r for r in original(cfg, tp).rules]
         return ShardPlan(rules, tp)
 
-    registry.PLANS[arch] = plan
+    registry.ARCHITECTURES[arch] = dataclasses.replace(registry.ARCHITECTURES[arch], plan=plan)
 
 
 def gdn_heads_from_first() -> None:
@@ -71,7 +71,7 @@ def plain_chunk_gdn_zba() -> None:
     """GatedDeltaNet in_proj_z, in_proj_b and in_proj_a loaded as one packed `[z | b | a]`
     cut in plain row chunks: each rank's z slot gets z rows, but its b and a slots get more
     z rows instead of the b and a of its value heads."""
-    from freetoken.loading.specs import Split
+    from freetoken.formats.specs import Split
     from freetoken.models.qwen3_5_moe.gdn import GatedDeltaNet
 
     def patch(model, reader, tp):
@@ -91,7 +91,7 @@ def plain_chunk_gdn_zba() -> None:
 def plain_chunk_shared_gate_up() -> None:
     """The shared expert's merged gate|up weight filled with a plain row chunk of the packed
     `[gate; up]`: at TP 2 rank 0 gets all of gate, rank 1 all of up."""
-    from freetoken.loading.specs import Split
+    from freetoken.formats.specs import Split
 
     def patch(model, reader, tp):
         names = reader.names()
@@ -111,7 +111,7 @@ def nvfp4_scale_group_shifted() -> None:
     """NVFP4 block scales of a split input dimension start one 16-input group late on every
     rank after the first (a fencepost in the group offset), wrapping around: the scales no
     longer line up with the packed inputs they scale."""
-    from freetoken.layers.quantization.nvfp4 import specs
+    from freetoken.formats.nvfp4 import specs
 
     original = specs.InputSplit.shard
 

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import torch
 
-from freetoken.layers.quantization.nvfp4.checkpoint import (
+from freetoken.formats.nvfp4.checkpoint import (
     COMPRESSED_TENSORS,
     MODELOPT,
     to_checkpoint,
 )
-from freetoken.layers.quantization.nvfp4.format import E2M1_MAX, E4M3_MAX, GROUP
-from freetoken.layers.quantization.nvfp4.quantizer import NVFP4Tensor, quantize
+from freetoken.formats.nvfp4.format import E2M1_MAX, E4M3_MAX, GROUP
+from freetoken.formats.nvfp4.quantizer import NVFP4Tensor, quantize
 
 _EXPERT = re.compile(r"(?P<p>.+\.mlp\.experts)\.(?P<e>\d+)\.(?P<part>gate|up|down)_proj\.weight")
 # A calibrated activation amax of 8 (what ModelOpt stores as input_scale = amax / (6 * 448));

@@ -1,10 +1,13 @@
-"""Reference outputs the golden check compares with: the stored golden of a bundled case, or
-HF transformers run live on the same checkpoint (same device as rank 0)."""
+"""Reference outputs the golden check compares with: the stored golden of a bundled case, HF
+transformers run live on the same checkpoint (same device as rank 0), or a reference saved
+earlier with `--save-reference` (`verify.reference_store`)."""
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -35,27 +38,91 @@ class Reference:
                    [tensors[f"greedy_logits_{i}"] for i in n])
 
 
+LIVE_CHOICES = ("auto", "golden", "hf")
+
+
+def stored_dir(options) -> str | None:
+    """The saved reference this run reads (`--reference DIR`, or the one `--save-reference
+    DIR` writes before the ranks start), or None."""
+    if options.save_reference:
+        return options.save_reference
+    return None if options.reference in LIVE_CHOICES else options.reference
+
+
+def custom_prompts(options) -> bool:
+    """The user chose the prompts or the continuation length: a bundled golden covers neither."""
+    return bool(options.prompts_file) or options.seed is not None or \
+        options.max_new_tokens is not None
+
+
 def reference_source(case, options) -> str:
-    """`golden` for bundled cases at full depth, `hf` otherwise (or as asked)."""
+    """`stored` for a saved reference; `golden` for bundled cases at full depth with the
+    default prompts, `hf` otherwise (or as asked)."""
+    if stored_dir(options):
+        return "stored"
     if options.reference != "auto":
         return options.reference
-    return "golden" if case.bundled and options.num_layers is None else "hf"
+    golden = case.bundled and options.num_layers is None and not custom_prompts(options)
+    return "golden" if golden else "hf"
 
 
 def prompts_for(case, options) -> tuple[list[list[int]], int]:
     """(prompts, greedy length) the reference covers, known before any model runs."""
-    if reference_source(case, options) == "golden":
+    source = reference_source(case, options)
+    if source == "golden":
         meta = json.loads((case.folder / "meta.json").read_text())
         return meta["prompts"], meta["num_greedy"]
-    return reference_prompts(0, PROMPT_LENS, case.model_config.vocab_size), NUM_GREEDY
+    if source == "stored" and not options.save_reference:
+        from verify.reference_store import read_meta
+
+        meta = read_meta(stored_dir(options))
+        return meta["prompts"], meta["num_greedy"]
+    return requested_prompts(case, options)
+
+
+def requested_prompts(case, options) -> tuple[list[list[int]], int]:
+    """The prompts the options ask for (`--prompts-file`, else seeded random ids with every
+    vocab-shard boundary id, `--seed`), and the continuation length (`--max-new-tokens`)."""
+    from verify.prompts import PromptError
+
+    stamp = None
+    if options.prompts_file:
+        try:
+            stat = Path(options.prompts_file).stat()
+        except OSError as e:
+            raise PromptError(f"--prompts-file: cannot read {options.prompts_file} "
+                              f"({e.strerror})") from None
+        stamp = (stat.st_mtime_ns, stat.st_size)
+    prompts, num_new = _requested(case, options, stamp)
+    return [list(p) for p in prompts], num_new
+
+
+@functools.lru_cache(maxsize=16)
+def _requested(case, options, stamp) -> tuple[tuple[tuple[int, ...], ...], int]:
+    """Tokenizing a prompts file loads the tokenizer: once per model, options and version of
+    the file (`stamp`), so an edited file is read again."""
+    from verify.prompts import DEFAULT_SEED, read_prompts_file, tokenize_prompts
+
+    num_new = options.max_new_tokens or NUM_GREEDY
+    if options.prompts_file:
+        prompts = tokenize_prompts(read_prompts_file(options.prompts_file), case)
+    else:
+        seed = DEFAULT_SEED if options.seed is None else options.seed
+        prompts = reference_prompts(seed, PROMPT_LENS, case.model_config.vocab_size)
+    return tuple(tuple(p) for p in prompts), num_new
 
 
 def reference_for(ctx) -> Reference:
     """The reference for ctx.case, computed once per run (cached across TP sizes)."""
     key = ("reference", ctx.case.name)
     if key not in ctx.cache:
-        if reference_source(ctx.case, ctx.options) == "golden":
+        source = reference_source(ctx.case, ctx.options)
+        if source == "golden":
             ctx.cache[key] = golden_reference(ctx.case, ctx.options)
+        elif source == "stored":
+            from verify.reference_store import stored_reference
+
+            ctx.cache[key] = stored_reference(stored_dir(ctx.options), ctx.case, ctx.options)
         else:
             ctx.cache[key] = live_hf_reference(ctx.case, ctx.options,
                                                ctx.runner.placement.device_for(0))

@@ -1,6 +1,8 @@
-"""Check results and the three ways they leave the harness: a table, JSON and JUnit XML.
+"""Check results and the ways they leave the harness: a table, the JSON report, JUnit XML and
+a markdown summary (`verify.report_writer` writes the files as rows finish).
 
-The JSON layout is the versioned report contract: change its keys only with a version bump.
+The JSON layout is the versioned report contract (docs/report.md, `verify/report_schema.json`):
+change its keys only with a version bump.
 """
 
 from __future__ import annotations
@@ -11,13 +13,13 @@ import re
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from importlib import metadata
-from pathlib import Path
 
 from tabulate import tabulate
 
+from verify.run_info import dtype_label
+
 STATUSES = ("pass", "fail", "skip", "error")
-REPORT_VERSION = 1
+REPORT_VERSION = 2
 
 # The table shows at most this many metrics, the ones a reader scans first.
 _MAX_TABLE_METRICS = 5
@@ -139,70 +141,117 @@ def render_table(results: Iterable[CheckResult]) -> str:
     return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
 
 
-def _package_version(name: str) -> str:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return "absent"
+def _row(result: CheckResult, detail: str | None) -> dict:
+    return {**result.to_dict(), "detail": detail or None}
 
 
-def environment(device: str, gpus: int) -> dict:
-    """The versions and hardware a report was produced with.
-
-    Versions come from package metadata rather than imports: importing triton on a machine
-    without a GPU driver can fail or take seconds, and a report must still be written.
-    """
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    return {"torch": _package_version("torch"), "triton": _package_version("triton"),
-            "transformers": _package_version("transformers"), "device": device,
-            "gpus": int(gpus)}
-
-
-def report_dict(results: Iterable[CheckResult], env: dict) -> dict:
-    """The `--report-json` document, version 1 of the report contract."""
-    results = list(results)
-    return {"version": REPORT_VERSION, "env": env, "results": [r.to_dict() for r in results],
+def report_dict(results: Iterable[CheckResult], info, details: dict | None = None,
+                complete: bool = True) -> dict:
+    """The `--report-json` document, version 2 of the report contract: `info` (a
+    `verify.run_info.RunInfo`) says which run; `details` maps (model, check, tp) to the failing
+    rank's traceback; `complete` is False while the run is still going (or was killed)."""
+    results, details = list(results), details or {}
+    return {"version": REPORT_VERSION, "complete": complete, "env": info.env, "run": info.run,
+            "models": info.models,
+            "results": [_row(r, details.get((r.model, r.check, r.tp))) for r in results],
             "summary": summarize(results)}
-
-
-def write_json(path, results: Iterable[CheckResult], env: dict) -> None:
-    """Write the report contract as strict JSON to `path`, creating its folder."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(report_dict(results, env), indent=2, allow_nan=False)
-    path.write_text(text + "\n", encoding="utf-8")
 
 
 def _xml_text(text: str) -> str:
     return _XML_INVALID.sub("?", text)
 
 
-def _testcase(suite: ET.Element, result: CheckResult) -> None:
-    case = ET.SubElement(suite, "testcase", classname=f"{result.model}.tp{result.tp}",
+def _model_facts(info) -> dict:
+    return {m["name"]: m for m in info.models}
+
+
+def _properties(parent: ET.Element, values: dict) -> None:
+    props = ET.SubElement(parent, "properties")
+    for name, value in values.items():
+        ET.SubElement(props, "property", name=name, value=_xml_text(str(value)))
+
+
+def _body(result: CheckResult, detail: str | None) -> str:
+    """What a CI reporter shows for a failure: the message, the failing rank's traceback,
+    the metrics."""
+    parts = [result.message]
+    if detail:
+        parts.append(detail)
+    if result.metrics:
+        parts.append("metrics: " + json.dumps(_json_safe(result.metrics), indent=2,
+                                              sort_keys=True))
+    return _xml_text("\n\n".join(parts))
+
+
+def _testcase(suite: ET.Element, result: CheckResult, model: dict, faults: str,
+              detail: str | None) -> None:
+    dtype = dtype_label(model.get("dtype", "auto"))
+    case = ET.SubElement(suite, "testcase", classname=f"{result.model}.{dtype}.tp{result.tp}",
                          name=result.check, time=f"{result.seconds:.3f}")
+    _properties(case, {"placement": result.placement, "seconds": f"{result.seconds:.3f}",
+                       "dtype": model.get("dtype", "auto"),
+                       "reference": model.get("reference", ""), "faults": faults})
     message = _xml_text(result.message)
-    metrics = json.dumps(_json_safe(result.metrics), indent=2, sort_keys=True)
-    if result.status == "fail":
-        ET.SubElement(case, "failure", message=message).text = _xml_text(metrics)
-    elif result.status == "error":
-        ET.SubElement(case, "error", message=message).text = _xml_text(metrics)
+    if result.status in ("fail", "error"):
+        tag = "failure" if result.status == "fail" else "error"
+        ET.SubElement(case, tag, message=message).text = _body(result, detail)
     elif result.status == "skip":
         ET.SubElement(case, "skipped", message=message)
 
 
-def write_junit(path, results: Iterable[CheckResult]) -> None:
-    """Write one JUnit <testsuite> with a <testcase> per result, for CI test reporters."""
-    results = list(results)
+def _suite_attributes(name: str, results: list[CheckResult]) -> dict:
     counts = summarize(results)
-    suite = ET.Element("testsuite", name="freetoken-verify", tests=str(len(results)),
-                       failures=str(counts["failed"]), errors=str(counts["errors"]),
-                       skipped=str(counts["skipped"]),
-                       time=f"{sum(r.seconds for r in results):.3f}")
+    return {"name": name, "tests": str(len(results)), "failures": str(counts["failed"]),
+            "errors": str(counts["errors"]), "skipped": str(counts["skipped"]),
+            "time": f"{sum(r.seconds for r in results):.3f}"}
+
+
+def junit_tree(results: Iterable[CheckResult], info, details: dict | None = None) -> ET.Element:
+    """JUnit XML: one <testsuite> per reference (`freetoken-verify.golden`,
+    `freetoken-verify.hf`), a <testcase> per result with classname `model.dtype.tpN` and the
+    check as name, so runs at another dtype or reference never share an id."""
+    results, details, models = list(results), details or {}, _model_facts(info)
+    faults = ",".join(info.run.get("faults") or ()) or "none"
+    root = ET.Element("testsuites", _suite_attributes("freetoken-verify", results))
+    groups: dict[str, list[CheckResult]] = {}
     for result in results:
-        _testcase(suite, result)
-    tree = ET.ElementTree(suite)
-    ET.indent(tree)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tree.write(path, encoding="utf-8", xml_declaration=True)
+        groups.setdefault(models.get(result.model, {}).get("reference", "none"), []).append(result)
+    for reference, members in groups.items():
+        suite = ET.SubElement(root, "testsuite",
+                              _suite_attributes(f"freetoken-verify.{reference}", members))
+        _properties(suite, {k: info.run.get(k) for k in ("version", "git_commit", "started",
+                                                         "dtype")}
+                    | {"device": info.env.get("device"), "reference": reference,
+                       "faults": faults})
+        for result in members:
+            _testcase(suite, result, models.get(result.model, {}), faults,
+                      details.get((result.model, result.check, result.tp)))
+    ET.indent(root)
+    return root
+
+
+def _md_cell(text) -> str:
+    return str(text).replace("|", "\\|").replace("<", "&lt;").replace("\n", " ")
+
+
+def markdown_summary(results: Iterable[CheckResult], info, complete: bool = True) -> str:
+    """A compact markdown table for CI job summaries: a heading with the counts and what ran,
+    one row per result (failures in bold, messages only where something needs attention)."""
+    results, models, run = list(results), _model_facts(info), info.run
+    tp = ",".join(map(str, run.get("arguments", {}).get("tp", [])))
+    state = "" if complete else " (incomplete)"
+    lines = [f"### freetoken-verify: {count_line(results)}{state}", "",
+             f"dtype {run.get('dtype')} · reference {run.get('reference')} · TP {tp} · "
+             f"device {info.env.get('device')} ({info.env.get('gpus')} GPUs) · faults "
+             f"{', '.join(run.get('faults') or ()) or 'none'} · freetoken "
+             f"{run.get('version')} · commit {(run.get('git_commit') or 'none')[:12]}", "",
+             "| model | dtype | reference | tp | check | status | placement | metrics | s "
+             "| message |", "|" + "---|" * 10]
+    for r in results:
+        model = models.get(r.model, {})
+        status = r.status.upper()
+        lines.append("| " + " | ".join(_md_cell(c) for c in (
+            r.model, dtype_label(model.get("dtype", "")), model.get("reference", ""), r.tp,
+            r.check, status if r.status in ("pass", "skip") else f"**{status}**", r.placement,
+            _format_metrics(r.metrics), f"{r.seconds:.1f}", _short_message(r))) + " |")
+    return "\n".join(lines) + "\n"

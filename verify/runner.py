@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -11,8 +10,9 @@ from functools import partial
 
 from freetoken.distributed import choose_placement
 from verify.cases import Case
-from verify.checks import CheckContext, VerifyOptions
+from verify.checks.base import CheckContext, VerifyOptions, make_result
 from verify.faults import inject
+from verify.progress import Progress
 from verify.ranks import RankFailure, RankRunner
 from verify.report import CheckResult
 
@@ -29,10 +29,13 @@ class Plan:
     details: dict = field(default_factory=dict)
 
 
-def run_plan(plan: Plan, progress: Callable[[str], None] | None = None) -> list[CheckResult]:
+def run_plan(plan: Plan, progress: Progress | Callable[[str], None] | None = None,
+             on_result: Callable[[CheckResult], None] | None = None) -> list[CheckResult]:
     """Every check on every model at every TP size, in that nesting (TP outermost so each
-    rank group starts once)."""
-    say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
+    rank group starts once). `progress` gets a line per step (a callable: plain lines; None:
+    stderr, updating in place on a terminal); `on_result` sees each result as it finishes."""
+    progress = progress if isinstance(progress, Progress) else Progress(progress)
+    say = progress.line
     results: list[CheckResult] = []
     cache: dict = {}
     total = len(plan.cases) * len(plan.tp_sizes) * len(plan.checks)
@@ -44,8 +47,11 @@ def run_plan(plan: Plan, progress: Callable[[str], None] | None = None) -> list[
             for case in plan.cases:
                 for name, check in plan.checks.items():
                     ctx = CheckContext(case, tp, runner, plan.options, cache)
-                    result = _run_one(name, check, ctx, plan.details)
+                    with progress.step(f"[tp={tp}] {case.name} {name}"):
+                        result = _run_one(name, check, ctx, plan.details)
                     results.append(result)
+                    if on_result is not None:
+                        on_result(result)
                     say(f"[{len(results)}/{total}] {case.name} {name} tp={tp}: "
                         f"{result.status.upper()} ({result.seconds:.1f}s)")
     return results
@@ -61,5 +67,4 @@ def _run_one(name: str, check, ctx: CheckContext, details: dict) -> CheckResult:
     except Exception as e:  # a check's own bug must not hide the other results
         details[(ctx.case.name, name, ctx.tp)] = traceback.format_exc()
         message = f"{ctx.case.name} tp={ctx.tp}: {type(e).__name__}: {e}"
-    return CheckResult(name, ctx.case.name, ctx.tp, "error", time.monotonic() - start,
-                       ctx.placement, {}, message)
+    return make_result(name, ctx, start, "error", {}, message)

@@ -17,7 +17,7 @@ from freetoken.engine.sampler import sample
 from freetoken.engine.scheduler import Scheduler
 from freetoken.engine.sequence import GenerationResult, SamplingParams, Sequence
 from freetoken.loading import CheckpointReader, load_weights
-from freetoken.models.registry import build_model, shard_plan
+from freetoken.models.registry import build_model, load_config, shard_plan
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -36,7 +36,7 @@ class EngineCore:
     def __init__(self, folder: str | Path, cfg: EngineConfig, device: torch.device):
         self.cfg = cfg
         self.device = torch.device(device)
-        self.model_config = ModelConfig.from_folder(folder)
+        self.model_config = load_config(folder)
         if cfg.num_layers is not None:
             self.model_config = self.model_config.truncated(cfg.num_layers)
         self.dtype = resolve_dtype(cfg.dtype, self.model_config)

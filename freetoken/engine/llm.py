@@ -9,14 +9,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from freetoken.config import EngineConfig, ModelConfig
+from freetoken.config import EngineConfig
 from freetoken.distributed import RankContext, RankGroup, choose_placement, get_tp_info
 from freetoken.engine.core import EngineCore
 from freetoken.engine.requests import check_request, token_ids
 from freetoken.engine.resolve import resolve_model
 from freetoken.engine.sequence import GenerationResult, SamplingParams
 from freetoken.loading.validate import validate_checkpoint
-from freetoken.models.registry import check_tp
+from freetoken.models.registry import check_tp, load_config
 
 
 class LLM:
@@ -26,7 +26,7 @@ class LLM:
                  dtype: str = "auto", oversubscribe: bool = False, in_process: bool | None = None,
                  **engine_options: Any):
         self.folder = resolve_model(model)
-        self.model_config = ModelConfig.from_folder(self.folder)
+        self.model_config = load_config(self.folder)
         check_tp(self.model_config, tp)
         validate_checkpoint(self.folder)
         self.config = EngineConfig(str(self.folder), tp=tp, device=device, dtype=dtype,

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
+from freetoken.formats.nvfp4.format import check_shapes
 from freetoken.kernels import nvfp4_launch, nvfp4_mma_launch
 from freetoken.kernels.moe_align import align_by_expert
-from freetoken.layers.quantization.nvfp4.format import check_shapes
 
 
 def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tensor,

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from freetoken.formats.nvfp4.format import GROUP, NVFP4FormatError
 from freetoken.kernels import nvfp4_launch, nvfp4_mma_launch
 from freetoken.kernels.moe_align import align_by_expert
-from freetoken.layers.quantization.nvfp4.format import GROUP, NVFP4FormatError
 
 
 def _local_intermediate(w13: torch.Tensor, w2: torch.Tensor) -> int:

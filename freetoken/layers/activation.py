@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from freetoken.context import uses_kernels
 from freetoken.kernels import norm_rope
@@ -17,8 +16,3 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return norm_rope.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-class SiluAndMul(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(x)

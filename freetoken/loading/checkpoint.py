@@ -63,6 +63,7 @@ class CheckpointReader:
         return sorted(self._files, key=lambda n: (self._files[n], n))
 
     def file_of(self, name: str) -> str:
+        """The file (relative to the folder) holding tensor `name` (GPU staging reads it)."""
         return self._files[name]
 
     def _handle(self, file: str):

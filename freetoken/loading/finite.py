@@ -1,8 +1,15 @@
 """Non-finite checkpoint values, caught at load: a NaN weight or scale otherwise loads
 silently and surfaces as garbage text or as a logit mismatch that does not say why. Checked
-on the loaded shard, on the device it went to: one pass over memory the copy just touched."""
+on the loaded shard, on the device it went to: one pass over memory the copy just touched.
+
+The pass is a sum: NaN and Inf propagate through it, so a finite sum clears the tensor in one
+reduction without temporaries and, on a GPU, without a host sync per tensor. A non-finite sum
+is confirmed element-wise (a sum of large finite values can overflow) before anything is
+reported."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -23,30 +30,61 @@ def _nonfinite_mask(t: torch.Tensor) -> torch.Tensor | None:
     return None  # integer and packed tensors (NVFP4 codes) have no non-finite values
 
 
-# Elements tested per step (isfinite builds a float and two bool temporaries of the input's
-# size): over a whole shard that transient would be more than its bytes again, which the
-# memory check's load budget (rightly) refuses.
+# Elements tested per step where a step builds temporaries of its input's size (the exact
+# test, fp8 masks, float16 sums in float32): over a whole shard that transient would be more
+# than its bytes again, which the memory check's load budget (rightly) refuses.
 _CHUNK = 1 << 16
 
 
+def _chunks(t: torch.Tensor) -> list[torch.Tensor]:
+    flat = t.reshape(-1) if t.is_contiguous() else t.flatten()
+    return [flat[start : start + _CHUNK] for start in range(0, flat.numel(), _CHUNK)]
+
+
+def _screen(t: torch.Tensor) -> torch.Tensor | None:
+    """A 0-dim float tensor on t's device, finite if every value of `t` is (not always the
+    converse); None for dtypes without non-finite values."""
+    if t.dtype in _FP8_NONFINITE:
+        bad = torch.stack([_nonfinite_mask(c).any() for c in _chunks(t)]).any()
+        return torch.where(bad, float("nan"), 0.0)
+    if not t.dtype.is_floating_point or t.numel() == 0:
+        return None
+    if t.dtype == torch.float16:
+        # float16's own range overflows at 65504: sum in float32, a chunk at a time.
+        return torch.stack([c.sum(dtype=torch.float32) for c in _chunks(t)]).sum()
+    # bfloat16 and float32 sums keep float32's exponent range.
+    return t.sum()
+
+
 def _has_nonfinite(t: torch.Tensor) -> bool:
-    if not t.is_contiguous():
-        return any(_has_nonfinite(part) for part in t)
-    flat = t.reshape(-1)
-    for start in range(0, flat.numel(), _CHUNK):
-        bad = _nonfinite_mask(flat[start : start + _CHUNK])
-        if bad is None:
-            return False
-        if bool(bad.any()):
-            return True
-    return False
+    """The exact element-wise test."""
+    if t.dtype not in _FP8_NONFINITE and not t.dtype.is_floating_point:
+        return False
+    return any(bool(_nonfinite_mask(c).any()) for c in _chunks(t))
 
 
 def check_finite(name: str, t: torch.Tensor) -> None:
     """Raise NonFiniteError naming checkpoint tensor `name` if its loaded shard `t` holds
     NaN or Inf (counts and the first flat index in the message)."""
-    if not _has_nonfinite(t):
+    check_finite_all([(name, t)])
+
+
+def check_finite_all(named: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """check_finite over many (name, shard) pairs: one screening reduction each and one
+    host sync for all of them; the first non-finite tensor (in order) is reported."""
+    screened = [(name, t, s) for name, t in named if (s := _screen(t)) is not None]
+    if not screened:
         return
+    sums = torch.stack([s.to(device=screened[0][2].device, dtype=torch.float32)
+                        for _, _, s in screened])
+    if bool(torch.isfinite(sums).all()):
+        return
+    for (name, t, _), ok in zip(screened, torch.isfinite(sums).tolist()):
+        if not ok and _has_nonfinite(t):
+            _raise(name, t)
+
+
+def _raise(name: str, t: torch.Tensor) -> None:
     flat = _nonfinite_mask(t).flatten()
     values = t.flatten()[flat].float()
     kinds = [f"{n} {label}" for label, n in (("NaN", int(values.isnan().sum())),

@@ -7,9 +7,9 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass, field
-from typing import Any
 
-from freetoken.loading.specs import Replicate, ShardError
+from freetoken.formats.shard import ShardError, ShardSpec
+from freetoken.formats.specs import Replicate
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,7 @@ class Rule:
     ints, slices, or names of regex groups holding an int). `param=None` ignores the tensor."""
 
     pattern: str
-    spec: Any = field(default_factory=Replicate)
+    spec: ShardSpec = field(default_factory=Replicate)
     param: str | None = r"\g<0>"
     slot: tuple = ()
 

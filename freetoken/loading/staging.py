@@ -1,6 +1,15 @@
-"""Moving shards to the GPU through pinned host buffers.
+"""Moving shards to the GPU: straight from the page cache where the driver can pin it, else
+through pinned host buffers.
 
-A copy from pageable memory (the memory-mapped checkpoint) to the GPU is synchronous and goes
+Where a chunk of a shard lies contiguously in the file, in the parameter's dtype (every shard
+of a row split, every replicated tensor), the copy engine reads it from the file's pages
+directly: the loader maps each checkpoint file read-only and registers it with CUDA window by
+window (`freetoken.loading.mapped`), so the bytes cross host memory once, by DMA, instead of being
+copied into a staging buffer first (measured on an H200: the registered mapping moves 55 GB/s,
+staging through pinned buffers tops out near 17 GB/s however many threads fill them).
+
+Otherwise (a column split, a cast, or a system that refuses the registration), a copy from
+pageable memory (the memory-mapped checkpoint) to the GPU is synchronous and goes
 through the driver's own bounce buffer. Instead each loader thread owns a `PinnedStager`: a
 small ring of pinned buffers and a CUDA stream. The host fills the next chunk of a shard into
 a free buffer while the copy engine moves the previous chunk to the GPU, so reading and the
@@ -12,14 +21,13 @@ split, a cast) is copied from the mapped view, casting on the way."""
 from __future__ import annotations
 
 import ctypes
-import json
 import os
-import struct
 from pathlib import Path
 
 import torch
 
-from freetoken.loading.specs import Piece, ShardPieces
+from freetoken.formats.shard import Piece, ShardPieces
+from freetoken.loading.mapped import MappedCheckpoint, tensor_offsets
 
 STAGE_BYTES = 16 << 20
 """Bytes per pinned buffer: large enough that a transfer runs at the bus's speed."""
@@ -39,16 +47,6 @@ def release_pinned() -> None:
         torch._C, "_host_emptyCache", None)
     if release is not None:
         release()
-
-
-def tensor_offsets(path: Path) -> dict[str, int]:
-    """File offset of each tensor's first byte in a safetensors file (from its header: an
-    8-byte little-endian length, the JSON header, then the data)."""
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
-    return {name: 8 + length + entry["data_offsets"][0] for name, entry in header.items()
-            if name != "__metadata__"}
 
 
 class FileReader:
@@ -129,20 +127,23 @@ def _as_rows(pieces: ShardPieces) -> ShardPieces:
 
 class PinnedStager:
     """One loader thread's pinned ring and copy stream on `device`, reading the files of
-    `reader` (a CheckpointReader)."""
+    `reader` (a CheckpointReader); chunks that can be are copied straight from `mapped`'s
+    registered pages instead."""
 
     def __init__(self, device: torch.device, reader, buffer_bytes: int | None = None,
-                 ring: int = RING):
+                 ring: int = RING, mapped: MappedCheckpoint | None = None):
         buffer_bytes = buffer_bytes or STAGE_BYTES
         self._files = FileReader(reader)
+        self._mapped = mapped
         self.device = torch.device(device)
         # Per thread: a loader thread starts on GPU 0, and would create a context there.
         torch.cuda.set_device(self.device)
         self.stream = torch.cuda.Stream(self.device)
         # Parameters were allocated (and maybe initialised) on the current stream.
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        self._buffers = [torch.empty(buffer_bytes, dtype=torch.uint8, pin_memory=True)
-                         for _ in range(ring)]
+        # Pinned on first use: chunks copied from registered pages never need the ring.
+        self._buffer_bytes = buffer_bytes
+        self._buffers: list[torch.Tensor | None] = [None] * ring
         self._events: list[torch.cuda.Event | None] = [None] * ring
         self._next = 0
 
@@ -155,13 +156,40 @@ class PinnedStager:
         # view, never reshape: a copy of `dest` would take the transfer instead of it.
         dest = dest.view(pieces.shape)
         row_bytes = dest[0].numel() * dest.element_size() if len(dest) else 0
-        rows = max(1, len(self._buffers[0]) // max(1, row_bytes))
+        rows = max(1, self._buffer_bytes // max(1, row_bytes))
         for first in range(0, pieces.shape[0], rows):
             stop = min(first + rows, pieces.shape[0])
+            if self._direct(name, full, pieces, dest, first, stop):
+                continue
             slot, buffer = self._take((stop - first) * row_bytes)
             stage = buffer.view(dest.dtype).view(stop - first, *pieces.shape[1:])
             fill(stage, pieces, first, stop, self._files, origin)
             self._send(slot, stage, dest[first:stop])
+
+    def _direct(self, name: str, full: torch.Tensor, pieces: ShardPieces, dest: torch.Tensor,
+                first: int, stop: int) -> bool:
+        """Copy rows [first, stop) from the registered file pages if every piece of them lies
+        contiguously in the file in dest's dtype; False (nothing copied) otherwise."""
+        if self._mapped is None or not self._mapped.usable:
+            return False
+        parts = list(_row_pieces(pieces, first, stop, dest[first:stop]))
+        if not all(source is None or (source.dtype == region.dtype and source.is_contiguous()
+                                      and region.is_contiguous()) for region, source in parts):
+            return False
+        segments = [None if source is None else self._mapped.segments(name, full, source)
+                    for _, source in parts]
+        if any(seg is None for seg, (_, source) in zip(segments, parts) if source is not None):
+            return False
+        with torch.cuda.stream(self.stream):
+            for (region, source), seg in zip(parts, segments):
+                if source is None:
+                    region.zero_()
+                    continue
+                out, at = region.reshape(-1).view(torch.uint8), 0
+                for part in seg:
+                    out[at : at + len(part)].copy_(part, non_blocking=True)
+                    at += len(part)
+        return True
 
     def _take(self, nbytes: int) -> tuple[int, torch.Tensor]:
         """(slot, first `nbytes` of its buffer) of the next ring buffer, once its previous
@@ -170,8 +198,9 @@ class PinnedStager:
         self._next = (slot + 1) % len(self._buffers)
         if self._events[slot] is not None:
             self._events[slot].synchronize()
-        if nbytes > len(self._buffers[slot]):
-            self._buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        if self._buffers[slot] is None or nbytes > len(self._buffers[slot]):
+            self._buffers[slot] = torch.empty(max(nbytes, self._buffer_bytes),
+                                              dtype=torch.uint8, pin_memory=True)
         return slot, self._buffers[slot][:nbytes]
 
     def _send(self, slot: int, stage: torch.Tensor, dest: torch.Tensor) -> None:

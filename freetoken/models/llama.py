@@ -1,5 +1,6 @@
-"""Llama-family decoder (also the base of Qwen3 and Qwen3-MoE): attention with a fused,
-head-split QKV projection and a row-parallel output; SiLU-gated MLP."""
+"""Llama-family decoder layer (also the base of Qwen3 and Qwen3-MoE): attention with a fused,
+head-split QKV projection and a row-parallel output; SiLU-gated MLP. The decoder stack and
+the LM head are `freetoken.models.base`'s."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from torch import nn
 from freetoken.config import ModelConfig
 from freetoken.layers.activation import silu_and_mul
 from freetoken.layers.attention import PagedAttention
-from freetoken.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from freetoken.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -17,6 +17,7 @@ from freetoken.layers.linear import (
 )
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rotary import RotaryEmbedding
+from freetoken.models.base import CausalLM, DecoderModel
 
 
 class Attention(nn.Module):
@@ -72,41 +73,6 @@ class DecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         h = h + self.self_attn(positions, self.input_layernorm(h))
         return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_cls: type[nn.Module]):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(layer_cls(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            h = layer(positions, h)
-        return self.norm(h)
-
-
-class CausalLM(nn.Module):
-    """A decoder stack plus the vocab-parallel LM head: token ids and positions of a flat batch
-    -> hidden states; `compute_logits` -> full vocab logits on every rank."""
-
-    def __init__(self, cfg, model: nn.Module):
-        super().__init__()
-        self.config = cfg
-        self.model = model
-        tied = model.embed_tokens if cfg.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tied=tied)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    def attention_layers(self) -> list[PagedAttention]:
-        return [m for m in self.modules() if isinstance(m, PagedAttention)]
 
 
 class LlamaForCausalLM(CausalLM):

@@ -1,66 +1,100 @@
-"""Architecture name -> model class and shard plan."""
+"""The architecture table: one entry per model family, naming the HF architectures and model
+types it serves, its config parser, model class, shard plan and TP check. Adding a family
+touches this table plus the family's own files."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
 from torch import nn
 
-from freetoken.config import ModelConfig
+from freetoken.config import ConfigError, ModelConfig, decoder_config, parse_config, read_hf_config
 from freetoken.loading.plan import ShardPlan
 from freetoken.models.llama import LlamaForCausalLM
-from freetoken.models.plans import decoder_plan
 from freetoken.models.qwen3 import Qwen3ForCausalLM
+from freetoken.models.qwen3_5_moe.config import qwen3_5_moe_config
 from freetoken.models.qwen3_5_moe.model import Qwen35MoeForCausalLM
-from freetoken.models.qwen3_5_moe.plan import qwen3_5_moe_plan
+from freetoken.models.qwen3_5_moe.plan import check_qwen3_5_moe_tp, qwen3_5_moe_plan
 from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM
+from freetoken.models.shard_rules import check_decoder_tp, decoder_plan
 
-MODELS: dict[str, type[nn.Module]] = {
-    "llama": LlamaForCausalLM,
-    "qwen3": Qwen3ForCausalLM,
-    "qwen3_moe": Qwen3MoeForCausalLM,
-    "qwen3_5_moe": Qwen35MoeForCausalLM,
-}
-PLANS = {"llama": decoder_plan, "qwen3": decoder_plan, "qwen3_moe": decoder_plan,
-         "qwen3_5_moe": qwen3_5_moe_plan}
+
+@dataclass(frozen=True)
+class Architecture:
+    """One model family: how its config is parsed, its model built, its checkpoint split."""
+
+    name: str
+    hf_architectures: tuple[str, ...]
+    """HF `architectures` entries this family serves."""
+    model_types: tuple[str, ...]
+    """HF `model_type` values, used when `architectures` names none of the above."""
+    parse_config: Callable[[dict, Any], ModelConfig]
+    model: Callable[[ModelConfig], nn.Module]
+    plan: Callable[[ModelConfig, int], ShardPlan]
+    check_tp: Callable[[ModelConfig, int], None]
+    """ValueError naming the first dimension a TP size cannot split."""
+
+
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
+    Architecture("llama", ("LlamaForCausalLM",), ("llama",), decoder_config("llama"),
+                 LlamaForCausalLM, decoder_plan, check_decoder_tp),
+    Architecture("qwen3", ("Qwen3ForCausalLM",), ("qwen3",),
+                 decoder_config("qwen3", qk_norm=True), Qwen3ForCausalLM, decoder_plan,
+                 check_decoder_tp),
+    Architecture("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",),
+                 decoder_config("qwen3_moe", qk_norm=True, norm_topk_prob=False),
+                 Qwen3MoeForCausalLM, decoder_plan, check_decoder_tp),
+    Architecture("qwen3_5_moe", ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
+                 ("qwen3_5_moe", "qwen3_5_moe_text"), qwen3_5_moe_config, Qwen35MoeForCausalLM,
+                 qwen3_5_moe_plan, check_qwen3_5_moe_tp),
+)}
+
+
+def architecture(hf: dict) -> Architecture:
+    """The family serving an HF config (from `architectures`, else `model_type`), or a
+    ConfigError listing the supported architectures."""
+    archs = hf.get("architectures") or []
+    for family in ARCHITECTURES.values():
+        if any(a in family.hf_architectures for a in archs):
+            return family
+    for family in ARCHITECTURES.values():
+        if hf.get("model_type") in family.model_types:
+            return family
+    supported = sorted(a for f in ARCHITECTURES.values() for a in f.hf_architectures)
+    raise ConfigError(f"unsupported architecture {archs or hf.get('model_type')!r}; "
+                      f"supported: {', '.join(supported)}")
+
+
+def config_from_hf(hf: dict, quantization: Any = None) -> ModelConfig:
+    """The ModelConfig of an HF config dict, parsed by its family's parser. `quantization`:
+    the checkpoint's NVFP4Config, else config.json's `quantization_config` is read."""
+    return parse_config(architecture(hf).parse_config, hf, quantization)
+
+
+def load_config(folder: str | Path) -> ModelConfig:
+    """The ModelConfig of a checkpoint folder; a ConfigError naming the file otherwise."""
+    hf, quantization = read_hf_config(folder)
+    try:
+        return config_from_hf(hf, quantization)
+    except ConfigError as e:
+        raise ConfigError(f"{Path(folder) / 'config.json'}: {e}") from None
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:
     """The rank-local model for `cfg` (the TP size comes from `get_tp_info()`)."""
-    return MODELS[cfg.arch](cfg)
+    return ARCHITECTURES[cfg.arch].model(cfg)
 
 
 def shard_plan(cfg: ModelConfig, tp_size: int) -> ShardPlan:
     """The declarative shard plan for `cfg` at `tp_size` ranks."""
-    return PLANS[cfg.arch](cfg, tp_size)
+    return ARCHITECTURES[cfg.arch].plan(cfg, tp_size)
 
 
 def check_tp(cfg: ModelConfig, tp_size: int) -> None:
     """Raise a ValueError naming the first dimension `tp_size` cannot split."""
-    from freetoken.distributed import divide
-    from freetoken.layers.linear import local_kv_heads
-
     if tp_size < 1:
         raise ValueError(f"tp_size must be >= 1, got {tp_size}")
-    divide(cfg.num_attention_heads, tp_size, "num_attention_heads")
-    local_kv_heads(cfg.num_key_value_heads, tp_size)
-    if any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
-        divide(cfg.intermediate_size, tp_size, "intermediate_size")
-    if cfg.num_experts:
-        divide(cfg.moe_intermediate_size, tp_size, "moe_intermediate_size")
-    if cfg.arch == "qwen3_5_moe":
-        divide(cfg.linear_num_key_heads, tp_size, "linear_num_key_heads")
-        divide(cfg.linear_num_value_heads, tp_size, "linear_num_value_heads")
-        divide(cfg.shared_expert_intermediate_size, tp_size, "shared_expert_intermediate_size")
-    if getattr(cfg, "nvfp4_experts", False):
-        _check_nvfp4_experts(cfg, tp_size)
-
-
-def _check_nvfp4_experts(cfg: ModelConfig, tp_size: int) -> None:
-    """NVFP4 experts split their inputs (down_proj's) on 16-element group boundaries: a
-    ValueError naming the dimension before any rank starts."""
-    from freetoken.layers.quantization.nvfp4.format import GROUP
-    from freetoken.layers.quantization.nvfp4.specs import local_inputs
-
-    if cfg.hidden_size % GROUP:
-        raise ValueError(f"hidden_size={cfg.hidden_size} is not a multiple of the "
-                         f"{GROUP}-element NVFP4 group")
-    local_inputs(cfg.moe_intermediate_size, tp_size, "moe_intermediate_size")
+    ARCHITECTURES[cfg.arch].check_tp(cfg, tp_size)

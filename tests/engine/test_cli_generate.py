@@ -35,11 +35,13 @@ def _tagged_processes(tag: str) -> list[int]:
 
 
 def test_generate_prints_text_and_ids():
-    """A TP=2 run over the bundled tokenizer prints the decoded text and the new token ids."""
+    """A TP=2 run over the bundled tokenizer prints the decoded text and the new token ids;
+    its stderr, not a terminal, carries no progress bar."""
     result = _run_cli("--model", str(GOLDEN / "tiny-qwen3"), "--tp", "2", "--prompt", "hello",
                       "--prompt-ids", "1,2,3", "--max-tokens", "4")
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("ids:") == 2 and "text:" in result.stdout, result.stdout
+    assert "\r" not in result.stderr and "loading:" not in result.stderr, result.stderr[-300:]
 
 
 def test_unsplittable_tp_is_a_one_line_usage_error():

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from freetoken import LLM, SamplingParams
 from freetoken.distributed import RankError
-from freetoken.loading import ShardError
+from freetoken.formats.shard import ShardError
 from freetoken.loading.finite import NonFiniteError
 
 _BAD_REQUESTS = [

@@ -84,8 +84,8 @@ def restore_nvfp4(monkeypatch):
     from interpreted import require_interpreter
 
     require_interpreter()
+    from freetoken.formats.nvfp4 import format as nvfp4_format
     from freetoken.kernels import nvfp4_linear, nvfp4_moe
-    from freetoken.layers.quantization.nvfp4 import format as nvfp4_format
     from freetoken.layers.quantization.nvfp4 import reference
 
     for module, name in ((nvfp4_format, "unpack_nibbles"), (reference, "dequantize_w13"),

@@ -11,7 +11,7 @@ import ptx_emulator
 import pytest
 import torch
 
-from freetoken.layers.quantization.nvfp4.format import E2M1_VALUES
+from freetoken.formats.nvfp4.format import E2M1_VALUES
 from freetoken.layers.quantization.nvfp4.reference import reference_moe
 from verify.checks.kernels import make_experts
 
@@ -295,8 +295,8 @@ def test_dense_linear_decode_on_the_mma_path(mma_in_interpreter, tokens, rows, k
     """The dense NVFP4 linear's decode on the mma kernels (one slot per token, the global
     scale in the fragments' scale; partial chunks, a partial row tile) gives the reference
     up to the fp16 rounding of the activations."""
+    from freetoken.formats.nvfp4.quantizer import quantize
     from freetoken.kernels.nvfp4_linear import nvfp4_linear
-    from freetoken.layers.quantization.nvfp4.quantizer import quantize
     from freetoken.layers.quantization.nvfp4.reference import reference_linear
 
     gen = torch.Generator().manual_seed(rows)

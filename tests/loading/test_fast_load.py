@@ -11,11 +11,17 @@ import torch
 
 from freetoken.config import ModelConfig
 from freetoken.distributed import TPInfo, reset_tp_info, set_tp_info
+from freetoken.formats.specs import (
+    Heads,
+    InterleavedHeads,
+    PaddedSplit,
+    Replicate,
+    Segments,
+    Split,
+)
 from freetoken.loading import CheckpointReader, load_weights, loader
-from freetoken.loading.specs import Heads, PaddedSplit, Replicate, Segments, Split
 from freetoken.loading.staging import FileReader, _row_pieces, fill
-from freetoken.models.qwen3_5_moe.specs import InterleavedHeads
-from freetoken.models.registry import build_model, shard_plan
+from freetoken.models.registry import build_model, load_config, shard_plan
 from verify.cases import CASES, GOLDEN
 from verify.faults import double_copy_load
 
@@ -64,15 +70,17 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 def test_fast_path_matches_shard_path_on_bundled_cases(case, dtype, monkeypatch):
     """Every parameter of every rank at TP 1, 2, 4, 8 is bitwise the same either way."""
     folder = GOLDEN / case
-    cfg = ModelConfig.from_folder(folder)
-    slow_copy = loader._copy_shard
+    cfg = load_config(folder)
+    real_copy = loader._copy_shard
+    # Recorded first, so the teardown restores the real copy, not the injected one.
+    monkeypatch.setattr(loader, "_copy_shard", real_copy)
     for tp in TP_SIZES:
         for rank in range(tp):
             fast = _load(folder, cfg, tp, rank, dtype, threads=3)
-            monkeypatch.setattr(loader, "_copy_shard", slow_copy)
+            monkeypatch.setattr(loader, "_copy_shard", real_copy)
             double_copy_load()
             slow = _load(folder, cfg, tp, rank, dtype, threads=1)
-            monkeypatch.setattr(loader, "_copy_shard", slow_copy)
+            monkeypatch.setattr(loader, "_copy_shard", real_copy)
             _assert_bitwise_same(fast, slow, f"{case} {dtype} tp={tp} rank={rank}")
 
 
@@ -85,15 +93,17 @@ def test_gpu_staging_matches_shard_path_on_bundled_cases(case, monkeypatch):
     from freetoken.loading import staging
 
     folder = GOLDEN / case
-    cfg = ModelConfig.from_folder(folder)
+    cfg = load_config(folder)
     monkeypatch.setattr(staging, "STAGE_BYTES", 4096)
-    slow_copy = loader._copy_shard
+    real_copy = loader._copy_shard
+    # Recorded first, so the teardown restores the real copy, not the injected one.
+    monkeypatch.setattr(loader, "_copy_shard", real_copy)
     for tp in TP_SIZES:
         for rank in range(tp):
             fast = _load(folder, cfg, tp, rank, torch.bfloat16, threads=3, device="cuda")
             double_copy_load()
             slow = _load(folder, cfg, tp, rank, torch.bfloat16, threads=1)
-            monkeypatch.setattr(loader, "_copy_shard", slow_copy)
+            monkeypatch.setattr(loader, "_copy_shard", real_copy)
             _assert_bitwise_same(fast, slow, f"{case} cuda tp={tp} rank={rank}")
 
 
@@ -130,7 +140,7 @@ def test_staging_fill_reads_the_file_bitwise(case, dtype):
     checkpoint's dtype) and by copying from the mapped view elsewhere (casts, column splits),
     reassemble every shard of every bundled tensor at TP 1, 2, 4, 8 bit for bit."""
     folder = GOLDEN / case
-    cfg = ModelConfig.from_folder(folder)
+    cfg = load_config(folder)
     reader = CheckpointReader(folder)
     files = FileReader(reader)
     try:

@@ -1,4 +1,4 @@
-"""Property tests of the shard specs (freetoken.loading.specs) and unit tests of
+"""Property tests of the shard specs (freetoken.formats.specs) and unit tests of
 `ShardPlan.resolve`.
 
 Every full tensor here is made of random bytes reinterpreted as its dtype, so NaNs, infinities
@@ -13,8 +13,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from freetoken.formats.shard import ShardError
+from freetoken.formats.specs import Heads, PaddedSplit, Replicate, Segments, Split
 from freetoken.loading.plan import Rule, ShardPlan
-from freetoken.loading.specs import Heads, PaddedSplit, Replicate, Segments, ShardError, Split
 
 TP_SIZES = (1, 2, 4, 8)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.int64)
@@ -383,3 +384,17 @@ def test_plan_shard_uses_the_plans_tp_size():
     down = "model.layers.0.mlp.experts.1.down_proj.weight"
     got = _make_plan(tp=2).shard(down, full, 1)
     _assert_bitwise_equal(got, full[:, 1:], f"{down} rank 1/2")
+
+
+@pytest.mark.parametrize("case", ["tiny-llama", "tiny-qwen3-moe", "tiny-qwen3.5-moe",
+                                  "tiny-qwen3.5-moe-nvfp4"])
+def test_every_plan_spec_follows_the_shard_spec_protocol(case):
+    """Each rule of a bundled case's plan carries a ShardSpec (shard, pieces, unshard): the
+    loader and the shards check call all three on whatever a plan holds."""
+    from freetoken.formats.shard import ShardSpec
+    from freetoken.models.registry import load_config, shard_plan
+    from verify.cases import resolve_case
+
+    plan = shard_plan(load_config(resolve_case(case).folder), 2)
+    bad = [r.pattern for r in plan.rules if not isinstance(r.spec, ShardSpec)]
+    assert not bad, f"rules whose spec is no ShardSpec: {bad}"

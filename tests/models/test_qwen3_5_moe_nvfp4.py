@@ -19,9 +19,9 @@ import transformers
 from conftest import GOLDEN, case_differences
 
 from freetoken import LLM, SamplingParams
-from freetoken.config import ConfigError, ModelConfig
-from freetoken.layers.quantization.nvfp4.checkpoint import parse_quant_config
-from freetoken.models.registry import check_tp
+from freetoken.config import ConfigError
+from freetoken.formats.nvfp4.checkpoint import parse_quant_config
+from freetoken.models.registry import check_tp, config_from_hf, load_config
 from verify.cases import CASES, load_reference, write_case
 from verify.cli import main
 from verify.nvfp4_case import to_compressed_tensors
@@ -76,10 +76,10 @@ def test_verify_passes_at_every_tp_size(capsys, tmp_path):
 def test_quantized_modules_follow_the_config():
     """The case's hf_quant_config.json makes exactly the routed experts NVFP4 (ModelOpt
     naming); its compressed-tensors twin reads as compressed-tensors with reciprocal globals."""
-    cfg = ModelConfig.from_folder(FOLDER)
+    cfg = load_config(FOLDER)
     assert cfg.nvfp4_experts and cfg.quantization.producer == "modelopt", cfg.quantization
     assert not cfg.quantization.global_scale_is_reciprocal
-    unquantized = ModelConfig.from_folder(GOLDEN / "tiny-qwen3.5-moe")
+    unquantized = load_config(GOLDEN / "tiny-qwen3.5-moe")
     assert unquantized.quantization is None and not unquantized.nvfp4_experts
 
 
@@ -88,7 +88,7 @@ def test_compressed_tensors_variant_gives_the_modelopt_logits(tmp_path):
     weight_global_scale, quantization_config in config.json) loads at TP 2 and gives the
     ModelOpt checkpoint's prompt and decode logits within 1e-5 and the same tokens."""
     ct = to_compressed_tensors(FOLDER, tmp_path / "ct")
-    cfg = ModelConfig.from_folder(ct)
+    cfg = load_config(ct)
     assert cfg.nvfp4_experts and cfg.quantization.global_scale_is_reciprocal, cfg.quantization
     meta, _ = load_reference(FOLDER)
     prompts = meta["prompts"]
@@ -105,7 +105,7 @@ def test_split_cutting_a_group_is_refused(capsys, tmp_path):
     number of 16-element groups: check_tp names the dimension and the group, and
     freetoken-verify exits 2 with that message before any rank starts."""
     folder = _make_folder(tmp_path, moe_intermediate_size=96)
-    cfg = ModelConfig.from_folder(folder)
+    cfg = load_config(folder)
     check_tp(cfg, 2)
     with pytest.raises(ValueError, match=r"moe_intermediate_size: 96 .* tp_size=4: 24 per rank"
                                          r" is not a multiple of the 16-element group"):
@@ -124,7 +124,7 @@ def test_quantized_attention_is_refused_by_name():
         p for p in raw["quantization"]["exclude_modules"] if "self_attn" not in p]
     with pytest.raises(ConfigError, match=r"model\.language_model\.layers\.1\.self_attn\.q_proj"
                                           r" is NVFP4"):
-        ModelConfig.from_hf(hf, parse_quant_config(raw))
+        config_from_hf(hf, parse_quant_config(raw))
 
 
 def test_regeneration_is_deterministic(tmp_path):

@@ -11,15 +11,15 @@ import pytest
 import torch
 from conftest import GOLDEN
 
-from freetoken.config import ConfigError, ModelConfig
+from freetoken.config import ConfigError
+from freetoken.formats.specs import InterleavedHeads
 from freetoken.layers.causal_conv import CausalConv1d
 from freetoken.layers.delta_rule import (
     chunk_gated_delta_rule,
     l2norm,
     recurrent_gated_delta_rule,
 )
-from freetoken.models.qwen3_5_moe.specs import InterleavedHeads
-from freetoken.models.registry import check_tp
+from freetoken.models.registry import check_tp, config_from_hf, load_config
 
 CASE = "tiny-qwen3.5-moe"
 
@@ -126,7 +126,7 @@ def test_config_from_the_multimodal_layout():
     """The bundled case's Qwen3_5MoeForConditionalGeneration config.json: text sizes from
     `text_config`, weights under `model.language_model.`, partial rotary from
     `rope_parameters`, layer kinds from `layer_types`."""
-    cfg = ModelConfig.from_folder(GOLDEN / CASE)
+    cfg = load_config(GOLDEN / CASE)
     assert (cfg.arch, cfg.checkpoint_prefix) == ("qwen3_5_moe", "model.language_model"), cfg
     assert cfg.layer_types == ("linear_attention", "full_attention") * 2, cfg.layer_types
     assert (cfg.rotary_dim, cfg.linear_num_value_heads, cfg.num_experts) == (8, 16, 8), cfg
@@ -141,19 +141,19 @@ def test_config_from_the_text_layout_with_an_interval():
     hf = {k: v for k, v in hf.items() if k not in ("layer_types", "rope_parameters")}
     hf.update(architectures=["Qwen3_5MoeForCausalLM"], num_hidden_layers=8,
               full_attention_interval=4, rope_theta=1e6)
-    cfg = ModelConfig.from_hf(hf)
+    cfg = config_from_hf(hf)
     assert cfg.checkpoint_prefix == "model", cfg.checkpoint_prefix
     assert [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"] == [3, 7], cfg
     assert (cfg.rotary_dim, cfg.rope_theta) == (8, 1e6), cfg
     with pytest.raises(ConfigError, match="linear_num_value_heads=12 is not a multiple"):
-        ModelConfig.from_hf(dict(hf, linear_num_value_heads=12, linear_num_key_heads=8))
+        config_from_hf(dict(hf, linear_num_value_heads=12, linear_num_key_heads=8))
 
 
 @pytest.mark.parametrize("dim, tp", [("linear_num_key_heads", 4), ("linear_num_value_heads", 8),
                                      ("shared_expert_intermediate_size", 8)])
 def test_check_tp_names_the_gated_delta_net_dimension(dim, tp):
     """check_tp rejects a TP size that cannot split a Qwen3.5 dimension, naming it."""
-    cfg = ModelConfig.from_folder(GOLDEN / CASE)
+    cfg = load_config(GOLDEN / CASE)
     value = {"linear_num_key_heads": 2, "linear_num_value_heads": 12,
              "shared_expert_intermediate_size": 36}[dim]
     with pytest.raises(ValueError, match=f"{dim}={value} cannot be split across tp_size={tp}"):

@@ -1,4 +1,4 @@
-"""NVFP4 checkpoints (freetoken.layers.quantization.nvfp4.checkpoint): ModelOpt and
+"""NVFP4 checkpoints (freetoken.formats.nvfp4.checkpoint): ModelOpt and
 compressed-tensors forms of the same weights normalise to the same tensors and dequantize
 identically up to the one rounding of CT's reciprocal global scale; configs of both producers
 parse, and unsupported ones are refused with a message naming what is wrong."""
@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from freetoken.layers.quantization.nvfp4.checkpoint import (
+from freetoken.formats.nvfp4.checkpoint import (
     COMPRESSED_TENSORS,
     MODELOPT,
     NVFP4ConfigError,
@@ -22,8 +22,8 @@ from freetoken.layers.quantization.nvfp4.checkpoint import (
     read_quant_config,
     to_checkpoint,
 )
-from freetoken.layers.quantization.nvfp4.format import dequantize
-from freetoken.layers.quantization.nvfp4.quantizer import quantize
+from freetoken.formats.nvfp4.format import dequantize
+from freetoken.formats.nvfp4.quantizer import quantize
 
 MODULE = "model.layers.3.mlp.experts.5.gate_proj"
 ULP = 2.0 ** -23
@@ -141,8 +141,8 @@ def test_global_and_input_scales_read_in_both_scalar_shapes(producer, shape):
     """Real checkpoints store per-tensor scales as () or (1,) in either format (CT's own
     ModelOpt converter writes ()): both read to the same 0-d float32 scale, through
     read_nvfp4_weight and through the shard spec; a 2-element scale is refused."""
-    from freetoken.layers.quantization.nvfp4.specs import GlobalScale
-    from freetoken.loading.specs import ShardError
+    from freetoken.formats.nvfp4.specs import GlobalScale
+    from freetoken.formats.shard import ShardError
 
     q = _make_weight(7)
     tensors = to_checkpoint(q, MODULE, producer)

@@ -1,6 +1,6 @@
 """NVFP4 layers and backend choice: the CPU default is the torch reference, a refused backend
-says why (naming TRITON_INTERPRET, the dtype, or the size that is not a whole group), and
-NVFP4Linear's TP modes reassemble the unsharded result."""
+says why (naming TRITON_INTERPRET, the dtype, or the size that is not a whole group), the
+choice is made once per configuration, and experts refuse a split that cuts a group."""
 
 from __future__ import annotations
 
@@ -8,16 +8,13 @@ import pytest
 import torch
 
 from freetoken.distributed import TPInfo, reset_tp_info, set_tp_info
-from freetoken.layers.quantization.nvfp4 import NVFP4FusedExperts, NVFP4Linear
+from freetoken.formats.shard import ShardError
+from freetoken.layers.quantization.nvfp4 import NVFP4FusedExperts
 from freetoken.layers.quantization.nvfp4.backend import (
     BackendError,
     choose_backend,
     triton_unavailable_reason,
 )
-from freetoken.layers.quantization.nvfp4.quantizer import quantize
-from freetoken.layers.quantization.nvfp4.reference import reference_linear
-from freetoken.layers.quantization.nvfp4.specs import PACKED, SCALE, InputSplit
-from freetoken.loading.specs import ShardError, Split
 
 
 def test_cpu_defaults_to_torch_and_triton_refusals_say_why(monkeypatch):
@@ -38,6 +35,28 @@ def test_cpu_defaults_to_torch_and_triton_refusals_say_why(monkeypatch):
         choose_backend("cpu", torch.float32, 64, requested="cutlass")
 
 
+def test_backend_is_decided_once_per_configuration(monkeypatch):
+    """Layers ask for their backend on every forward: the decision (triton's presence, the
+    device) is made once per configuration, and again only for a new configuration or a
+    changed interpreter switch."""
+    from freetoken.layers.quantization.nvfp4 import backend
+
+    calls = []
+    decide = backend.triton_unavailable_reason
+    monkeypatch.setattr(backend, "triton_unavailable_reason",
+                        lambda *args: calls.append(args) or decide(*args))
+    backend._choose.cache_clear()
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for _ in range(3):
+        choose_backend("cpu", torch.float32, 64, 32)
+    assert len(calls) == 1, f"3 identical choices decided {len(calls)} times"
+    choose_backend("cpu", torch.float32, 64, 48)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert choose_backend("cpu", torch.float32, 64, 32).name == "torch"
+    assert len(calls) == 3, f"2 new configurations decided {len(calls) - 1} times"
+    backend._choose.cache_clear()
+
+
 def test_experts_refuse_an_intermediate_that_cuts_groups():
     """moe_intermediate_size=96 at tp=4 gives 24 per rank: not whole groups, named."""
     reset_tp_info()
@@ -47,40 +66,3 @@ def test_experts_refuse_an_intermediate_that_cuts_groups():
             NVFP4FusedExperts(4, 64, 96)
     finally:
         reset_tp_info()
-
-
-def _make_linear(mode: str, rank: int, tp: int, q, bias):
-    reset_tp_info()
-    set_tp_info(TPInfo(rank, tp))
-    try:
-        layer = NVFP4Linear(q.packed.shape[1] * 2, q.packed.shape[0], mode, bias=bias is not None,
-                            backend="torch", reduce=False)
-    finally:
-        reset_tp_info()
-    if mode == "column":
-        layer.weight.data.copy_(Split(0).shard(q.packed, rank, tp))
-        layer.weight_scale.data.copy_(Split(0).shard(q.block_scale, rank, tp))
-    else:
-        layer.weight.data.copy_(InputSplit(PACKED, 1).shard(q.packed, rank, tp))
-        layer.weight_scale.data.copy_(InputSplit(SCALE, 1).shard(q.block_scale, rank, tp))
-    layer.weight_scale_2.data.copy_(q.global_scale)
-    if bias is not None:
-        layer.bias.data.copy_(Split(0).shard(bias, rank, tp) if mode == "column" else bias)
-    return layer
-
-
-@pytest.mark.parametrize("mode", ["column", "row"])
-def test_linear_tp_modes_reassemble_the_full_output(mode):
-    """Column shards concatenate, and row partials (without the all-reduce) sum, to
-    x W^T + b at tp=4."""
-    gen = torch.Generator().manual_seed(3)
-    q = quantize(torch.randn(32, 128, generator=gen))
-    bias, x = torch.randn(32, generator=gen), torch.randn(6, 128, generator=gen)
-    expected = reference_linear(x, q.packed, q.block_scale, q.global_scale, bias)
-    tp = 4
-    # A row-parallel layer sees its rank's slice of the inputs (the column-parallel output).
-    inputs = [x if mode == "column" else x.chunk(tp, dim=-1)[r] for r in range(tp)]
-    outs = [_make_linear(mode, r, tp, q, bias if mode == "column" else None)(inputs[r])
-            for r in range(tp)]
-    got = torch.cat(outs, dim=-1) if mode == "column" else sum(outs) + bias
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

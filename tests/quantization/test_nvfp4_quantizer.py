@@ -1,4 +1,4 @@
-"""NVFP4 format and quantizer (freetoken.layers.quantization.nvfp4.format / .quantizer):
+"""NVFP4 format and quantizer (freetoken.formats.nvfp4.format / .quantizer):
 packing is bit-stable, codes are the nearest e2m1 grid point with ties to the even code, the
 scales follow ModelOpt's rules, and dequant(quant(x)) stays within the format's error bound."""
 
@@ -9,14 +9,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from freetoken.layers.quantization.nvfp4.format import (
+from freetoken.formats.nvfp4.format import (
     E2M1_VALUES,
     NVFP4FormatError,
     dequantize,
     pack_nibbles,
     unpack_nibbles,
 )
-from freetoken.layers.quantization.nvfp4.quantizer import e2m1_codes, quantize
+from freetoken.formats.nvfp4.quantizer import e2m1_codes, quantize
 
 PROPERTY = settings(max_examples=150, deadline=None)
 GRID = torch.tensor(E2M1_VALUES[:8], dtype=torch.float64)

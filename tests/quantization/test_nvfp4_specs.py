@@ -1,4 +1,4 @@
-"""NVFP4 shard specs (freetoken.layers.quantization.nvfp4.specs): input splits of packed weights
+"""NVFP4 shard specs (freetoken.formats.nvfp4.specs): input splits of packed weights
 and block scales round-trip bitwise into fresh tensors, refuse a split that cuts a 16-element
 group naming the tensor and sizes, global scales stay float32 scalars; and the expert rules
 load a per-expert NVFP4 checkpoint (both producers) into `NVFP4FusedExperts` whose per-rank
@@ -12,24 +12,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from freetoken.distributed import TPInfo, reset_tp_info, set_tp_info
-from freetoken.layers.quantization.nvfp4 import NVFP4FusedExperts
-from freetoken.layers.quantization.nvfp4.checkpoint import (
+from freetoken.formats.nvfp4.checkpoint import (
     COMPRESSED_TENSORS,
     MODELOPT,
     to_checkpoint,
 )
-from freetoken.layers.quantization.nvfp4.quantizer import quantize
-from freetoken.layers.quantization.nvfp4.reference import reference_moe
-from freetoken.layers.quantization.nvfp4.specs import (
+from freetoken.formats.nvfp4.quantizer import quantize
+from freetoken.formats.nvfp4.specs import (
     PACKED,
     SCALE,
     GlobalScale,
     InputSplit,
-    hf_expert_rules,
 )
+from freetoken.formats.shard import ShardError
+from freetoken.layers.quantization.nvfp4 import NVFP4FusedExperts
+from freetoken.layers.quantization.nvfp4.reference import reference_moe
 from freetoken.loading.loader import load_weights
 from freetoken.loading.plan import ShardPlan
-from freetoken.loading.specs import ShardError
+from freetoken.models.shard_rules import expert_rules
 
 PROPERTY = settings(max_examples=60, deadline=None)
 NAME = "model.layers.1.mlp.experts.3.down_proj.weight"
@@ -106,6 +106,13 @@ class _Reader:
         pass
 
 
+def _hf_expert_rules(full_intermediate: int, tp: int, producer: str):
+    """NVFP4 expert rules for the HF per-expert layout `model.layers.L.mlp.experts.E.*` into
+    `model.layers.L.mlp.experts`."""
+    expert = r"(?P<p>model\.layers\.\d+)\.mlp\.experts\.(?P<e>\d+)"
+    return expert_rules(expert, r"\g<p>.mlp.experts", full_intermediate, tp, producer)
+
+
 def _make_checkpoint(experts: int, hidden: int, inter: int, producer: str, seed: int):
     gen = torch.Generator().manual_seed(seed)
     tensors, full = {}, {"w13": [], "w13_scale": [], "w13_global": [], "w2": [],
@@ -147,7 +154,7 @@ def test_expert_rules_load_shards_that_sum_to_the_reference(producer):
             set_tp_info(TPInfo(rank, tp))
             try:
                 module = _LayerHolder(experts, hidden, inter, producer)
-                plan = ShardPlan(hf_expert_rules(inter, tp, producer), tp)
+                plan = ShardPlan(_hf_expert_rules(inter, tp, producer), tp)
                 load_weights(module, _Reader(tensors), plan, progress=False)
                 total += module.model.layers[0].mlp.experts(x, weights, ids)
             finally:

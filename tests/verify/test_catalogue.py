@@ -6,6 +6,7 @@ without saying where, on any of them has regressed."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from verify.bug_catalogue import CATALOGUE
 from verify.catalogue_run import run_entry
@@ -24,9 +25,16 @@ def test_catalogue_is_large_and_every_fault_injectable():
     assert len({e.fault for e in CATALOGUE}) == len(CATALOGUE)
 
 
-@pytest.mark.parametrize("entry", [
-    pytest.param(e, id=e.fault, marks=[pytest.mark.slow] if e.fault in _SLOW else [])
-    for e in CATALOGUE])
+def _marks(entry) -> list:
+    marks = [pytest.mark.slow] if entry.fault in _SLOW else []
+    if entry.device == "cuda":
+        marks += [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                      reason="needs a CUDA GPU")]
+    return marks
+
+
+@pytest.mark.parametrize("entry", [pytest.param(e, id=e.fault, marks=_marks(e))
+                                   for e in CATALOGUE])
 def test_bug_is_caught_and_named(entry):
     verdict = run_entry(entry, timeout=240.0)
     assert not verdict.problems, (

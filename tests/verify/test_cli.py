@@ -60,14 +60,15 @@ def test_bundled_cases_pass_with_table_and_count_line(capsys, tmp_path):
 
 
 def _assert_report_contract(report: dict, expected_results: int) -> None:
-    assert set(report) == {"version", "env", "results", "summary"}, report.keys()
-    assert report["version"] == 1
-    assert set(report["env"]) == {"torch", "triton", "transformers", "device", "gpus"}
+    assert set(report) == {"version", "complete", "env", "run", "models", "results",
+                           "summary"}, report.keys()
+    assert report["version"] == 2 and report["complete"] is True
+    assert {"torch", "triton", "transformers", "device", "gpus"} <= set(report["env"])
     assert report["env"]["device"] in ("cpu", "cuda") and isinstance(report["env"]["gpus"], int)
     assert len(report["results"]) == expected_results
     for r in report["results"]:
         assert set(r) == {"check", "model", "tp", "status", "seconds", "placement", "metrics",
-                          "message"}, r.keys()
+                          "message", "detail"}, r.keys()
         assert r["status"] in ("pass", "fail", "skip", "error")
         assert r["placement"] in ("cpu-gloo", "cuda-nccl", "cuda-shared-gloo")
         assert isinstance(r["tp"], int) and isinstance(r["seconds"], float)
@@ -187,3 +188,88 @@ def test_live_hf_reference_refused_for_quantized_checkpoints(capsys):
     code, _, err = _run(capsys, "--model", "tiny-qwen3.5-moe-nvfp4", "--reference", "hf",
                         "--tp", "1")
     assert code == 2 and "cannot run this quantized checkpoint" in err, err
+
+
+def test_version_prints_the_package_version(capsys):
+    """`--version` prints the installed package's version (from its metadata) and exits 0."""
+    from importlib import metadata
+
+    code, out, _ = _run(capsys, "--version")
+    assert code == 0 and out.strip() == f"freetoken-verify {metadata.version('freetoken')}", out
+
+
+def test_list_names_every_case_check_and_fault_with_a_description(capsys):
+    """`--list` exits 0 and prints one `name  description` line for every bundled case, every
+    check (in run order) and every fault, each description non-empty."""
+    from verify.cases import CASES
+    from verify.checks import CHECK_NAMES
+    from verify.faults import FAULTS
+
+    code, out, _ = _run(capsys, "--list")
+    assert code == 0, out
+    described = {}
+    for line in out.splitlines():
+        if line.startswith("  "):
+            name, _, description = line.strip().partition(" ")
+            described[name] = description.strip()
+    for name in [*CASES, *CHECK_NAMES, *FAULTS]:
+        assert described.get(name), f"{name} missing or without a description:\n{out}"
+    listed_checks = [n for n in described if n in CHECK_NAMES]
+    assert listed_checks == list(CHECK_NAMES), listed_checks
+
+
+@pytest.mark.parametrize("flag", ["-h", "--help"])
+def test_help_documents_options_examples_and_exit_codes(capsys, flag):
+    """`-h` and `--help` exit 0 and show every option with help text, the choices and
+    defaults, the check names, an examples section and the four exit codes."""
+    from verify.checks import CHECK_NAMES
+    from verify.cli import verify
+
+    code, out, _ = _run(capsys, flag)
+    assert code == 0, out
+    text = " ".join(out.split())
+    for param in verify.params:
+        assert param.help, f"{param.opts} has no help text"
+        assert param.opts[-1] in out, f"{param.opts} not in --help"
+    for needle in ("[auto|cpu|cuda]", "[default: 1,2]", "[default: 600.0]", "Examples:",
+                   "Exit status:", ", ".join(CHECK_NAMES)):
+        assert needle in text, f"{needle!r} missing from --help"
+    for code_line in ("0 every check passed", "1 a check failed", "2 bad usage", "130 interrupted"):
+        assert code_line in text, f"{code_line!r} missing from --help"
+
+
+def test_unknown_fault_is_one_line_exit_2(capsys):
+    """An unknown `--inject` name is refused before any rank starts, pointing at `--list`."""
+    code, out, err = _run(capsys, "--model", "tiny-llama", "--inject", "no-such-fault")
+    assert code == 2 and err.startswith("error: unknown fault 'no-such-fault'"), err
+    assert "--list" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_interrupt_before_the_run_exits_130(capsys, monkeypatch):
+    """Ctrl-C while the command is still parsing (click turns it into Abort) exits 130 like
+    Ctrl-C during the run (`test_signals.py`), not 1."""
+    import verify.cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(verify.cli, "parse_tp", interrupted)
+    code, _, err = _run(capsys, "--model", "tiny-llama")
+    assert code == 130 and "interrupted" in err, (code, err)
+
+
+def test_cli_and_main_do_not_import_each_other():
+    """The command line is a layer over `verify.main`: main imports nothing from cli, and cli
+    imports no private name of main (the former cycle)."""
+    import ast
+    from pathlib import Path
+
+    def imports(module: str) -> list[tuple[str, str]]:
+        tree = ast.parse(Path(__file__).resolve().parents[2].joinpath(
+            "verify", f"{module}.py").read_text())
+        return [(node.module, alias.name) for node in ast.walk(tree)
+                if isinstance(node, ast.ImportFrom) for alias in node.names]
+
+    assert not [m for m, _ in imports("main") if m == "verify.cli"], imports("main")
+    private = [(m, n) for m, n in imports("cli") if m == "verify.main" and n.startswith("_")]
+    assert not private, private

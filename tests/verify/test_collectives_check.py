@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from freetoken.config import EngineConfig, ModelConfig
+from freetoken.config import EngineConfig
 from freetoken.engine.core import EngineCore
-from freetoken.models.registry import build_model
+from freetoken.models.registry import build_model, load_config
 from verify.checks.collectives import compare_steps
 from verify.cli import main
 from verify.collective_sites import expected_sites, moe_blocks
 from verify.collective_trace import ENGINE, Call, Step, trace_generation
 
-GOLDEN = Path(__file__).resolve().parents[2] / "golden"
+GOLDEN = Path(__file__).resolve().parents[2] / "verify" / "golden"
 CASES = ("tiny-llama", "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3.5-moe",
          "tiny-qwen3.5-moe-nvfp4")
 
@@ -43,7 +43,7 @@ def test_sites_follow_the_module_structure():
     """Qwen3.5-MoE: one all-reduce per attention / GDN output projection and per MoE block,
     none inside the block (experts, shared expert's reduce=False down_proj), one for the
     embedding, one LM head gather, one engine broadcast; nothing else."""
-    cfg = ModelConfig.from_folder(GOLDEN / "tiny-qwen3.5-moe")
+    cfg = load_config(GOLDEN / "tiny-qwen3.5-moe")
     sites = expected_sites(build_model(cfg), torch.float32, batch=1)
     layers = cfg.num_hidden_layers
     attention = [f"model.layers.{i}.linear_attn.out_proj" if kind == "linear_attention"
@@ -88,7 +88,7 @@ def test_compare_names_extra_wrong_shape_and_missing_modules():
     block is an extra naming its block, a gather along the wrong dim and a reduction of the
     wrong width are named with both shapes, a site whose module never ran is missing; a
     step that matches every site has no problem."""
-    cfg = ModelConfig.from_folder(GOLDEN / "tiny-qwen3.5-moe")
+    cfg = load_config(GOLDEN / "tiny-qwen3.5-moe")
     model = build_model(cfg)
     sites, blocks = expected_sites(model, torch.float32, batch=1), moe_blocks(model)
     h, vocab = cfg.hidden_size, model.lm_head.local_vocab

@@ -4,6 +4,7 @@ still reproduces the stored reference, and regeneration is byte-for-byte determi
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,7 +54,7 @@ def test_regeneration_is_deterministic(tmp_path):
                                                  transformers.__version__):
         pytest.skip("installed torch/transformers differ from the ones golden was written with")
     assert case_differences(first, GOLDEN / name) == [], (
-        f"golden/{name} is not what `make golden` writes now")
+        f"verify/golden/{name} is not what `make golden` writes now")
 
 
 def test_case_differences_finds_a_changed_case(tmp_path):
@@ -91,3 +92,16 @@ def test_case_differences_finds_a_changed_case(tmp_path):
             (case / "meta.json").write_text(json.dumps(meta))
         found = case_differences(case, GOLDEN / name)
         assert (found == []) == (change == "rounding"), (change, found)
+
+
+def test_bundled_cases_are_package_data():
+    """`verify.cases` finds every bundled case inside the installed `verify` package (where a
+    wheel puts them), each with the files the harness reads."""
+    import verify
+    from verify import cases
+
+    package = Path(verify.__file__).resolve().parent
+    assert cases.GOLDEN.resolve() == package / "golden", cases.GOLDEN
+    for name in CASES:
+        for file in ("config.json", "model.safetensors", "reference.safetensors", "meta.json"):
+            assert (cases.GOLDEN / name / file).is_file(), f"{name}/{file} missing from package"

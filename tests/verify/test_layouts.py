@@ -17,7 +17,7 @@ from verify.layout_book import LayoutBook
 from verify.layout_compare import mismatch
 from verify.layouts import PAD, LayoutError
 
-GOLDEN = Path(__file__).resolve().parents[2] / "golden"
+GOLDEN = Path(__file__).resolve().parents[2] / "verify" / "golden"
 CASE = GOLDEN / "tiny-qwen3.5-moe"
 LAYER = "model.language_model.layers"
 

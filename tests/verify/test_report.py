@@ -1,4 +1,5 @@
-"""Tests for verify.report: the result record, the table, the JSON contract and JUnit XML."""
+"""Tests for verify.report: the result record, the table, the JSON report (version 2), JUnit
+XML and the markdown summary."""
 
 import json
 import math
@@ -7,19 +8,21 @@ import xml.etree.ElementTree as ET
 import pytest
 import torch
 
-from verify import report
 from verify.report import (
     CheckResult,
     count_line,
-    environment,
+    junit_tree,
+    markdown_summary,
     render_table,
     report_dict,
     summarize,
-    write_json,
-    write_junit,
 )
+from verify.run_info import RunInfo
 
-_RESULT_KEYS = {"check", "model", "tp", "status", "seconds", "placement", "metrics", "message"}
+_RESULT_KEYS = {"check", "model", "tp", "status", "seconds", "placement", "metrics", "message",
+                "detail"}
+_REPORT_KEYS = {"version", "complete", "env", "run", "models", "results", "summary"}
+_TRACEBACK = "--- rank 3 ---\nTraceback (most recent call last):\nRuntimeError: boom"
 
 
 def _make_result(status: str = "pass", **overrides) -> CheckResult:
@@ -40,9 +43,25 @@ def _make_results() -> list[CheckResult]:
     ]
 
 
-def _make_env() -> dict:
-    return {"torch": "2.13", "triton": "absent", "transformers": "5.0", "device": "cpu",
-            "gpus": 0}
+def _make_info(dtype: str = "float32", reference: str = "golden",
+               faults: tuple[str, ...] = ()) -> RunInfo:
+    """A run identity shaped like `verify.run_info.describe_run`'s, for one model."""
+    env = {"python": "3.11.7", "platform": "Linux", "torch": "2.13.0", "triton": None,
+           "transformers": "5.24.0", "cuda": None, "nccl": None, "driver": None,
+           "device": "cpu", "gpus": 0, "gpu_names": [], "cpu": "test CPU", "cpu_count": 2}
+    run = {"arguments": {"models": ["tiny-llama"], "tp": [2, 4], "checks": ["golden"],
+                         "faults": list(faults)},
+           "argv": ["freetoken-verify"], "dtype": dtype, "device": "cpu", "reference": reference,
+           "faults": list(faults), "seed": None, "started": "2026-12-01T10:00:00Z",
+           "finished": None, "version": "0.1.0", "git_commit": "a" * 40, "git_dirty": False}
+    source = {"path": "/models/tiny-llama", "hub_id": None, "revision": None, "snapshot": None}
+    models = [{"name": "tiny-llama", "bundled": True, "dtype": dtype, "reference": reference,
+               "source": source}]
+    return RunInfo(env, run, models)
+
+
+def _make_details() -> dict:
+    return {("tiny-llama", "memory", 4): _TRACEBACK}
 
 
 def _assert_strict_json(text: str):
@@ -114,66 +133,103 @@ def test_table_truncates_long_messages():
     assert len(shown.split("first line", 1)[1]) + len("first line") <= 160
 
 
-def test_environment_reports_versions_without_importing(monkeypatch):
-    """The environment has exactly the contract keys; a missing package reads 'absent'."""
-    real_version = report.metadata.version
-
-    def fake_version(name):
-        if name == "triton":
-            raise report.metadata.PackageNotFoundError(name)
-        return real_version(name)
-
-    monkeypatch.setattr(report.metadata, "version", fake_version)
-    env = environment("cpu", 0)
-    assert set(env) == {"torch", "triton", "transformers", "device", "gpus"}
-    assert env["triton"] == "absent" and env["torch"] == real_version("torch")
-    with pytest.raises(ValueError, match="auto"):
-        environment("auto", 0)
-
-
-def test_json_matches_contract_and_round_trips(tmp_path):
-    """The written JSON is strict, has exactly the contract keys, and equals report_dict."""
-    results = _make_results()
-    path = tmp_path / "out" / "report.json"
-    write_json(path, results, _make_env())
-    loaded = _assert_strict_json(path.read_text())
-    assert set(loaded) == {"version", "env", "results", "summary"} and loaded["version"] == 1
+def test_json_v2_carries_identity_rows_and_tracebacks():
+    """The report is strict JSON with the version-2 keys: identity sections as given, one row
+    per result with the contract's keys, the failing rank's traceback on the error row only,
+    and `complete` as stated."""
+    results, info = _make_results(), _make_info()
+    report = report_dict(results, info, _make_details(), complete=False)
+    loaded = _assert_strict_json(json.dumps(report, allow_nan=False))
+    assert set(loaded) == _REPORT_KEYS and loaded["version"] == 2, loaded.keys()
+    assert loaded["complete"] is False
+    assert (loaded["env"], loaded["run"], loaded["models"]) == (info.env, info.run, info.models)
     assert all(set(r) == _RESULT_KEYS for r in loaded["results"])
-    assert loaded == json.loads(json.dumps(report_dict(results, _make_env())))
+    assert [r["detail"] for r in loaded["results"]] == [None, None, None, _TRACEBACK]
     assert loaded["summary"] == {"passed": 1, "failed": 1, "skipped": 1, "errors": 1}
 
 
-def test_json_writes_non_finite_metrics_as_strings(tmp_path):
+def test_json_writes_non_finite_metrics_as_strings():
     """An infinite or NaN metric is written as a string, keeping the file strict JSON."""
     result = _make_result("fail", metrics={"max_abs": math.inf, "kl_max": math.nan})
-    path = tmp_path / "report.json"
-    write_json(path, [result], _make_env())
-    metrics = _assert_strict_json(path.read_text())["results"][0]["metrics"]
+    text = json.dumps(report_dict([result], _make_info()), allow_nan=False)
+    metrics = _assert_strict_json(text)["results"][0]["metrics"]
     assert metrics == {"max_abs": "inf", "kl_max": "nan"}
 
 
-def test_junit_counts_and_elements(tmp_path):
-    """The JUnit file parses and carries one testcase per result with the right children."""
-    path = tmp_path / "junit.xml"
-    write_junit(path, _make_results())
-    suite = ET.parse(path).getroot()
-    assert suite.tag == "testsuite" and suite.get("name") == "freetoken-verify"
-    counts = {k: suite.get(k) for k in ("tests", "failures", "errors", "skipped")}
+def _cases(root: ET.Element) -> list[ET.Element]:
+    return root.findall("testsuite/testcase")
+
+
+def _properties(element: ET.Element) -> dict:
+    return {p.get("name"): p.get("value") for p in element.findall("properties/property")}
+
+
+def test_junit_ids_carry_dtype_and_reference():
+    """The same check on the same model and TP size gets a different id (suite, classname,
+    name) at another dtype or against another reference: classname `model.dtype.tpN`, the
+    check as name, one suite per reference."""
+    ids = {}
+    for dtype, reference in (("float32", "golden"), ("bfloat16", "golden"), ("bfloat16", "hf")):
+        root = junit_tree([_make_result()], _make_info(dtype, reference))
+        (suite,) = root.findall("testsuite")
+        (case,) = suite.findall("testcase")
+        ids[dtype, reference] = (suite.get("name"), case.get("classname"), case.get("name"))
+    assert ids["bfloat16", "hf"] == ("freetoken-verify.hf", "tiny-llama.bf16.tp2", "golden")
+    assert ids["float32", "golden"] == ("freetoken-verify.golden", "tiny-llama.fp32.tp2",
+                                        "golden")
+    assert len(set(ids.values())) == 3, ids
+
+
+def test_junit_counts_properties_and_bodies():
+    """Counts add up at both levels; each testcase carries placement, seconds, dtype,
+    reference and faults; a failure's body holds its message and metrics, an error's its
+    message and the failing rank's traceback; a pass has no child but its properties."""
+    root = junit_tree(_make_results(), _make_info("bfloat16", "hf", ("drop-allreduce",)),
+                      _make_details())
+    counts = {k: root.get(k) for k in ("tests", "failures", "errors", "skipped")}
     assert counts == {"tests": "4", "failures": "1", "errors": "1", "skipped": "1"}
-    cases = suite.findall("testcase")
-    assert [c.get("classname") for c in cases] == ["tiny-llama.tp2"] * 3 + ["tiny-llama.tp4"]
+    assert root.find("testsuite").get("tests") == "4"
+    cases = _cases(root)
+    assert [c.get("classname") for c in cases] == ["tiny-llama.bf16.tp2"] * 3 + [
+        "tiny-llama.bf16.tp4"]
     assert [c.get("name") for c in cases] == ["golden", "shards", "kernels", "memory"]
-    assert list(cases[0]) == []
+    assert _properties(cases[0]) == {"placement": "cpu-gloo", "seconds": "1.250",
+                                     "dtype": "bfloat16", "reference": "hf",
+                                     "faults": "drop-allreduce"}
+    assert [child.tag for child in cases[0]] == ["properties"]
     failure = cases[1].find("failure")
     assert failure.get("message").startswith("layers.0.mlp.gate_up_proj")
-    assert json.loads(failure.text) == {"max_abs": 0.5, "mismatched": 3}
+    body, metrics = failure.text.split("\n\nmetrics: ")
+    assert body == failure.get("message") and json.loads(metrics) == {"max_abs": 0.5,
+                                                                       "mismatched": 3}
     assert cases[2].find("skipped").get("message") == "needs CUDA"
-    assert cases[3].find("error").get("message") == "rank 3 raised RuntimeError: boom"
+    error = cases[3].find("error")
+    assert error.get("message") == "rank 3 raised RuntimeError: boom"
+    assert error.text == f"rank 3 raised RuntimeError: boom\n\n{_TRACEBACK}", error.text
 
 
-def test_junit_survives_control_characters(tmp_path):
-    """Terminal colour codes in a message do not make the XML unparseable."""
-    path = tmp_path / "junit.xml"
-    write_junit(path, [_make_result("error", message="\x1b[31mboom\x1b[0m")])
-    error = ET.parse(path).getroot().find("testcase/error")
-    assert "boom" in error.get("message")
+def test_junit_survives_control_characters():
+    """Terminal colour codes in a message or traceback do not make the XML unparseable."""
+    result = _make_result("error", message="\x1b[31mboom\x1b[0m")
+    root = junit_tree([result], _make_info(), {("tiny-llama", "golden", 2): "\x1b[1mtrace"})
+    error = ET.fromstring(ET.tostring(root)).find("testsuite/testcase/error")
+    assert "boom" in error.get("message") and "trace" in error.text
+
+
+def test_markdown_summary_rows_and_escaping():
+    """The summary heads with the count line and what ran, then one table row per result:
+    model, dtype label, reference, TP, check, status (failures in bold); a `|` in a message
+    cannot break the table."""
+    results = _make_results()
+    results[1].message = "a | b"
+    text = markdown_summary(results, _make_info("bfloat16", "hf"), complete=False)
+    lines = text.splitlines()
+    assert lines[0] == "### freetoken-verify: 1 passed, 2 failed, 1 skipped (incomplete)"
+    assert "dtype bfloat16" in lines[2] and "faults none" in lines[2]
+    rows = [line for line in lines if line.startswith("| tiny-llama")]
+    assert len(rows) == 4 and all(row.count(" | ") == 9 for row in rows), rows
+    cells = [row.split(" | ") for row in rows]
+    assert [c[1:6] for c in cells[:2]] == [["bf16", "hf", "2", "golden", "PASS"],
+                                           ["bf16", "hf", "2", "shards", "**FAIL**"]]
+    assert cells[3][5] == "**ERROR**" and "a \\| b" in rows[1]
+    assert markdown_summary(results, _make_info()).splitlines()[0].endswith("1 skipped")

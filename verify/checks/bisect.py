@@ -20,8 +20,8 @@ import torch
 
 from freetoken.engine.core import resolve_dtype
 from verify.capture import FULL, Recorder, unshard
-from verify.checks import CheckContext
-from verify.engine import engine_on_rank
+from verify.checks.base import CheckContext
+from verify.engine_cache import engine_on_rank
 from verify.hf_capture import NameMap, hf_activations
 from verify.references import prompts_for
 from verify.report import CheckResult

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import time
 
-from verify.checks import CheckContext
+from verify.checks.base import CheckContext
 from verify.collective_sites import Site, expected_sites, inside_note, moe_blocks
 from verify.collective_trace import ENGINE, Call, Step, trace_generation
-from verify.engine import engine_on_rank
+from verify.engine_cache import engine_on_rank
 from verify.references import prompts_for
 from verify.report import CheckResult
 

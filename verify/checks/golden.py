@@ -2,6 +2,8 @@
 against the reference (the stored golden outputs, or HF run live), and against the engine at
 TP=1. Every rank must also hold the same full logits, and a short seeded continuation at
 temperature > 0 must give the same tokens on every rank and (in float32) at every TP size.
+Where decode runs as CUDA graphs, the graphed continuation must equal the eager one bit for
+bit (`verify.graph_replay`).
 A failure carries the first divergent module (the `bisect` check's localisation)."""
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ import time
 import torch
 
 from freetoken.engine.core import resolve_dtype
-from verify.checks import CheckContext, bisect
+from verify.checks import bisect
+from verify.checks.base import CheckContext
 from verify.compare import effective_tolerance, greedy_check, judge_logits, logit_metrics
-from verify.engine import engine_on_rank
+from verify.engine_cache import engine_on_rank
+from verify.graph_replay import batch_sizes, graph_replay_mismatch
 from verify.references import Reference, prompts_for, reference_for
 from verify.report import CheckResult
 
@@ -25,19 +29,24 @@ def run(ctx: CheckContext) -> CheckResult:
     start = time.monotonic()
     prompts, num_greedy = prompts_for(ctx.case, ctx.options)
     records = ctx.runner.run(_engine_outputs, ctx.case.engine_args(ctx.options), prompts,
-                             num_greedy)
+                             num_greedy, sampling_seed(ctx.options))
     ref = reference_for(ctx)
     outputs = records[0].value
     dtype = resolve_dtype(ctx.options.dtype, ctx.case.model_config)
     metrics, numeric = _against_reference(outputs, ref, dtype)
     metrics.update(_against_tp1(ctx, outputs, dtype, numeric, ref))
-    hard = _ranks_disagree([r.value for r in records])
+    # A graph replay that differs from eager is the most precise finding: it goes first.
+    graph = [f"rank {r.rank}: {r.value['graph_replay']}" for r in records
+             if r.value["graph_replay"]][:1]
+    hard = graph + _ranks_disagree([r.value for r in records])
+    if records[0].value["graphs"]:
+        metrics["graph_replay_batches"] = len(batch_sizes(len(prompts)))
     hard += _sampling_disagrees(ctx, [r.value["sampled"] for r in records], dtype)
     bisect.remember_tp1(ctx)
     if numeric and not hard and _within_module_precision(ctx, outputs, dtype):
         metrics["judged_per_module"] = 1
         return _result(ctx, start, "pass", metrics, _EXCUSED)
-    failures = numeric + hard
+    failures = graph + numeric + hard[len(graph):]
     if failures:
         where = _first_divergence(ctx)
         return _result(ctx, start, "fail", metrics,
@@ -79,6 +88,11 @@ def _first_divergence(ctx: CheckContext) -> str:
     return f"{found}; " if found else ""
 
 
+def sampling_seed(options) -> int:
+    """The first prompt's sampling seed (prompt i uses seed + i): `--seed`, else the default."""
+    return SAMPLING_SEED if options.seed is None else options.seed
+
+
 def _result(ctx, start, status, metrics, message) -> CheckResult:
     return CheckResult("golden", ctx.case.name, ctx.tp, status, time.monotonic() - start,
                        ctx.placement, metrics, message)
@@ -94,7 +108,7 @@ def _temperature(prompt_logits: list[torch.Tensor]) -> float:
     return max(0.8, float(f"{float(last.std(dim=-1).mean()):.2g}"))
 
 
-def _engine_outputs(rank_ctx, engine_args: dict, prompts, num_greedy: int) -> dict:
+def _engine_outputs(rank_ctx, engine_args: dict, prompts, num_greedy: int, seed: int) -> dict:
     """Runs on every rank: prompt logits and greedy continuation for each prompt. Rank 0 sends
     the tensors; other ranks send a digest of theirs (every rank must hold the same logits)."""
     from freetoken.engine.sequence import SamplingParams
@@ -110,9 +124,10 @@ def _engine_outputs(rank_ctx, engine_args: dict, prompts, num_greedy: int) -> di
     temperature = _temperature([o["prompt_logits"] for o in out])
     sampled = [r.token_ids for r in core.generate(prompts, [
         SamplingParams(max_tokens=SAMPLED_TOKENS, ignore_eos=True, temperature=temperature,
-                       seed=SAMPLING_SEED + i) for i in range(len(prompts))])]
+                       seed=seed + i) for i in range(len(prompts))])]
     return {"digest": digest, "outputs": out if rank_ctx.rank == 0 else None,
-            "sampled": sampled}
+            "sampled": sampled, "graphs": core.graphs is not None,
+            "graph_replay": graph_replay_mismatch(core, prompts, num_greedy)}
 
 
 def _against_reference(outputs: dict, ref: Reference, dtype) -> tuple[dict, list[str]]:
@@ -156,10 +171,11 @@ def _aggregate(per_prompt) -> dict:
 def _sampling_disagrees(ctx: CheckContext, sampled: list[list[list[int]]], dtype) -> list[str]:
     """Every rank must end with the tokens rank 0 sampled; in float32 the TP=1 engine's
     tokens too (the same seed draws the same numbers from nearly the same distribution)."""
+    seed = sampling_seed(ctx.options)
     for rank, tokens in enumerate(sampled):
         for i, (mine, first) in enumerate(zip(tokens, sampled[0])):
             if mine != first:
-                return [f"seeded sampling (seed {SAMPLING_SEED + i}): rank {rank} "
+                return [f"seeded sampling (seed {seed + i}): rank {rank} "
                         f"produced {mine} where rank 0 produced {first} (prompt {i})"]
     key = ("golden-sampled-tp1", ctx.case.name)
     if ctx.tp == 1:
@@ -167,7 +183,7 @@ def _sampling_disagrees(ctx: CheckContext, sampled: list[list[list[int]]], dtype
     base = ctx.cache.get(key)
     if ctx.tp == 1 or base is None or dtype != torch.float32:
         return []
-    return [f"seeded sampling (seed {SAMPLING_SEED + i}): tp={ctx.tp} produced "
+    return [f"seeded sampling (seed {seed + i}): tp={ctx.tp} produced "
             f"{mine} where tp=1 produced {first} (prompt {i})"
             for i, (mine, first) in enumerate(zip(sampled[0], base)) if mine != first][:1]
 

@@ -46,7 +46,7 @@ import time
 import torch
 
 from verify import nvfp4_oracle as oracle
-from verify.checks import CheckContext
+from verify.checks.base import CheckContext
 from verify.compare import compare_tensors
 from verify.kernel_cases import KernelCase, cpu_matrix, gpu_matrix, make_experts, weights_for
 from verify.report import CheckResult

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from verify.checks import CheckContext
+from verify.checks.base import CheckContext
 from verify.checks.memory_expected import PARAMETERS, expected_parts
 from verify.checks.memory_sampler import PeakSampler
 from verify.checks.shards import owns_storage
@@ -56,9 +56,10 @@ def run(ctx: CheckContext) -> CheckResult:
 
 def _measure(rank_ctx, engine_args: dict) -> dict:
     """Runs on every rank: load the engine afresh under measurement."""
+    from freetoken.engine.core import graphs_allowed
     from freetoken.loading.loader import default_threads, observe_loading
     from freetoken.loading.staging import staging_bytes
-    from verify.engine import build_engine, release_engine
+    from verify.engine_cache import build_engine, release_engine
 
     release_engine(rank_ctx)
     _return_freed_memory()
@@ -73,13 +74,13 @@ def _measure(rank_ctx, engine_args: dict) -> dict:
             torch.cuda.synchronize()
     actual = _actual_parts(core)
     expected = expected_parts(engine_args["folder"], core.cfg, core.dtype, rank_ctx.rank,
-                              rank_ctx.size)
+                              rank_ctx.size, graphs=graphs_allowed(core.cfg, core.device))
     failures = (_ownership_failures(core, rank_ctx.rank) + _mmap_failures(core, rank_ctx.rank))
     not_owned = len(failures)
     failures += _expectation_failures(actual, expected, rank_ctx.rank, rank_ctx.size)
     weights = expected[PARAMETERS].nbytes + actual["buffers"]
     own = weights + sum(p.nbytes for n, p in expected.items() if n != PARAMETERS)
-    transient = staging_bytes(default_threads(rank_ctx.size)) if cuda else 0
+    transient = staging_bytes(default_threads(rank_ctx.size, gpu=True)) if cuda else 0
     measured = _host_budgets(host, weights, own, transient, cuda, rank_ctx.rank, failures)
     peak_device = budget_device = None
     if cuda:

@@ -9,7 +9,9 @@ from a global count (all KV heads, all value heads) on every rank then disagrees
   or one when there are fewer heads than ranks) x head_dim x dtype bytes;
 * GatedDeltaNet state, per linear-attention layer and sequence slot: conv state over the local
   channels (2 x key heads x dk + value heads x dv, over tp) x (kernel - 1) in the dtype, and
-  the recurrent state of the local value heads, dk x dv each, in float32."""
+  the recurrent state of the local value heads, dk x dv each, in float32;
+* where decode runs as CUDA graphs, one scratch cache block and one scratch state slot more
+  (the padding rows of a graphed batch write there), not split across ranks."""
 
 from __future__ import annotations
 
@@ -44,14 +46,17 @@ class Part:
 
 
 def expected_parts(folder: str, cfg: EngineConfig, dtype: torch.dtype, rank: int,
-                   size: int) -> dict[str, Part]:
-    """The expected bytes of `rank` of `size`, by part (parameters, KV cache, GDN states)."""
-    model = ModelConfig.from_folder(folder)
+                   size: int, graphs: bool = False) -> dict[str, Part]:
+    """The expected bytes of `rank` of `size`, by part (parameters, KV cache, GDN states);
+    `graphs`: decode runs as CUDA graphs (a scratch block and state slot)."""
+    from freetoken.models.registry import load_config
+
+    model = load_config(folder)
     if cfg.num_layers is not None:
         model = model.truncated(cfg.num_layers)
     parts = [parameter_part(folder, model, cfg.num_layers, dtype, rank, size),
-             kv_cache_part(model, cfg, dtype, size)]
-    parts += gdn_state_parts(model, cfg, dtype, size)
+             kv_cache_part(model, cfg, dtype, size, int(graphs))]
+    parts += gdn_state_parts(model, cfg, dtype, size, int(graphs))
     return {p.name: p for p in parts if p is not None}
 
 
@@ -62,8 +67,8 @@ def _attention_layers(model: ModelConfig) -> int:
     return sum(t == "full_attention" for t in types)
 
 
-def kv_cache_part(model: ModelConfig, cfg: EngineConfig, dtype: torch.dtype, size: int
-                  ) -> Part | None:
+def kv_cache_part(model: ModelConfig, cfg: EngineConfig, dtype: torch.dtype, size: int,
+                  scratch: int = 0) -> Part | None:
     layers = _attention_layers(model)
     if not layers:
         return None
@@ -71,16 +76,18 @@ def kv_cache_part(model: ModelConfig, cfg: EngineConfig, dtype: torch.dtype, siz
     kv = model.num_key_value_heads
     local = kv // size if kv >= size else 1
     item = dtype.itemsize
-    nbytes = 2 * layers * blocks * cfg.block_size * local * model.head_dim * item
-    formula = (f"2 x {layers} layers x {blocks} blocks x {cfg.block_size} x {local} local KV "
+    per_block = 2 * layers * cfg.block_size * local * model.head_dim * item
+    nbytes = (blocks + scratch) * per_block
+    formula = (f"2 x {layers} layers x {blocks + scratch} blocks"
+               f"{' (one scratch)' if scratch else ''} x {cfg.block_size} x {local} local KV "
                f"heads (num_key_value_heads={kv} at tp={size}) x head_dim {model.head_dim} "
                f"x {item} bytes")
-    split = nbytes if kv >= size else 0
+    split = blocks * per_block if kv >= size else 0
     return Part(KV_CACHE, nbytes, formula, split, split * size)
 
 
-def gdn_state_parts(model: ModelConfig, cfg: EngineConfig, dtype: torch.dtype, size: int
-                    ) -> list[Part]:
+def gdn_state_parts(model: ModelConfig, cfg: EngineConfig, dtype: torch.dtype, size: int,
+                    scratch: int = 0) -> list[Part]:
     layers = sum(t == "linear_attention" for t in getattr(model, "layer_types", ()))
     if not layers:
         return []
@@ -90,13 +97,16 @@ def gdn_state_parts(model: ModelConfig, cfg: EngineConfig, dtype: torch.dtype, s
     channels = (2 * nk * dk + nv * dv) // size
     conv = layers * slots * channels * (kernel - 1) * dtype.itemsize
     recurrent = layers * slots * (nv // size) * dk * dv * 4
+    # The scratch slot's share: not split (every rank has one).
+    extra, shown = (slots + scratch) / slots, slots + scratch
+    label = f"{shown} slots{' (one scratch)' if scratch else ''}"
     return [
-        Part(CONV_STATE, conv, f"{layers} layers x {slots} slots x {channels} local channels "
-             f"((2 x {nk} x {dk} + {nv} x {dv}) / tp={size}) x {kernel - 1} x "
+        Part(CONV_STATE, round(conv * extra), f"{layers} layers x {label} x {channels} local "
+             f"channels ((2 x {nk} x {dk} + {nv} x {dv}) / tp={size}) x {kernel - 1} x "
              f"{dtype.itemsize} bytes", conv, conv * size),
-        Part(RECURRENT_STATE, recurrent, f"{layers} layers x {slots} slots x {nv // size} "
-             f"local value heads (linear_num_value_heads={nv} / tp={size}) x {dk} x {dv} x 4 "
-             "bytes", recurrent, recurrent * size),
+        Part(RECURRENT_STATE, round(recurrent * extra), f"{layers} layers x {label} x "
+             f"{nv // size} local value heads (linear_num_value_heads={nv} / tp={size}) x "
+             f"{dk} x {dv} x 4 bytes", recurrent, recurrent * size),
     ]
 
 
@@ -104,7 +114,7 @@ def parameter_part(folder: str, model: ModelConfig, num_layers: int | None,
                    dtype: torch.dtype, rank: int, size: int) -> Part:
     """Rank-dependent: the sum of this rank's shard shapes (and, padding aside, 1/size of
     the split tensors)."""
-    from freetoken.layers.quantization.nvfp4.specs import GlobalScale
+    from freetoken.formats.nvfp4.specs import GlobalScale
     from freetoken.loading import CheckpointReader
     from freetoken.models.registry import shard_plan
 

@@ -21,7 +21,7 @@ from collections import defaultdict
 
 import torch
 
-from verify.checks import CheckContext
+from verify.checks.base import CheckContext
 from verify.layout_book import LayoutBook
 from verify.layout_compare import identical_to, mismatch
 from verify.layouts import LayoutError
@@ -56,8 +56,9 @@ def owns_storage(t: torch.Tensor) -> bool:
 
 def _audit(rank_ctx, engine_args: dict) -> dict:
     """Runs on every rank; rank 0 also checks round trips and replication across ranks."""
-    from freetoken.loading import CheckpointReader, ShardError
-    from verify.engine import resident_engine
+    from freetoken.formats.shard import ShardError
+    from freetoken.loading import CheckpointReader
+    from verify.engine_cache import resident_engine
 
     audit = _Audit(rank_ctx, engine_args)
     engine = resident_engine(rank_ctx, engine_args)
@@ -75,10 +76,9 @@ def _audit(rank_ctx, engine_args: dict) -> dict:
 
 class _Audit:
     def __init__(self, rank_ctx, engine_args: dict):
-        from freetoken.config import ModelConfig
-        from freetoken.models.registry import build_model, shard_plan
+        from freetoken.models.registry import build_model, load_config, shard_plan
 
-        cfg = ModelConfig.from_folder(engine_args["folder"])
+        cfg = load_config(engine_args["folder"])
         if engine_args["num_layers"] is not None:
             cfg = cfg.truncated(engine_args["num_layers"])
         self.rank, self.size = rank_ctx.rank, rank_ctx.size
@@ -185,7 +185,7 @@ class _Audit:
                 return
 
     def _across_ranks(self, name, full, spec, shards) -> None:
-        from freetoken.loading.specs import Replicate
+        from freetoken.formats.specs import Replicate
 
         parts = [shards[r] for r in range(self.size)]
         back = spec.unshard(parts, name)

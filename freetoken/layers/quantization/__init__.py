@@ -1,1 +1,2 @@
-"""Quantized weight formats and the layers that compute with them (NVFP4 so far)."""
+"""Layers that compute with quantized weights (NVFP4 so far; the formats themselves are
+`freetoken.formats`)."""

@@ -42,7 +42,7 @@ class Qwen35MoeConfig(ModelConfig):
 
 def qwen3_5_moe_config(hf: dict, quantization=None) -> Qwen35MoeConfig:
     """Parse either layout; the multimodal wrapper's vision tower is not part of the engine.
-    `quantization`: the checkpoint's NVFP4Config, or None (see `ModelConfig.from_hf`)."""
+    `quantization`: the checkpoint's NVFP4Config, or None (see `freetoken.config.parse_config`)."""
     multimodal = isinstance(hf.get("text_config"), dict)
     text = hf["text_config"] if multimodal else hf
     fields = common_fields(text, "qwen3_5_moe")

@@ -6,9 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from freetoken.layers.embedding import VocabParallelEmbedding
 from freetoken.layers.norm import RMSNorm
-from freetoken.models.llama import CausalLM
+from freetoken.models.base import CausalLM, DecoderModel
 from freetoken.models.qwen3_5_moe.attention import GatedAttention
 from freetoken.models.qwen3_5_moe.config import Qwen35MoeConfig
 from freetoken.models.qwen3_5_moe.gdn import GatedDeltaNet
@@ -33,26 +32,12 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class TextModel(nn.Module):
-    def __init__(self, cfg: Qwen35MoeConfig):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=True)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            h = layer(positions, h)
-        return self.norm(h)
-
-
 class Qwen35MoeForCausalLM(CausalLM):
     """Parameter names follow the text-only checkpoint layout (`model.layers.N...`) whichever
     layout the weights come from."""
 
     def __init__(self, cfg: Qwen35MoeConfig):
-        super().__init__(cfg, TextModel(cfg))
+        super().__init__(cfg, DecoderModel(cfg, DecoderLayer, norm_offset=True))
 
     def linear_state_layers(self) -> list[GatedDeltaNet]:
         """Layers that keep a per-sequence state (the engine allocates it)."""

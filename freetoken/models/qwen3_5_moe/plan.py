@@ -7,12 +7,21 @@ from __future__ import annotations
 import math
 import re
 
+from freetoken.distributed import divide
+from freetoken.formats.nvfp4.format import GROUP
+from freetoken.formats.nvfp4.specs import local_inputs
+from freetoken.formats.specs import (
+    Heads,
+    InterleavedHeads,
+    PaddedSplit,
+    Replicate,
+    Segments,
+    Split,
+)
 from freetoken.layers.linear import local_kv_heads
-from freetoken.layers.quantization.nvfp4.specs import expert_rules as nvfp4_expert_rules
 from freetoken.loading.plan import Rule, ShardPlan
-from freetoken.loading.specs import Heads, PaddedSplit, Replicate, Segments, Split
 from freetoken.models.qwen3_5_moe.config import Qwen35MoeConfig
-from freetoken.models.qwen3_5_moe.specs import InterleavedHeads
+from freetoken.models.shard_rules import check_decoder_tp, expert_rules
 
 DEST = r"model.layers.\g<l>"
 
@@ -44,7 +53,8 @@ def attention_rules(cfg: Qwen35MoeConfig, tp: int, layer: str) -> list[Rule]:
     q = cfg.num_attention_heads // tp * hd
     kv = local_kv_heads(cfg.num_key_value_heads, tp) * hd
     kinds = ["weight", "bias"] if cfg.attention_bias else ["weight"]
-    specs = {"q": (InterleavedHeads(cfg.num_attention_heads), slice(0, 2 * q)),
+    q_gate = InterleavedHeads(cfg.num_attention_heads, names=("q", "gate"))
+    specs = {"q": (q_gate, slice(0, 2 * q)),
              "k": (Heads(cfg.num_key_value_heads), slice(2 * q, 2 * q + kv)),
              "v": (Heads(cfg.num_key_value_heads), slice(2 * q + kv, 2 * q + 2 * kv))}
     rules = [Rule(rf"{src}\.{x}_proj\.{kind}", spec, f"{dest}.qkv_proj.{kind}", (slot,))
@@ -61,7 +71,7 @@ def gdn_packed_spec(cfg: Qwen35MoeConfig) -> Segments:
     """`[q | k | v]` rows of in_proj_qkv and conv1d, each segment split by head."""
     key = cfg.linear_num_key_heads * cfg.linear_key_head_dim
     value = cfg.linear_num_value_heads * cfg.linear_value_head_dim
-    return Segments((key, key, value), dim=0,
+    return Segments((key, key, value), dim=0, names=("q", "k", "v"),
                     unit=math.gcd(cfg.linear_key_head_dim, cfg.linear_value_head_dim))
 
 
@@ -104,19 +114,20 @@ def moe_rules(cfg: Qwen35MoeConfig, tp: int, layer: str) -> list[Rule]:
              f"{dest}.shared_expert.gate_up_proj.weight", (slice(s, 2 * s),)),
         Rule(rf"{src}\.shared_expert\.down_proj\.weight", Split(1),
              f"{dest}.shared_expert.down_proj.weight"),
-    ] + expert_rules(cfg, tp, expert, f"{dest}.experts")
+    ] + expert_rules(expert, f"{dest}.experts", cfg.moe_intermediate_size, tp,
+                     cfg.quantization.producer if cfg.nvfp4_experts else None)
 
 
-def expert_rules(cfg: Qwen35MoeConfig, tp: int, expert: str, dest: str) -> list[Rule]:
-    """Per-expert keys into the stacked experts, split on the intermediate dimension: w13
-    (gate rows, then up rows) and w2 on its input. NVFP4 experts use the NVFP4 rules (packed
-    inputs and block-scale columns split on 16-element groups, per-part global scales)."""
-    i = cfg.moe_intermediate_size // tp
+def check_qwen3_5_moe_tp(cfg: Qwen35MoeConfig, tp: int) -> None:
+    """ValueError naming the first dimension `tp` ranks cannot split: the decoder's, then the
+    GatedDeltaNet heads and the shared expert; NVFP4 experts split their inputs (down_proj's)
+    on 16-element group boundaries, checked before any rank starts."""
+    check_decoder_tp(cfg, tp)
+    divide(cfg.linear_num_key_heads, tp, "linear_num_key_heads")
+    divide(cfg.linear_num_value_heads, tp, "linear_num_value_heads")
+    divide(cfg.shared_expert_intermediate_size, tp, "shared_expert_intermediate_size")
     if cfg.nvfp4_experts:
-        return nvfp4_expert_rules(expert, dest, cfg.moe_intermediate_size, tp,
-                                  cfg.quantization.producer)
-    return [
-        Rule(rf"{expert}\.gate_proj\.weight", Split(0), f"{dest}.w13", ("e", slice(0, i))),
-        Rule(rf"{expert}\.up_proj\.weight", Split(0), f"{dest}.w13", ("e", slice(i, 2 * i))),
-        Rule(rf"{expert}\.down_proj\.weight", Split(1), f"{dest}.w2", ("e",)),
-    ]
+        if cfg.hidden_size % GROUP:
+            raise ValueError(f"hidden_size={cfg.hidden_size} is not a multiple of the "
+                             f"{GROUP}-element NVFP4 group")
+        local_inputs(cfg.moe_intermediate_size, tp, "moe_intermediate_size")

@@ -7,10 +7,10 @@ import torch
 from torch import nn
 
 from freetoken.distributed import get_tp_info
+from freetoken.formats.nvfp4.format import GROUP
+from freetoken.formats.nvfp4.specs import local_inputs
 from freetoken.layers.quantization.nvfp4.backend import TRITON, choose_backend
-from freetoken.layers.quantization.nvfp4.format import GROUP
 from freetoken.layers.quantization.nvfp4.reference import reference_moe
-from freetoken.layers.quantization.nvfp4.specs import local_inputs
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:

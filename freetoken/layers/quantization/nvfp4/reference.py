@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from freetoken.layers.quantization.nvfp4.format import dequantize
+from freetoken.formats.nvfp4.format import dequantize
 
 
 def dequantize_w13(packed: torch.Tensor, block_scale: torch.Tensor,

@@ -1,11 +1,7 @@
-"""Shard specs: pure functions from (full checkpoint tensor, rank, size) to a fresh, contiguous
-rank-local tensor, each with its inverse. Never return a view: a `narrow()` of the full tensor
-keeps the whole parent storage alive on every rank.
-
-Each spec also says where its shard comes from without building it (`pieces`): views of the
-full tensor, each bound for one region of the shard. The loader copies those views straight
-into the parameter (`shard_into`), once, with any dtype cast fused into the copy; `shard()`
-stays an independent implementation, so the two can be checked against each other."""
+"""The generic shard specs (`ShardSpec`, see `freetoken.formats.shard`): replicate, split on a
+dim, split per segment of a packed tensor, by head (with KV-head replication), padded
+vocab-parallel rows, per-head interleaved parts. Format-specific specs (NVFP4) live in
+`freetoken.formats.nvfp4.specs`."""
 
 from __future__ import annotations
 
@@ -13,69 +9,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-
-class ShardError(ValueError):
-    """A tensor cannot be split as its rule asks."""
-
-
-@dataclass(frozen=True, eq=False)
-class Piece:
-    """`source` (a view of the full checkpoint tensor; None for zeros) fills the shard's region
-    `narrow(dim, start, length)`, or the whole shard when `dim` is None. Source and region
-    have the same shape."""
-
-    source: torch.Tensor | None
-    dim: int | None = None
-    start: int = 0
-    length: int = 0
-
-    def region(self, out: torch.Tensor) -> torch.Tensor:
-        return out if self.dim is None else out.narrow(self.dim, self.start, self.length)
-
-
-@dataclass(frozen=True, eq=False)
-class ShardPieces:
-    """A rank's shard as the views it is made of: its shape, and pieces that cover it once."""
-
-    shape: tuple[int, ...]
-    pieces: tuple[Piece, ...] = field(default_factory=tuple)
-
-
-def whole(view: torch.Tensor) -> ShardPieces:
-    """A shard that is one view of the full tensor."""
-    return ShardPieces(tuple(view.shape), (Piece(view),))
-
-
-def write_pieces(pieces: ShardPieces, out: torch.Tensor) -> None:
-    """Copy every piece into its region of `out` (casting to out's dtype): the only copy."""
-    for piece in pieces.pieces:
-        region = piece.region(out)
-        if piece.source is None:
-            region.zero_()
-        else:
-            region.copy_(piece.source)
-
-
-def shard_into(spec, full: torch.Tensor, rank: int, size: int, out: torch.Tensor,
-               name: str = "") -> None:
-    """Write rank `rank`'s shard of `full` straight into `out` (any dtype and device), bitwise
-    what `spec.shard` returns cast to out's dtype, without building the shard first.
-
-    Rank-dependent: each rank writes its own slice."""
-    pieces = spec.pieces(full, rank, size, name)
-    if tuple(out.shape) != pieces.shape:
-        raise ShardError(f"{name}: shard shape {pieces.shape} does not fit a destination of "
-                         f"shape {tuple(out.shape)}")
-    write_pieces(pieces, out)
-
-
-def _fresh(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy that owns its storage (`clone()` alone keeps the input's strides)."""
-    return t.clone(memory_format=torch.contiguous_format)
+from freetoken.formats.shard import Piece, ShardError, ShardPieces, fresh, whole
 
 
 def _chunk(full: torch.Tensor, dim: int, rank: int, size: int, name: str) -> torch.Tensor:
-    return _fresh(_chunk_view(full, dim, rank, size, name))
+    return fresh(_chunk_view(full, dim, rank, size, name))
 
 
 def _chunk_view(full: torch.Tensor, dim: int, rank: int, size: int, name: str) -> torch.Tensor:
@@ -93,7 +31,7 @@ class Replicate:
     """Every rank holds the whole tensor."""
 
     def shard(self, full, rank, size, name=""):
-        return _fresh(full)
+        return fresh(full)
 
     def pieces(self, full, rank, size, name=""):
         return whole(full)
@@ -127,6 +65,12 @@ class Segments:
     sizes: tuple[int, ...]
     dim: int = 0
     unit: int = 1
+    names: tuple[str, ...] = field(default=(), compare=False)
+    """What each segment holds (`q`, `k`, `v`), for people reading a plan; may be empty."""
+
+    def piece_labels(self, size: int) -> tuple[str, ...]:
+        """The segment each of `pieces`' pieces comes from."""
+        return self.names or tuple(f"segment {i}" for i in range(len(self.sizes)))
 
     def _check(self, full, size, name):
         if full.shape[self.dim] != sum(self.sizes):
@@ -241,7 +185,7 @@ class PaddedSplit:
     def shard(self, full, rank, size, name=""):
         step, start, have = self._rows(full, rank, size, name)
         if have == step:
-            return _fresh(full.narrow(self.dim, start, step))
+            return fresh(full.narrow(self.dim, start, step))
         # Only the last rank(s) pad: build just this rank's rows, never a padded full copy.
         shape = list(full.shape)
         shape[self.dim] = step
@@ -251,3 +195,65 @@ class PaddedSplit:
 
     def unshard(self, parts, name=""):
         return torch.cat(parts, dim=self.dim).narrow(self.dim, 0, self.full_size)
+
+
+@dataclass(frozen=True)
+class InterleavedHeads:
+    """Rows interleaved per head along dim 0, `[a_0 | b_0 | a_1 | b_1 | ...]` with `parts`
+    blocks of head_dim rows per head (Qwen3.5's attention `q_proj`: `[q_h | gate_h]`).
+
+    Rank r takes whole heads `[r * local, (r + 1) * local)`, each with all its parts, and
+    returns them grouped by part, `[a of its heads | b of its heads]`, the layout the engine's
+    fused projection splits with one `split`. Equivalently: de-interleave to
+    `[a_all | b_all]`, then split each part on its own (a per-part `Segments` split)."""
+
+    num_heads: int
+    parts: int = 2
+    names: tuple[str, ...] = field(default=(), compare=False)
+    """What each part holds (`q`, `gate`), for people reading a plan; may be empty."""
+
+    def piece_labels(self, size: int) -> tuple[str, ...]:
+        """The part each of `pieces`' pieces comes from (one piece per part and local head)."""
+        names = self.names or tuple(f"part {p}" for p in range(self.parts))
+        return tuple(names[p] for p in range(self.parts) for _ in range(self.num_heads // size))
+
+    def _head_rows(self, full: torch.Tensor, name: str) -> int:
+        rows = full.shape[0]
+        if rows % (self.num_heads * self.parts):
+            raise ShardError(f"{name}: dim 0 is {rows}, not {self.num_heads} heads x "
+                             f"{self.parts} parts of equal size")
+        return rows // (self.num_heads * self.parts)
+
+    def _local_heads(self, size, name):
+        if self.num_heads % size:
+            raise ShardError(f"{name}: {self.num_heads} heads cannot be split across "
+                             f"tp_size={size}")
+        return self.num_heads // size
+
+    def pieces(self, full, rank, size, name=""):
+        """One piece per (part, local head): `head_dim` contiguous checkpoint rows each."""
+        local, head_dim = self._local_heads(size, name), self._head_rows(full, name)
+        pieces = []
+        for part in range(self.parts):
+            for h in range(local):
+                row = ((rank * local + h) * self.parts + part) * head_dim
+                at = (part * local + h) * head_dim
+                pieces.append(Piece(full.narrow(0, row, head_dim), 0, at, head_dim))
+        return ShardPieces((self.parts * local * head_dim, *full.shape[1:]), tuple(pieces))
+
+    def shard(self, full, rank, size, name=""):
+        local = self._local_heads(size, name)
+        head_dim = self._head_rows(full, name)
+        rest = tuple(full.shape[1:])
+        mine = full.reshape(self.num_heads, self.parts, head_dim, *rest)[
+            rank * local : (rank + 1) * local]
+        # clone() of the transposed view always copies: the shard owns its storage.
+        grouped = mine.transpose(0, 1).clone(memory_format=torch.contiguous_format)
+        return grouped.reshape(self.parts * local * head_dim, *rest)
+
+    def unshard(self, parts, name=""):
+        local = self.num_heads // len(parts)
+        rest = tuple(parts[0].shape[1:])
+        head_dim = parts[0].shape[0] // (self.parts * local)
+        heads = [p.reshape(self.parts, local, head_dim, *rest).transpose(0, 1) for p in parts]
+        return torch.cat(heads).reshape(self.num_heads * self.parts * head_dim, *rest)

@@ -1,7 +1,7 @@
-"""Shard specs for NVFP4 tensors, in the style of `freetoken.loading.specs`: pure functions of
+"""Shard specs for NVFP4 tensors, in the style of `freetoken.formats.specs`: pure functions of
 (full checkpoint tensor, rank, size, name) returning a fresh, contiguous tensor, each with its
 bitwise inverse, and a `pieces` method giving the views of the full tensor the loader copies
-straight into the parameter (see `freetoken.loading.specs.shard_into`).
+straight into the parameter (see `freetoken.formats.shard.shard_into`).
 
 Output rows (gate_proj / up_proj rows, the rows of their block scales) split like any weight:
 use `Split(0)`, or `Segments` for a fused gate|up tensor. Input columns are different: the
@@ -17,19 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
-from freetoken.layers.quantization.nvfp4.checkpoint import COMPRESSED_TENSORS, tensor_suffixes
-from freetoken.layers.quantization.nvfp4.format import GROUP
-from freetoken.loading.plan import Rule
-from freetoken.loading.specs import ShardError, Split, whole
+from freetoken.formats.nvfp4.format import GROUP
+from freetoken.formats.shard import ShardError, fresh, whole
 
 PACKED, SCALE = "packed", "scale"
 _INPUTS_PER_COLUMN = {PACKED: 2, SCALE: GROUP}
 _WHAT = {PACKED: "packed bytes", SCALE: "block-scale columns"}
-
-
-def _fresh(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy owning its storage: a narrow() view would pin the full tensor."""
-    return t.clone(memory_format=torch.contiguous_format)
 
 
 def local_inputs(full_inputs: int, size: int, name: str) -> int:
@@ -68,7 +61,7 @@ class InputSplit:
         return full.narrow(self.dim, rank * step, step)
 
     def shard(self, full: torch.Tensor, rank: int, size: int, name: str = "") -> torch.Tensor:
-        return _fresh(self._view(full, rank, size, name))
+        return fresh(self._view(full, rank, size, name))
 
     def pieces(self, full, rank, size, name=""):
         return whole(self._view(full, rank, size, name))
@@ -102,7 +95,7 @@ class GlobalScale:
 
     def shard(self, full: torch.Tensor, rank: int, size: int, name: str = "") -> torch.Tensor:
         self._check(full, name)
-        return _fresh(full).reshape(())
+        return fresh(full).reshape(())
 
     def pieces(self, full, rank, size, name=""):
         self._check(full, name)
@@ -110,41 +103,3 @@ class GlobalScale:
 
     def unshard(self, parts: list[torch.Tensor], name: str = "") -> torch.Tensor:
         return parts[0].reshape(self.shape)
-
-
-def expert_rules(expert: str, dest: str, full_intermediate: int, tp: int, producer: str
-                 ) -> list[Rule]:
-    """Plan rules for per-expert NVFP4 checkpoint tensors into `NVFP4FusedExperts`.
-
-    `expert` is a regex of one expert's prefix with a group `e` for its index, `dest` the
-    module's parameter prefix as a `re` template (see `hf_expert_rules`). gate and up
-    rows split on their own into w13's two halves, their global scales into
-    w13_weight_scale_2[e, 0] and [e, 1]; down's inputs split on group boundaries. Input
-    scales are not used by W4A16 and are
-    ignored."""
-    i = local_inputs(full_intermediate, tp, "moe_intermediate_size")
-    names = {field: suffix for suffix, field in tensor_suffixes(producer).items()}
-    glob = GlobalScale((1,) if producer == COMPRESSED_TENSORS else ())
-    rules = []
-    for part, rows in (("gate", slice(0, i)), ("up", slice(i, 2 * i))):
-        src = rf"{expert}\.{part}_proj\."
-        index = 0 if part == "gate" else 1
-        rules += [Rule(src + names["weight"], Split(0), f"{dest}.w13_weight", ("e", rows)),
-                  Rule(src + names["weight_scale"], Split(0), f"{dest}.w13_weight_scale",
-                       ("e", rows)),
-                  Rule(src + names["weight_scale_2"], glob, f"{dest}.w13_weight_scale_2",
-                       ("e", index))]
-    src = rf"{expert}\.down_proj\."
-    rules += [Rule(src + names["weight"], InputSplit(PACKED, 1), f"{dest}.w2_weight", ("e",)),
-              Rule(src + names["weight_scale"], InputSplit(SCALE, 1), f"{dest}.w2_weight_scale",
-                   ("e",)),
-              Rule(src + names["weight_scale_2"], glob, f"{dest}.w2_weight_scale_2", ("e",))]
-    rules.append(Rule(rf"{expert}\.(gate|up|down)_proj\.{names['input_scale']}", param=None))
-    return rules
-
-
-def hf_expert_rules(full_intermediate: int, tp: int, producer: str) -> list[Rule]:
-    """`expert_rules` for the HF per-expert layout `model.layers.L.mlp.experts.E.*_proj.*`
-    into `model.layers.L.mlp.experts` (an `NVFP4FusedExperts`)."""
-    expert = r"(?P<p>model\.layers\.\d+)\.mlp\.experts\.(?P<e>\d+)"
-    return expert_rules(expert, r"\g<p>.mlp.experts", full_intermediate, tp, producer)

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from freetoken.layers.quantization.nvfp4.format import GROUP, check_shapes
-from freetoken.layers.quantization.nvfp4.quantizer import NVFP4Tensor
+from freetoken.formats.nvfp4.format import GROUP, check_shapes
+from freetoken.formats.nvfp4.quantizer import NVFP4Tensor
 
 MODELOPT = "modelopt"
 COMPRESSED_TENSORS = "compressed-tensors"
@@ -76,10 +76,6 @@ class NVFP4Config:
     def global_scale_is_reciprocal(self) -> bool:
         """True when stored global scales divide (compressed-tensors) instead of multiply."""
         return self.producer == COMPRESSED_TENSORS
-
-    def suffixes(self) -> dict[str, str]:
-        """Checkpoint tensor suffix -> normalised field."""
-        return tensor_suffixes(self.producer)
 
 
 def tensor_suffixes(producer: str) -> dict[str, str]:

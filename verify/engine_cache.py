@@ -1,5 +1,5 @@
-"""The engine as checks see it: one EngineCore per rank, built once per model and reused by
-every check that runs in the same rank group."""
+"""The per-rank engine cache the checks share: one EngineCore per rank, built once per model
+and reused by every check that runs in the same rank group."""
 
 from __future__ import annotations
 

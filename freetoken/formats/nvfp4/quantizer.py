@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from freetoken.layers.quantization.nvfp4.format import (
+from freetoken.formats.nvfp4.format import (
     E2M1_MAX,
     E4M3_MAX,
     GROUP,

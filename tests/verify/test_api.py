@@ -1,0 +1,179 @@
+"""The Python API (`verify.run` -> `Report`) and the pytest plugin (fixture
+`freetoken_verify`, markers `gpu` / `multi_gpu(n)`), used as a user would: from this separate
+test file and from a user-style test file run by a pytest subprocess. Bad input raises the
+typed `verify.errors`, never click's exceptions."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import click
+import pytest
+
+import verify
+from verify.errors import InputError, UsageError
+from verify.pytest_plugin import cuda_device_count
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _make_result(status: str, message: str = "", check: str = "golden") -> verify.Result:
+    from types import MappingProxyType
+
+    return verify.Result(check, "tiny-llama", 2, status, 0.5, "cpu-gloo",
+                         MappingProxyType({"max_abs": 0.0}), message)
+
+
+def _assert_typed_error(kind: type, needle: str, **kwargs) -> None:
+    with pytest.raises(kind) as info:
+        verify.run(**kwargs)
+    assert isinstance(info.value, ValueError), "API errors must be ValueErrors"
+    assert not isinstance(info.value, click.ClickException), "no click errors from the API"
+    assert needle in str(info.value), f"{needle!r} not in {info.value}"
+    assert "\n" not in str(info.value), f"one line: {info.value!r}"
+
+
+def test_report_ok_summary_and_assert_ok_from_rows():
+    """`ok` is false exactly when a row failed or errored; `summary` counts by status with the
+    JSON report's keys; `assert_ok` names every failing row with its message and no passing
+    one; reports and rows are frozen."""
+    rows = (_make_result("pass"), _make_result("skip", "already run", "kernels"),
+            _make_result("fail", "tiny-llama tp=2: prefill logits rel_l2=0.3"),
+            _make_result("error", "tiny-llama tp=2: rank 1 raised", "shards"))
+    bad = verify.Report(rows)
+    assert not bad.ok and verify.Report(rows[:2]).ok and verify.Report(()).ok
+    assert bad.summary == {"passed": 1, "failed": 1, "skipped": 1, "errors": 1}
+    assert bad.failures == rows[2:]
+    with pytest.raises(AssertionError) as info:
+        bad.assert_ok()
+    text = str(info.value)
+    assert "2 of 4" in text and "prefill logits rel_l2=0.3" in text and "rank 1 raised" in text
+    assert "kernels" not in text, "passing and skipped rows are not failures"
+    verify.Report(rows[:2]).assert_ok()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        bad.results = ()
+    with pytest.raises(TypeError):
+        rows[0].metrics["max_abs"] = 1.0
+
+
+def test_run_shards_on_tiny_llama_passes():
+    """`verify.run` on the bundled tiny-llama at TP=1 with the shards check returns one
+    passing row carrying the check's metrics, and reports progress lines per step."""
+    lines: list[str] = []
+    report = verify.run(models=["tiny-llama"], tp=[1], checks=["shards"], device="cpu",
+                        progress=lines.append)
+    assert [(r.model, r.check, r.tp, r.status) for r in report.results] == [
+        ("tiny-llama", "shards", 1, "pass")], report
+    assert report.ok and report.summary["passed"] == 1 and report.results[0].metrics
+    assert report.results[0].placement == "cpu-gloo"
+    assert "[tp=1] tiny-llama shards ..." in lines, lines
+    assert any(line.startswith("[1/1] tiny-llama shards tp=1: PASS") for line in lines), lines
+    report.assert_ok()
+
+
+def test_run_with_injected_fault_fails_and_assert_ok_names_the_row():
+    """With `shard-views` injected the shards row fails, `ok` is false and `assert_ok`
+    raises naming the model, the check and why (a view)."""
+    report = verify.run(models=["tiny-llama"], tp=1, checks=["shards"], device="cpu",
+                        faults=["shard-views"])
+    assert not report.ok and report.results[0].status == "fail", report
+    with pytest.raises(AssertionError, match=r"tiny-llama shards tp=1 FAIL: .*view"):
+        report.assert_ok()
+
+
+@pytest.mark.parametrize("kind, needle, kwargs", [
+    (UsageError, "unknown check 'nonsense'", {"checks": ["golden", "nonsense"]}),
+    (UsageError, "unknown fault 'nonsense'", {"faults": ["nonsense"]}),
+    (UsageError, "tp: 0 is not a positive integer", {"tp": [0]}),
+    (UsageError, "tp: '2' is not a positive integer", {"tp": ["2"]}),
+    (UsageError, "tp: no TP sizes given", {"tp": []}),
+    (UsageError, "device: 'gpu' is not one of auto, cpu, cuda", {"device": "gpu"}),
+    (UsageError, "dtype: 'fp8'", {"dtype": "fp8"}),
+    (UsageError, "reference: 'live'", {"reference": "live"}),
+    (UsageError, "num_layers: 0", {"num_layers": 0}),
+    (UsageError, "timeout: nan", {"timeout": float("nan")}),
+    (UsageError, "models: empty", {"models": [""]}),
+    (InputError, "tiny-nonexistent: no such checkpoint folder", {"models": ["tiny-nonexistent"]}),
+    (InputError, "tiny-llama: num_attention_heads=8 cannot be split across tp_size=3",
+     {"models": ["tiny-llama"], "tp": [1, 3]}),
+    (InputError, "tiny-llama: --reference golden needs a bundled case at full depth",
+     {"models": ["tiny-llama"], "reference": "golden", "num_layers": 1}),
+])
+def test_bad_input_raises_typed_errors(kind, needle, kwargs):
+    """Each malformed or unverifiable argument raises its typed error (a ValueError, not a
+    click exception) with one line naming it, before any rank starts."""
+    _assert_typed_error(kind, needle, **{"models": ["tiny-llama"], "device": "cpu", **kwargs})
+
+
+def test_plan_sorts_tp_sizes_and_keeps_check_order():
+    """build_plan takes typed values: TP sizes deduplicated and ascending, checks in the
+    table's run order whatever order they were asked in."""
+    from verify.checks.base import CHECK_NAMES
+    from verify.main import build_plan
+
+    plan = build_plan(models=["tiny-llama"], tp=[2, 1, 2], checks=["shards", "golden"],
+                      device="cpu")
+    assert plan.tp_sizes == [1, 2]
+    assert list(plan.checks) == [n for n in CHECK_NAMES if n in ("shards", "golden")]
+    assert [c.name for c in plan.cases] == ["tiny-llama"]
+
+
+_USER_TESTS = '''
+import pytest
+
+
+def test_tiny_llama_shards(freetoken_verify):
+    report = freetoken_verify(model="tiny-llama", tp=[1], checks=["shards"], device="cpu")
+    report.assert_ok()
+    assert [r.status for r in report.results] == ["pass"]
+
+
+def test_injected_fault_fails(freetoken_verify):
+    report = freetoken_verify(model="tiny-llama", tp=[1], checks=["shards"], device="cpu",
+                              faults=["shard-views"])
+    report.assert_ok()
+
+
+@pytest.mark.gpu
+def test_on_a_gpu():
+    pass
+
+
+@pytest.mark.multi_gpu(1024)
+def test_on_many_gpus():
+    pass
+'''
+
+
+def _make_user_project(tmp_path: Path) -> Path:
+    project = tmp_path / "user-project"
+    project.mkdir()
+    (project / "test_model.py").write_text(textwrap.dedent(_USER_TESTS))
+    return project
+
+
+def test_plugin_from_a_user_test_file(tmp_path):
+    """A user's own test file, run by pytest with the plugin (`-p verify.pytest_plugin`)
+    outside this repository: the fixture runs a passing check, a failing one fails its test
+    with the row in the assertion message, and `gpu` / `multi_gpu(1024)` skip with reasons
+    (no CPU machine has 1024 GPUs)."""
+    project = _make_user_project(tmp_path)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+        str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "verify.pytest_plugin", "-q",
+                           "-rs", "-p", "no:cacheprovider", "test_model.py"],
+                          cwd=project, env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, f"one test must fail (exit 1):\n{out}"
+    gpus = cuda_device_count()
+    counts = "1 failed, 2 passed, 1 skipped" if gpus else "1 failed, 1 passed, 2 skipped"
+    assert counts in out, out
+    assert "tiny-llama shards tp=1 FAIL" in out, "the failing row must be in the report"
+    assert f"needs 1024 CUDA device(s), found {gpus or 'no'} CUDA device(s)" in out, out
+    if not gpus:
+        assert "needs 1 CUDA device(s), found no CUDA device(s)" in out, out

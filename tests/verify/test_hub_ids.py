@@ -1,0 +1,102 @@
+"""Hub ids `Org/Name[@revision]` resolve from the local Hugging Face cache (`HF_HUB_CACHE`)
+without touching the network, to the snapshot of the revision asked for, and the case records
+where it came from (`case.source`: hub id, revision, snapshot hash). A missing revision is a
+one-line usage error; a download happens only with `--download`."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+from conftest import GOLDEN
+
+from verify.cases import CaseError, resolve_case
+from verify.cli import main
+
+_MAIN = "a" * 40
+_V1 = "b" * 40
+
+
+def _make_cache(tmp_path: Path, monkeypatch) -> Path:
+    """A cache holding Org/Tiny at two commits: `main` -> _MAIN, tag `v1` -> _V1."""
+    cache = tmp_path / "hub"
+    repo = cache / "models--Org--Tiny"
+    for commit, ref in ((_MAIN, "main"), (_V1, "v1")):
+        snapshot = repo / "snapshots" / commit
+        shutil.copytree(GOLDEN / "tiny-llama", snapshot)
+        (snapshot / "meta.json").unlink()
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    return cache
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Any attempt to open a connection fails the test."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("network access attempted")
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+
+
+@pytest.mark.parametrize("arg, commit, revision", [
+    ("Org/Tiny", _MAIN, "main"),
+    ("Org/Tiny@v1", _V1, "v1"),
+    (f"Org/Tiny@{_V1}", _V1, _V1),
+])
+def test_hub_id_resolves_to_the_cached_snapshot(tmp_path, monkeypatch, no_network, arg, commit,
+                                                revision):
+    """The revision picks the snapshot; the source names id, revision and snapshot hash."""
+    _make_cache(tmp_path, monkeypatch)
+    case = resolve_case(arg)
+    assert case.folder.name == commit and not case.bundled
+    assert case.source == {"path": str(case.folder), "hub_id": "Org/Tiny",
+                           "revision": revision, "snapshot": commit}
+
+
+def test_uncached_revision_is_refused_without_network(capsys, tmp_path, monkeypatch,
+                                                       no_network):
+    """A revision the cache lacks: exit 2, one line naming it and --download."""
+    _make_cache(tmp_path, monkeypatch)
+    with pytest.raises(CaseError, match="at revision 'v2'.*--download"):
+        resolve_case("Org/Tiny@v2")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", "Org/Tiny@v2", "--tp", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and "Org/Tiny@v2" in err[0], err
+
+
+def test_download_only_when_asked(tmp_path, monkeypatch):
+    """Without --download the hub is asked for local files only; with it, it may download
+    (configs, safetensors and tokenizer files only); with HF_HUB_OFFLINE set, --download is
+    refused instead of silently ignored."""
+    import huggingface_hub
+
+    calls = []
+    snapshot = _make_cache(tmp_path, monkeypatch) / "models--Org--Tiny" / "snapshots" / _V1
+
+    def fake_snapshot_download(repo, revision=None, cache_dir=None, local_files_only=False,
+                               allow_patterns=None):
+        assert "*.safetensors" in allow_patterns and "*.bin" not in allow_patterns
+        calls.append((repo, revision, local_files_only))
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    resolve_case("Org/Other@v1")
+    resolve_case("Org/Other@v1", download=True)
+    assert calls == [("Org/Other", "v1", True), ("Org/Other", "v1", False)]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(CaseError, match="HF_HUB_OFFLINE"):
+        resolve_case("Org/Other@v1", download=True)
+
+
+def test_local_cases_record_their_path(tmp_path):
+    """A bundled case and a folder record their path (no hub fields)."""
+    folder = tmp_path / "ckpt"
+    shutil.copytree(GOLDEN / "tiny-qwen3", folder)
+    assert resolve_case(str(folder)).source == {"path": str(folder.resolve())}
+    assert resolve_case("tiny-qwen3").source == {"path": str(GOLDEN / "tiny-qwen3")}

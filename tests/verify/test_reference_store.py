@@ -1,0 +1,198 @@
+"""A saved HF reference (`--save-reference DIR`, reused with `--reference DIR`) is what the
+golden check compares with, and it is refused, before any rank starts (exit 2, one line naming
+the file or option), for a checkpoint whose weights differ from the ones it was saved from and
+for prompts, continuation length, depth or dtype it does not cover."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import GOLDEN
+from safetensors.torch import load_file, save_file
+
+from verify import reference_store
+from verify.cases import resolve_case
+from verify.checks import VerifyOptions
+from verify.cli import main
+
+
+def _run(capsys, *args: str) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(args))
+    out, err = capsys.readouterr()
+    return exit_info.value.code, out, err
+
+
+def _assert_refused(capsys, args: list[str], *needles: str) -> None:
+    code, out, err = _run(capsys, *args)
+    assert code == 2, f"expected exit 2 for {args}, got {code}\n{out}{err}"
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), f"one error line: {err!r}"
+    for needle in needles:
+        assert needle in lines[0], f"{needle!r} missing from {lines[0]!r}"
+    assert "Traceback" not in out + err and "starting" not in err, "refused before ranks"
+
+
+def _make_checkpoint(tmp_path: Path, name: str = "ckpt") -> Path:
+    """tiny-llama as a plain checkpoint folder (no bundled golden)."""
+    folder = tmp_path / name
+    shutil.copytree(GOLDEN / "tiny-llama", folder)
+    for stored in ("meta.json", "reference.safetensors"):
+        (folder / stored).unlink()
+    return folder
+
+
+def _make_store(capsys, tmp_path: Path, folder: Path, **options) -> Path:
+    """HF's reference of `folder` saved through the module (no rank processes); HF's own
+    progress output is dropped so that the next command's stderr is its own."""
+    store = tmp_path / "ref"
+    opts = VerifyOptions(device="cpu", save_reference=str(store), **options)
+    reference_store.save_reference(resolve_case(str(folder)), opts, "cpu", store)
+    capsys.readouterr()
+    return store
+
+
+def _flip_byte(path: Path, offset_from_end: int = 10) -> None:
+    with open(path, "r+b") as f:
+        f.seek(-offset_from_end, 2)
+        byte = f.read(1)[0]
+        f.seek(-offset_from_end, 2)
+        f.write(bytes([byte ^ 1]))
+
+
+def test_saved_reference_is_what_golden_compares_with(capsys, tmp_path):
+    """Reusing a saved reference passes on the same checkpoint, and fails once the saved
+    logits are perturbed: the run reads the store instead of recomputing HF."""
+    folder = _make_checkpoint(tmp_path)
+    store = _make_store(capsys, tmp_path, folder, max_new_tokens=4)
+    args = ["--model", str(folder), "--tp", "1", "--checks", "golden", "--reference", str(store),
+            "--report-json", str(tmp_path / "r.json")]
+    code, out, err = _run(capsys, *args)
+    assert code == 0, out + err
+    row = json.loads((tmp_path / "r.json").read_text())["results"][0]
+    assert row["metrics"]["greedy_total"] == 4 * 3, "the saved continuation length is used"
+    tensors = load_file(store / reference_store.TENSORS)
+    tensors["prefill_logits_1"] = tensors["prefill_logits_1"] + 3.0 * tensors[
+        "prefill_logits_1"].std()
+    save_file(tensors, store / reference_store.TENSORS)
+    code, out, err = _run(capsys, *args)
+    assert code == 1 and "prompt 1" in out, f"perturbed saved logits must fail golden:\n{out}"
+
+
+def test_changed_checkpoint_is_refused(capsys, tmp_path):
+    """One flipped byte in the weights, a missing or an extra weights file: exit 2 naming the
+    file."""
+    folder = _make_checkpoint(tmp_path)
+    store = _make_store(capsys, tmp_path, folder)
+    args = ["--model", str(folder), "--tp", "1", "--reference", str(store)]
+    _flip_byte(folder / "model.safetensors")
+    _assert_refused(capsys, args, str(folder / "model.safetensors"), "differs")
+    shutil.copy(GOLDEN / "tiny-llama" / "model.safetensors", folder / "model.safetensors")
+    shutil.copy(folder / "model.safetensors", folder / "extra.safetensors")
+    _assert_refused(capsys, args, "extra.safetensors")
+    (folder / "extra.safetensors").unlink()
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+    _assert_refused(capsys, args, "model.safetensors")
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--seed", "5"], "requested prompts differ"),
+    (["--max-new-tokens", "7"], "--max-new-tokens 7 differs"),
+    (["--num-layers", "1"], "saved at full depth, this run uses --num-layers 1"),
+    (["--dtype", "bfloat16"], "no bfloat16 baseline"),
+    (["--model", "tiny-qwen3"], "exactly one --model"),
+])
+def test_run_the_store_does_not_cover_is_refused(capsys, tmp_path, extra, needle):
+    """Prompts, continuation length, depth, a dtype without a saved baseline, or a second
+    model: exit 2 with one line saying what differs."""
+    folder = _make_checkpoint(tmp_path)
+    store = _make_store(capsys, tmp_path, folder, max_new_tokens=2)
+    _assert_refused(capsys, ["--model", str(folder), "--tp", "1", "--reference", str(store),
+                             *extra], needle)
+
+
+def test_save_reference_refusals(capsys, tmp_path):
+    """--save-reference needs one model, a folder it may write, and a reference HF computes;
+    --reference needs a choice or a folder holding a saved reference."""
+    folder = _make_checkpoint(tmp_path)
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("x")
+    base = ["--model", str(folder), "--tp", "1"]
+    _assert_refused(capsys, [*base, "--save-reference", str(busy)], "holds other files")
+    _assert_refused(capsys, [*base, "--model", "tiny-qwen3", "--save-reference",
+                             str(tmp_path / "s")], "exactly one --model")
+    _assert_refused(capsys, [*base, "--reference", "golden", "--save-reference",
+                             str(tmp_path / "s")], "cannot be combined")
+    _assert_refused(capsys, [*base, "--reference", "hff"], "'hff' is neither auto, golden, hf")
+    _assert_refused(capsys, [*base, "--reference", str(busy)], "is not a saved reference")
+
+
+def test_sampled_fingerprint_sees_header_size_and_sampled_bytes(tmp_path, monkeypatch):
+    """Above FULL_HASH_LIMIT a file's fingerprint covers its size, its safetensors header and
+    the sampled blocks: each change alters the digest; the same bytes give the same digest."""
+    monkeypatch.setattr(reference_store, "FULL_HASH_LIMIT", 0)
+    folder = _make_checkpoint(tmp_path)
+    path = folder / "model.safetensors"
+    first = reference_store.fingerprint(path)
+    assert first["method"] == "sampled-sha256"
+    assert reference_store.fingerprint(path) == first, "deterministic"
+    _flip_byte(path, offset_from_end=1)
+    assert reference_store.fingerprint(path)["digest"] != first["digest"], "last sampled block"
+    tensors = load_file(GOLDEN / "tiny-llama" / "model.safetensors")
+    save_file(tensors, path, metadata={"format": "pt", "note": "resaved"})
+    assert reference_store.fingerprint(path)["digest"] != first["digest"], "header"
+
+
+def test_incomplete_store_is_refused(capsys, tmp_path):
+    """A store missing its tensors file or a field of reference.json is refused by name."""
+    folder = _make_checkpoint(tmp_path)
+    store = _make_store(capsys, tmp_path, folder)
+    args = ["--model", str(folder), "--tp", "1", "--reference", str(store)]
+    saved = (store / reference_store.META).read_text()
+    meta = json.loads(saved)
+    del meta["weights"]
+    (store / reference_store.META).write_text(json.dumps(meta))
+    _assert_refused(capsys, args, "has no 'weights'")
+    (store / reference_store.META).write_text(saved)
+    (store / reference_store.TENSORS).unlink()
+    _assert_refused(capsys, args, f"no {reference_store.TENSORS}")
+
+
+def test_save_reference_from_the_command_line(capsys, tmp_path):
+    """`--save-reference DIR` writes the store before the ranks start (prompts, continuation
+    length, versions, source, each weights file's sha256) and the run then passes against it."""
+    from verify.cases import sha256_file
+
+    folder = _make_checkpoint(tmp_path)
+    store = tmp_path / "saved"
+    code, out, err = _run(capsys, "--model", str(folder), "--tp", "1", "--checks", "golden",
+                          "--max-new-tokens", "2", "--seed", "4", "--save-reference", str(store))
+    assert code == 0, out + err
+    assert err.index("computing HF's reference") < err.index("starting"), err
+    meta = json.loads((store / reference_store.META).read_text())
+    assert meta["num_greedy"] == 2 and meta["seed"] == 4 and len(meta["prompts"]) == 3
+    assert meta["source"] == {"path": str(folder.resolve())} and meta["transformers"]
+    assert meta["weights"] == {"model.safetensors": {
+        "size": (folder / "model.safetensors").stat().st_size, "method": "sha256",
+        "digest": sha256_file(folder / "model.safetensors")}}
+
+
+def test_low_precision_baseline_is_saved_per_dtype(capsys, tmp_path):
+    """Saved with --dtype bfloat16, the store carries HF's bf16 baseline per prompt: a bf16
+    run reuses it with that baseline, a float16 run is refused."""
+    import torch
+
+    folder = _make_checkpoint(tmp_path)
+    store = _make_store(capsys, tmp_path, folder, dtype="bfloat16")
+    case = resolve_case(str(folder))
+    options = VerifyOptions(device="cpu", dtype="bfloat16", reference=str(store))
+    reference_store.check_store(store, case, options, None, torch.bfloat16)
+    ref = reference_store.stored_reference(store, case, options)
+    assert ref.source == "stored" and len(ref.baseline) == len(ref.prompts)
+    assert all(0 < b.rel_l2 < 0.5 for b in ref.baseline), ref.baseline
+    with pytest.raises(reference_store.StoreError, match="no float16 baseline"):
+        reference_store.check_store(store, case, options, None, torch.float16)
