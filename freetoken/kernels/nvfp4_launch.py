@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from freetoken.formats.nvfp4.format import GROUP, NVFP4FormatError
 from freetoken.kernels import interpreting, jit_module, next_pow2
-from freetoken.layers.quantization.nvfp4.format import GROUP, NVFP4FormatError
 
 DECODE_MAX_TOKENS = 16
 """Up to this many tokens, each (token, slot) pair streams its expert's weights itself."""
