@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from freetoken.kernels import nvfp4_jit  # noqa: E402
+from freetoken.kernels import nvfp4_decode_jit  # noqa: E402
 from verify.checks.kernels import gpu_matrix, run_matrix, summarize  # noqa: E402
 from verify.faults import FAULTS  # noqa: E402
 
@@ -44,7 +44,7 @@ DEVICE = "cuda:0"
 
 
 def _path(label: str) -> str:
-    from freetoken.kernels.nvfp4_moe import DECODE_MAX_TOKENS
+    from freetoken.kernels.nvfp4_launch import DECODE_MAX_TOKENS
 
     tokens = int(label.split("tokens=")[1].split()[0])
     return "decode" if tokens <= DECODE_MAX_TOKENS else "prefill"
@@ -65,9 +65,9 @@ def _word_tile_values(w_ptr, out_ptr, ROWS: tl.constexpr, KW: tl.constexpr, ASM:
     row = tl.arange(0, ROWS)[:, None]
     col = tl.arange(0, KW)[None, :]
     b = tl.load(w_ptr + row * KW + col)
-    t = nvfp4_jit.word_tables(0, ROWS, KW)
-    f = nvfp4_jit._word_values(b, t[0], t[1], t[2], t[3], t[4], ASM)
-    scale = 1.0 if ASM else nvfp4_jit._FP4_UNBIAS   # the portable values are e2m1 * 2^-14
+    t = nvfp4_decode_jit.word_tables(0, ROWS, KW)
+    f = nvfp4_decode_jit.word_values(b, t, ASM)
+    scale = 1.0 if ASM else nvfp4_decode_jit.FP4_UNBIAS   # the portable values are e2m1 * 2^-14
     base = out_ptr + row * (8 * KW) + 8 * col
     tl.store(base, f[0] * scale)
     tl.store(base + 1, f[1] * scale)

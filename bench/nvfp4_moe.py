@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import copy_bandwidth, time_ms  # noqa: E402
-from freetoken.kernels import nvfp4_moe  # noqa: E402
+from freetoken.kernels import nvfp4_launch, nvfp4_moe  # noqa: E402
 from freetoken.layers.quantization.nvfp4.reference import reference_moe  # noqa: E402
 from verify.checks.kernels import make_experts  # noqa: E402
 
@@ -110,7 +110,7 @@ def measure(copies: list[dict], inputs: tuple, args, copy_gbs: float, ref: torch
     """One row: kernel time, bandwidth, and relative L2 error against `ref`."""
     x, weights, ids = inputs
     tokens, w = x.shape[0], copies[0]
-    path = "decode" if tokens <= nvfp4_moe.DECODE_MAX_TOKENS else "prefill"
+    path = "decode" if tokens <= nvfp4_launch.DECODE_MAX_TOKENS else "prefill"
     runs = [lambda c=c: nvfp4_moe.fused_moe(x, weights, ids, **c, tiles=tiles) for c in copies]
     if args.graphs and path == "decode":
         ms = time_graph_ms(runs, reps or args.reps)
@@ -128,10 +128,10 @@ def sweep(copies, inputs, args, copy_gbs, ref) -> tuple[dict, dict]:
     """The fastest tile choice for one shape and its row ({} and the default's row when
     every alternative was refused)."""
     tokens = inputs[0].shape[0]
-    options = SWEEP_DECODE if tokens <= nvfp4_moe.DECODE_MAX_TOKENS else SWEEP_PREFILL
+    options = SWEEP_DECODE if tokens <= nvfp4_launch.DECODE_MAX_TOKENS else SWEEP_PREFILL
     best = None
     for change in options:
-        tiles = dataclasses.replace(nvfp4_moe.GPU_TILES, **change)
+        tiles = dataclasses.replace(nvfp4_launch.GPU_TILES, **change)
         try:
             row = measure(copies, inputs, args, copy_gbs, ref, tiles, reps=20)
         except Exception as e:  # a tile choice the compiler or the GPU refuses
@@ -189,9 +189,9 @@ def main() -> int:
     p.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
     args = p.parse_args()
     try:
-        nvfp4_moe.GPU_TILES = dataclasses.replace(nvfp4_moe.GPU_TILES, **args.tiles)
+        nvfp4_launch.GPU_TILES = dataclasses.replace(nvfp4_launch.GPU_TILES, **args.tiles)
     except TypeError as e:
-        fields = ", ".join(f.name for f in dataclasses.fields(nvfp4_moe.Tiles))
+        fields = ", ".join(f.name for f in dataclasses.fields(nvfp4_launch.Tiles))
         p.error(f"--tiles: {e} (fields: {fields})")
     if not torch.cuda.is_available():
         print("bench/nvfp4_moe.py needs a CUDA GPU (the kernels' CPU interpreter is for "
@@ -204,7 +204,7 @@ def main() -> int:
           f"torch {torch.__version__}, triton {__import__('triton').__version__}; copy "
           f"bandwidth {copy_gbs:.0f} GB/s (read + write); 3 trivial kernels in a graph "
           f"{floor:.1f} us; E={args.experts} top-{args.top_k} H={args.hidden} "
-          f"I={args.intermediate}, {args.dtype} activations; {nvfp4_moe.GPU_TILES}", flush=True)
+          f"I={args.intermediate}, {args.dtype} activations; {nvfp4_launch.GPU_TILES}", flush=True)
     rows = []
     for tp in args.tp:
         w = make_experts(args.experts, args.hidden, args.intermediate, tp, seed=tp,

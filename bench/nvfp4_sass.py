@@ -4,7 +4,7 @@ kernels of float32 activations and the tensor-core kernels of 16-bit ones).
 
     python bench/nvfp4_sass.py [--arch 90] [--tp 1,8] [--tokens 1,16]
 
-Method. For each (TP, tokens) the launcher's own tile choice (`_decode_shape` with the GPU
+Method. For each (TP, tokens) the launcher's own tile choice (`decode_shape` with the GPU
 tiles) at Qwen3.6-35B-A3B's expert dimensions (H=2048, I=512/tp, top-8) is compiled by
 Triton for `--arch` (ptxas and cuobjdump come with the triton wheel), with the integer
 arguments the launcher passes marked divisible by 16 as Triton's own specialisation would.
@@ -33,13 +33,15 @@ from bench._common import int_list  # noqa: E402
 
 # Arguments the launcher passes as multiples of 16 at these dimensions (pointers from torch
 # allocations, strides and word counts); Triton specialises them the same way at run time.
-DIVISIBLE = {"x_ptr", "w_ptr", "s_ptr", "h_ptr", "out_ptr", "inter", "k_words", "stride_x",
-             "xs", "hs", "stride_we", "stride_se", "stride_sn", "stride_h", "stride_out",
-             "n_rows", "x16_ptr", "h16_ptr", "stride_x16", "stride_h16", "stride_wn"}
-POINTERS = {"x_ptr": "*fp32", "h_ptr": "*fp32", "ids_ptr": "*i32", "tw_ptr": "*bf16",
-            "w_ptr": "*u8", "s_ptr": "*u8", "g_ptr": "*fp32", "g2_ptr": "*fp32",
-            "out_ptr": "*bf16", "x16_ptr": "*fp16", "h16_ptr": "*bf16", "xf_ptr": "*fp32",
-            "hf_ptr": "*fp32"}
+DIVISIBLE = {"x_ptr", "w_ptr", "w_scale_ptr", "h_ptr", "out_ptr", "intermediate", "k_words",
+             "stride_x_token", "stride_x_nibble", "stride_h_nibble", "stride_w_expert",
+             "stride_scale_expert", "stride_scale_row", "stride_h_pair", "stride_out_token",
+             "n_rows", "x16_ptr", "h16_ptr", "stride_x16_token", "stride_h16_pair",
+             "stride_w_row"}
+POINTERS = {"x_ptr": "*fp32", "h_ptr": "*fp32", "topk_ids_ptr": "*i32",
+            "topk_weights_ptr": "*bf16", "w_ptr": "*u8", "w_scale_ptr": "*u8",
+            "gate_up_global_ptr": "*fp32", "down_global_ptr": "*fp32", "out_ptr": "*bf16",
+            "x16_ptr": "*fp16", "h16_ptr": "*bf16", "xf_ptr": "*fp32", "hf_ptr": "*fp32"}
 
 
 def compile_kernel(fn, constexprs: dict, num_warps: int, arch: int):
@@ -100,14 +102,14 @@ def _word_kernels(tiles, count: int, top_k: int, hidden: int, inter: int):
     decode kernels (float32 activations) as the launcher shapes them."""
     import torch
 
-    from freetoken.kernels import nvfp4_jit, nvfp4_moe
+    from freetoken.kernels import nvfp4_decode_jit, nvfp4_launch
 
     x = torch.empty(0)   # only picks the decode mode, which is set to the GPU's below
     out = []
     for name, fn, units, n_rows, k_words, weights_per_row in (
-            ("gate_up", nvfp4_jit.gate_up_decode, count * top_k, inter, hidden // 8, 2),
-            ("down", nvfp4_jit.down_decode, count, hidden, inter // 8, 1)):
-        block_n, meta = nvfp4_moe._decode_shape(units, n_rows, k_words, x, tiles)
+            ("gate_up", nvfp4_decode_jit.gate_up_decode, count * top_k, inter, hidden // 8, 2),
+            ("down", nvfp4_decode_jit.down_decode, count, hidden, inter // 8, 1)):
+        block_n, meta = nvfp4_launch.decode_shape(units, n_rows, k_words, x, tiles)
         meta = {**meta, "ASM": 1, "VEC": 4}
         warps = meta.pop("num_warps")
         # three K-steps per trip; gate_up handles a gate and an up row per row
@@ -120,28 +122,28 @@ def _mma_kernels(tiles, count: int, top_k: int, hidden: int, inter: int, arch: i
     """The same for the tensor-core decode kernels (16-bit activations): a lane handles rows g
     and g + 8 of its tile, 8 inputs per word, V words per step, three steps per trip. With
     programmatic dependent launch (PDL) where the launcher uses it (sm_90+)."""
-    from freetoken.kernels import nvfp4_mma, nvfp4_moe
+    from freetoken.kernels import nvfp4_mma_jit, nvfp4_mma_launch
 
     pdl = int(tiles.pdl and arch >= 90)
 
-    v, split, _, row_tiles = nvfp4_moe._mma_shape(count * top_k, inter, hidden, 1, tiles)
-    vh, split_h, chunks_h, tiles_h = nvfp4_moe._mma_shape(count, hidden, inter, top_k, tiles,
-                                                          tiles.mma_down_min_split)
-    return [("gate_up_mma", nvfp4_mma.gate_up_mma,
+    v, split, _, row_tiles = nvfp4_mma_launch.mma_shape(count * top_k, inter, hidden, 1, tiles)
+    vh, split_h, chunks_h, tiles_h = nvfp4_mma_launch.mma_shape(count, hidden, inter, top_k,
+                                                                tiles, tiles.mma_down_min_split)
+    return [("gate_up_mma", nvfp4_mma_jit.gate_up_mma,
              dict(V=v, TILES=row_tiles, S=split, VH=vh, ASM=1,
-                  FULL=nvfp4_moe._full(inter, hidden, 1, v, split, row_tiles), PDL=pdl),
+                  FULL=nvfp4_mma_launch.mma_full(inter, hidden, 1, v, split, row_tiles), PDL=pdl),
              split * row_tiles, 16 * row_tiles, 3 * 2 * 2 * v * 8),
-            ("down_mma", nvfp4_mma.down_mma,
+            ("down_mma", nvfp4_mma_jit.down_mma,
              dict(V=vh, TILES=tiles_h, S=split_h, CHUNKS=chunks_h, ASM=1,
-                  FULL=nvfp4_moe._full(hidden, inter, top_k, vh, split_h, tiles_h), BF16=1,
-                  PDL=pdl),
+                  FULL=nvfp4_mma_launch.mma_full(hidden, inter, top_k, vh, split_h, tiles_h),
+                  BF16=1, PDL=pdl),
              split_h * tiles_h, 16 * tiles_h, 3 * 2 * vh * 8)]
 
 
 def rows(tps: list[int], tokens: list[int], arch: int) -> list[dict]:
-    from freetoken.kernels import nvfp4_moe
+    from freetoken.kernels import nvfp4_launch
 
-    tiles, top_k, hidden, inter_full = nvfp4_moe.GPU_TILES, 8, 2048, 512
+    tiles, top_k, hidden, inter_full = nvfp4_launch.GPU_TILES, 8, 2048, 512
     out = []
     for tp in tps:
         inter = inter_full // tp
@@ -170,7 +172,7 @@ def main() -> int:
 
     table = rows(args.tp, args.tokens, args.arch)
     print(f"sm_{args.arch}, triton {__import__('triton').__version__}, GPU tiles "
-          f"(`nvfp4_moe.GPU_TILES`), E=256 top-8 H=2048 I=512/tp; gate_up / down: CUDA-core "
+          f"(`nvfp4_launch.GPU_TILES`), E=256 top-8 H=2048 I=512/tp; gate_up / down: CUDA-core "
           f"kernels (float32 activations), *_mma: tensor-core kernels (16-bit activations)")
     print(tabulate([[r[k] if not isinstance(r[k], float) else f"{r[k]:.2f}" for k in r]
                     for r in table], headers=list(table[0]), tablefmt="simple",

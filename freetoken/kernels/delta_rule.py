@@ -4,18 +4,15 @@ gated delta rule's step, checked against `freetoken.layers.causal_conv.CausalCon
 
 from __future__ import annotations
 
-import importlib
-
 import torch
+
+from freetoken.kernels import jit_module, next_pow2
 
 
 def _jit():
-    """The kernel module, imported on first use (see `freetoken.kernels.use_interpreter`)."""
-    return importlib.import_module("freetoken.kernels.delta_rule_jit")
+    """The kernel module, imported on first use (see `freetoken.kernels.jit_module`)."""
+    return jit_module("delta_rule_jit")
 
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 def gated_delta_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
@@ -37,7 +34,7 @@ def gated_delta_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: tor
         a, b = a.contiguous(), b.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
     out = torch.empty(batch, value_heads, value_dim, dtype=out_dtype, device=v.device)
-    block_v = min(32, _pow2(value_dim))
+    block_v = min(32, next_pow2(value_dim))
     if batch:
         _jit().gated_delta_decode_kernel[(batch, value_heads, -(-value_dim // block_v))](
             q_ptr=q, k_ptr=k, v_ptr=v, a_ptr=a, b_ptr=b, a_log_ptr=a_log,
@@ -48,7 +45,7 @@ def gated_delta_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: tor
             stride_state_slot=state.stride(0), stride_state_head=state.stride(1),
             stride_state_key=state.stride(2), stride_out_seq=out.stride(0),
             stride_out_head=out.stride(1), GROUP=value_heads // q.shape[1],
-            BLOCK_K=_pow2(key_dim), BLOCK_V=block_v, num_warps=4)
+            BLOCK_K=next_pow2(key_dim), BLOCK_V=block_v, num_warps=4)
     return out
 
 

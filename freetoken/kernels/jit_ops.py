@@ -1,36 +1,94 @@
-"""Reductions, scans and the sigmoid for the engine's Triton kernels, built from Triton
-builtins only. triton.language's own `sum`, `max`, `cumsum`, `sigmoid` and `zeros` are @jit
-functions, and whether a @jit function is interpreted is fixed when its module is imported:
-triton may have been imported (by transformers, say) before TRITON_INTERPRET=1 was set. These
-are re-imported with the kernel modules (`freetoken.kernels.use_interpreter`), and
-`tl.reduce` / `tl.associative_scan` with triton's own combiners run in numpy there."""
+"""Reductions, a scan and the sigmoid for the engine's Triton kernels, from Triton builtins and
+public APIs only.
+
+Why not `tl.sum`, `tl.max`, `tl.cumsum`, `tl.sigmoid`: they are @jit functions of
+triton.language, interpreted or compiled as triton was when first imported, which may be
+before this process asked for the interpreter (transformers imports triton); an interpreted
+kernel cannot call a compiled @jit function. So this module is imported once the process's
+kernel mode is fixed (`freetoken.kernels.interpreting`) and defines, for that mode:
+- compiled: `tl.reduce` / `tl.associative_scan` with the combiners below, the same IR as
+  triton.language's own reductions;
+- interpreted: reductions as a tree of builtin `tl.split`s (one numpy operation per level),
+  because the interpreter runs a combiner of ours element by element in Python; the scan
+  keeps `tl.associative_scan` (it serves short expert-count vectors only).
+Block shapes are powers of two, which the tree relies on.
+"""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def sum_(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, tl.standard._sum_combine)
+from freetoken.kernels import interpreting
 
 
 @triton.jit
-def max_(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, tl.standard._elementwise_max)
+def _add(a, b):
+    return a + b
 
 
 @triton.jit
-def min_(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, tl.standard._elementwise_min)
+def _maximum(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _minimum(a, b):
+    return tl.minimum(a, b)
 
 
 @triton.jit
 def cumsum(x, axis: tl.constexpr):
-    return tl.associative_scan(x, axis, tl.standard._sum_combine)
+    return tl.associative_scan(x, axis, _add)
 
 
 @triton.jit
 def sigmoid(x):
     return 1.0 / (1.0 + tl.exp(-x))
+
+
+if not interpreting():
+
+    @triton.jit
+    def sum_(x, axis: tl.constexpr):
+        return tl.reduce(x, axis, _add)
+
+    @triton.jit
+    def max_(x, axis: tl.constexpr):
+        return tl.reduce(x, axis, _maximum)
+
+    @triton.jit
+    def min_(x, axis: tl.constexpr):
+        return tl.reduce(x, axis, _minimum)
+
+else:
+
+    @triton.jit
+    def _tree(x, axis, combine):
+        """`x` reduced over `axis` by `combine` in a pairwise tree (interpreter only: the
+        shapes are plain Python here)."""
+        rank = len(x.shape)
+        x = tl.permute(x, [d for d in range(rank) if d != axis] + [axis])
+        lead = list(x.shape[:-1])
+        single = x.shape[-1] == 1
+        if single:
+            x = tl.reshape(tl.join(x, x), lead + [2])
+        while x.shape[-1] > 2:
+            a, b = tl.split(tl.reshape(x, lead + [x.shape[-1] // 2, 2]))
+            x = combine(a, b)
+        a, b = tl.split(x)
+        if single:
+            return a
+        return combine(a, b)
+
+    @triton.jit
+    def sum_(x, axis: tl.constexpr):
+        return _tree(x, axis, _add)
+
+    @triton.jit
+    def max_(x, axis: tl.constexpr):
+        return _tree(x, axis, _maximum)
+
+    @triton.jit
+    def min_(x, axis: tl.constexpr):
+        return _tree(x, axis, _minimum)

@@ -5,18 +5,15 @@ checked against)."""
 
 from __future__ import annotations
 
-import importlib
-
 import torch
+
+from freetoken.kernels import jit_module, next_pow2
 
 
 def _jit():
-    """The kernel module, imported on first use (see `freetoken.kernels.use_interpreter`)."""
-    return importlib.import_module("freetoken.kernels.norm_rope_jit")
+    """The kernel module, imported on first use (see `freetoken.kernels.jit_module`)."""
+    return jit_module("norm_rope_jit")
 
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -37,7 +34,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) ->
             x_ptr=rows, weight_ptr=weight, out_ptr=out, channels=channels, eps=eps,
             stride_x_token=rows.stride(0), stride_x_head=rows.stride(1),
             stride_out_token=out.stride(0), stride_out_head=out.stride(1),
-            OFFSET=offset, BLOCK_N=_pow2(channels), num_warps=4 if channels >= 1024 else 1)
+            OFFSET=offset, BLOCK_N=next_pow2(channels), num_warps=4 if channels >= 1024 else 1)
     return out.view(x.shape)
 
 
@@ -53,7 +50,7 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
         _jit().gated_rms_norm_kernel[(tokens * heads,)](
             x_ptr=x, z_ptr=z, weight_ptr=weight, out_ptr=out, channels=channels, eps=eps,
             stride_x_row=channels, stride_z_token=z.stride(0), stride_z_head=z.stride(1),
-            stride_out_row=channels, HEADS=heads, BLOCK_N=_pow2(channels), num_warps=1)
+            stride_out_row=channels, HEADS=heads, BLOCK_N=next_pow2(channels), num_warps=1)
     return out
 
 
@@ -63,7 +60,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     half = width // 2
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty(tokens, half, dtype=x.dtype, device=x.device)
-    block = min(1024, _pow2(half))
+    block = min(1024, next_pow2(half))
     if tokens:
         _jit().silu_and_mul_kernel[(tokens, -(-half // block))](
             x_ptr=x, out_ptr=out, half=half, stride_x_token=x.stride(0),
@@ -83,6 +80,6 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
             q_heads=q.shape[1], k_heads=k.shape[1],
             stride_q_token=q.stride(0), stride_q_head=q.stride(1),
             stride_k_token=k.stride(0), stride_k_head=k.stride(1),
-            HALF=half, BLOCK_HALF=_pow2(half), BLOCK_QH=_pow2(q.shape[1]),
-            BLOCK_KH=_pow2(k.shape[1]), num_warps=1)
+            HALF=half, BLOCK_HALF=next_pow2(half), BLOCK_QH=next_pow2(q.shape[1]),
+            BLOCK_KH=next_pow2(k.shape[1]), num_warps=1)
     return q, k

@@ -6,19 +6,16 @@ on CPU (`freetoken.layers.attention.PagedAttention`)."""
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 import torch.nn.functional as F
 
+from freetoken.kernels import jit_module, next_pow2
+
 
 def _jit():
-    """The kernel module, imported on first use (see `freetoken.kernels.use_interpreter`)."""
-    return importlib.import_module("freetoken.kernels.attention_jit")
+    """The kernel module, imported on first use (see `freetoken.kernels.jit_module`)."""
+    return jit_module("attention_jit")
 
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 def rows_per_program(num_heads: int, num_kv_heads: int, head_dim: int, decode: bool) -> int:
@@ -26,8 +23,8 @@ def rows_per_program(num_heads: int, num_kv_heads: int, head_dim: int, decode: b
     for decode, and fewer for wide heads (the float32 accumulator lives in registers)."""
     group = num_heads // num_kv_heads
     if decode:
-        return max(16, _pow2(group))
-    return max(16, _pow2(group), 32 if head_dim > 128 else 64)
+        return max(16, next_pow2(group))
+    return max(16, next_pow2(group), 32 if head_dim > 128 else 64)
 
 
 def prefill_work(query_lens: list[int], queries_per_program: int, device) -> torch.Tensor:
@@ -66,7 +63,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         stride_cache_slot=k_flat.stride(0), stride_cache_head=k_flat.stride(1),
         stride_out_token=out.stride(0), stride_out_head=out.stride(1),
         stride_table_seq=block_tables.stride(0),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, _pow2(head_dim)),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)),
         BLOCK_M=block_m, BLOCK_N=32 if head_dim > 128 else 64, DECODE=decode,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
     return out
@@ -87,7 +84,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         head_dim=head_dim, stride_k_token=k.stride(0), stride_k_head=k.stride(1),
         stride_v_token=v.stride(0), stride_v_head=v.stride(1),
         stride_cache_slot=k_flat.stride(0), stride_cache_head=k_flat.stride(1),
-        BLOCK_D=_pow2(head_dim), num_warps=1)
+        BLOCK_D=next_pow2(head_dim), num_warps=1)
 
 
 def reference_paged_attention(q, k_cache, v_cache, block_tables: list[list[int]],

@@ -83,9 +83,9 @@ SMALL = [kernels.KernelCase("moe", 7, 8, 2, 48, 64, 2),
 def restore_nvfp4(monkeypatch):
     """Faults replace module attributes; re-setting them through monkeypatch first makes
     pytest restore the originals after the test."""
-    from freetoken.kernels import use_interpreter
+    from interpreted import require_interpreter
 
-    use_interpreter()  # first: it may reload kernel modules, replacing their attributes
+    require_interpreter()
     from freetoken.formats.nvfp4 import format as nvfp4_format
     from freetoken.kernels import nvfp4_linear, nvfp4_moe
     from freetoken.layers.quantization.nvfp4 import reference

@@ -18,9 +18,9 @@ from verify.checks.kernels import make_experts
 @pytest.fixture(scope="module", autouse=True)
 def interpreter():
     """Kernels in this process run interpreted (sets TRITON_INTERPRET=1 for the process)."""
-    from freetoken.kernels import use_interpreter
+    from interpreted import require_interpreter
 
-    use_interpreter()
+    require_interpreter()
 
 
 def _make_routing(tokens: int, experts: int, top_k: int, hidden: int, seed: int):
@@ -57,7 +57,7 @@ def test_decode_tile_shapes_match_reference():
     step (5 steps over 80 inputs, and down walks 2 steps per slot across the slots' experts),
     one row per program (rows halved down to 1 for want of programs), and a last step cut by
     the row's end; the dense linear too."""
-    from freetoken.kernels import nvfp4_linear, nvfp4_moe
+    from freetoken.kernels import nvfp4_launch, nvfp4_linear, nvfp4_moe
     from freetoken.layers.quantization.nvfp4.reference import reference_linear
 
     w = make_experts(4, 80, 32, 1, seed=5)      # 10 words per gate_up row, 4 per down row
@@ -65,9 +65,9 @@ def test_decode_tile_shapes_match_reference():
     want = reference_moe(x, weights, ids, **w)
     q = quantize(torch.randn(24, 80, generator=torch.Generator().manual_seed(6)))
     lin = dict(packed=q.packed, block_scale=q.block_scale, global_scale=q.global_scale)
-    for tiles in (nvfp4_moe.Tiles(decode_n=32, decode_words=1, decode_warps=1,
+    for tiles in (nvfp4_launch.Tiles(decode_n=32, decode_words=1, decode_warps=1,
                                   decode_programs=1),
-                  nvfp4_moe.Tiles(decode_n=16, decode_words=3, decode_warps=1,
+                  nvfp4_launch.Tiles(decode_n=16, decode_words=3, decode_warps=1,
                                   decode_programs=10**6)):
         _assert_close(nvfp4_moe.fused_moe(x, weights, ids, **w, path="decode", tiles=tiles),
                       want, f"decode {tiles}")
@@ -93,12 +93,12 @@ def test_ptx_word_decode_gives_every_e2m1_value_exactly():
     the tables the kernels pass it, turns every nibble value at every position of a word into
     the float32 e2m1 value bit for bit (signs and zeros included)."""
     from freetoken.formats.nvfp4.format import E2M1_VALUES
-    from freetoken.kernels import nvfp4_jit
+    from freetoken.kernels import nvfp4_ptx
 
-    program = nvfp4_jit._word_asm()
-    tables = {"$9": nvfp4_jit.BF16_HIGH[0], "$10": nvfp4_jit.BF16_HIGH[1],
-              "$11": nvfp4_jit.BF16_LOW[0], "$12": nvfp4_jit.BF16_LOW[1],
-              "$13": nvfp4_jit.SIGN_TABLE}
+    program = nvfp4_ptx.word_asm()
+    tables = {"$9": nvfp4_ptx.BF16_HIGH[0], "$10": nvfp4_ptx.BF16_HIGH[1],
+              "$11": nvfp4_ptx.BF16_LOW[0], "$12": nvfp4_ptx.BF16_LOW[1],
+              "$13": nvfp4_ptx.SIGN_TABLE}
     rng = torch.Generator().manual_seed(0)
     words = [sum(((v + 3 * j) % 16) << 4 * j for j in range(8)) for v in range(16)]
     words += torch.randint(0, 2**32, (64,), generator=rng, dtype=torch.int64).tolist()
@@ -115,7 +115,7 @@ def test_ptx_word_decode_gives_every_e2m1_value_exactly():
 def test_align_by_expert_places_every_pair_once():
     """Sorted rows hold each pair exactly once, every used block holds one expert's pairs
     only, padding rows hold the sentinel, unused blocks are -1."""
-    from freetoken.kernels.nvfp4_moe import align_by_expert
+    from freetoken.kernels.moe_align import align_by_expert
 
     ids = torch.tensor([3, 0, 3, 3, 1, 0, 3, 3, 3, 3, 3])
     rows, blocks = align_by_expert(ids, num_experts=5, block_m=4)

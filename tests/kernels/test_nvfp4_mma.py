@@ -1,4 +1,4 @@
-"""The tensor-core NVFP4 decode kernels (`freetoken.kernels.nvfp4_mma`) on a CPU: their inline
+"""The tensor-core NVFP4 decode kernels (`freetoken.kernels.nvfp4_mma_jit`) on a CPU: their inline
 PTX executed for a whole warp by `ptx_emulator` (decode, scales, the mma's fragments) against
 the reference dequantization, the activation fragments written by `to_fragments` in Triton's
 interpreter, and the launcher's shape rule. The kernels themselves run on GPUs only (compiled
@@ -44,9 +44,9 @@ def test_mma_ptx_decodes_scales_and_multiplies_a_warps_fragments(v, bf16):
     W = e2m1 * e4m3 * 2^-7 (fp16 operands) or e2m1 * e4m3 * 2^-26 (bf16 operands, down on
     gate_up's bf16 h), for every nibble value and scales including zero, subnormals and 448
     (up to float32 rounding of the sums), the word positions chained in one accumulator."""
-    from freetoken.kernels import nvfp4_mma
+    from freetoken.kernels import nvfp4_ptx
 
-    _check_mma_ptx(nvfp4_mma._mma_asm(v, bf16=bf16), v, bf16)
+    _check_mma_ptx(nvfp4_ptx.mma_asm(v, bf16=bf16), v, bf16)
 
 
 @pytest.mark.parametrize("bf16, v, bug, good, bad", [
@@ -68,16 +68,16 @@ def test_mma_ptx_decodes_scales_and_multiplies_a_warps_fragments(v, bf16):
 ])
 def test_mma_ptx_check_fails_on_injected_bugs(bf16, v, bug, good, bad):
     """The warp emulation above fails on each of these bugs in the fp16 or the bf16 PTX."""
-    from freetoken.kernels import nvfp4_mma
+    from freetoken.kernels import nvfp4_ptx
 
-    program = nvfp4_mma._mma_asm(v, bf16=bf16)
-    assert good in program and nvfp4_mma.mma_operands(2)["acc"] == [13, 14, 15, 16]
+    program = nvfp4_ptx.mma_asm(v, bf16=bf16)
+    assert good in program and nvfp4_ptx.mma_operands(2)["acc"] == [13, 14, 15, 16]
     with pytest.raises(AssertionError, match="PTX"):
         _check_mma_ptx(program.replace(good, bad), v, bf16)
 
 
 def _check_mma_ptx(program: str, v: int, bf16: bool = False) -> None:
-    from freetoken.kernels.nvfp4_mma import BF16_SCALE_EXP, mma_operands
+    from freetoken.kernels.nvfp4_ptx import BF16_SCALE_EXP, mma_operands
 
     ops = mma_operands(v)
     gen = np.random.default_rng(v)
@@ -150,16 +150,18 @@ def test_to_fragments_writes_scaled_fp16_fragments():
     fragment position with e per row such that the row's largest magnitude lands in
     [2^14, 2^15) (rows of 1e6 and 1e-6 alike; e = 0 for a zero row, -100 at the least),
     zero padding, and 2^(7 + e) as the row's output factor."""
-    from freetoken.kernels import nvfp4_moe, use_interpreter
+    from interpreted import require_interpreter
 
-    use_interpreter()
+    from freetoken.kernels import nvfp4_mma_launch
+
+    require_interpreter()
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(5, 80, generator=gen)
     x[1] *= 1e6
     x[2] *= 1e-6
     x[3] = 0
     x[4] *= 1e-32    # e stops at -100
-    x16, xf = nvfp4_moe._fragments(x, 80, 1)
+    x16, xf = nvfp4_mma_launch.fragments(x, 80, 1)
     assert x16.shape == (5, 96)
     pos = torch.tensor([fragment_position(k, 1) for k in range(80)])
     pad = torch.tensor([fragment_position(k, 1) for k in range(80, 96)])
@@ -177,24 +179,25 @@ def test_mma_shape_rule():
     """V is the largest of 4, 2, 1 with whole chunks of 32 V inputs; the K split doubles
     while a launch has few warps (or below a minimum split), up to mma_max_split, keeping
     >= 1 step per warp."""
-    from freetoken.kernels.nvfp4_moe import GPU_TILES, Tiles, _mma_shape
+    from freetoken.kernels.nvfp4_launch import GPU_TILES, Tiles
+    from freetoken.kernels.nvfp4_mma_launch import mma_shape
 
-    assert _mma_shape(128, 512, 2048, 1, GPU_TILES) == (4, 1, 16, 1)      # many warps
-    v, split, chunks, _ = _mma_shape(8, 512, 2048, 1, GPU_TILES)          # one token
+    assert mma_shape(128, 512, 2048, 1, GPU_TILES) == (4, 1, 16, 1)      # many warps
+    v, split, chunks, _ = mma_shape(8, 512, 2048, 1, GPU_TILES)          # one token
     assert (v, chunks, split) == (4, 16, 8)                                 # 256 x 8 warps
-    assert _mma_shape(1, 2048, 64, 8, GPU_TILES)[:3] == (2, 8, 1)           # TP 8 down
-    assert _mma_shape(1, 32, 80, 1, GPU_TILES)[:3] == (1, 2, 3)             # 2.5 chunks
-    assert _mma_shape(1, 64, 2048, 1, Tiles(mma_tiles=2))[3] == 2
+    assert mma_shape(1, 2048, 64, 8, GPU_TILES)[:3] == (2, 8, 1)           # TP 8 down
+    assert mma_shape(1, 32, 80, 1, GPU_TILES)[:3] == (1, 2, 3)             # 2.5 chunks
+    assert mma_shape(1, 64, 2048, 1, Tiles(mma_tiles=2))[3] == 2
     # down at 16 tokens: 2048 warps unsplit, each walking 8 slots x 4 chunks alone; down
     # splits at least mma_down_min_split ways, where a warp keeps a step
-    assert _mma_shape(16, 2048, 512, 8, GPU_TILES)[:3] == (4, 1, 4)
-    assert _mma_shape(16, 2048, 512, 8, GPU_TILES, GPU_TILES.mma_down_min_split)[:3] == (4, 2, 4)
-    assert _mma_shape(1, 32, 16, 1, GPU_TILES, 2)[1] == 1                   # one step
+    assert mma_shape(16, 2048, 512, 8, GPU_TILES)[:3] == (4, 1, 4)
+    assert mma_shape(16, 2048, 512, 8, GPU_TILES, GPU_TILES.mma_down_min_split)[:3] == (4, 2, 4)
+    assert mma_shape(1, 32, 16, 1, GPU_TILES, 2)[1] == 1                   # one step
 
 
 def test_mma_path_is_for_16_bit_activations_on_gpus():
     """On a CPU (and for float32 activations anywhere) decode keeps the CUDA-core kernels."""
-    from freetoken.kernels.nvfp4_moe import GPU_TILES, uses_mma
+    from freetoken.kernels.nvfp4_launch import GPU_TILES, uses_mma
 
     assert not uses_mma(torch.zeros(1, 16, dtype=torch.bfloat16), GPU_TILES)
 
@@ -204,15 +207,17 @@ def mma_in_interpreter(monkeypatch):
     """The tensor-core decode kernels run in Triton's interpreter, their mma emulated over the
     whole tensor (`_mma_portable`, the same fragments as the PTX); the CUDA-core decode
     launchers refuse, so a test cannot pass on them."""
-    from freetoken.kernels import nvfp4_moe, use_interpreter
+    from interpreted import require_interpreter
+
+    from freetoken.kernels import nvfp4_launch
 
     def refuse(*args, **kwargs):
         raise AssertionError("decode took the CUDA-core kernels, not the mma ones")
 
-    use_interpreter()
-    monkeypatch.setattr(nvfp4_moe, "uses_mma", lambda x, tiles: True)
-    monkeypatch.setattr(nvfp4_moe, "_decode", refuse)
-    monkeypatch.setattr(nvfp4_moe, "_down_words", refuse)
+    require_interpreter()
+    monkeypatch.setattr(nvfp4_launch, "uses_mma", lambda x, tiles: True)
+    monkeypatch.setattr(nvfp4_launch, "gate_up_decode_launch", refuse)
+    monkeypatch.setattr(nvfp4_launch, "down_decode_launch", refuse)
 
 
 def _routing(tokens, experts, top_k, hidden, seed):
@@ -258,18 +263,18 @@ def test_mma_decode_matches_reference(mma_in_interpreter, tokens, experts, top_k
     end of a tile, many pairs per expert) give the reference's routed-expert sum up to the
     fp16 rounding of the activations and the bf16 rounding of h (as the model's own h); and
     gate_up's h fragments, read in fragment order, are the bf16 h of every pair."""
-    from freetoken.kernels import nvfp4_moe
+    from freetoken.kernels import nvfp4_launch, nvfp4_mma_launch, nvfp4_moe
 
     w = make_experts(experts, hidden, inter, 1, seed=tokens)
     x, weights, ids = _routing(tokens, experts, top_k, hidden, seed=tokens)
     want = reference_moe(x, weights, ids, **w)
-    tiles = nvfp4_moe.Tiles(**tiles)
+    tiles = nvfp4_launch.Tiles(**tiles)
     got = nvfp4_moe.fused_moe(x, weights, ids, **w, path="decode", tiles=tiles)
     assert _rel_l2(got, want) < H_BF16_REL_L2
-    h16 = nvfp4_moe._gate_up_mma(
+    h16 = nvfp4_mma_launch.gate_up_mma_launch(
         x, ids.reshape(-1).to(torch.int32), weights.reshape(-1), w["w13"],
         w["w13_scale"].view(torch.uint8), w["w13_global"], w["w2_global"], inter, top_k, tiles)
-    vh = nvfp4_moe._mma_shape(tokens, hidden, inter, top_k, tiles)[0]
+    vh = nvfp4_mma_launch.mma_shape(tokens, hidden, inter, top_k, tiles)[0]
     h = h16[:, [fragment_position(k, vh) for k in range(inter)]].float()
     assert _rel_l2(h, _reference_h(x, weights, ids, w, inter)) < 5e-3
 
@@ -305,9 +310,9 @@ def test_h_rounds_to_bf16_to_nearest_even():
     """gate_up's h is rounded to bf16 as torch rounds (to nearest, ties to even: halfway cases
     both ways, carries into the exponent, negatives, subnormals, infinities) and NaN stays
     NaN; Triton's interpreter would truncate `.to(tl.bfloat16)`."""
-    from freetoken.kernels import use_interpreter
+    from interpreted import require_interpreter
 
-    use_interpreter()
+    require_interpreter()
     import bf16_rounding_kernel
 
     x = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-8 + 2**-20, -(1 + 2**-8 + 2**-20),
@@ -339,21 +344,22 @@ def test_mma_decode_without_masks(mma_in_interpreter):
     """Whole row tiles, whole chunks and K splits that share the steps evenly take the
     unmasked loads (the loads ahead of the last step re-read the last chunk): the same sum;
     and a split that leaves a warp a step short keeps the masks."""
-    from freetoken.kernels import nvfp4_moe
+    from freetoken.kernels import nvfp4_launch, nvfp4_moe
+    from freetoken.kernels.nvfp4_mma_launch import mma_full, mma_shape
 
     tokens, experts, top_k, hidden, inter = 3, 4, 2, 256, 64
     w = make_experts(experts, hidden, inter, 1, seed=11)
     x, weights, ids = _routing(tokens, experts, top_k, hidden, seed=11)
-    tiles = nvfp4_moe.Tiles(mma_max_split=2)
-    v, split, chunks, row_tiles = nvfp4_moe._mma_shape(tokens * top_k, inter, hidden, 1, tiles)
-    assert (chunks, split) == (2, 2) and nvfp4_moe._full(inter, hidden, 1, v, split, row_tiles)
-    v, split, chunks, row_tiles = nvfp4_moe._mma_shape(tokens, hidden, inter, top_k, tiles)
-    assert nvfp4_moe._full(hidden, inter, top_k, v, split, row_tiles)
+    tiles = nvfp4_launch.Tiles(mma_max_split=2)
+    v, split, chunks, row_tiles = mma_shape(tokens * top_k, inter, hidden, 1, tiles)
+    assert (chunks, split) == (2, 2) and mma_full(inter, hidden, 1, v, split, row_tiles)
+    v, split, chunks, row_tiles = mma_shape(tokens, hidden, inter, top_k, tiles)
+    assert mma_full(hidden, inter, top_k, v, split, row_tiles)
     want = reference_moe(x, weights, ids, **w)
     got = nvfp4_moe.fused_moe(x, weights, ids, **w, path="decode", tiles=tiles)
     assert _rel_l2(got, want) < H_BF16_REL_L2
-    assert not nvfp4_moe._full(64, 96, 1, 1, 2, 1)      # 3 chunks over 2 warps
-    assert not nvfp4_moe._full(40, 64, 1, 2, 1, 1)      # a partial row tile
+    assert not mma_full(64, 96, 1, 1, 2, 1)      # 3 chunks over 2 warps
+    assert not mma_full(40, 64, 1, 2, 1, 1)      # a partial row tile
 
 
 def pdl_order_problems(ptx: str) -> list[str]:
@@ -397,7 +403,7 @@ def _pdl_ptx(tmp_path) -> dict[str, str]:
     code = (
         "import sys; from pathlib import Path\n"
         "from bench import nvfp4_sass\n"
-        "from freetoken.kernels.nvfp4_moe import GPU_TILES\n"
+        "from freetoken.kernels.nvfp4_launch import GPU_TILES\n"
         "for name, fn, meta, warps, *_ in nvfp4_sass._mma_kernels(GPU_TILES, 16, 8, 2048, 512):\n"
         "    assert meta['PDL'] == 1, meta\n"
         "    kernel = nvfp4_sass.compile_kernel(fn, meta, warps, 90)\n"
@@ -426,25 +432,27 @@ def test_pdl_kernels_read_upstream_outputs_only_after_the_wait(tmp_path):
 
 def test_pdl_is_off_on_a_cpu():
     """Programmatic dependent launch is for the mma decode on sm_90+ GPUs only."""
-    from freetoken.kernels.nvfp4_moe import GPU_TILES, _pdl_args, launches_early
+    from freetoken.kernels.nvfp4_launch import GPU_TILES
+    from freetoken.kernels.nvfp4_mma_launch import launches_early, pdl_args
 
     assert not launches_early(torch.zeros(1, 16, dtype=torch.bfloat16), GPU_TILES)
-    assert _pdl_args(False) == {}
-    assert _pdl_args(True) == {"PDL": 1, "launch_pdl": True}
+    assert pdl_args(False) == {}
+    assert pdl_args(True) == {"PDL": 1, "launch_pdl": True}
 
 
 _PDL_GPU = """
 import dataclasses
 import torch
-from freetoken.kernels import nvfp4_moe
+from freetoken.kernels import nvfp4_launch, nvfp4_mma_launch, nvfp4_moe
 from verify.checks.kernels import make_experts
 w = make_experts(16, 512, 256, 2, seed=5, device="cuda")
 gen = torch.Generator().manual_seed(6)
 x = torch.randn(9, 512, generator=gen).cuda().bfloat16()
 weights, ids = torch.softmax(torch.randn(9, 16, generator=gen), -1).topk(4)
 weights, ids = weights.cuda().bfloat16(), ids.cuda()
-tiles = {pdl: dataclasses.replace(nvfp4_moe.GPU_TILES, pdl=pdl) for pdl in (False, True)}
-assert nvfp4_moe.launches_early(x, tiles[True]) == (torch.cuda.get_device_capability() >= (9, 0))
+tiles = {pdl: dataclasses.replace(nvfp4_launch.GPU_TILES, pdl=pdl) for pdl in (False, True)}
+sm90 = torch.cuda.get_device_capability() >= (9, 0)
+assert nvfp4_mma_launch.launches_early(x, tiles[True]) == sm90
 want = nvfp4_moe.fused_moe(x, weights, ids, **w, tiles=tiles[False])
 for _ in range(10):
     assert torch.equal(nvfp4_moe.fused_moe(x, weights, ids, **w, tiles=tiles[True]), want)

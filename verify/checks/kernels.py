@@ -22,9 +22,9 @@ bf16 arithmetic wrongly), and reduced matrices because it runs programs one by o
 NVFP4 one decode and one prefill case per TP size (every tokens value, and every experts,
 top-k and hidden value in each path); engine kernels one case per kernel and TP size, the
 models taking turns (about 15 s and 5 s of CPU time per TP size). The interpreter is switched
-on inside the rank process (`freetoken.kernels.use_interpreter`, before the first launch,
-re-importing a kernel module imported earlier as compiled code): rank groups are started once
-per TP size for every check, so the check cannot give its ranks a different environment.
+on inside the rank process (`freetoken.kernels.use_interpreter`, before the first kernel import,
+which fixes the process's kernel mode): rank groups are started once per TP size for every
+check, so the check cannot give its ranks a different environment.
 
 Per output: NaN / Inf fail it; elements are compared with |out - ref| <= atol * rms(ref) +
 rtol * |ref| (`verify.checks.kernel_compare`); copies, integer results (expert ids, alignment
