@@ -20,7 +20,7 @@ import torch
 
 from freetoken.engine.core import resolve_dtype
 from verify.capture import FULL, Recorder, unshard
-from verify.checks.base import CheckContext
+from verify.checks.base import CheckContext, make_result
 from verify.engine_cache import engine_on_rank
 from verify.hf_capture import NameMap, hf_activations
 from verify.references import prompts_for
@@ -97,19 +97,15 @@ def run(ctx: CheckContext) -> CheckResult:
     metrics = {"modules": len(result.rows), "references": ",".join(result.references),
                "table": [r.as_dict() for r in result.rows]}
     if not result.references:
-        return _result(ctx, start, "skip", metrics,
+        return make_result("bisect", ctx, start, "skip", metrics,
                        "no reference to bisect against: HF cannot run this checkpoint, and the "
                        "engine at TP=1 is not part of this run" if ctx.tp > 1 else
                        "no reference to bisect against at TP=1: HF cannot run this checkpoint")
     if result.first is not None:
-        return _result(ctx, start, "fail", metrics,
+        return make_result("bisect", ctx, start, "fail", metrics,
                        f"{ctx.case.name} tp={ctx.tp}: {result.message()}")
-    return _result(ctx, start, "pass", metrics, "")
+    return make_result("bisect", ctx, start, "pass", metrics, "")
 
-
-def _result(ctx, start, status, metrics, message) -> CheckResult:
-    return CheckResult("bisect", ctx.case.name, ctx.tp, status, time.monotonic() - start,
-                       ctx.placement, metrics, message)
 
 
 def localise(ctx: CheckContext) -> Bisection:

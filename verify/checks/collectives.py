@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from verify.checks.base import CheckContext
+from verify.checks.base import CheckContext, make_result
 from verify.collective_sites import Site, expected_sites, inside_note, moe_blocks
 from verify.collective_trace import ENGINE, Call, Step, trace_generation
 from verify.engine_cache import engine_on_rank
@@ -40,15 +40,11 @@ def run(ctx: CheckContext) -> CheckResult:
     if failures:
         metrics["failures"] = failures[:_LISTED]
         more = f" (+{len(failures) - 1} more)" if len(failures) > 1 else ""
-        return _result(ctx, start, "fail", metrics, head + failures[0] + more)
+        return make_result("collectives", ctx, start, "fail", metrics, head + failures[0] + more)
     note = "" if ctx.tp > 1 else ("counts not compared: the Communicator is the identity at "
                                   "TP=1; Communicator probe passed")
-    return _result(ctx, start, "pass", metrics, head + note if note else "")
+    return make_result("collectives", ctx, start, "pass", metrics, head + note if note else "")
 
-
-def _result(ctx, start, status, metrics, message) -> CheckResult:
-    return CheckResult("collectives", ctx.case.name, ctx.tp, status, time.monotonic() - start,
-                       ctx.placement, metrics, message)
 
 
 def _merge(per_rank: list[list[tuple[str, str]]], size: int) -> list[str]:

@@ -14,7 +14,7 @@ import torch
 
 from freetoken.engine.core import resolve_dtype
 from verify.checks import bisect
-from verify.checks.base import CheckContext
+from verify.checks.base import CheckContext, make_result
 from verify.compare import effective_tolerance, greedy_check, judge_logits, logit_metrics
 from verify.engine_cache import engine_on_rank
 from verify.graph_replay import batch_sizes, graph_replay_mismatch
@@ -45,13 +45,13 @@ def run(ctx: CheckContext) -> CheckResult:
     bisect.remember_tp1(ctx)
     if numeric and not hard and _within_module_precision(ctx, outputs, dtype):
         metrics["judged_per_module"] = 1
-        return _result(ctx, start, "pass", metrics, _EXCUSED)
+        return make_result("golden", ctx, start, "pass", metrics, _EXCUSED)
     failures = graph + numeric + hard[len(graph):]
     if failures:
         where = _first_divergence(ctx)
-        return _result(ctx, start, "fail", metrics,
+        return make_result("golden", ctx, start, "fail", metrics,
                        f"{ctx.case.name} tp={ctx.tp}: {where}{failures[0]}")
-    return _result(ctx, start, "pass", metrics, "")
+    return make_result("golden", ctx, start, "pass", metrics, "")
 
 
 _EXCUSED = ("logits beyond the low-precision bound, but every module's error is within its "
@@ -92,10 +92,6 @@ def sampling_seed(options) -> int:
     """The first prompt's sampling seed (prompt i uses seed + i): `--seed`, else the default."""
     return SAMPLING_SEED if options.seed is None else options.seed
 
-
-def _result(ctx, start, status, metrics, message) -> CheckResult:
-    return CheckResult("golden", ctx.case.name, ctx.tp, status, time.monotonic() - start,
-                       ctx.placement, metrics, message)
 
 
 def _temperature(prompt_logits: list[torch.Tensor]) -> float:

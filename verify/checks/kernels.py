@@ -55,7 +55,7 @@ import torch
 
 from verify import engine_kernel_cases
 from verify.checks import engine_kernels as engine
-from verify.checks.base import CheckContext
+from verify.checks.base import CheckContext, make_result
 from verify.checks.kernel_compare import LOW_PRECISION_REL_L2, MIN_WITHIN, TOLERANCE
 from verify.checks.nvfp4_kernels import run_case, run_matrix, summarize, verdict
 from verify.kernel_cases import KernelCase, cpu_matrix, gpu_matrix, make_experts
@@ -102,8 +102,9 @@ def run(ctx: CheckContext) -> CheckResult:
     start = time.monotonic()
     key = ("kernels", ctx.tp)
     if key in ctx.cache:
-        return CheckResult("kernels", ctx.case.name, ctx.tp, "skip", 0.0, ctx.placement, {},
-                           f"kernel matrix already run at tp={ctx.tp} (with {ctx.cache[key]})")
+        return make_result("kernels", ctx, start, "skip",
+                           message=f"kernel matrix already run at tp={ctx.tp} "
+                                   f"(with {ctx.cache[key]})")
     ctx.cache[key] = ctx.case.name
     value = ctx.runner.run(_on_rank, ctx.options.dtype)[0].value
     parts = [verdict(value["rows"], value["dtype"]),
@@ -111,5 +112,5 @@ def run(ctx: CheckContext) -> CheckResult:
     message = "; ".join(p for p in parts if p)
     status = "fail" if message else "pass"
     message = f"{ctx.case.name} tp={ctx.tp}: {message}" if message else ""
-    return CheckResult("kernels", ctx.case.name, ctx.tp, status, time.monotonic() - start,
-                       ctx.placement, metrics(value["rows"], value["engine_rows"]), message)
+    return make_result("kernels", ctx, start, status,
+                       metrics(value["rows"], value["engine_rows"]), message)

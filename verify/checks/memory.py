@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from verify.checks.base import CheckContext
+from verify.checks.base import CheckContext, make_result
 from verify.checks.memory_expected import PARAMETERS, expected_parts
 from verify.checks.memory_sampler import PeakSampler
 from verify.checks.shards import owns_storage
@@ -50,8 +50,7 @@ def run(ctx: CheckContext) -> CheckResult:
         metrics["budget_device_bytes"] = max(r["budget_device"] for r in ranks)
     status = "fail" if failures else "pass"
     message = f"{ctx.case.name} tp={ctx.tp}: {failures[0]}" if failures else ""
-    return CheckResult("memory", ctx.case.name, ctx.tp, status, time.monotonic() - start,
-                       ctx.placement, metrics, message)
+    return make_result("memory", ctx, start, status, metrics, message)
 
 
 def _measure(rank_ctx, engine_args: dict) -> dict:

@@ -21,7 +21,7 @@ from collections import defaultdict
 
 import torch
 
-from verify.checks.base import CheckContext
+from verify.checks.base import CheckContext, make_result
 from verify.layout_book import LayoutBook
 from verify.layout_compare import identical_to, mismatch
 from verify.layouts import LayoutError
@@ -45,8 +45,7 @@ def run(ctx: CheckContext) -> CheckResult:
                "problems": len(failures)}
     status = "fail" if failures else "pass"
     message = f"{ctx.case.name} tp={ctx.tp}: {failures[0]}" if failures else ""
-    return CheckResult("shards", ctx.case.name, ctx.tp, status, time.monotonic() - start,
-                       ctx.placement, metrics, message)
+    return make_result("shards", ctx, start, status, metrics, message)
 
 
 def owns_storage(t: torch.Tensor) -> bool:
