@@ -11,29 +11,13 @@ import struct
 from pathlib import Path
 
 import pytest
+from cli_run import assert_refused
 from conftest import GOLDEN
 from safetensors.torch import load_file, save_file
-
-from verify.cli import main
 
 _INDEX = "model.safetensors.index.json"
 
 
-def _run(capsys, *args: str) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exit_info:
-        main(list(args))
-    out, err = capsys.readouterr()
-    return exit_info.value.code, out, err
-
-
-def _assert_refused(capsys, args: list[str], *needles: str) -> None:
-    code, out, err = _run(capsys, *args)
-    assert code == 2, f"expected exit 2 for {args}, got {code}\n{out}{err}"
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), f"one error line: {err!r}"
-    for needle in needles:
-        assert needle in lines[0], f"{needle!r} missing from {lines[0]!r}"
-    assert "Traceback" not in out + err and "starting" not in err, "refused before ranks"
 
 
 def _make_copy(tmp_path: Path, case: str = "tiny-llama") -> Path:
@@ -97,7 +81,7 @@ def _edit_index(folder: Path, edit) -> None:
 ])
 def test_bad_options_are_refused(capsys, args, needles):
     """Empty, non-positive, non-finite and non-ASCII-digit option values: exit 2, one line."""
-    _assert_refused(capsys, ["--model", "tiny-llama", *args], *needles)
+    assert_refused(capsys, ["--model", "tiny-llama", *args], *needles)
 
 
 def test_report_paths_are_checked_before_the_run(capsys, tmp_path):
@@ -105,12 +89,12 @@ def test_report_paths_are_checked_before_the_run(capsys, tmp_path):
     refused up front, not after the run."""
     blocker = tmp_path / "file"
     blocker.write_text("")
-    _assert_refused(capsys, ["--model", "tiny-llama", "--report-json", str(blocker / "r.json")],
+    assert_refused(capsys, ["--model", "tiny-llama", "--report-json", str(blocker / "r.json")],
                     "--report-json", "is not a directory")
     same = str(tmp_path / "r.out")
-    _assert_refused(capsys, ["--model", "tiny-llama", "--report-json", same, "--junit-xml", same],
+    assert_refused(capsys, ["--model", "tiny-llama", "--report-json", same, "--junit-xml", same],
                     "same file")
-    _assert_refused(capsys, ["--model", "tiny-llama", "--junit-xml", str(tmp_path)],
+    assert_refused(capsys, ["--model", "tiny-llama", "--junit-xml", str(tmp_path)],
                     "--junit-xml", "is a directory")
 
 
@@ -125,7 +109,7 @@ def test_config_types_and_ranges_are_refused(capsys, tmp_path, changes, needles)
     """config.json values of the wrong type or out of range name the key and the file."""
     folder = _make_copy(tmp_path)
     _edit_config(folder, **changes)
-    _assert_refused(capsys, ["--model", str(folder), "--tp", "1"], *needles)
+    assert_refused(capsys, ["--model", str(folder), "--tp", "1"], *needles)
 
 
 def test_hybrid_config_types_are_refused(capsys, tmp_path):
@@ -135,7 +119,7 @@ def test_hybrid_config_types_are_refused(capsys, tmp_path):
     text = config.get("text_config", config)
     text["linear_num_key_heads"] = "8"
     (folder / "config.json").write_text(json.dumps(config))
-    _assert_refused(capsys, ["--model", str(folder), "--tp", "1"], "config.json",
+    assert_refused(capsys, ["--model", str(folder), "--tp", "1"], "config.json",
                     "linear_num_key_heads must be a positive integer, got '8'")
 
 
@@ -146,11 +130,11 @@ def test_broken_quant_config_is_named(capsys, tmp_path):
     quant = folder / "hf_quant_config.json"
     good = json.loads(quant.read_text())
     quant.write_text("{not json")
-    _assert_refused(capsys, ["--model", str(folder), "--tp", "1"], "hf_quant_config.json",
+    assert_refused(capsys, ["--model", str(folder), "--tp", "1"], "hf_quant_config.json",
                     "invalid JSON")
     good["quantization"]["exclude_modules"] = "lm_head"
     quant.write_text(json.dumps(good))
-    _assert_refused(capsys, ["--model", str(folder), "--tp", "1"], "hf_quant_config.json",
+    assert_refused(capsys, ["--model", str(folder), "--tp", "1"], "hf_quant_config.json",
                     "exclude_modules must be a list")
 
 
@@ -184,7 +168,7 @@ def test_damaged_single_file_is_refused(capsys, tmp_path, damage, needles):
     before any rank starts, naming the file (and the tensor where there is one)."""
     folder = _make_copy(tmp_path)
     damage(folder / "model.safetensors")
-    _assert_refused(capsys, ["--model", str(folder), "--tp", "1"], *needles)
+    assert_refused(capsys, ["--model", str(folder), "--tp", "1"], *needles)
 
 
 @pytest.mark.parametrize("damage, needles", [
@@ -202,7 +186,7 @@ def test_damaged_indexed_checkpoint_is_refused(capsys, tmp_path, damage, needles
     file and a tensor the index puts in a file that lacks it are each named."""
     folder = _make_sharded(tmp_path)
     damage(folder)
-    _assert_refused(capsys, ["--model", str(folder), "--tp", "1"], *needles)
+    assert_refused(capsys, ["--model", str(folder), "--tp", "1"], *needles)
 
 
 def test_modified_bundled_case_is_bad_input(capsys, tmp_path, monkeypatch):
@@ -217,5 +201,5 @@ def test_modified_bundled_case_is_bad_input(capsys, tmp_path, monkeypatch):
     data[-3] ^= 0x10
     weights.write_bytes(bytes(data))
     monkeypatch.setattr(verify.cases, "GOLDEN", root)
-    _assert_refused(capsys, ["--model", "tiny-llama", "--tp", "1"], "model.safetensors",
+    assert_refused(capsys, ["--model", "tiny-llama", "--tp", "1"], "model.safetensors",
                     "does not match the sha256")

@@ -5,22 +5,11 @@ metric."""
 from __future__ import annotations
 
 import json
-import shutil
 import xml.etree.ElementTree as ET
 
 import pytest
-import torch
+from cli_run import make_broken_checkpoint, run_cli
 from conftest import GOLDEN
-from safetensors.torch import load_file, save_file
-
-from verify.cli import main
-
-
-def _run(capsys, *args: str) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exit_info:
-        main(list(args))
-    out, err = capsys.readouterr()
-    return exit_info.value.code, out, err
 
 
 def _rows(out: str, model: str) -> list[str]:
@@ -41,7 +30,7 @@ def test_bundled_cases_pass_with_table_and_count_line(capsys, tmp_path):
     """Every bundled case passes every check at TP 1 and 2; one table row per case, check and
     TP size; the last line counts them; the JSON report follows the contract; JUnit parses."""
     report, junit = tmp_path / "r.json", tmp_path / "r.xml"
-    code, out, _ = _run(capsys, "--tp", "1,2", "--model", "tiny-llama", "--model", "tiny-qwen3",
+    code, out, _ = run_cli(capsys, "--tp", "1,2", "--model", "tiny-llama", "--model", "tiny-qwen3",
                         "--model", "tiny-qwen3-moe", "--report-json", str(report),
                         "--junit-xml", str(junit))
     assert code == 0, out
@@ -90,7 +79,7 @@ def test_injected_tp_bug_fails_naming_case_tp_and_module(capsys, tmp_path, fault
     it bites (TP=1 stays green): exit 1, the row names the case, the TP size and the first
     divergent module; the JSON message keeps the symptom (the prefill logits)."""
     report = tmp_path / "r.json"
-    code, out, _ = _run(capsys, "--model", model, "--tp", f"1,{tp}", "--inject", fault,
+    code, out, _ = run_cli(capsys, "--model", model, "--tp", f"1,{tp}", "--inject", fault,
                         "--checks", "golden", "--report-json", str(report))
     _assert_fails_naming(out, code, model, tp, f"first divergence: {module} ")
     results = {r["tp"]: r for r in json.loads(report.read_text())["results"]}
@@ -99,21 +88,12 @@ def test_injected_tp_bug_fails_naming_case_tp_and_module(capsys, tmp_path, fault
     assert "prefill logits" in results[tp]["message"], results[tp]["message"]
 
 
-def _make_broken_checkpoint(golden, tmp_path):
-    """tiny-llama with one k_proj weight of the wrong shape: every rank fails while loading."""
-    folder = tmp_path / "broken"
-    shutil.copytree(golden / "tiny-llama", folder)
-    tensors = load_file(folder / "model.safetensors")
-    tensors["model.layers.1.self_attn.k_proj.weight"] = torch.zeros(48, 64)
-    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    return folder
-
 
 def test_rank_failure_is_an_error_naming_rank_and_tensor(capsys, golden, tmp_path):
     """A rank that raises while loading gives an ERROR row naming the rank and the tensor, the
     rank traceback with -v, and exit 1 — not a hang or a bare traceback."""
-    folder = _make_broken_checkpoint(golden, tmp_path)
-    code, out, _ = _run(capsys, "--model", str(folder), "--tp", "2", "--reference", "hf",
+    folder = make_broken_checkpoint(golden, tmp_path)
+    code, out, _ = run_cli(capsys, "--model", str(folder), "--tp", "2", "--reference", "hf",
                         "--checks", "golden", "-v")
     assert code == 1, out
     row = _rows(out, str(folder))[0]
@@ -136,7 +116,7 @@ def test_rank_failure_is_an_error_naming_rank_and_tensor(capsys, golden, tmp_pat
 def test_bad_input_exits_2_with_one_line(capsys, args, needle, monkeypatch, tmp_path):
     """Bad input is refused before any rank starts: exit 2 and one line naming the problem."""
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
-    code, out, err = _run(capsys, *args)
+    code, out, err = run_cli(capsys, *args)
     assert code == 2, f"expected exit 2 for {args}, got {code}\n{out}{err}"
     lines = err.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], f"expected one line with {needle!r}: {err!r}"
@@ -147,12 +127,12 @@ def test_num_layers_truncates_engine_and_hf_reference(capsys, tmp_path):
     """`--num-layers 1` runs the first decoder layer only, in the engine and in the live HF
     reference alike, so golden passes; the stored full-depth golden is refused for it."""
     report = tmp_path / "r.json"
-    code, out, _ = _run(capsys, "--model", "tiny-qwen3-moe", "--tp", "2", "--num-layers", "1",
+    code, out, _ = run_cli(capsys, "--model", "tiny-qwen3-moe", "--tp", "2", "--num-layers", "1",
                         "--checks", "golden", "--report-json", str(report))
     assert code == 0, out
     truncated = json.loads(report.read_text())["results"][0]
     assert truncated["status"] == "pass" and truncated["metrics"]["greedy_match"] > 0, truncated
-    code, out, _ = _run(capsys, "--model", "tiny-qwen3-moe", "--tp", "2", "--num-layers", "1",
+    code, out, _ = run_cli(capsys, "--model", "tiny-qwen3-moe", "--tp", "2", "--num-layers", "1",
                         "--reference", "golden")
     assert code == 2, "a stored full-depth golden cannot serve a truncated model"
 
@@ -160,7 +140,7 @@ def test_num_layers_truncates_engine_and_hf_reference(capsys, tmp_path):
 def test_nvfp4_load_bug_fails_golden_on_the_nvfp4_case(capsys):
     """Swapping each NVFP4 expert's gate and up global scales at load turns golden red on
     tiny-qwen3.5-moe-nvfp4, naming the case, the TP size and the logits."""
-    code, out, _ = _run(capsys, "--model", "tiny-qwen3.5-moe-nvfp4", "--tp", "2", "--checks",
+    code, out, _ = run_cli(capsys, "--model", "tiny-qwen3.5-moe-nvfp4", "--tp", "2", "--checks",
                         "golden", "--inject", "nvfp4-load-globals-swapped")
     _assert_fails_naming(out, code, "tiny-qwen3.5-moe-nvfp4", 2, "prefill logits")
 
@@ -170,7 +150,7 @@ def test_bf16_against_stored_golden_uses_the_stored_baseline(capsys, tmp_path):
     numerically sensitive qwen3.5 cases pass without a live HF run (which the NVFP4 case
     cannot have); the widened bounds still fail a real TP bug."""
     report = tmp_path / "r.json"
-    code, out, _ = _run(capsys, "--model", "tiny-qwen3.5-moe-nvfp4,tiny-qwen3.5-moe", "--tp",
+    code, out, _ = run_cli(capsys, "--model", "tiny-qwen3.5-moe-nvfp4,tiny-qwen3.5-moe", "--tp",
                         "2", "--dtype", "bfloat16", "--checks", "golden", "--report-json",
                         str(report))
     assert code == 0, out
@@ -178,14 +158,14 @@ def test_bf16_against_stored_golden_uses_the_stored_baseline(capsys, tmp_path):
     stored = max(m["rel_l2"] for m in meta["baselines"]["bfloat16"])
     results = {r["model"]: r for r in json.loads(report.read_text())["results"]}
     assert results["tiny-qwen3.5-moe-nvfp4"]["metrics"]["hf_self_rel_l2"] == stored
-    code, out, _ = _run(capsys, "--model", "tiny-qwen3.5-moe", "--tp", "2", "--dtype",
+    code, out, _ = run_cli(capsys, "--model", "tiny-qwen3.5-moe", "--tp", "2", "--dtype",
                         "bfloat16", "--checks", "golden", "--inject", "plain-chunk-gdn-qkv")
     _assert_fails_naming(out, code, "tiny-qwen3.5-moe", 2, "model.layers.0.linear_attn.in_proj")
 
 
 def test_live_hf_reference_refused_for_quantized_checkpoints(capsys):
     """HF cannot load the NVFP4 layout as a live reference: a usage error, before any rank."""
-    code, _, err = _run(capsys, "--model", "tiny-qwen3.5-moe-nvfp4", "--reference", "hf",
+    code, _, err = run_cli(capsys, "--model", "tiny-qwen3.5-moe-nvfp4", "--reference", "hf",
                         "--tp", "1")
     assert code == 2 and "cannot run this quantized checkpoint" in err, err
 
@@ -194,7 +174,7 @@ def test_version_prints_the_package_version(capsys):
     """`--version` prints the installed package's version (from its metadata) and exits 0."""
     from importlib import metadata
 
-    code, out, _ = _run(capsys, "--version")
+    code, out, _ = run_cli(capsys, "--version")
     assert code == 0 and out.strip() == f"freetoken-verify {metadata.version('freetoken')}", out
 
 
@@ -205,7 +185,7 @@ def test_list_names_every_case_check_and_fault_with_a_description(capsys):
     from verify.checks import CHECK_NAMES
     from verify.faults import FAULTS
 
-    code, out, _ = _run(capsys, "--list")
+    code, out, _ = run_cli(capsys, "--list")
     assert code == 0, out
     described = {}
     for line in out.splitlines():
@@ -225,7 +205,7 @@ def test_help_documents_options_examples_and_exit_codes(capsys, flag):
     from verify.checks import CHECK_NAMES
     from verify.cli import verify
 
-    code, out, _ = _run(capsys, flag)
+    code, out, _ = run_cli(capsys, flag)
     assert code == 0, out
     text = " ".join(out.split())
     for param in verify.params:
@@ -240,7 +220,7 @@ def test_help_documents_options_examples_and_exit_codes(capsys, flag):
 
 def test_unknown_fault_is_one_line_exit_2(capsys):
     """An unknown `--inject` name is refused before any rank starts, pointing at `--list`."""
-    code, out, err = _run(capsys, "--model", "tiny-llama", "--inject", "no-such-fault")
+    code, out, err = run_cli(capsys, "--model", "tiny-llama", "--inject", "no-such-fault")
     assert code == 2 and err.startswith("error: unknown fault 'no-such-fault'"), err
     assert "--list" in err and len(err.strip().splitlines()) == 1, err
 
@@ -254,7 +234,7 @@ def test_interrupt_before_the_run_exits_130(capsys, monkeypatch):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(verify.cli, "parse_tp", interrupted)
-    code, _, err = _run(capsys, "--model", "tiny-llama")
+    code, _, err = run_cli(capsys, "--model", "tiny-llama")
     assert code == 130 and "interrupted" in err, (code, err)
 
 

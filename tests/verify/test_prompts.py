@@ -9,29 +9,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+from cli_run import assert_refused, run_cli
 from conftest import GOLDEN
 
 from verify.cases import PROMPT_LENS, reference_prompts, resolve_case
 from verify.checks import VerifyOptions
-from verify.cli import main
 from verify.references import prompts_for, reference_source
-
-
-def _run(capsys, *args: str) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exit_info:
-        main(list(args))
-    out, err = capsys.readouterr()
-    return exit_info.value.code, out, err
-
-
-def _assert_refused(capsys, args: list[str], *needles: str) -> None:
-    code, out, err = _run(capsys, *args)
-    assert code == 2, f"expected exit 2 for {args}, got {code}\n{out}{err}"
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), f"one error line: {err!r}"
-    for needle in needles:
-        assert needle in lines[0], f"{needle!r} missing from {lines[0]!r}"
-    assert "Traceback" not in out + err and "starting" not in err, "refused before ranks"
 
 
 def _make_file(tmp_path: Path, name: str, content) -> Path:
@@ -77,7 +60,7 @@ def test_seed_and_max_new_tokens_choose_the_random_prompts():
 def test_bad_json_prompts_are_refused(capsys, tmp_path, content, needle):
     """A JSON prompts file with a bad id names the prompt and position."""
     path = _make_file(tmp_path, "p.json", content)
-    _assert_refused(capsys, ["--model", "tiny-llama", "--tp", "1", "--prompts-file", str(path)],
+    assert_refused(capsys, ["--model", "tiny-llama", "--tp", "1", "--prompts-file", str(path)],
                     needle)
 
 
@@ -88,7 +71,7 @@ def test_text_prompts_need_a_tokenizer(capsys, tmp_path):
     for name in ("tokenizer.json", "tokenizer_config.json", "meta.json"):
         (folder / name).unlink()
     path = _make_file(tmp_path, "p.txt", "hello world\n")
-    _assert_refused(capsys, ["--model", str(folder), "--tp", "1", "--prompts-file", str(path)],
+    assert_refused(capsys, ["--model", str(folder), "--tp", "1", "--prompts-file", str(path)],
                     "has no usable tokenizer", ".json")
 
 
@@ -96,14 +79,14 @@ def test_other_prompt_refusals(capsys, tmp_path):
     """An empty or missing file, a prompt too long for the model, or user prompts with the
     stored golden."""
     empty = _make_file(tmp_path, "empty.txt", "\n \n")
-    _assert_refused(capsys, ["--model", "tiny-llama", "--prompts-file", str(empty)],
+    assert_refused(capsys, ["--model", "tiny-llama", "--prompts-file", str(empty)],
                     "no non-empty line")
     long = _make_file(tmp_path, "long.json", [[1] * 510])
-    _assert_refused(capsys, ["--model", "tiny-llama", "--prompts-file", str(long)],
+    assert_refused(capsys, ["--model", "tiny-llama", "--prompts-file", str(long)],
                     "prompt 0 (510 tokens) plus 16 new tokens exceeds")
-    _assert_refused(capsys, ["--model", "tiny-llama", "--reference", "golden", "--seed", "3"],
+    assert_refused(capsys, ["--model", "tiny-llama", "--reference", "golden", "--seed", "3"],
                     "stored golden covers its own prompts")
-    _assert_refused(capsys, ["--model", "tiny-llama", "--prompts-file", str(tmp_path / "no.txt")],
+    assert_refused(capsys, ["--model", "tiny-llama", "--prompts-file", str(tmp_path / "no.txt")],
                     "--prompts-file: cannot read", "no.txt")
 
 
@@ -112,7 +95,7 @@ def test_json_prompts_drive_the_golden_check(capsys, tmp_path):
     passes and counts exactly prompts x new tokens greedy steps."""
     path = _make_file(tmp_path, "p.json", [[5, 6, 7], [300, 0, 150, 151, 2]])
     report = tmp_path / "r.json"
-    code, out, err = _run(capsys, "--model", "tiny-llama", "--tp", "1", "--checks", "golden",
+    code, out, err = run_cli(capsys, "--model", "tiny-llama", "--tp", "1", "--checks", "golden",
                           "--prompts-file", str(path), "--max-new-tokens", "3", "--seed", "9",
                           "--report-json", str(report))
     assert code == 0, out + err

@@ -10,31 +10,14 @@ import shutil
 from pathlib import Path
 
 import pytest
+from cli_run import assert_refused, run_cli
 from conftest import GOLDEN
 from safetensors.torch import load_file, save_file
 
 from verify import reference_store
 from verify.cases import resolve_case
 from verify.checks import VerifyOptions
-from verify.cli import main
 from verify.references import live_hf_reference
-
-
-def _run(capsys, *args: str) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exit_info:
-        main(list(args))
-    out, err = capsys.readouterr()
-    return exit_info.value.code, out, err
-
-
-def _assert_refused(capsys, args: list[str], *needles: str) -> None:
-    code, out, err = _run(capsys, *args)
-    assert code == 2, f"expected exit 2 for {args}, got {code}\n{out}{err}"
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), f"one error line: {err!r}"
-    for needle in needles:
-        assert needle in lines[0], f"{needle!r} missing from {lines[0]!r}"
-    assert "Traceback" not in out + err and "starting" not in err, "refused before ranks"
 
 
 def _make_checkpoint(tmp_path: Path, name: str = "ckpt") -> Path:
@@ -72,7 +55,7 @@ def test_saved_reference_is_what_golden_compares_with(capsys, tmp_path):
     store = _make_store(capsys, tmp_path, folder, max_new_tokens=4)
     args = ["--model", str(folder), "--tp", "1", "--checks", "golden", "--reference", str(store),
             "--report-json", str(tmp_path / "r.json")]
-    code, out, err = _run(capsys, *args)
+    code, out, err = run_cli(capsys, *args)
     assert code == 0, out + err
     row = json.loads((tmp_path / "r.json").read_text())["results"][0]
     assert row["metrics"]["greedy_total"] == 4 * 3, "the saved continuation length is used"
@@ -80,7 +63,7 @@ def test_saved_reference_is_what_golden_compares_with(capsys, tmp_path):
     tensors["prefill_logits_1"] = tensors["prefill_logits_1"] + 3.0 * tensors[
         "prefill_logits_1"].std()
     save_file(tensors, store / reference_store.TENSORS)
-    code, out, err = _run(capsys, *args)
+    code, out, err = run_cli(capsys, *args)
     assert code == 1 and "prompt 1" in out, f"perturbed saved logits must fail golden:\n{out}"
 
 
@@ -91,13 +74,13 @@ def test_changed_checkpoint_is_refused(capsys, tmp_path):
     store = _make_store(capsys, tmp_path, folder)
     args = ["--model", str(folder), "--tp", "1", "--reference", str(store)]
     _flip_byte(folder / "model.safetensors")
-    _assert_refused(capsys, args, str(folder / "model.safetensors"), "differs")
+    assert_refused(capsys, args, str(folder / "model.safetensors"), "differs")
     shutil.copy(GOLDEN / "tiny-llama" / "model.safetensors", folder / "model.safetensors")
     shutil.copy(folder / "model.safetensors", folder / "extra.safetensors")
-    _assert_refused(capsys, args, "extra.safetensors")
+    assert_refused(capsys, args, "extra.safetensors")
     (folder / "extra.safetensors").unlink()
     (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
-    _assert_refused(capsys, args, "model.safetensors")
+    assert_refused(capsys, args, "model.safetensors")
 
 
 @pytest.mark.parametrize("extra, needle", [
@@ -112,7 +95,7 @@ def test_run_the_store_does_not_cover_is_refused(capsys, tmp_path, extra, needle
     model: exit 2 with one line saying what differs."""
     folder = _make_checkpoint(tmp_path)
     store = _make_store(capsys, tmp_path, folder, max_new_tokens=2)
-    _assert_refused(capsys, ["--model", str(folder), "--tp", "1", "--reference", str(store),
+    assert_refused(capsys, ["--model", str(folder), "--tp", "1", "--reference", str(store),
                              *extra], needle)
 
 
@@ -124,13 +107,13 @@ def test_save_reference_refusals(capsys, tmp_path):
     busy.mkdir()
     (busy / "notes.txt").write_text("x")
     base = ["--model", str(folder), "--tp", "1"]
-    _assert_refused(capsys, [*base, "--save-reference", str(busy)], "holds other files")
-    _assert_refused(capsys, [*base, "--model", "tiny-qwen3", "--save-reference",
+    assert_refused(capsys, [*base, "--save-reference", str(busy)], "holds other files")
+    assert_refused(capsys, [*base, "--model", "tiny-qwen3", "--save-reference",
                              str(tmp_path / "s")], "exactly one --model")
-    _assert_refused(capsys, [*base, "--reference", "golden", "--save-reference",
+    assert_refused(capsys, [*base, "--reference", "golden", "--save-reference",
                              str(tmp_path / "s")], "cannot be combined")
-    _assert_refused(capsys, [*base, "--reference", "hff"], "'hff' is neither auto, golden, hf")
-    _assert_refused(capsys, [*base, "--reference", str(busy)], "is not a saved reference")
+    assert_refused(capsys, [*base, "--reference", "hff"], "'hff' is neither auto, golden, hf")
+    assert_refused(capsys, [*base, "--reference", str(busy)], "is not a saved reference")
 
 
 def test_sampled_fingerprint_sees_header_size_and_sampled_bytes(tmp_path, monkeypatch):
@@ -158,10 +141,10 @@ def test_incomplete_store_is_refused(capsys, tmp_path):
     meta = json.loads(saved)
     del meta["weights"]
     (store / reference_store.META).write_text(json.dumps(meta))
-    _assert_refused(capsys, args, "has no 'weights'")
+    assert_refused(capsys, args, "has no 'weights'")
     (store / reference_store.META).write_text(saved)
     (store / reference_store.TENSORS).unlink()
-    _assert_refused(capsys, args, f"no {reference_store.TENSORS}")
+    assert_refused(capsys, args, f"no {reference_store.TENSORS}")
 
 
 def test_save_reference_from_the_command_line(capsys, tmp_path):
@@ -171,7 +154,7 @@ def test_save_reference_from_the_command_line(capsys, tmp_path):
 
     folder = _make_checkpoint(tmp_path)
     store = tmp_path / "saved"
-    code, out, err = _run(capsys, "--model", str(folder), "--tp", "1", "--checks", "golden",
+    code, out, err = run_cli(capsys, "--model", str(folder), "--tp", "1", "--checks", "golden",
                           "--max-new-tokens", "2", "--seed", "4", "--save-reference", str(store))
     assert code == 0, out + err
     assert err.index("computing HF's reference") < err.index("starting"), err

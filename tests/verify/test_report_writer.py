@@ -5,14 +5,12 @@ appended once, at the end; and a real run's report matches the shipped schema.""
 from __future__ import annotations
 
 import json
-import shutil
 import xml.etree.ElementTree as ET
 from importlib import resources
 
 import pytest
-import torch
+from cli_run import make_broken_checkpoint
 from json_schema import schema_errors
-from safetensors.torch import load_file, save_file
 from test_report import _make_info, _make_result
 
 from verify import report_writer
@@ -106,15 +104,6 @@ def test_step_summary_is_appended_once_at_the_end(tmp_path, monkeypatch):
     assert text.count("### freetoken-verify") == 1 and "| tiny-llama | fp32 |" in text
 
 
-def _make_broken_checkpoint(golden, tmp_path):
-    """tiny-llama with one k_proj weight of the wrong shape: the rank fails while loading."""
-    folder = tmp_path / "broken"
-    shutil.copytree(golden / "tiny-llama", folder)
-    tensors = load_file(folder / "model.safetensors")
-    tensors["model.layers.1.self_attn.k_proj.weight"] = torch.zeros(48, 64)
-    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    return folder
-
 
 def test_real_run_reports_error_traceback_and_match_schema(capsys, golden, tmp_path,
                                                           monkeypatch):
@@ -124,7 +113,7 @@ def test_real_run_reports_error_traceback_and_match_schema(capsys, golden, tmp_p
     the table."""
     step = tmp_path / "step.md"
     monkeypatch.setenv(STEP_SUMMARY, str(step))
-    folder = _make_broken_checkpoint(golden, tmp_path)
+    folder = make_broken_checkpoint(golden, tmp_path)
     paths = _make_paths(tmp_path / "reports")
     with pytest.raises(SystemExit) as exit_info:
         main(["--model", str(folder), "--tp", "1", "--reference", "hf", "--checks", "golden",

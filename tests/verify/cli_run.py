@@ -1,0 +1,44 @@
+"""What the command-line tests of `freetoken-verify` share: running it in-process, the
+bad-input contract (exit 2, one `error:` line, refused before any rank starts) and a
+checkpoint every rank fails to load."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from verify.cli import main
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of `freetoken-verify ARGS`."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(args))
+    out, err = capsys.readouterr()
+    return exit_info.value.code, out, err
+
+
+def assert_refused(capsys, args: list[str], *needles: str) -> None:
+    """ARGS exit 2 with one `error:` line holding every needle, no traceback, before any
+    rank starts."""
+    code, out, err = run_cli(capsys, *args)
+    assert code == 2, f"expected exit 2 for {args}, got {code}\n{out}{err}"
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), f"one error line: {err!r}"
+    for needle in needles:
+        assert needle in lines[0], f"{needle!r} missing from {lines[0]!r}"
+    assert "Traceback" not in out + err and "starting" not in err, "refused before ranks"
+
+
+def make_broken_checkpoint(golden: Path, tmp_path: Path) -> Path:
+    """tiny-llama with one k_proj weight of the wrong shape: every rank fails while loading."""
+    folder = tmp_path / "broken"
+    shutil.copytree(golden / "tiny-llama", folder)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.1.self_attn.k_proj.weight"] = torch.zeros(48, 64)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
