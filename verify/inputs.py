@@ -97,21 +97,21 @@ def check_reference_options(cases, options) -> None:
     saving, reusing = options.save_reference, stored_dir(options) and not options.save_reference
     if saving and options.reference not in ("auto", "hf"):
         raise UsageError(f"--save-reference computes HF's reference; it cannot be "
-                               f"combined with --reference {options.reference}")
+                         f"combined with --reference {options.reference}")
     if (saving or reusing) and len(cases) != 1:
         option = "--save-reference" if saving else "--reference DIR"
         raise UsageError(f"{option} holds one model's reference; give exactly one --model "
-                               f"(got {len(cases)})")
+                         f"(got {len(cases)})")
     try:
         for case in cases:
             source = reference_source(case, options)
             if source == "golden" and custom_prompts(options):
                 raise UsageError(f"{case.name}: the stored golden covers its own prompts; "
-                                       "--prompts-file, --seed and --max-new-tokens need "
-                                       "--reference hf or a saved reference")
+                                 "--prompts-file, --seed and --max-new-tokens need "
+                                 "--reference hf or a saved reference")
             if saving and case.model_config.quantization is not None:
                 raise InputError(f"{case.name}: HF transformers cannot run this quantized "
-                                       "checkpoint, so there is no reference to save")
+                                 "checkpoint, so there is no reference to save")
             if saving:
                 check_writable(saving)
             requested = requested_prompts(case, options) if source != "golden" else None
@@ -144,8 +144,8 @@ def save_references(cases, tp_sizes, options) -> None:
                        device, options.save_reference)
     except OSError as e:
         raise InputError(f"--save-reference: cannot write {options.save_reference} "
-                               f"({e.strerror or e})") from None
+                         f"({e.strerror or e})") from None
     except Exception as e:  # HF failing on this checkpoint: one line, as any bad input
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise InputError(f"{cases[0].name}: HF transformers could not compute the "
-                               f"reference ({type(e).__name__}: {first})") from None
+                         f"reference ({type(e).__name__}: {first})") from None

@@ -33,13 +33,12 @@ def tensor_offsets(path: Path) -> dict[str, int]:
 def _clear_last_error() -> None:
     """Consume the error a refused registration leaves as the CUDA runtime's last error, which
     torch's next kernel launch would otherwise raise as its own: torch's launch check reads
-    (and so resets) it, so one tiny launch takes it."""
+    (and so resets) it, so one tiny launch takes it. Whatever the refusal's code, the loader
+    falls back to its pinned rings; a sticky device error would raise again at the next call."""
     try:
         torch.zeros(1, device="cuda").add_(1)
-    except RuntimeError as e:
-        # Only the registration's own refusal is expected here.
-        if "invalid argument" not in str(e) and "already registered" not in str(e):
-            raise
+    except RuntimeError:
+        return
 
 
 class _MappedFile:
