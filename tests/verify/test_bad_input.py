@@ -90,12 +90,12 @@ def test_report_paths_are_checked_before_the_run(capsys, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     assert_refused(capsys, ["--model", "tiny-llama", "--report-json", str(blocker / "r.json")],
-                    "--report-json", "is not a directory")
+                   "--report-json", "is not a directory")
     same = str(tmp_path / "r.out")
     assert_refused(capsys, ["--model", "tiny-llama", "--report-json", same, "--junit-xml", same],
-                    "same file")
+                   "same file")
     assert_refused(capsys, ["--model", "tiny-llama", "--junit-xml", str(tmp_path)],
-                    "--junit-xml", "is a directory")
+                   "--junit-xml", "is a directory")
 
 
 @pytest.mark.parametrize("changes, needles", [
@@ -120,7 +120,7 @@ def test_hybrid_config_types_are_refused(capsys, tmp_path):
     text["linear_num_key_heads"] = "8"
     (folder / "config.json").write_text(json.dumps(config))
     assert_refused(capsys, ["--model", str(folder), "--tp", "1"], "config.json",
-                    "linear_num_key_heads must be a positive integer, got '8'")
+                   "linear_num_key_heads must be a positive integer, got '8'")
 
 
 def test_broken_quant_config_is_named(capsys, tmp_path):
@@ -131,11 +131,11 @@ def test_broken_quant_config_is_named(capsys, tmp_path):
     good = json.loads(quant.read_text())
     quant.write_text("{not json")
     assert_refused(capsys, ["--model", str(folder), "--tp", "1"], "hf_quant_config.json",
-                    "invalid JSON")
+                   "invalid JSON")
     good["quantization"]["exclude_modules"] = "lm_head"
     quant.write_text(json.dumps(good))
     assert_refused(capsys, ["--model", str(folder), "--tp", "1"], "hf_quant_config.json",
-                    "exclude_modules must be a list")
+                   "exclude_modules must be a list")
 
 
 def _truncate(path: Path, keep: float = 0.5) -> None:
@@ -202,4 +202,4 @@ def test_modified_bundled_case_is_bad_input(capsys, tmp_path, monkeypatch):
     weights.write_bytes(bytes(data))
     monkeypatch.setattr(verify.cases, "GOLDEN", root)
     assert_refused(capsys, ["--model", "tiny-llama", "--tp", "1"], "model.safetensors",
-                    "does not match the sha256")
+                   "does not match the sha256")

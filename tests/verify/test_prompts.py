@@ -61,7 +61,7 @@ def test_bad_json_prompts_are_refused(capsys, tmp_path, content, needle):
     """A JSON prompts file with a bad id names the prompt and position."""
     path = _make_file(tmp_path, "p.json", content)
     assert_refused(capsys, ["--model", "tiny-llama", "--tp", "1", "--prompts-file", str(path)],
-                    needle)
+                   needle)
 
 
 def test_text_prompts_need_a_tokenizer(capsys, tmp_path):
@@ -72,7 +72,7 @@ def test_text_prompts_need_a_tokenizer(capsys, tmp_path):
         (folder / name).unlink()
     path = _make_file(tmp_path, "p.txt", "hello world\n")
     assert_refused(capsys, ["--model", str(folder), "--tp", "1", "--prompts-file", str(path)],
-                    "has no usable tokenizer", ".json")
+                   "has no usable tokenizer", ".json")
 
 
 def test_other_prompt_refusals(capsys, tmp_path):
@@ -80,14 +80,14 @@ def test_other_prompt_refusals(capsys, tmp_path):
     stored golden."""
     empty = _make_file(tmp_path, "empty.txt", "\n \n")
     assert_refused(capsys, ["--model", "tiny-llama", "--prompts-file", str(empty)],
-                    "no non-empty line")
+                   "no non-empty line")
     long = _make_file(tmp_path, "long.json", [[1] * 510])
     assert_refused(capsys, ["--model", "tiny-llama", "--prompts-file", str(long)],
-                    "prompt 0 (510 tokens) plus 16 new tokens exceeds")
+                   "prompt 0 (510 tokens) plus 16 new tokens exceeds")
     assert_refused(capsys, ["--model", "tiny-llama", "--reference", "golden", "--seed", "3"],
-                    "stored golden covers its own prompts")
+                   "stored golden covers its own prompts")
     assert_refused(capsys, ["--model", "tiny-llama", "--prompts-file", str(tmp_path / "no.txt")],
-                    "--prompts-file: cannot read", "no.txt")
+                   "--prompts-file: cannot read", "no.txt")
 
 
 def test_json_prompts_drive_the_golden_check(capsys, tmp_path):
