@@ -17,6 +17,7 @@ import tempfile
 import time
 import weakref
 from collections.abc import Callable
+from multiprocessing import util as mp_util
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,10 @@ class RankGroup:
 
     def start(self) -> None:
         ctx = _mp_context()
+        # multiprocessing's socket directory (pymp-*), made now so that every rank inherits
+        # this process's: a rank sending a tensor would otherwise make its own, which stays
+        # behind when the rank is killed. This process removes it at exit.
+        mp_util.get_temp_dir()
         self._tmp = Path(tempfile.mkdtemp(prefix="freetoken-ranks-"))
         _LIVE.add(self)
         for rank in range(self.tp_size):

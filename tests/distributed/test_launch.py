@@ -241,6 +241,35 @@ def test_workers_exit_when_parent_dies_without_closing(tmp_path):
     assert not left, f"the group's temp directory survived its parent: {left}"
 
 
+_KILLED_SCRIPT = """
+import sys
+sys.path.insert(0, {test_dir!r})
+from test_launch import _make_group, _rank_tensor
+from freetoken.distributed.launch import close_all_groups
+group = _make_group(2)
+group.start()
+group.run(_rank_tensor)
+close_all_groups()
+"""
+
+
+def _rank_tensor(ctx) -> torch.Tensor:
+    return torch.arange(4.0) + ctx.rank
+
+
+def test_killed_ranks_leave_nothing_in_tmpdir(tmp_path):
+    """A rank that sent a tensor has a multiprocessing socket directory; killed (Ctrl-C,
+    SIGTERM) it cannot remove it, so it lives in the group's directory that the parent
+    removes: nothing of the ranks is left in TMPDIR."""
+    script = textwrap.dedent(_KILLED_SCRIPT.format(test_dir=str(Path(__file__).parent)))
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, TMPDIR=str(tmp_path)))
+    assert run.returncode == 0, run.stderr
+    time.sleep(0.5)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert not left, f"left in TMPDIR after the ranks were killed: {left}"
+
+
 # --- placement -------------------------------------------------------------------------------
 
 
