@@ -1,4 +1,7 @@
-"""Reading safetensors checkpoints: one file, or several with `model.safetensors.index.json`."""
+"""Reading safetensors checkpoints: one file, or several with `model.safetensors.index.json`.
+Each file's header is read once and its data mapped (`freetoken.loading.files`): `get` returns
+a view of the mapping, so a tensor costs a dictionary lookup and no bytes are read until its
+shard is copied out."""
 
 from __future__ import annotations
 
@@ -7,12 +10,10 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
+from freetoken.loading.files import CheckpointError, MappedFile
 
-class CheckpointError(ValueError):
-    """A checkpoint folder is missing files or inconsistent."""
-
+__all__ = ["CheckpointError", "CheckpointReader", "layer_index"]
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -29,11 +30,11 @@ class CheckpointReader:
     def __init__(self, folder: str | Path, max_layers: int | None = None):
         """`max_layers=K` hides the tensors of decoder layers K and above (a truncated model)."""
         self.folder = Path(folder)
+        self._handles: dict[str, MappedFile] = {}
         self._files = self._weight_map()
         if max_layers is not None:
             self._files = {n: f for n, f in self._files.items()
                            if (layer := layer_index(n)) is None or layer < max_layers}
-        self._handles: dict[str, object] = {}
 
     def _weight_map(self) -> dict[str, str]:
         index = self.folder / "model.safetensors.index.json"
@@ -50,12 +51,12 @@ class CheckpointReader:
                                   "model.safetensors.index.json")
         weight_map = {}
         for file in files:
-            with safe_open(file, framework="pt") as f:
-                for key in f.keys():
-                    if key in weight_map:
-                        raise CheckpointError(f"tensor {key!r} is in both {weight_map[key]} "
-                                              f"and {file.name}")
-                    weight_map[key] = file.name
+            self._handles[file.name] = mapped = MappedFile(file)
+            for key in mapped.header.entries:
+                if key in weight_map:
+                    raise CheckpointError(f"tensor {key!r} is in both {weight_map[key]} "
+                                          f"and {file.name}")
+                weight_map[key] = file.name
         return weight_map
 
     def names(self) -> list[str]:
@@ -66,21 +67,32 @@ class CheckpointReader:
         """The file (relative to the folder) holding tensor `name` (GPU staging reads it)."""
         return self._files[name]
 
-    def _handle(self, file: str):
-        if file not in self._handles:
-            self._handles[file] = safe_open(self.folder / file, framework="pt")
-        return self._handles[file]
+    def _handle(self, name: str) -> MappedFile:
+        """The mapped file holding tensor `name` (mapped on first use)."""
+        file = self._files[name]
+        mapped = self._handles.get(file)
+        if mapped is None:
+            mapped = self._handles[file] = MappedFile(self.folder / file)
+        if name not in mapped.header.entries:
+            raise CheckpointError(f"{self.folder / 'model.safetensors.index.json'} puts "
+                                  f"tensor {name!r} in {file}, which does not hold it")
+        return mapped
 
     def get(self, name: str) -> torch.Tensor:
-        """The full tensor `name` as stored."""
+        """The full tensor `name` as stored (a view of the mapped file)."""
         if name not in self._files:
             raise CheckpointError(f"{self.folder}: no tensor {name!r}")
-        return self._handle(self._files[name]).get_tensor(name)
+        return self._handle(name).tensor(name)
 
     def meta(self, name: str) -> tuple[tuple[int, ...], str]:
         """(shape, safetensors dtype string) without reading the data."""
-        sl = self._handle(self._files[name]).get_slice(name)
-        return tuple(sl.get_shape()), sl.get_dtype()
+        entry = self._handle(name).header.entries[name]
+        return tuple(entry["shape"]), entry["dtype"]
+
+    def offset(self, name: str) -> int:
+        """Offset of tensor `name`'s first byte in its file (`file_of`)."""
+        return self._handle(name).header.offset(name)
 
     def close(self) -> None:
+        """Forget the mapped files; tensors handed out keep their mapping alive."""
         self._handles.clear()

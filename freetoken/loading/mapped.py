@@ -3,10 +3,8 @@ shard's bytes straight from the page cache (see `freetoken.loading.staging`)."""
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
-import struct
 import threading
 import warnings
 from pathlib import Path
@@ -17,17 +15,6 @@ REGISTER_WINDOW = 256 << 20
 """Bytes of a mapped file registered at once: a thread registers the windows it reads."""
 _HOST_REGISTER_READ_ONLY = 8
 """cudaHostRegisterReadOnly: pin the pages for reading only (a read-only mapping)."""
-
-
-
-def tensor_offsets(path: Path) -> dict[str, int]:
-    """File offset of each tensor's first byte in a safetensors file (from its header: an
-    8-byte little-endian length, the JSON header, then the data)."""
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
-    return {name: 8 + length + entry["data_offsets"][0] for name, entry in header.items()
-            if name != "__metadata__"}
 
 
 def _clear_last_error() -> None:
@@ -55,7 +42,6 @@ class _MappedFile:
             # The tensor is only ever read: copies from it, never into it.
             warnings.simplefilter("ignore", UserWarning)
             self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
-        self.offsets = tensor_offsets(path)
         windows = -(-size // REGISTER_WINDOW)
         self._locks = [threading.Lock() for _ in range(windows)]
         self._registered = [False] * windows
@@ -108,7 +94,7 @@ class MappedCheckpoint:
         if not self.usable:
             return None
         mapped = self._file(self._reader.file_of(name))
-        start = mapped.offsets[name] + source.data_ptr() - full.data_ptr()
+        start = self._reader.offset(name) + source.data_ptr() - full.data_ptr()
         stop = start + source.numel() * source.element_size()
         if not mapped.register(start, stop):
             self.usable = False

@@ -65,6 +65,24 @@ class Target:
     slot: tuple
 
 
+_NAMED_GROUP = re.compile(r"\(\?P<\w+>")
+
+
+def _alternation(patterns: list[str]) -> re.Pattern | None:
+    """One regex trying `patterns` in order, alternative i in a group named `_i` (their own
+    named groups made plain, since two alternatives may use one name); None where a pattern
+    cannot be an alternative (a back-reference, an inline flag) or there is none."""
+    if not patterns:
+        return None
+    if any("(?P=" in p or re.search(r"\\\d|\(\?[aiLmsux]", p) for p in patterns):
+        return None
+    body = "|".join(f"(?P<_{i}>{_NAMED_GROUP.sub('(?:', p)})" for i, p in enumerate(patterns))
+    try:
+        return re.compile(body)
+    except re.error:
+        return None
+
+
 class ShardPlan:
     """An ordered set of rules for one model at one TP size."""
 
@@ -72,9 +90,37 @@ class ShardPlan:
         self.rules = rules
         self.tp_size = tp_size
         self._compiled = [(re.compile(r.pattern), r) for r in rules]
+        # Resolving a name tries every rule; a checkpoint has 10^3-10^5 names. One combined
+        # regex finds the first rule that matches, and one over the rules after it proves no
+        # other does (the engine tried the ones before it and they failed), both in C.
+        self._first = _alternation([r.pattern for r in rules])
+        self._after: dict[int, re.Pattern | None] = {}
 
     def resolve(self, name: str) -> Target:
         """The one rule `name` matches, or a ShardError naming the tensor."""
+        index = self._fast_index(name)
+        if index is None:
+            return self._resolve_slow(name)
+        regex, rule = self._compiled[index]
+        param, slot = rule.destination(regex.fullmatch(name))
+        return Target(name, rule, param, slot)
+
+    def _fast_index(self, name: str) -> int | None:
+        """The index of the one rule `name` matches; None where the combined regexes cannot
+        tell (none or several match, or the plan's patterns cannot be combined)."""
+        if self._first is None or (hit := self._first.fullmatch(name)) is None:
+            return None
+        index = int(hit.lastgroup[1:])
+        if index not in self._after:
+            after = _alternation([r.pattern for r in self.rules[index + 1:]])
+            self._after[index] = after
+            if after is None and index + 1 < len(self.rules):
+                self._first = None  # these patterns do not combine: resolve one by one
+                return None
+        after = self._after[index]
+        return None if after is not None and after.fullmatch(name) else index
+
+    def _resolve_slow(self, name: str) -> Target:
         hits = [(m, r) for rx, r in self._compiled if (m := rx.fullmatch(name))]
         if not hits:
             raise ShardError(f"checkpoint tensor {name!r} matches no shard rule")

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from freetoken.formats.shard import Piece, ShardPieces
-from freetoken.loading.mapped import MappedCheckpoint, tensor_offsets
+from freetoken.loading.mapped import MappedCheckpoint
 
 STAGE_BYTES = 16 << 20
 """Bytes per pinned buffer: large enough that a transfer runs at the bus's speed."""
@@ -55,17 +55,14 @@ class FileReader:
     def __init__(self, reader):
         self._reader = reader
         self._fds: dict[str, int] = {}
-        self._offsets: dict[str, dict[str, int]] = {}
 
     def origin(self, name: str, full: torch.Tensor) -> tuple[int, int]:
         """(descriptor, file offset minus address) of tensor `name`, held as `full`: a view
         `v` of `full` starts at file offset `v.data_ptr()` + the second number."""
         file = self._reader.file_of(name)
         if file not in self._fds:
-            path = Path(self._reader.folder) / file
-            self._fds[file] = os.open(path, os.O_RDONLY)
-            self._offsets[file] = tensor_offsets(path)
-        return self._fds[file], self._offsets[file][name] - full.data_ptr()
+            self._fds[file] = os.open(Path(self._reader.folder) / file, os.O_RDONLY)
+        return self._fds[file], self._reader.offset(name) - full.data_ptr()
 
     @staticmethod
     def read_into(out: torch.Tensor, fd: int, offset: int) -> None:

@@ -378,6 +378,44 @@ def test_resolve_default_param_is_the_name_and_none_ignores():
     assert (k.param, k.slot) == ("model.layers.3.self_attn.qkv_proj.weight", (slice(32, 48),))
 
 
+_OVERLAPPING = [r"a\.\d+", r"a\.(?P<n>\d+)", r"a\.1\d*", r"b\.\w+", r"(a|b)\.x",
+                r"a\.(?P<n>\d)\.y", r"\w+\.y", r"(?P<m>\w)\.(?P<n>\d)\.y"]
+_NAMES = ["a.1", "a.12", "a.7", "a.x", "b.x", "b.12", "a.3.y", "b.4.y", "c.y", "c", "a.1.y.z"]
+
+
+def _outcome(resolve, name: str):
+    try:
+        t = resolve(name)
+    except ShardError as e:
+        return str(e)
+    return t.rule.pattern, t.param, t.slot
+
+
+@given(st.lists(st.sampled_from(_OVERLAPPING), min_size=1, max_size=6, unique=True),
+       st.lists(st.sampled_from(_NAMES), min_size=1, max_size=8))
+def test_resolve_through_combined_regexes_equals_rule_by_rule(patterns, names):
+    """The combined-regex resolve gives the rule-by-rule answer for any rule order and name:
+    the same rule, destination and slot, or the same error (no rule, or every rule of an
+    ambiguous name) - named groups shared by several rules included."""
+    plan = ShardPlan([Rule(p, param=r"\g<0>.p", slot=("n",) if "<n>" in p else ())
+                      for p in patterns], 1)
+    for name in names:
+        assert _outcome(plan.resolve, name) == _outcome(plan._resolve_slow, name), name
+
+
+@pytest.mark.parametrize("case", ["tiny-llama", "tiny-qwen3.5-moe-nvfp4"])
+def test_resolve_of_every_bundled_tensor_equals_rule_by_rule(case):
+    """Over the real shard plans, every checkpoint name resolves as rule by rule would."""
+    from freetoken.loading import CheckpointReader
+    from freetoken.models.registry import load_config, shard_plan
+    from verify.cases import resolve_case
+
+    folder = resolve_case(case).folder
+    plan = shard_plan(load_config(folder), 2)
+    for name in CheckpointReader(folder).names():
+        assert _outcome(plan.resolve, name) == _outcome(plan._resolve_slow, name), name
+
+
 def test_plan_shard_uses_the_plans_tp_size():
     """ShardPlan.shard applies the resolved rule at the plan's tp_size."""
     full = torch.arange(8.0).reshape(4, 2)

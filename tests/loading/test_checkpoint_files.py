@@ -1,0 +1,97 @@
+"""CheckpointReader over its own mapping of safetensors files: every dtype and shape reads
+bitwise as safetensors reads it, tensors are views (no read, no copy), a write into one stays
+private, an unaligned tensor is still read right, and a wrong index names the tensor."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from freetoken.loading import CheckpointError, CheckpointReader
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "f32": torch.randn(3, 5, generator=g),
+        "bf16": torch.randn(7, 2, generator=g).bfloat16(),
+        "f16": torch.randn(4, generator=g).half(),
+        "u8": torch.randint(0, 255, (6, 3), generator=g, dtype=torch.uint8),
+        "f8": torch.randn(2, 8, generator=g).to(torch.float8_e4m3fn),
+        "i64": torch.arange(5),
+        "i32": torch.arange(3, dtype=torch.int32),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 4),
+        "flag": torch.tensor([True, False]),
+    }
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def test_reader_returns_every_dtype_bitwise_as_safetensors(tmp_path):
+    tensors = _tensors()
+    save_file(tensors, tmp_path / "model.safetensors")
+    reference = load_file(tmp_path / "model.safetensors")
+    reader = CheckpointReader(tmp_path)
+    assert sorted(reader.names()) == sorted(tensors)
+    for name, want in reference.items():
+        got = reader.get(name)
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert _raw(got) == _raw(want), name
+        assert reader.meta(name)[0] == tuple(want.shape), name
+
+
+def test_tensors_are_views_of_one_mapping_and_writes_stay_private(tmp_path):
+    path = tmp_path / "model.safetensors"
+    save_file({"a": torch.arange(1024.0), "b": torch.ones(256)}, path)
+    before = path.read_bytes()
+    reader = CheckpointReader(tmp_path)
+    a, b = reader.get("a"), reader.get("b")
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr(), (
+        "tensors of one file should share the file's mapping, not be copies")
+    a.mul_(-1)
+    assert path.read_bytes() == before, "a write into a loaded tensor reached the file"
+    assert torch.equal(CheckpointReader(tmp_path).get("a"), torch.arange(1024.0))
+
+
+def _write_raw(path, entries: dict[str, tuple[str, list[int], bytes]], pad: int) -> None:
+    """A safetensors file whose data section starts `pad` bytes in (offsets unaligned)."""
+    header, data, at = {}, b"\0" * pad, pad
+    for name, (dtype, shape, raw) in entries.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [at, at + len(raw)]}
+        data += raw
+        at += len(raw)
+    head = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(head)) + head + data)
+
+
+def test_an_unaligned_tensor_is_read_right(tmp_path):
+    values = torch.arange(6, dtype=torch.float32) / 3
+    _write_raw(tmp_path / "model.safetensors",
+               {"x": ("F32", [2, 3], values.numpy().tobytes())}, pad=1)
+    got = CheckpointReader(tmp_path).get("x")
+    assert torch.equal(got, values.reshape(2, 3)), got
+
+
+def test_an_index_naming_the_wrong_file_names_the_tensor(tmp_path):
+    save_file({"a": torch.ones(2)}, tmp_path / "model-1.safetensors")
+    save_file({"b": torch.ones(2)}, tmp_path / "model-2.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model-2.safetensors", "b": "model-2.safetensors"}}))
+    reader = CheckpointReader(tmp_path)
+    with pytest.raises(CheckpointError, match="tensor 'a' in model-2.safetensors"):
+        reader.get("a")
+
+
+def test_a_truncated_file_is_refused_naming_it(tmp_path):
+    path = tmp_path / "model.safetensors"
+    save_file({"a": torch.ones(64)}, path)
+    path.write_bytes(path.read_bytes()[:-16])
+    with pytest.raises(CheckpointError, match="model.safetensors: tensor 'a' ends at byte"):
+        CheckpointReader(tmp_path)
