@@ -29,13 +29,14 @@ def double_copy_load() -> None:
     """The loader builds every shard as a fresh tensor (`spec.shard`) and then copies it into
     its parameter, as it did before shards were copied straight into place: each tensor is
     copied twice and the host holds one shard more than the parameters (on a GPU, the whole
-    shard in pageable memory)."""
+    shard in pageable memory), every shard on its own (no batched small runs)."""
     from freetoken.loading import loader
 
-    def copy(spec, full, rank, size, dest, name, stager):
-        dest.copy_(spec.shard(full, rank, size, name))
+    def copy(job, rank, size, stager):
+        job.dest.copy_(job.spec.shard(job.full, rank, size, job.name))
 
     loader._copy_shard = copy
+    loader.SMALL_RUN_BYTES = 0
 
 
 def kv_cache_global_heads() -> None:

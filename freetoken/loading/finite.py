@@ -32,8 +32,9 @@ def _nonfinite_mask(t: torch.Tensor) -> torch.Tensor | None:
 
 # Elements tested per step where a step builds temporaries of its input's size (the exact
 # test, fp8 masks, float16 sums in float32): over a whole shard that transient would be more
-# than its bytes again, which the memory check's load budget (rightly) refuses.
-_CHUNK = 1 << 16
+# than its bytes again, which the memory check's load budget (rightly) refuses; a MiB of
+# mask per step fits its slack and keeps the launches few on a whole parameter.
+_CHUNK = 1 << 20
 
 
 def _chunks(t: torch.Tensor) -> list[torch.Tensor]:
@@ -72,16 +73,26 @@ def check_finite(name: str, t: torch.Tensor) -> None:
 def check_finite_all(named: Sequence[tuple[str, torch.Tensor]]) -> None:
     """check_finite over many (name, shard) pairs: one screening reduction each and one
     host sync for all of them; the first non-finite tensor (in order) is reported."""
-    screened = [(name, t, s) for name, t in named if (s := _screen(t)) is not None]
+    check_finite_grouped([(t, [(name, t)]) for name, t in named])
+
+
+def check_finite_grouped(groups: Sequence[tuple[torch.Tensor, Sequence[tuple[str, torch.Tensor]]]]
+                         ) -> None:
+    """check_finite over groups of (name, shard) pairs that together make up one tensor each
+    (the shards of one parameter): one screening reduction per group's tensor and one host
+    sync for all of them; only a group that fails is tested shard by shard, so the error
+    still names the checkpoint tensor (the first non-finite one, in order)."""
+    screened = [(parts, s) for whole, parts in groups if (s := _screen(whole)) is not None]
     if not screened:
         return
-    sums = torch.stack([s.to(device=screened[0][2].device, dtype=torch.float32)
-                        for _, _, s in screened])
+    sums = torch.stack([s.to(device=screened[0][1].device, dtype=torch.float32)
+                        for _, s in screened])
     if bool(torch.isfinite(sums).all()):
         return
-    for (name, t, _), ok in zip(screened, torch.isfinite(sums).tolist()):
-        if not ok and _has_nonfinite(t):
-            _raise(name, t)
+    for (parts, _), ok in zip(screened, torch.isfinite(sums).tolist()):
+        for name, t in [] if ok else parts:
+            if _has_nonfinite(t):
+                _raise(name, t)
 
 
 def _raise(name: str, t: torch.Tensor) -> None:

@@ -21,15 +21,19 @@ from torch import nn
 from tqdm import tqdm
 
 from freetoken.distributed import get_tp_info
-from freetoken.formats.shard import ShardSpec, shard_into
+from freetoken.formats.shard import ShardPieces, ShardSpec, write_pieces
 from freetoken.loading import staging
 from freetoken.loading.checkpoint import CheckpointReader
-from freetoken.loading.finite import check_finite, check_finite_all
+from freetoken.loading.finite import check_finite, check_finite_grouped
 from freetoken.loading.plan import ShardPlan, slot_key
 from freetoken.loading.staging import MappedCheckpoint, PinnedStager, release_pinned
 
 MAX_THREADS = 8
 """More threads than this stop paying: they contend for the same memory bus."""
+SMALL_RUN_BYTES = 128 << 10
+"""Onto a GPU, shards up to this size that fill adjacent bytes of one parameter (the scales and
+norms of a quantized checkpoint, thousands of them) are assembled in one pinned buffer and
+sent in one transfer, instead of one transfer (and its host-side cost) each. 0 turns it off."""
 MAX_GPU_THREADS = 2
 """Loading onto a GPU, the copy engine reads the registered file pages itself and the threads
 only plan and issue transfers, under the GIL: more than two contend (measured on an H200, a
@@ -49,7 +53,10 @@ class _Job:
     name: str
     full: torch.Tensor
     spec: ShardSpec
+    pieces: ShardPieces
     dest: torch.Tensor
+    param_name: str
+    param: torch.Tensor
     nbytes: int
 
 
@@ -119,7 +126,8 @@ def _plan(params: dict, reader: CheckpointReader, plan: ShardPlan, rank: int, si
                             "which the model does not have")
         full = reader.get(name)
         pieces = target.rule.spec.pieces(full, rank, size, name)
-        dest = params[target.param].data[target.slot] if target.slot else params[target.param].data
+        param = params[target.param].data
+        dest = param[target.slot] if target.slot else param
         _check_fit(name, pieces.shape, full.dtype, dest, target.param)
         key = slot_key(target.slot)
         if key in filled[target.param]:
@@ -127,7 +135,8 @@ def _plan(params: dict, reader: CheckpointReader, plan: ShardPlan, rank: int, si
                             f"(second time by {name!r})")
         filled[target.param][key] = dest.numel()
         # `full` maps the file (no bytes are read until the copy): kept, not read twice.
-        jobs.append(_Job(name, full, target.rule.spec, dest, dest.numel() * dest.element_size()))
+        jobs.append(_Job(name, full, target.rule.spec, pieces, dest, target.param, param,
+                         dest.numel() * dest.element_size()))
     return jobs, filled
 
 
@@ -149,33 +158,99 @@ def _spans(jobs: list[_Job], threads: int) -> list[list[_Job]]:
 def _copy_span(span: list[_Job], reader: CheckpointReader, rank: int, size: int, bar,
                mapped: MappedCheckpoint | None = None) -> None:
     """Copy one run of tensors into their slots (runs in a loader thread)."""
-    stager = None
+    if not span[0].dest.is_cuda:
+        for job in span:
+            _copy_job(job, rank, size, None)
+            bar.update(1)
+        return
     # A ring no larger than the span's largest shard: small models pin little.
     largest = max(job.nbytes for job in span)
+    stager = PinnedStager(span[0].dest.device, reader, min(staging.STAGE_BYTES, largest),
+                          mapped=mapped)
+    runs, singles = _small_runs(span, min(staging.STAGE_BYTES, largest))
+    with stager.current():
+        for run in runs:
+            _copy_run(run, stager)
+            bar.update(len(run))
+        for job in singles:
+            _copy_job(job, rank, size, stager)
+            bar.update(1)
+    stager.finish()
+    # Staged copies run on the stager's stream: checked once they have all landed.
+    check_finite_grouped(_finite_groups(span))
+
+
+def _finite_groups(span: list[_Job]) -> list[tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]]:
+    """The span's shards grouped by parameter for the finite screen: a parameter the span
+    fills entirely is screened in one reduction (NVFP4 checkpoints have thousands of scale
+    tensors in a few parameters); one only partly here (another thread writes the rest, or
+    not yet) shard by shard."""
+    by_param: dict[str, list[_Job]] = defaultdict(list)
     for job in span:
-        if job.dest.is_cuda and stager is None:
-            stager = PinnedStager(job.dest.device, reader, min(staging.STAGE_BYTES, largest),
-                                  mapped=mapped)
-        for observe in list(_observers):
-            observe(job.name, False)
-        _copy_shard(job.spec, job.full, rank, size, job.dest, job.name, stager)
-        for observe in list(_observers):
-            observe(job.name, True)
-        bar.update(1)
-    if stager is not None:
-        stager.finish()
-        # Staged copies run on the stager's stream: checked once they have all landed.
-        check_finite_all([(job.name, job.dest) for job in span])
+        by_param[job.param_name].append(job)
+    groups = []
+    for jobs in by_param.values():
+        param, named = jobs[0].param, [(job.name, job.dest) for job in jobs]
+        if sum(job.nbytes for job in jobs) == param.numel() * param.element_size():
+            groups.append((param, named))
+        else:
+            groups.extend((dest, [(name, dest)]) for name, dest in named)
+    return groups
 
 
-def _copy_shard(spec, full: torch.Tensor, rank: int, size: int, dest: torch.Tensor, name: str,
-                stager: PinnedStager | None) -> None:
-    """The one copy of a shard: from the mapped checkpoint into `dest`."""
+def _copy_job(job: _Job, rank: int, size: int, stager: PinnedStager | None) -> None:
+    for observe in list(_observers):
+        observe(job.name, False)
+    _copy_shard(job, rank, size, stager)
+    for observe in list(_observers):
+        observe(job.name, True)
+
+
+def _copy_run(run: list[_Job], stager: PinnedStager) -> None:
+    """Shards filling adjacent bytes of one parameter: one pinned buffer, one transfer."""
+    first, nbytes = run[0], sum(job.nbytes for job in run)
+    at = first.dest.data_ptr() - first.param.data_ptr()
+    target = first.param.reshape(-1).view(torch.uint8)[at : at + nbytes]
+    with stager.assemble(target) as buffer:
+        done = 0
+        for job in run:
+            for observe in list(_observers):
+                observe(job.name, False)
+            host = buffer[done : done + job.nbytes].view(job.dest.dtype).view(job.pieces.shape)
+            write_pieces(job.pieces, host)
+            done += job.nbytes
+            for observe in list(_observers):
+                observe(job.name, True)
+
+
+def _small_runs(span: list[_Job], most: int) -> tuple[list[list[_Job]], list[_Job]]:
+    """(runs of two or more small shards that fill adjacent bytes of one contiguous parameter,
+    at most `most` bytes each; every other job)."""
+    small = sorted((job for job in span if job.nbytes <= SMALL_RUN_BYTES
+                    and job.dest.is_contiguous() and job.param.is_contiguous()),
+                   key=lambda job: job.dest.data_ptr())
+    runs, current, total = [], [], 0
+    for job in small:
+        if current and (job.param_name != current[0].param_name
+                        or job.dest.data_ptr() != current[-1].dest.data_ptr()
+                        + current[-1].nbytes or total + job.nbytes > most):
+            runs.append(current)
+            current, total = [], 0
+        current.append(job)
+        total += job.nbytes
+    runs = [run for run in [*runs, current] if len(run) > 1]
+    batched = {id(job) for run in runs for job in run}
+    return runs, [job for job in span if id(job) not in batched]
+
+
+def _copy_shard(job: _Job, rank: int, size: int, stager: PinnedStager | None) -> None:
+    """The one copy of a shard: from the mapped checkpoint into its slot (the pieces were
+    made and checked by `_plan`)."""
     if stager is None:
-        shard_into(spec, full, rank, size, dest, name)
-        check_finite(name, dest)
+        write_pieces(job.pieces, job.dest)
+        check_finite(job.name, job.dest)
     else:
-        stager.write(name, full, spec.pieces(full, rank, size, name), dest)
+        stager.write(job.name, job.full, job.pieces, job.dest)
 
 
 def _check_fit(name: str, shape: tuple, dtype: torch.dtype, dest: torch.Tensor,

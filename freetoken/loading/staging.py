@@ -20,8 +20,10 @@ split, a cast) is copied from the mapped view, casting on the way."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -144,10 +146,29 @@ class PinnedStager:
         self._events: list[torch.cuda.Event | None] = [None] * ring
         self._next = 0
 
+    @contextlib.contextmanager
+    def current(self) -> Iterator[None]:
+        """Make the copy stream this thread's current one while the block runs (set once per
+        span: entering `torch.cuda.stream` per copy costs more than a small copy)."""
+        previous = torch.cuda.current_stream(self.device)
+        torch.cuda.set_stream(self.stream)
+        try:
+            yield
+        finally:
+            torch.cuda.set_stream(previous)
+
+    @contextlib.contextmanager
+    def assemble(self, dest: torch.Tensor) -> Iterator[torch.Tensor]:
+        """A pinned uint8 buffer of dest's bytes for the block to fill; sent to `dest` (bytes
+        of a GPU parameter) in one transfer when the block ends."""
+        slot, buffer = self._take(dest.numel())
+        yield buffer
+        self._send(slot, buffer, dest)
+
     def write(self, name: str, full: torch.Tensor, pieces: ShardPieces,
               dest: torch.Tensor) -> None:
         """Copy the shard of checkpoint tensor `name` (held as `full`) described by `pieces`
-        into `dest` (on the GPU), chunk by chunk."""
+        into `dest` (on the GPU), chunk by chunk, on the copy stream (`current`)."""
         origin = self._files.origin(name, full)
         pieces = _as_rows(pieces)
         # view, never reshape: a copy of `dest` would take the transfer instead of it.
@@ -177,15 +198,14 @@ class PinnedStager:
                     for _, source in parts]
         if any(seg is None for seg, (_, source) in zip(segments, parts) if source is not None):
             return False
-        with torch.cuda.stream(self.stream):
-            for (region, source), seg in zip(parts, segments):
-                if source is None:
-                    region.zero_()
-                    continue
-                out, at = region.reshape(-1).view(torch.uint8), 0
-                for part in seg:
-                    out[at : at + len(part)].copy_(part, non_blocking=True)
-                    at += len(part)
+        for (region, source), seg in zip(parts, segments):
+            if source is None:
+                region.zero_()
+                continue
+            out, at = region.reshape(-1).view(torch.uint8), 0
+            for part in seg:
+                out[at : at + len(part)].copy_(part, non_blocking=True)
+                at += len(part)
         return True
 
     def _take(self, nbytes: int) -> tuple[int, torch.Tensor]:
@@ -201,10 +221,9 @@ class PinnedStager:
         return slot, self._buffers[slot][:nbytes]
 
     def _send(self, slot: int, stage: torch.Tensor, dest: torch.Tensor) -> None:
-        with torch.cuda.stream(self.stream):
-            dest.copy_(stage, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.stream)
+        dest.copy_(stage, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(self.stream)
         self._events[slot] = event
 
     def finish(self) -> None:

@@ -6,6 +6,9 @@ is a pure function of (checkpoint, rank, size)."""
 
 from __future__ import annotations
 
+import contextlib
+import re
+
 import pytest
 import torch
 
@@ -54,6 +57,16 @@ def _load(folder, cfg, tp: int, rank: int, dtype: torch.dtype, threads: int,
     return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
 
 
+def double_copied(monkeypatch, folder, cfg, tp: int, rank: int, dtype: torch.dtype) -> dict:
+    """A CPU load through the old double-copy path (the `double-copy-load` fault), the real
+    loader restored afterwards."""
+    with monkeypatch.context() as patched:
+        patched.setattr(loader, "_copy_shard", loader._copy_shard)
+        patched.setattr(loader, "SMALL_RUN_BYTES", loader.SMALL_RUN_BYTES)
+        double_copy_load()
+        return _load(folder, cfg, tp, rank, dtype, threads=1)
+
+
 def _assert_bitwise_same(fast: dict, slow: dict, label: str) -> None:
     assert fast.keys() == slow.keys(), label
     for name, want in slow.items():
@@ -71,16 +84,10 @@ def test_fast_path_matches_shard_path_on_bundled_cases(case, dtype, monkeypatch)
     """Every parameter of every rank at TP 1, 2, 4, 8 is bitwise the same either way."""
     folder = GOLDEN / case
     cfg = load_config(folder)
-    real_copy = loader._copy_shard
-    # Recorded first, so the teardown restores the real copy, not the injected one.
-    monkeypatch.setattr(loader, "_copy_shard", real_copy)
     for tp in TP_SIZES:
         for rank in range(tp):
             fast = _load(folder, cfg, tp, rank, dtype, threads=3)
-            monkeypatch.setattr(loader, "_copy_shard", real_copy)
-            double_copy_load()
-            slow = _load(folder, cfg, tp, rank, dtype, threads=1)
-            monkeypatch.setattr(loader, "_copy_shard", real_copy)
+            slow = double_copied(monkeypatch, folder, cfg, tp, rank, dtype)
             _assert_bitwise_same(fast, slow, f"{case} {dtype} tp={tp} rank={rank}")
 
 
@@ -95,16 +102,84 @@ def test_gpu_staging_matches_shard_path_on_bundled_cases(case, monkeypatch):
     folder = GOLDEN / case
     cfg = load_config(folder)
     monkeypatch.setattr(staging, "STAGE_BYTES", 4096)
-    real_copy = loader._copy_shard
-    # Recorded first, so the teardown restores the real copy, not the injected one.
-    monkeypatch.setattr(loader, "_copy_shard", real_copy)
     for tp in TP_SIZES:
         for rank in range(tp):
             fast = _load(folder, cfg, tp, rank, torch.bfloat16, threads=3, device="cuda")
-            double_copy_load()
-            slow = _load(folder, cfg, tp, rank, torch.bfloat16, threads=1)
-            monkeypatch.setattr(loader, "_copy_shard", real_copy)
+            slow = double_copied(monkeypatch, folder, cfg, tp, rank, torch.bfloat16)
             _assert_bitwise_same(fast, slow, f"{case} cuda tp={tp} rank={rank}")
+
+
+class _HostStager:
+    """The GPU stager's batching contract on the host: `assemble` hands out a uint8 buffer of
+    the target's size and copies it into the target when the block ends."""
+
+    @contextlib.contextmanager
+    def assemble(self, dest: torch.Tensor):
+        buffer = torch.full((dest.numel(),), 0xA5, dtype=torch.uint8)
+        yield buffer
+        dest.copy_(buffer)
+
+
+def _planned(folder, cfg, tp: int, rank: int) -> tuple[torch.nn.Module, list]:
+    """A rank's NaN-filled bf16 model and the loader's jobs for it (nothing copied yet)."""
+    set_tp_info(TPInfo(rank, tp))
+    try:
+        model = _build(cfg, torch.bfloat16)
+        params = dict(model.named_parameters())
+        jobs, _ = loader._plan(params, CheckpointReader(folder), shard_plan(cfg, tp), rank, tp)
+    finally:
+        reset_tp_info()
+    return model, jobs
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_small_runs_assemble_bitwise_the_shard_path(case):
+    """Small shards batched into one buffer per run of adjacent slots (what the GPU loader
+    sends in one transfer) give bitwise the shard() path's parameters at TP 1, 2, 4 and 8;
+    the runs cover only small jobs, each job once, with adjacent slots of one parameter."""
+    folder = GOLDEN / case
+    cfg = load_config(folder)
+    batched_somewhere = False
+    for tp in TP_SIZES:
+        for rank in range(tp):
+            want = _load(folder, cfg, tp, rank, torch.bfloat16, threads=1)
+            model, jobs = _planned(folder, cfg, tp, rank)
+            runs, singles = loader._small_runs(jobs, 1 << 20)
+            assert sorted(map(id, [j for r in runs for j in r] + singles)) == \
+                sorted(map(id, jobs)), "runs and singles do not partition the jobs"
+            for run in runs:
+                assert all(j.nbytes <= loader.SMALL_RUN_BYTES for j in run)
+                loader._copy_run(run, _HostStager())
+            for job in singles:
+                loader._copy_job(job, rank, tp, None)
+            batched_somewhere |= bool(runs)
+            got = {n: p.detach().clone() for n, p in model.named_parameters()}
+            _assert_bitwise_same(got, want, f"{case} batched tp={tp} rank={rank}")
+    assert batched_somewhere, f"{case}: no run of small shards to batch at any TP size"
+
+
+def test_finite_screen_per_parameter_names_the_tensor():
+    """The GPU loader screens a parameter its thread filled entirely in one reduction (far
+    fewer than one per tensor on NVFP4), and a NaN in one shard is still reported under that
+    shard's checkpoint name; a finite parameter whose sum overflows is not refused."""
+    from freetoken.loading.finite import NonFiniteError, check_finite_grouped
+
+    folder = GOLDEN / "tiny-qwen3.5-moe-nvfp4"
+    cfg = load_config(folder)
+    _, jobs = _planned(folder, cfg, 1, 0)
+    for job in jobs:
+        loader._copy_job(job, 0, 1, None)
+    groups = loader._finite_groups(jobs)
+    assert sorted(n for _, parts in groups for n, _ in parts) == sorted(j.name for j in jobs)
+    assert len(groups) < len(jobs) / 2, f"{len(groups)} screens for {len(jobs)} tensors"
+    check_finite_grouped(groups)
+    victim = next(j for j in jobs if j.dest.dtype == torch.float32 and j.dest.numel() == 1
+                  and any(len(parts) > 1 and j.name in dict(parts) for _, parts in groups))
+    victim.dest.fill_(float("nan"))
+    with pytest.raises(NonFiniteError, match=re.escape(repr(victim.name))):
+        check_finite_grouped(groups)
+    big = torch.full((4, 1024), 3e38)
+    check_finite_grouped([(big, [(f"t{i}", big[i]) for i in range(4)])])
 
 
 SPECS = [
