@@ -15,7 +15,9 @@ Method. For each case, TP size and mode a fresh rank group is started (`cpu-gloo
 EngineConfig(tp=N, device=..., progress=False, num_kv_blocks=1))` at the same time. Per rank:
 
 * `load_s`: wall time of the construction (model build + load + a one-block KV cache);
-  `GB/s`: the rank's parameter bytes over it;
+  `GB/s`: the rank's parameter bytes over it; `weights_s`: the weight loading alone
+  (`load_weights`, until every transfer has landed); `plan_s`: its planning pass (every name
+  resolved to its rule and slot and checked before the first copy);
 * `peak_rss` / `peak_anon`: growth over the rank's RSS just before the load, sampled every
   20 ms with `psutil` (`anon` = RSS minus file-backed and shared pages: memory only this
   rank holds; the rest is mapped checkpoint pages, shared page cache); `after_rss`: RSS
@@ -23,7 +25,8 @@ EngineConfig(tp=N, device=..., progress=False, num_kv_blocks=1))` at the same ti
 * on GPU: `gpu/expected`, `max_memory_allocated` growth over the bytes the memory check
   expects from the config (parameters, KV cache, GatedDeltaNet state, buffers); `h2d_GB/s`,
   the pinned host-to-device bandwidth measured in the same rank right after the load (512 MiB
-  copies, median of 5), and `%h2d`, the load rate as a share of it.
+  copies, median of 5), and `%h2d`, the load rate as a share of it (`%h2d_weights`: the
+  same for `weights_s`).
 
 Modes (monkeypatched inside each rank process):
 
@@ -174,6 +177,7 @@ def _measure_load(ctx, folder: str, dtype: str) -> dict:
     sampler.start()
     cfg = EngineConfig(folder, tp=ctx.size, device=ctx.device.type, dtype=dtype, progress=False,
                        num_kv_blocks=1)
+    parts = _time_load_parts()
     t0 = time.perf_counter()
     core = EngineCore(folder, cfg, ctx.device)
     if cuda:
@@ -185,7 +189,8 @@ def _measure_load(ctx, folder: str, dtype: str) -> dict:
     peak_rss, peak_anon = max(peak["rss"], after.rss), max(peak["anon"], after.rss - after.shared)
     local = sum(p.nbytes for p in core.model.parameters())
     _HELD.clear()
-    out = {"load_s": seconds, "peak_rss": peak_rss - before.rss,
+    out = {"load_s": seconds, "weights_s": parts["weights"], "plan_s": parts["plan"],
+           "peak_rss": peak_rss - before.rss,
            "peak_anon": peak_anon - (before.rss - before.shared),
            "after_rss": after.rss - before.rss, "local": local}
     if cuda:
@@ -194,6 +199,30 @@ def _measure_load(ctx, folder: str, dtype: str) -> dict:
         del core
         out["h2d"] = h2d_bandwidth(ctx.device, H2D_BYTES)
     return out
+
+
+def _time_load_parts() -> dict:
+    """Wrap the engine's `load_weights` (the weights alone, every transfer landed) and the
+    loader's planning pass (names resolved, shards checked, nothing copied) with timers."""
+    import freetoken.engine.core as core
+    from freetoken.loading import loader
+
+    parts = {"weights": 0.0, "plan": 0.0}
+
+    def timed(key, fn, sync):
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if sync and torch.cuda.is_initialized():
+                    torch.cuda.synchronize()
+                parts[key] += time.perf_counter() - t0
+        return run
+
+    core.load_weights = timed("weights", core.load_weights, True)
+    loader._plan = timed("plan", loader._plan, False)
+    return parts
 
 
 def _expected_bytes(folder: str, core, ctx) -> int:
@@ -229,10 +258,13 @@ def machine(device: str) -> str:
 
 def row(case: str, tp: int, mode: str, rank: int, r: dict, cuda: bool) -> list:
     rate = r["local"] / r["load_s"] / 1e9
-    cells = [case, tp, mode, rank, r["load_s"], rate, r["peak_rss"] / MIB, r["peak_anon"] / MIB,
-             r["after_rss"] / MIB, r["local"] / MIB, r["peak_anon"] / r["local"]]
+    cells = [case, tp, mode, rank, r["load_s"], r["weights_s"], r["plan_s"], rate,
+             r["peak_rss"] / MIB, r["peak_anon"] / MIB, r["after_rss"] / MIB, r["local"] / MIB,
+             r["peak_anon"] / r["local"]]
     if cuda:
-        cells += [r["gpu"] / r["expected"], r["h2d"], 100 * rate / r["h2d"]]
+        weights_rate = r["local"] / r["weights_s"] / 1e9
+        cells += [r["gpu"] / r["expected"], r["h2d"], 100 * rate / r["h2d"],
+                  100 * weights_rate / r["h2d"]]
     return cells
 
 
@@ -279,12 +311,12 @@ def main(argv: list[str] | None = None) -> int:
     print("MiB of growth over each rank's RSS just before the load; anon = RSS minus "
           "file-backed and shared pages; GB/s = parameter bytes / load_s")
     print()
-    headers = ["case", "tp", "mode", "rank", "load_s", "GB/s", "peak_rss_MiB", "peak_anon_MiB",
-               "after_rss_MiB", "local_MiB", "anon/local"]
-    fmt = ["", "", "", "", ".2f", ".2f", ".0f", ".0f", ".0f", ".0f", ".2f"]
+    headers = ["case", "tp", "mode", "rank", "load_s", "weights_s", "plan_s", "GB/s",
+               "peak_rss_MiB", "peak_anon_MiB", "after_rss_MiB", "local_MiB", "anon/local"]
+    fmt = ["", "", "", "", ".2f", ".2f", ".2f", ".2f", ".0f", ".0f", ".0f", ".0f", ".2f"]
     if args.device == "cuda":
-        headers += ["gpu/expected", "h2d_GB/s", "%h2d"]
-        fmt += [".3f", ".1f", ".0f"]
+        headers += ["gpu/expected", "h2d_GB/s", "%h2d", "%h2d_weights"]
+        fmt += [".3f", ".1f", ".0f", ".0f"]
     print(tabulate(rows, headers=headers, floatfmt=fmt))
     return 0
 
