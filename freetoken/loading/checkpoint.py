@@ -93,6 +93,12 @@ class CheckpointReader:
         """Offset of tensor `name`'s first byte in its file (`file_of`)."""
         return self._handle(name).header.offset(name)
 
+    def extent(self, name: str) -> tuple[int, int]:
+        """(first, past-the-last) byte of tensor `name` in its file (`file_of`)."""
+        header = self._handle(name).header
+        begin, end = header.entries[name]["data_offsets"]
+        return header.data_start + begin, header.data_start + end
+
     def close(self) -> None:
         """Forget the mapped files; tensors handed out keep their mapping alive."""
         self._handles.clear()

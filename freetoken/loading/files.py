@@ -115,6 +115,8 @@ class MappedFile:
             os.close(fd)
         # The tensor holds the mapping: views of it stay valid after this object is gone.
         self._bytes = torch.frombuffer(mapping, dtype=torch.uint8)
+        # The whole mapping viewed as each dtype met so far: a tensor is then one slice of it.
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
 
     def tensor(self, name: str) -> torch.Tensor:
         """Tensor `name` as stored: a view of the mapping (a copy where its offset is not a
@@ -125,8 +127,12 @@ class MappedFile:
             raise CheckpointError(f"{self.path}: tensor {name!r} has dtype {entry['dtype']}, "
                                   f"which torch {torch.__version__} does not have")
         begin, end = entry["data_offsets"]
-        start = self.header.data_start + begin
-        raw = self._bytes[start : start + end - begin]
-        if start % dtype.itemsize:
-            raw = raw.clone()
-        return raw.view(dtype).view(entry["shape"])
+        start, size = self.header.data_start + begin, dtype.itemsize
+        if start % size:
+            return self._bytes[start : start + end - begin].clone().view(dtype).view(
+                entry["shape"])
+        typed = self._typed.get(dtype)
+        if typed is None:
+            whole = len(self._bytes) - len(self._bytes) % size
+            typed = self._typed[dtype] = self._bytes[:whole].view(dtype)
+        return typed[start // size : (start + end - begin) // size].view(entry["shape"])

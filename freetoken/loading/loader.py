@@ -88,15 +88,18 @@ def load_weights(model: nn.Module, reader: CheckpointReader, plan: ShardPlan,
     """
     tp = get_tp_info()
     params = dict(model.named_parameters())
-    jobs, filled = _plan(params, reader, plan, tp.rank, tp.size)
-    _check_complete(params, filled)
-    gpu = any(job.dest.is_cuda for job in jobs)
-    threads = threads or default_threads(tp.size, gpu)
-    bar = tqdm(total=len(jobs), desc="loading", unit="tensor",
-               disable=not (progress and tp.is_first), leave=False)
-    spans = _spans(jobs, threads)
-    mapped = MappedCheckpoint(reader) if gpu else None
+    device = next((p.device for p in params.values() if p.is_cuda), None)
+    mapped = MappedCheckpoint(reader) if device is not None else None
     try:
+        if mapped is not None:
+            # The driver pins the file pages while this thread plans.
+            mapped.register_ahead(reader.names(), device)
+        jobs, filled = _plan(params, reader, plan, tp.rank, tp.size)
+        _check_complete(params, filled)
+        threads = threads or default_threads(tp.size, mapped is not None)
+        bar = tqdm(total=len(jobs), desc="loading", unit="tensor",
+                   disable=not (progress and tp.is_first), leave=False)
+        spans = _spans(jobs, threads)
         with ThreadPoolExecutor(max_workers=len(spans) or 1, thread_name_prefix="load") as pool:
             for done in [pool.submit(_copy_span, span, reader, tp.rank, tp.size, bar, mapped)
                          for span in spans]:
@@ -117,6 +120,7 @@ def _plan(params: dict, reader: CheckpointReader, plan: ShardPlan, rank: int, si
     """Every tensor's destination, checked (rule, parameter, shape, dtype, each slot once)
     before anything is copied."""
     jobs, filled = [], defaultdict(dict)
+    data = {}  # `.data` makes a new tensor object per call: one per parameter
     for name in reader.names():
         target = plan.resolve(name)
         if target.param is None:
@@ -126,7 +130,9 @@ def _plan(params: dict, reader: CheckpointReader, plan: ShardPlan, rank: int, si
                             "which the model does not have")
         full = reader.get(name)
         pieces = target.rule.spec.pieces(full, rank, size, name)
-        param = params[target.param].data
+        param = data.get(target.param)
+        if param is None:
+            param = data[target.param] = params[target.param].data
         dest = param[target.slot] if target.slot else param
         _check_fit(name, pieces.shape, full.dtype, dest, target.param)
         key = slot_key(target.slot)

@@ -169,6 +169,8 @@ class PinnedStager:
               dest: torch.Tensor) -> None:
         """Copy the shard of checkpoint tensor `name` (held as `full`) described by `pieces`
         into `dest` (on the GPU), chunk by chunk, on the copy stream (`current`)."""
+        if self._direct_whole(name, full, pieces, dest):
+            return
         origin = self._files.origin(name, full)
         pieces = _as_rows(pieces)
         # view, never reshape: a copy of `dest` would take the transfer instead of it.
@@ -183,6 +185,28 @@ class PinnedStager:
             stage = buffer.view(dest.dtype).view(stop - first, *pieces.shape[1:])
             fill(stage, pieces, first, stop, self._files, origin)
             self._send(slot, stage, dest[first:stop])
+
+    def _direct_whole(self, name: str, full: torch.Tensor, pieces: ShardPieces,
+                      dest: torch.Tensor) -> bool:
+        """The common case in one step: a shard that is one view of the checkpoint tensor,
+        contiguous in the file in dest's dtype (a replicated tensor, a row split), copied
+        from the registered pages one window at a time; False (nothing copied) otherwise."""
+        if self._mapped is None or not self._mapped.usable or len(pieces.pieces) != 1:
+            return False
+        piece = pieces.pieces[0]
+        source = piece.source
+        if (piece.dim is not None or source is None or source.dtype != dest.dtype
+                or not (source.is_contiguous() and dest.is_contiguous())):
+            return False
+        segments = self._mapped.segments(name, full, source)
+        if segments is None:
+            return False
+        out, at = dest.view(-1).view(torch.uint8), 0
+        for part in segments:
+            size = part.numel()
+            out[at : at + size].copy_(part, non_blocking=True)
+            at += size
+        return True
 
     def _direct(self, name: str, full: torch.Tensor, pieces: ShardPieces, dest: torch.Tensor,
                 first: int, stop: int) -> bool:
@@ -204,8 +228,9 @@ class PinnedStager:
                 continue
             out, at = region.reshape(-1).view(torch.uint8), 0
             for part in seg:
-                out[at : at + len(part)].copy_(part, non_blocking=True)
-                at += len(part)
+                size = part.numel()
+                out[at : at + size].copy_(part, non_blocking=True)
+                at += size
         return True
 
     def _take(self, nbytes: int) -> tuple[int, torch.Tensor]:

@@ -95,3 +95,42 @@ def test_a_truncated_file_is_refused_naming_it(tmp_path):
     path.write_bytes(path.read_bytes()[:-16])
     with pytest.raises(CheckpointError, match="model.safetensors: tensor 'a' ends at byte"):
         CheckpointReader(tmp_path)
+
+
+def test_registration_ahead_covers_every_window_once_and_stops_at_a_refusal(monkeypatch):
+    """The loader's background registration (GPU loads) pins each window holding a tensor
+    once, in file order, while the main thread plans; a refusal stops it and turns the
+    registered pages off for the copies."""
+    from freetoken.loading import mapped
+    from verify.cases import GOLDEN
+
+    calls: list[tuple[int, int]] = []
+    refuse_after = {"n": 10**9}
+
+    def fake_register(address, nbytes, flags):
+        calls.append((address, nbytes))
+        return 0 if len(calls) <= refuse_after["n"] else 1
+
+    monkeypatch.setattr(mapped, "_gil_free_register", lambda: fake_register)
+    monkeypatch.setattr(mapped.torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(mapped, "_clear_last_error", lambda: None)
+    monkeypatch.setattr(mapped, "REGISTER_WINDOW", 4096)
+    reader = CheckpointReader(GOLDEN / "tiny-qwen3.5-moe-nvfp4")
+    names = reader.names()
+    size = (GOLDEN / "tiny-qwen3.5-moe-nvfp4" / "model.safetensors").stat().st_size
+    first = min(reader.extent(n)[0] for n in names) // 4096
+    last = -(-max(reader.extent(n)[1] for n in names) // 4096)
+    ahead = mapped.MappedCheckpoint(reader)
+    ahead.register_ahead(names, torch.device("cpu"))
+    ahead._ahead.join()
+    base = ahead._file("model.safetensors").bytes.data_ptr()
+    got = [((a - base) // 4096, n) for a, n in calls]
+    assert got == [(w, min(4096, size - w * 4096)) for w in range(first, last)], got[:5]
+    assert ahead.usable
+
+    calls.clear()
+    refuse_after["n"] = 3
+    refused = mapped.MappedCheckpoint(reader)
+    refused.register_ahead(names, torch.device("cpu"))
+    refused._ahead.join()
+    assert len(calls) == 4 and not refused.usable, (len(calls), refused.usable)
