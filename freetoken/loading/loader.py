@@ -2,10 +2,11 @@
 element is written exactly once, shapes and dtypes are checked.
 
 One copy per shard: each rank's shard goes from the memory-mapped checkpoint straight into its
-parameter slot (on CPU a copy of a view, on a GPU through a pinned staging ring), with any dtype
-cast fused into that copy; no shard is ever built on the side. Everything is checked before the
-first byte is copied, then threads copy contiguous runs of tensors (in file order, so each
-thread mostly reads one file front to back) in parallel."""
+parameter slot (on CPU a copy of a view; on a GPU by the copy engine from the registered file
+pages, or through a pinned staging ring, small shards of one parameter batched into one
+transfer), with any dtype cast fused into that copy; no shard is ever built on the side.
+Everything is checked before the first byte is copied, then threads copy contiguous runs of
+tensors (in file order, so each thread mostly reads one file front to back) in parallel."""
 
 from __future__ import annotations
 
@@ -92,9 +93,12 @@ def load_weights(model: nn.Module, reader: CheckpointReader, plan: ShardPlan,
     mapped = MappedCheckpoint(reader) if device is not None else None
     try:
         if mapped is not None:
-            # The driver pins the file pages while this thread plans.
-            mapped.register_ahead(reader.names(), device)
-        jobs, filled = _plan(params, reader, plan, tp.rank, tp.size)
+            # The driver pins the pages of each planned tensor while this thread plans on.
+            mapped.register_ahead(device)
+        jobs, filled = _plan(params, reader, plan, tp.rank, tp.size,
+                             None if mapped is None else mapped.ahead)
+        if mapped is not None:
+            mapped.ahead_done()
         _check_complete(params, filled)
         threads = threads or default_threads(tp.size, mapped is not None)
         bar = tqdm(total=len(jobs), desc="loading", unit="tensor",
@@ -115,10 +119,10 @@ def load_weights(model: nn.Module, reader: CheckpointReader, plan: ShardPlan,
     return {p: sum(v.values()) for p, v in filled.items()}
 
 
-def _plan(params: dict, reader: CheckpointReader, plan: ShardPlan, rank: int, size: int
-          ) -> tuple[list[_Job], dict]:
+def _plan(params: dict, reader: CheckpointReader, plan: ShardPlan, rank: int, size: int,
+          planned: Callable[[str], None] | None = None) -> tuple[list[_Job], dict]:
     """Every tensor's destination, checked (rule, parameter, shape, dtype, each slot once)
-    before anything is copied."""
+    before anything is copied; `planned(name)` is told of each tensor that will be copied."""
     jobs, filled = [], defaultdict(dict)
     data = {}  # `.data` makes a new tensor object per call: one per parameter
     for name in reader.names():
@@ -143,6 +147,8 @@ def _plan(params: dict, reader: CheckpointReader, plan: ShardPlan, rank: int, si
         # `full` maps the file (no bytes are read until the copy): kept, not read twice.
         jobs.append(_Job(name, full, target.rule.spec, pieces, dest, target.param, param,
                          dest.numel() * dest.element_size()))
+        if planned is not None:
+            planned(name)
     return jobs, filled
 
 

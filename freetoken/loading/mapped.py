@@ -7,9 +7,9 @@ import ctypes
 import functools
 import mmap
 import os
+import queue
 import threading
 import warnings
-from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -115,30 +115,42 @@ class MappedCheckpoint:
         self._stop = threading.Event()
         self._ahead: threading.Thread | None = None
 
-    def register_ahead(self, names: Iterable[str], device: torch.device) -> None:
-        """Register the windows holding tensors `names` on a background thread, while the
+    def register_ahead(self, device: torch.device) -> None:
+        """Start a background thread that registers the windows `ahead` names, while the
         caller plans the load: the copies then mostly find their pages pinned (registering
         5 GB takes about 0.2 s). Only where the registration lets go of the GIL; otherwise
-        the copies register as they go."""
+        `ahead` does nothing and the copies register as they go."""
         if _gil_free_register() is None:
             return
-        windows = set()
-        for name in names:
-            start, stop = self._reader.extent(name)
-            file = self._reader.file_of(name)
-            windows.update((file, w) for w in range(start // REGISTER_WINDOW,
-                                                    -(-stop // REGISTER_WINDOW)))
-        self._ahead = threading.Thread(target=self._register_windows,
-                                       args=(sorted(windows), device), name="register-ahead",
-                                       daemon=True)
+        self._queue = queue.SimpleQueue()
+        self._queued: set[tuple[str, int]] = set()
+        self._ahead = threading.Thread(target=self._register_windows, args=(device,),
+                                       name="register-ahead", daemon=True)
         self._ahead.start()
 
-    def _register_windows(self, windows: list[tuple[str, int]], device: torch.device) -> None:
+    def ahead(self, name: str) -> None:
+        """Queue the windows holding checkpoint tensor `name` for the background thread."""
+        if self._ahead is None:
+            return
+        start, stop = self._reader.extent(name)
+        file = self._reader.file_of(name)
+        for w in range(start // REGISTER_WINDOW, -(-stop // REGISTER_WINDOW)):
+            if (file, w) not in self._queued:
+                self._queued.add((file, w))
+                self._queue.put((file, w))
+
+    def ahead_done(self) -> None:
+        """No more names: the background thread ends once it has registered the queue."""
+        if self._ahead is not None:
+            self._queue.put(None)
+
+    def _register_windows(self, device: torch.device) -> None:
         try:
             torch.cuda.set_device(device)
-            for file, w in windows:
+            while (item := self._queue.get()) is not None:
                 if self._stop.is_set() or not self.usable:
                     return
+                file, w = item
                 if not self._file(file).register(w * REGISTER_WINDOW, (w + 1) * REGISTER_WINDOW):
                     self.usable = False
                     return
@@ -172,6 +184,7 @@ class MappedCheckpoint:
         """Unregister and unmap every file (every transfer from them must have finished)."""
         self._stop.set()
         if self._ahead is not None:
+            self._queue.put(None)
             self._ahead.join()
             self._ahead = None
         for mapped in self._files.values():

@@ -98,9 +98,9 @@ def test_a_truncated_file_is_refused_naming_it(tmp_path):
 
 
 def test_registration_ahead_covers_every_window_once_and_stops_at_a_refusal(monkeypatch):
-    """The loader's background registration (GPU loads) pins each window holding a tensor
-    once, in file order, while the main thread plans; a refusal stops it and turns the
-    registered pages off for the copies."""
+    """The loader's background registration (GPU loads) pins each window holding a planned
+    tensor once, while the main thread plans; a refusal stops it and turns the registered
+    pages off for the copies."""
     from freetoken.loading import mapped
     from verify.cases import GOLDEN
 
@@ -121,16 +121,22 @@ def test_registration_ahead_covers_every_window_once_and_stops_at_a_refusal(monk
     first = min(reader.extent(n)[0] for n in names) // 4096
     last = -(-max(reader.extent(n)[1] for n in names) // 4096)
     ahead = mapped.MappedCheckpoint(reader)
-    ahead.register_ahead(names, torch.device("cpu"))
+    ahead.register_ahead(torch.device("cpu"))
+    for name in names:
+        ahead.ahead(name)
+    ahead.ahead_done()
     ahead._ahead.join()
     base = ahead._file("model.safetensors").bytes.data_ptr()
-    got = [((a - base) // 4096, n) for a, n in calls]
+    got = sorted(((a - base) // 4096, n) for a, n in calls)
     assert got == [(w, min(4096, size - w * 4096)) for w in range(first, last)], got[:5]
     assert ahead.usable
 
     calls.clear()
     refuse_after["n"] = 3
     refused = mapped.MappedCheckpoint(reader)
-    refused.register_ahead(names, torch.device("cpu"))
+    refused.register_ahead(torch.device("cpu"))
+    for name in names:
+        refused.ahead(name)
+    refused.ahead_done()
     refused._ahead.join()
     assert len(calls) == 4 and not refused.usable, (len(calls), refused.usable)
