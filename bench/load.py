@@ -37,8 +37,8 @@ Modes (monkeypatched inside each rank process):
 * `clone`: the old path (`verify.faults.double_copy_load`): each shard built as a fresh
   tensor, then copied into the parameter (on GPU from pageable memory);
 * `view`: as `clone`, but shards are `narrow()` views of the full tensor (replicated: the
-  tensor itself; `specs._fresh` returns its input), so the copy into the parameter is the
-  only one: views copied into place, one tensor at a time;
+  tensor itself; the spec modules' `fresh` returns its input), so the copy into the
+  parameter is the only one: views copied into place, one tensor at a time;
 * `view-held`: as `view`, and every shard is kept alive until the load ends.
 """
 
@@ -116,6 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _use_mode(ctx, mode: str) -> None:
     """Switch the loader to `mode`'s path in this rank process."""
     from freetoken.formats import specs
+    from freetoken.formats.nvfp4 import specs as nvfp4_specs
     from verify.faults import double_copy_load
 
     if mode == "fast":
@@ -133,8 +134,10 @@ def _use_mode(ctx, mode: str) -> None:
             _HELD.append(t)
         return t
 
-    # Every fresh copy a spec makes (Split, Heads, Replicate, PaddedSplit) becomes the view.
-    specs._fresh = view
+    # Every fresh copy a spec makes (Split, Heads, Replicate, PaddedSplit, the NVFP4 specs)
+    # becomes the view: the name each spec module calls.
+    for module in (specs, nvfp4_specs):
+        module.fresh = view
     _HELD.clear()
 
 
