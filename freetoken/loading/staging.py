@@ -124,6 +124,16 @@ def _as_rows(pieces: ShardPieces) -> ShardPieces:
                                    for p in pieces.pieces))
 
 
+def _copy_segments(dest: torch.Tensor, segments: list[torch.Tensor]) -> None:
+    """Fill contiguous GPU `dest` with `segments` (uint8 runs of registered file pages, in
+    order): one asynchronous transfer each, on the current stream."""
+    out, at = dest.view(-1).view(torch.uint8), 0
+    for part in segments:
+        size = part.numel()
+        out[at : at + size].copy_(part, non_blocking=True)
+        at += size
+
+
 class PinnedStager:
     """One loader thread's pinned ring and copy stream on `device`, reading the files of
     `reader` (a CheckpointReader); chunks that can be are copied straight from `mapped`'s
@@ -201,11 +211,7 @@ class PinnedStager:
         segments = self._mapped.segments(name, full, source)
         if segments is None:
             return False
-        out, at = dest.view(-1).view(torch.uint8), 0
-        for part in segments:
-            size = part.numel()
-            out[at : at + size].copy_(part, non_blocking=True)
-            at += size
+        _copy_segments(dest, segments)
         return True
 
     def _direct(self, name: str, full: torch.Tensor, pieces: ShardPieces, dest: torch.Tensor,
@@ -225,12 +231,8 @@ class PinnedStager:
         for (region, source), seg in zip(parts, segments):
             if source is None:
                 region.zero_()
-                continue
-            out, at = region.reshape(-1).view(torch.uint8), 0
-            for part in seg:
-                size = part.numel()
-                out[at : at + size].copy_(part, non_blocking=True)
-                at += size
+            else:
+                _copy_segments(region, seg)
         return True
 
     def _take(self, nbytes: int) -> tuple[int, torch.Tensor]:

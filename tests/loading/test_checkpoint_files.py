@@ -120,12 +120,7 @@ def test_registration_ahead_covers_every_window_once_and_stops_at_a_refusal(monk
     size = (GOLDEN / "tiny-qwen3.5-moe-nvfp4" / "model.safetensors").stat().st_size
     first = min(reader.extent(n)[0] for n in names) // 4096
     last = -(-max(reader.extent(n)[1] for n in names) // 4096)
-    ahead = mapped.MappedCheckpoint(reader)
-    ahead.register_ahead(torch.device("cpu"))
-    for name in names:
-        ahead.ahead(name)
-    ahead.ahead_done()
-    ahead._ahead.join()
+    ahead = _register_planned(mapped, reader, names)
     base = ahead._file("model.safetensors").bytes.data_ptr()
     got = sorted(((a - base) // 4096, n) for a, n in calls)
     assert got == [(w, min(4096, size - w * 4096)) for w in range(first, last)], got[:5]
@@ -133,10 +128,16 @@ def test_registration_ahead_covers_every_window_once_and_stops_at_a_refusal(monk
 
     calls.clear()
     refuse_after["n"] = 3
-    refused = mapped.MappedCheckpoint(reader)
-    refused.register_ahead(torch.device("cpu"))
-    for name in names:
-        refused.ahead(name)
-    refused.ahead_done()
-    refused._ahead.join()
+    refused = _register_planned(mapped, reader, names)
     assert len(calls) == 4 and not refused.usable, (len(calls), refused.usable)
+
+
+def _register_planned(mapped, reader, names):
+    """A MappedCheckpoint that registered the windows of `names` ahead, thread finished."""
+    checkpoint = mapped.MappedCheckpoint(reader)
+    checkpoint.register_ahead(torch.device("cpu"))
+    for name in names:
+        checkpoint.ahead(name)
+    checkpoint.ahead_done()
+    checkpoint._ahead.join()
+    return checkpoint
