@@ -140,8 +140,8 @@ def save_references(cases, tp_sizes, options) -> None:
     print(f"{cases[0].name}: computing HF's reference into {options.save_reference}",
           file=sys.stderr)
     try:
-        save_reference(live_hf_reference(cases[0], options, device), cases[0], options,
-                       device, options.save_reference)
+        save_reference(live_hf_reference(cases[0], options, device, with_bisect=True),
+                       cases[0], options, device, options.save_reference)
     except OSError as e:
         raise InputError(f"--save-reference: cannot write {options.save_reference} "
                          f"({e.strerror or e})") from None

@@ -9,6 +9,17 @@ import torch
 
 
 @dataclass
+class BisectActivations:
+    """HF's per-module activations on the bisect prompt followed by HF's first greedy token:
+    `by_dtype` maps "float32" (and the engine's low precision, where it was saved for one) to
+    HF module name -> `[rows, features]` float32 on the CPU (`verify.hf_capture`)."""
+
+    prompt: list[int]
+    token: int
+    by_dtype: dict[str, dict[str, torch.Tensor]]
+
+
+@dataclass
 class Reference:
     """What the engine is compared with. `baseline[i]` (engine in bf16 / fp16 only) measures
     how far HF itself at that dtype is from HF in fp32 on prompt i: the reference's own noise,
@@ -22,6 +33,7 @@ class Reference:
     greedy_ids: list[list[int]]
     greedy_logits: list[torch.Tensor]
     baseline: list | None = None
+    bisect: BisectActivations | None = None
 
     @classmethod
     def from_tensors(cls, source: str, prompts, tensors: dict) -> Reference:

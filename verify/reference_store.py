@@ -3,12 +3,14 @@ on a large checkpoint, HF's float32 run (and its low-precision baseline) costs m
 engine's, so it is computed once and kept.
 
 DIR holds `reference.safetensors` (per prompt: the ids, prefill logits at every position, the
-greedy continuation's ids and logits) and `reference.json`: the prompts, the continuation length,
-the truncation depth, the seed, the reference dtype (float32) and the engine dtypes a baseline
-was measured for, the versions of torch and transformers, the model's source, and a fingerprint
-of every `*.safetensors` file of the checkpoint. Reuse refuses, before any rank starts, a
-checkpoint whose fingerprints differ (naming the file), and prompts, continuation length,
-depth or dtype the store does not cover.
+greedy continuation's ids and logits), `bisect.safetensors` (HF's output of every module on the
+bisect prompt and HF's first greedy token, in float32 and at the engine's low precision: the
+bisect check reads them instead of running HF) and `reference.json`: the prompts, the
+continuation length, the truncation depth, the seed, the reference dtype (float32) and the
+engine dtypes a baseline was measured for, the bisect prompt and token, the versions of torch
+and transformers, the model's source, and a fingerprint of every `*.safetensors` file of the
+checkpoint. Reuse refuses, before any rank starts, a checkpoint whose fingerprints differ
+(naming the file), and prompts, continuation length, depth or dtype the store does not cover.
 
 Fingerprints: files up to `FULL_HASH_LIMIT` bytes get a full sha256 (the bundled cases' code);
 larger files get `sampled-sha256`, a sha256 of the file size, the whole safetensors header
@@ -27,11 +29,12 @@ from pathlib import Path
 
 import torch
 
-from verify.reference_data import Reference
+from verify.reference_data import BisectActivations, Reference
 
 FORMAT = 1
 META = "reference.json"
 TENSORS = "reference.safetensors"
+BISECT = "bisect.safetensors"
 FULL_HASH_LIMIT = 1 << 30
 SAMPLES = 256
 SAMPLE_BYTES = 1 << 16
@@ -103,7 +106,7 @@ def check_writable(folder: str | Path) -> None:
     if path.exists() and not path.is_dir():
         raise StoreError(f"--save-reference: {path} is not a directory")
     if path.is_dir():
-        others = sorted(p.name for p in path.iterdir() if p.name not in (META, TENSORS))
+        others = sorted(p.name for p in path.iterdir() if p.name not in (META, TENSORS, BISECT))
         if others:
             raise StoreError(f"--save-reference: {path} holds other files ({others[0]}, ...); "
                              "choose an empty or new folder")
@@ -181,8 +184,31 @@ def save_reference(ref: Reference, case, options, device, folder: str | Path) ->
     }
     folder.mkdir(parents=True, exist_ok=True)
     save_file({k: v.cpu().contiguous() for k, v in tensors.items()}, folder / TENSORS)
+    (folder / BISECT).unlink(missing_ok=True)
+    if ref.bisect is not None:
+        acts = ref.bisect.by_dtype
+        save_file({f"{d}/{name}": t.contiguous() for d, by_name in acts.items()
+                   for name, t in by_name.items()}, folder / BISECT)
+        meta["bisect"] = {"prompt": ref.bisect.prompt, "token": ref.bisect.token,
+                          "dtypes": sorted(acts)}
     (folder / META).write_text(json.dumps(meta, indent=1) + "\n")
     return folder
+
+
+def stored_bisect(folder: str | Path) -> BisectActivations | None:
+    """HF's saved activations for the bisect check, or None where the store has none (saved
+    before they were kept: bisect then runs HF)."""
+    from safetensors.torch import load_file
+
+    info = read_meta(folder).get("bisect")
+    path = Path(folder) / BISECT
+    if not isinstance(info, dict) or not path.is_file():
+        return None
+    by_dtype: dict[str, dict[str, torch.Tensor]] = {d: {} for d in info["dtypes"]}
+    for key, t in load_file(path).items():
+        dtype, _, name = key.partition("/")
+        by_dtype.setdefault(dtype, {})[name] = t
+    return BisectActivations(list(info["prompt"]), int(info["token"]), by_dtype)
 
 
 def stored_reference(folder: str | Path, case, options) -> Reference:

@@ -11,12 +11,22 @@ from pathlib import Path
 import torch
 
 from verify.cases import NUM_GREEDY, PROMPT_LENS, hf_reference, load_reference, reference_prompts
-from verify.reference_data import Reference
+from verify.hf_capture import hf_activations
+from verify.reference_data import BisectActivations, Reference
 
 __all__ = ["Reference"]  # re-exported: checks import it from here
 
 
 LIVE_CHOICES = ("auto", "golden", "hf")
+MAX_BISECT_PROMPT = 32
+"""The bisect prompt's most tokens: one prefill step takes it whole."""
+
+
+def bisect_prompt_of(prompts: list[list[int]]) -> list[int]:
+    """The prompt bisect captures: the longest reference prompt of at most
+    MAX_BISECT_PROMPT tokens (else the first one, cut to that length)."""
+    fitting = [p for p in prompts if len(p) <= MAX_BISECT_PROMPT]
+    return list(max(fitting, key=len) if fitting else prompts[0][:MAX_BISECT_PROMPT])
 
 
 def stored_dir(options) -> str | None:
@@ -152,12 +162,13 @@ def _cache_works(text_config) -> bool:
 
 
 @torch.inference_mode()
-def live_hf_reference(case, options, device) -> Reference:
+def live_hf_reference(case, options, device, with_bisect: bool = False) -> Reference:
     """HF on the checkpoint, on the engine's device. In fp32 that is the reference. For an
     engine in bf16 / fp16 the reference is still HF in fp32 (the exact answer both low-precision
     runs approximate), and HF at the engine's dtype supplies the baseline: how far a correct
     implementation at that precision lands from it (the worst of a few equally valid roundings,
-    `low_precision_spread`)."""
+    `low_precision_spread`). `with_bisect` also keeps HF's per-module activations on the
+    bisect prompt (what `--save-reference` stores, so that bisect needs no HF later)."""
     from freetoken.engine.core import resolve_dtype
     from verify.cases import low_precision_spread
 
@@ -165,12 +176,24 @@ def live_hf_reference(case, options, device) -> Reference:
     prompts, num_greedy = prompts_for(case, options)
     model = hf_model(case, options, torch.float32, device)
     ref = Reference.from_tensors("hf", prompts, hf_reference(model, prompts, num_greedy))
+    if with_bisect:
+        ref.bisect = _bisect_activations(model, bisect_prompt_of(prompts))
     del model
     if dtype != torch.float32:
         model = hf_model(case, options, dtype, device)
         ref.baseline = [low_precision_spread(model, p, e)
                         for p, e in zip(prompts, ref.prefill_logits)]
+        if with_bisect:
+            ids = ref.bisect.prompt + [ref.bisect.token]
+            ref.bisect.by_dtype[str(dtype).removeprefix("torch.")] = hf_activations(model, ids)
         del model
         if any(b is None for b in ref.baseline):
             ref.baseline = None
     return ref
+
+
+def _bisect_activations(model, prompt: list[int]) -> BisectActivations:
+    """HF's activations on `prompt` and its first greedy token after it, in float32."""
+    logits = model(torch.tensor([prompt], device=model.device)).logits
+    token = int(logits[0, -1].argmax())
+    return BisectActivations(prompt, token, {"float32": hf_activations(model, prompt + [token])})

@@ -135,3 +135,25 @@ def test_low_precision_excess_with_every_module_clean_passes(monkeypatch):
     assert clean.metrics.get("judged_per_module") == 1 and "near-ties" in clean.message
     buggy = _run_golden("tiny-llama", (2,), "bfloat16", ("row-bias-before-allreduce",))[0]
     assert buggy.status == "fail" and "self_attn.o_proj" in buggy.message, buggy.message
+
+
+def test_hf_decode_rows_are_left_out_when_hf_consumed_another_token():
+    """Saved HF activations hold HF's own decode step: where the engine decoded another token,
+    only the prefill rows are compared with HF (a decode row differing from HF is then no
+    divergence), and with the same token both are."""
+    from types import SimpleNamespace
+
+    from verify.checks.bisect import _rows
+
+    cfg = SimpleNamespace(quantization=None)
+    ctx = SimpleNamespace(options=SimpleNamespace(dtype="float32"),
+                          case=SimpleNamespace(model_config=cfg))
+    hf_out = torch.arange(12.0).reshape(3, 4) + 1  # 2 prompt rows + 1 decode row
+    names = NameMap({"model"}, num_heads=1, head_dim=4)
+    hf = (names, {"model.layers.0.mlp": hf_out})
+    full = {"prefill/model.layers.0.mlp": (hf_out[:2].clone(), None),
+            "decode/model.layers.0.mlp": (-hf_out[2:], None)}
+    other = {r.module: r.vs_hf for r in _rows(full, None, hf, None, ctx, 2, False)}
+    same = {r.module: r.vs_hf for r in _rows(full, None, hf, None, ctx, 2, True)}
+    assert other == {"prefill/model.layers.0.mlp": 0.0}, other
+    assert same["prefill/model.layers.0.mlp"] == 0.0 and same["decode/model.layers.0.mlp"] > 1

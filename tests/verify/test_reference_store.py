@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from cli_run import assert_refused, run_cli
 from conftest import GOLDEN
 from safetensors.torch import load_file, save_file
@@ -29,13 +30,15 @@ def _make_checkpoint(tmp_path: Path, name: str = "ckpt") -> Path:
     return folder
 
 
-def _make_store(capsys, tmp_path: Path, folder: Path, **options) -> Path:
+def _make_store(capsys, tmp_path: Path, folder: Path, with_bisect: bool = False,
+                **options) -> Path:
     """HF's reference of `folder` saved through the module (no rank processes); HF's own
     progress output is dropped so that the next command's stderr is its own."""
     store = tmp_path / "ref"
     opts = VerifyOptions(device="cpu", save_reference=str(store), **options)
     case = resolve_case(str(folder))
-    reference_store.save_reference(live_hf_reference(case, opts, "cpu"), case, opts, "cpu", store)
+    reference_store.save_reference(live_hf_reference(case, opts, "cpu", with_bisect),
+                                   case, opts, "cpu", store)
     capsys.readouterr()
     return store
 
@@ -181,3 +184,47 @@ def test_low_precision_baseline_is_saved_per_dtype(capsys, tmp_path):
     assert all(0 < b.rel_l2 < 0.5 for b in ref.baseline), ref.baseline
     with pytest.raises(reference_store.StoreError, match="no float16 baseline"):
         reference_store.check_store(store, case, options, None, torch.float16)
+
+
+def test_saved_reference_keeps_hf_activations_on_the_bisect_prompt(capsys, tmp_path):
+    """The store holds HF's per-module outputs on the bisect prompt and HF's first greedy
+    token after it, in float32 and at the engine's low precision."""
+    from verify.references import bisect_prompt_of
+
+    folder = _make_checkpoint(tmp_path)
+    store = _make_store(capsys, tmp_path, folder, with_bisect=True, dtype="bfloat16")
+    meta = reference_store.read_meta(store)
+    saved = reference_store.stored_bisect(store)
+    assert saved.prompt == bisect_prompt_of(meta["prompts"]) == meta["bisect"]["prompt"]
+    assert sorted(saved.by_dtype) == ["bfloat16", "float32"], sorted(saved.by_dtype)
+    down = saved.by_dtype["float32"]["model.layers.1.mlp.down_proj"]
+    assert down.shape[0] == len(saved.prompt) + 1, down.shape
+    assert not torch.equal(down, saved.by_dtype["bfloat16"]["model.layers.1.mlp.down_proj"])
+
+
+def test_bisect_localises_against_the_saved_activations_without_hf(capsys, tmp_path,
+                                                                    monkeypatch):
+    """With a saved reference, bisect compares every module with HF's saved outputs and never
+    loads HF; a saved output made wrong is named as the first divergence."""
+    import verify.references
+
+    folder = _make_checkpoint(tmp_path)
+    store = _make_store(capsys, tmp_path, folder, with_bisect=True)
+
+    def no_hf(*args, **kwargs):
+        raise AssertionError("HF was loaded although the saved reference holds its outputs")
+
+    monkeypatch.setattr(verify.references, "hf_model", no_hf)
+    report = tmp_path / "r.json"
+    args = ["--model", str(folder), "--tp", "1", "--checks", "bisect", "--reference",
+            str(store), "--report-json", str(report)]
+    code, out, err = run_cli(capsys, *args)
+    assert code == 0, out + err
+    row = json.loads(report.read_text())["results"][0]
+    assert row["metrics"]["references"] == "HF" and row["metrics"]["modules"] > 10, row
+
+    acts = load_file(store / reference_store.BISECT)
+    acts["float32/model.layers.1.mlp.down_proj"] *= 1.5
+    save_file(acts, store / reference_store.BISECT)
+    code, out, err = run_cli(capsys, *args)
+    assert code == 1 and "model.layers.1.mlp.down_proj" in out, out + err

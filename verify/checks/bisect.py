@@ -23,12 +23,11 @@ from verify.capture import FULL, Recorder, unshard
 from verify.checks.base import CheckContext, make_result
 from verify.engine_cache import engine_on_rank
 from verify.hf_capture import NameMap, hf_activations
-from verify.references import prompts_for
+from verify.references import bisect_prompt_of, prompts_for, stored_dir
 from verify.report import CheckResult
 
 FP32_BOUND = 1e-3
 LOW_FLOOR, LOW_FACTOR = 2e-2, 3.0
-MAX_PROMPT = 32
 
 
 @dataclass
@@ -127,9 +126,10 @@ def _localise(ctx: CheckContext) -> Bisection:
     elif tp1 is not None and tp1[1] != token:
         # A different first token means the decode step saw other input: compare prefill only.
         full = {k: v for k, v in full.items() if not k.startswith("decode/")}
-    hf, hf_low = _hf_references(ctx, prompt + [token])
+    hf, hf_low, hf_decode = _hf_references(ctx, prompt, token)
     refs = tuple(n for n, ok in (("TP=1", tp1 is not None), ("HF", hf is not None)) if ok)
-    return Bisection(_rows(full, tp1[0] if tp1 else None, hf, hf_low, ctx, len(prompt)), refs)
+    return Bisection(_rows(full, tp1[0] if tp1 else None, hf, hf_low, ctx, len(prompt),
+                           hf_decode), refs)
 
 
 def remember_tp1(ctx: CheckContext) -> None:
@@ -143,8 +143,7 @@ def remember_tp1(ctx: CheckContext) -> None:
 def bisect_prompt(ctx: CheckContext) -> list[int]:
     """The longest reference prompt that one prefill step takes whole (at most 32 tokens)."""
     prompts, _ = prompts_for(ctx.case, ctx.options)
-    fitting = [p for p in prompts if len(p) <= MAX_PROMPT]
-    return list(max(fitting, key=len) if fitting else prompts[0][:MAX_PROMPT])
+    return bisect_prompt_of(prompts)
 
 
 def capture(ctx: CheckContext, prompt: list[int]) -> tuple[dict, int]:
@@ -188,15 +187,44 @@ def _capture_on_rank(rank_ctx, engine_args: dict, prompt: list[int]) -> dict:
             "token": result.token_ids[0]}
 
 
-def _hf_references(ctx: CheckContext, ids: list[int]):
-    """HF's activations in float32 and, for a low-precision engine, at its dtype (None where
-    HF cannot run the checkpoint)."""
+def _hf_references(ctx: CheckContext, prompt: list[int], token: int):
+    """HF's activations on `prompt` + `token` in float32 and, for a low-precision engine, at
+    its dtype (None where HF cannot run the checkpoint), and whether the decode step's rows
+    are comparable: from a saved reference when it holds them (its token is HF's own first
+    greedy token: where the engine chose another, only the prefill rows compare), else from
+    HF run now."""
     if ctx.case.model_config.quantization is not None:
-        return None, None
-    key = ("bisect-hf", ctx.case.name, tuple(ids), ctx.options.dtype)
+        return None, None, False
+    saved = _saved_activations(ctx, prompt)
+    if saved is not None:
+        hf, hf_low, saved_token = saved
+        return hf, hf_low, saved_token == token
+    key = ("bisect-hf", ctx.case.name, tuple(prompt + [token]), ctx.options.dtype)
     if key not in ctx.cache:
-        ctx.cache[key] = _run_hf(ctx, ids)
-    return ctx.cache[key]
+        ctx.cache[key] = _run_hf(ctx, prompt + [token])
+    return (*ctx.cache[key], True)
+
+
+def _saved_activations(ctx: CheckContext, prompt: list[int]):
+    """(HF in float32, HF at the engine's dtype or None, HF's token) from the run's saved
+    reference; None where it has none for this prompt."""
+    folder = stored_dir(ctx.options)
+    if folder is None:
+        return None
+    key = ("bisect-saved", folder)
+    if key not in ctx.cache:
+        from verify.reference_store import stored_bisect
+
+        ctx.cache[key] = stored_bisect(folder)
+    saved = ctx.cache[key]
+    if saved is None or saved.prompt != prompt:
+        return None
+    cfg = ctx.case.model_config
+    names = NameMap(set(saved.by_dtype["float32"]), cfg.num_attention_heads, cfg.head_dim)
+    dtype = str(resolve_dtype(ctx.options.dtype, cfg)).removeprefix("torch.")
+    low = saved.by_dtype.get(dtype) if dtype != "float32" else None
+    return (names, saved.by_dtype["float32"]), (None if low is None else (names, low)), \
+        saved.token
 
 
 def _run_hf(ctx: CheckContext, ids: list[int]):
@@ -214,22 +242,25 @@ def _run_hf(ctx: CheckContext, ids: list[int]):
     return (names, acts[0]), ((names, acts[1]) if len(acts) > 1 else None)
 
 
-def _rows(full, tp1, hf, hf_low, ctx, prompt_len: int) -> list[Row]:
+def _rows(full, tp1, hf, hf_low, ctx, prompt_len: int, hf_decode: bool = True) -> list[Row]:
+    """The per-module table; HF's decode-step rows are left out where `hf_decode` is False
+    (HF's saved step consumed another token than the engine's)."""
     low = resolve_dtype(ctx.options.dtype, ctx.case.model_config) != torch.float32
     fallback = _logit_bound(ctx) if low else FP32_BOUND
     rows = []
     for key, (tensor, disagree) in full.items():
+        exact, rounded = (hf, hf_low) if hf_decode or key.startswith("prefill/") else (None, None)
         row = Row(key, ranks_disagree=disagree)
         if tp1 is not None and key in tp1:
             if tp1[key][0].shape == tensor.shape:
                 row.vs_tp1 = rel_l2(tensor, tp1[key][0])
             else:
                 row.shape_vs_tp1 = (tuple(tensor.shape), tuple(tp1[key][0].shape))
-        hf_t = _rows_like(_hf_tensor(hf, key, prompt_len), tensor)
+        hf_t = _rows_like(_hf_tensor(exact, key, prompt_len), tensor)
         if hf_t is not None and hf_t.shape == tensor.shape:
             row.vs_hf = rel_l2(tensor, hf_t)
         if low:
-            row.bound = _low_bound(hf, hf_low, key, prompt_len, fallback)
+            row.bound = _low_bound(exact, rounded, key, prompt_len, fallback)
         if row.vs_tp1 is not None or row.vs_hf is not None or row.diverged:
             rows.append(row)
     return rows
