@@ -46,7 +46,8 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--model", required=True, help="checkpoint folder or hub id in the local HF cache")
+@click.option("--model", required=True,
+              help="checkpoint folder, or hub id Org/Name[@revision] in the local HF cache")
 @click.option("--tp", type=PositiveInt(), default=1, show_default=True,
               help="tensor-parallel size")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
@@ -112,7 +113,8 @@ def _generate(prompts, model, tp, device, dtype, oversubscribe, sampling: dict,
 
 
 @main.command()
-@click.option("--model", required=True, help="checkpoint folder or hub id in the local HF cache")
+@click.option("--model", required=True,
+              help="checkpoint folder, or hub id Org/Name[@revision] in the local HF cache")
 @click.option("--tp", type=PositiveInt(), required=True, help="tensor-parallel size")
 @click.option("--tensor", "pattern", default=None,
               help="only checkpoint tensors whose name matches this regex (re.search)")

@@ -305,10 +305,9 @@ class Case:
 
 def resolve_case(arg: str, download: bool = False) -> Case:
     """A bundled case name, a local checkpoint folder, or a hub id `Org/Name[@revision]` from
-    the local HF cache (fetched only when `download` is set: `verify.hub`)."""
+    the local HF cache (fetched only when `download` is set: `freetoken.engine.resolve`)."""
     from freetoken.config import ConfigError
-    from freetoken.engine.resolve import ModelNotFound
-    from verify.hub import resolve_checkpoint
+    from freetoken.engine.resolve import ModelNotFound, resolve_checkpoint
 
     if arg in CASES:
         if not (GOLDEN / arg / "config.json").is_file():
@@ -316,7 +315,8 @@ def resolve_case(arg: str, download: bool = False) -> Case:
         case = Case(arg, GOLDEN / arg, True, {"path": str(GOLDEN / arg)})
     else:
         try:
-            folder, source = resolve_checkpoint(arg, download)
+            folder, source = resolve_checkpoint(arg, download,
+                                                hint="; pass --download to fetch it")
             case = Case(arg, folder, False, source)
         except ModelNotFound as e:
             raise CaseError(f"{e} (bundled cases: {', '.join(sorted(CASES))})") from None

@@ -1,7 +1,16 @@
-"""Turning a `--model` argument into a checkpoint folder."""
+"""Turning a `--model` argument into a checkpoint folder: a local folder, or a Hugging Face hub
+id `Org/Name` or `Org/Name@revision` (a branch, tag or commit hash).
+
+Hub ids resolve from the local Hugging Face cache (`HF_HUB_CACHE`, else the library's default)
+and never touch the network unless the caller asks for a download (`freetoken-verify
+--download`); with `HF_HUB_OFFLINE` set, a download is refused rather than silently skipped.
+Where a checkpoint came from (`source`: path, and for hub ids the id, the revision asked for and
+the snapshot commit it resolved to) is returned for reports."""
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
 
@@ -10,20 +19,70 @@ class ModelNotFound(ValueError):
 
 
 def resolve_model(model: str | Path) -> Path:
-    """A local checkpoint folder, or a hub id (`org/name`) found in the local HF cache."""
-    if not str(model).strip():
-        raise ModelNotFound("empty model name (an unset variable?)")
-    path = Path(model)
-    if path.is_dir():
-        return path
-    text = str(model)
-    looks_like_hub_id = text.count("/") == 1 and not text.startswith((".", "/", "~"))
-    if looks_like_hub_id and not path.parent.is_dir():
-        from huggingface_hub import snapshot_download
+    """A local checkpoint folder, or a hub id (`Org/Name[@revision]`) from the local cache."""
+    return resolve_checkpoint(str(model))[0]
 
-        try:
-            return Path(snapshot_download(text, local_files_only=True))
-        except Exception as e:  # the hub raises several types for "not cached"
-            raise ModelNotFound(f"{text}: not a local folder and not in the local Hugging Face "
-                                f"cache ({type(e).__name__})") from e
-    raise ModelNotFound(f"{text}: no such checkpoint folder")
+
+DOWNLOADED = ("*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt")
+"""What a download fetches: configs, weights and tokenizer files, never other weight formats
+(`*.bin`, `*.pth`, GGUF) a repository may also carry."""
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
+
+
+def is_hub_id(arg: str) -> bool:
+    """`Org/Name` or `Org/Name@revision`, not a relative or absolute path."""
+    return bool(_HUB_ID.match(arg)) and not arg.startswith((".", "/", "~"))
+
+
+def split_revision(arg: str) -> tuple[str, str | None]:
+    """(`Org/Name`, revision or None) of a hub id."""
+    repo, _, revision = arg.partition("@")
+    return repo, revision or None
+
+
+def resolve_checkpoint(arg: str, download: bool = False, hint: str = "") -> tuple[Path, dict]:
+    """(folder, source) for a local folder or a hub id; ModelNotFound with one line if neither
+    (`hint` ends the line when a hub id is not cached: how the caller's user fetches it).
+    A folder wins over a hub id of the same spelling, as on the command line everywhere."""
+    if not arg.strip():
+        raise ModelNotFound("empty model name (an unset variable?)")
+    path = Path(arg)
+    if path.is_dir():
+        return path, {"path": str(path.resolve())}
+    if is_hub_id(arg) and not Path(split_revision(arg)[0]).parent.is_dir():
+        return resolve_hub_id(arg, download, hint)
+    raise ModelNotFound(f"{arg}: no such checkpoint folder")
+
+
+def resolve_hub_id(arg: str, download: bool = False, hint: str = "") -> tuple[Path, dict]:
+    """The snapshot folder of hub id `arg` (`Org/Name[@revision]`) from the local cache, or
+    downloaded when `download` is set; its source records the snapshot commit hash."""
+    from huggingface_hub import snapshot_download
+
+    repo, revision = split_revision(arg)
+    if download and _offline():
+        raise ModelNotFound(f"{arg}: --download given but HF_HUB_OFFLINE is set; unset it to "
+                            "allow the download")
+    cache_dir = os.environ.get("HF_HUB_CACHE") or None
+    try:
+        folder = Path(snapshot_download(repo, revision=revision, cache_dir=cache_dir,
+                                        local_files_only=not download,
+                                        allow_patterns=list(DOWNLOADED)))
+    except Exception as e:  # the hub raises several types for "not cached" / "not found"
+        at = f" at revision {revision!r}" if revision else ""
+        if download:
+            raise ModelNotFound(f"{arg}: download failed{at} ({type(e).__name__}: "
+                                f"{_first_line(e)})") from None
+        raise ModelNotFound(f"{arg}: not a local folder and not in the local Hugging Face "
+                            f"cache{at} ({type(e).__name__}){hint}") from None
+    return folder, {"path": str(folder), "hub_id": repo, "revision": revision or "main",
+                    "snapshot": folder.name}
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""

@@ -100,3 +100,23 @@ def test_local_cases_record_their_path(tmp_path):
     shutil.copytree(GOLDEN / "tiny-qwen3", folder)
     assert resolve_case(str(folder)).source == {"path": str(folder.resolve())}
     assert resolve_case("tiny-qwen3").source == {"path": str(GOLDEN / "tiny-qwen3")}
+
+
+def test_engine_commands_take_a_revision_from_the_cache(tmp_path, monkeypatch, no_network):
+    """`LLM`, `freetoken generate` and `freetoken plan` resolve `Org/Name@revision` as the
+    harness does (one resolver), from the cache, without a download hint they have no flag
+    for."""
+    from click.testing import CliRunner
+
+    from freetoken.cli import main as freetoken_main
+    from freetoken.engine.resolve import ModelNotFound, resolve_model
+
+    _make_cache(tmp_path, monkeypatch)
+    assert resolve_model("Org/Tiny@v1").name == _V1
+    assert resolve_model("Org/Tiny").name == _MAIN
+    out = CliRunner().invoke(freetoken_main, ["plan", "--model", "Org/Tiny@v1", "--tp", "2",
+                                              "--tensor", "embed_tokens"])
+    assert out.exit_code == 0 and "model.embed_tokens.weight" in out.output, out.output
+    with pytest.raises(ModelNotFound, match="at revision 'v9'") as info:
+        resolve_model("Org/Tiny@v9")
+    assert "--download" not in str(info.value), str(info.value)
