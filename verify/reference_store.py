@@ -97,7 +97,27 @@ def read_meta(folder: str | Path) -> dict:
     if missing or not (folder / TENSORS).is_file():
         what = f"no {missing[0]!r}" if missing else f"no {TENSORS} beside it"
         raise StoreError(f"--reference: {path} has {what}; save the reference again")
+    if "bisect" in meta:
+        _check_bisect(folder, meta["bisect"], path)
     return meta
+
+
+def _check_bisect(folder: Path, info, path: Path) -> None:
+    """The bisect entry of `reference.json` is well formed and its tensors file readable."""
+    from freetoken.loading.files import CheckpointError, read_header
+
+    ok = (isinstance(info, dict) and isinstance(info.get("prompt"), list)
+          and all(isinstance(t, int) for t in info["prompt"]) and info["prompt"]
+          and isinstance(info.get("token"), int) and isinstance(info.get("dtypes"), list)
+          and "float32" in info["dtypes"])
+    if not ok:
+        raise StoreError(f"--reference: {path} has a malformed 'bisect' entry; save the "
+                         "reference again")
+    try:
+        read_header(folder / BISECT)
+    except (OSError, CheckpointError) as e:
+        raise StoreError(f"--reference: {folder / BISECT} is missing or unreadable "
+                         f"({type(e).__name__}); save the reference again") from None
 
 
 def check_writable(folder: str | Path) -> None:

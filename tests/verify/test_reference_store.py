@@ -150,6 +150,23 @@ def test_incomplete_store_is_refused(capsys, tmp_path):
     assert_refused(capsys, args, f"no {reference_store.TENSORS}")
 
 
+def test_broken_bisect_part_of_a_store_is_refused(capsys, tmp_path):
+    """A truncated bisect.safetensors or a malformed bisect entry: exit 2 naming it, before
+    any rank starts."""
+    folder = _make_checkpoint(tmp_path)
+    store = _make_store(capsys, tmp_path, folder, with_bisect=True)
+    args = ["--model", str(folder), "--tp", "1", "--checks", "bisect", "--reference", str(store)]
+    saved = (store / reference_store.META).read_text()
+    meta = json.loads(saved)
+    meta["bisect"]["token"] = "x"
+    (store / reference_store.META).write_text(json.dumps(meta))
+    assert_refused(capsys, args, "malformed 'bisect' entry")
+    (store / reference_store.META).write_text(saved)
+    data = (store / reference_store.BISECT).read_bytes()
+    (store / reference_store.BISECT).write_bytes(data[: len(data) // 2])
+    assert_refused(capsys, args, "bisect.safetensors is missing or unreadable")
+
+
 def test_save_reference_from_the_command_line(capsys, tmp_path):
     """`--save-reference DIR` writes the store before the ranks start (prompts, continuation
     length, versions, source, each weights file's sha256) and the run then passes against it."""
