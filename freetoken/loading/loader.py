@@ -170,16 +170,13 @@ def _spans(jobs: list[_Job], threads: int) -> list[list[_Job]]:
 def _copy_span(span: list[_Job], reader: CheckpointReader, rank: int, size: int, bar,
                mapped: MappedCheckpoint | None = None) -> None:
     """Copy one run of tensors into their slots (runs in a loader thread)."""
-    if not span[0].dest.is_cuda:
+    stager = _make_stager(span, reader, mapped)
+    if stager is None:
         for job in span:
             _copy_job(job, rank, size, None)
             bar.update(1)
         return
-    # A ring no larger than the span's largest shard: small models pin little.
-    largest = max(job.nbytes for job in span)
-    stager = PinnedStager(span[0].dest.device, reader, min(staging.STAGE_BYTES, largest),
-                          mapped=mapped)
-    runs, singles = _small_runs(span, min(staging.STAGE_BYTES, largest))
+    runs, singles = _small_runs(span, stager.buffer_bytes)
     with stager.current():
         for run in runs:
             _copy_run(run, stager)
@@ -190,6 +187,17 @@ def _copy_span(span: list[_Job], reader: CheckpointReader, rank: int, size: int,
     stager.finish()
     # Staged copies run on the stager's stream: checked once they have all landed.
     check_finite_grouped(_finite_groups(span))
+
+
+def _make_stager(span: list[_Job], reader: CheckpointReader,
+                 mapped: MappedCheckpoint | None) -> PinnedStager | None:
+    """The span's stager on its GPU (a ring no larger than the span's largest shard: small
+    models pin little); None for parameters on the CPU, which are copied into in place."""
+    if not span[0].dest.is_cuda:
+        return None
+    largest = max(job.nbytes for job in span)
+    return PinnedStager(span[0].dest.device, reader, min(staging.STAGE_BYTES, largest),
+                        mapped=mapped)
 
 
 def _finite_groups(span: list[_Job]) -> list[tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]]:

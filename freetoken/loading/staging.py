@@ -151,7 +151,7 @@ class PinnedStager:
         # Parameters were allocated (and maybe initialised) on the current stream.
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         # Pinned on first use: chunks copied from registered pages never need the ring.
-        self._buffer_bytes = buffer_bytes
+        self.buffer_bytes = buffer_bytes
         self._buffers: list[torch.Tensor | None] = [None] * ring
         self._events: list[torch.cuda.Event | None] = [None] * ring
         self._next = 0
@@ -186,7 +186,7 @@ class PinnedStager:
         # view, never reshape: a copy of `dest` would take the transfer instead of it.
         dest = dest.view(pieces.shape)
         row_bytes = dest[0].numel() * dest.element_size() if len(dest) else 0
-        rows = max(1, self._buffer_bytes // max(1, row_bytes))
+        rows = max(1, self.buffer_bytes // max(1, row_bytes))
         for first in range(0, pieces.shape[0], rows):
             stop = min(first + rows, pieces.shape[0])
             if self._direct(name, full, pieces, dest, first, stop):
@@ -243,7 +243,7 @@ class PinnedStager:
         if self._events[slot] is not None:
             self._events[slot].synchronize()
         if self._buffers[slot] is None or nbytes > len(self._buffers[slot]):
-            self._buffers[slot] = torch.empty(max(nbytes, self._buffer_bytes),
+            self._buffers[slot] = torch.empty(max(nbytes, self.buffer_bytes),
                                               dtype=torch.uint8, pin_memory=True)
         return slot, self._buffers[slot][:nbytes]
 

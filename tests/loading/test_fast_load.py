@@ -14,6 +14,7 @@ import torch
 
 from freetoken.config import ModelConfig
 from freetoken.distributed import TPInfo, reset_tp_info, set_tp_info
+from freetoken.formats.shard import write_pieces
 from freetoken.formats.specs import (
     Heads,
     InterleavedHeads,
@@ -110,14 +111,73 @@ def test_gpu_staging_matches_shard_path_on_bundled_cases(case, monkeypatch):
 
 
 class _HostStager:
-    """The GPU stager's batching contract on the host: `assemble` hands out a uint8 buffer of
-    the target's size and copies it into the target when the block ends."""
+    """The GPU stager's contract on the host, for what the loader's GPU branch drives (small
+    runs assembled in one buffer, single shards, the copy stream, the finish) with plain CPU
+    copies: the branch's bookkeeping is then checked here, the transfers on a GPU."""
+
+    def __init__(self, buffer_bytes: int = 1 << 20):
+        self.buffer_bytes = buffer_bytes
+        self.runs = 0
+
+    @contextlib.contextmanager
+    def current(self):
+        yield
 
     @contextlib.contextmanager
     def assemble(self, dest: torch.Tensor):
         buffer = torch.full((dest.numel(),), 0xA5, dtype=torch.uint8)
         yield buffer
         dest.copy_(buffer)
+        self.runs += 1
+
+    def write(self, name, full, pieces, dest) -> None:
+        write_pieces(pieces, dest)
+
+    def finish(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gpu_branch_on_the_host_matches_the_shard_path(case, monkeypatch):
+    """The loader's GPU branch (small runs, single shards, the finite screen per parameter),
+    driven with a host stand-in for the pinned stager and a 4 KiB ring so runs are cut, with
+    three threads: every parameter bitwise the shard() path's at TP 1, 2, 4 and 8."""
+    folder = GOLDEN / case
+    cfg = load_config(folder)
+    stagers = []
+
+    def host_stager(span, reader, mapped):
+        stagers.append(_HostStager(min(4096, max(job.nbytes for job in span))))
+        return stagers[-1]
+
+    for tp in TP_SIZES:
+        for rank in range(tp):
+            with monkeypatch.context() as patched:
+                patched.setattr(loader, "_make_stager", host_stager)
+                fast = _load(folder, cfg, tp, rank, torch.bfloat16, threads=3)
+            slow = double_copied(monkeypatch, folder, cfg, tp, rank, torch.bfloat16)
+            _assert_bitwise_same(fast, slow, f"{case} gpu branch tp={tp} rank={rank}")
+    assert sum(s.runs for s in stagers), f"{case}: no run of small shards was batched"
+
+
+def test_gpu_branch_names_a_nan_in_a_batched_scale(tmp_path, monkeypatch):
+    """A NaN in one NVFP4 block-scale tensor (a shard the GPU branch batches with its
+    neighbours and screens with its whole parameter) stops the load naming that tensor."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from freetoken.loading.finite import NonFiniteError
+
+    folder = tmp_path / "nvfp4"
+    shutil.copytree(GOLDEN / "tiny-qwen3.5-moe-nvfp4", folder)
+    tensors = load_file(folder / "model.safetensors")
+    victim = "model.language_model.layers.0.mlp.experts.3.up_proj.weight_scale"
+    tensors[victim].view(torch.uint8).view(-1)[5] = 0x7F  # float8_e4m3fn NaN
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    monkeypatch.setattr(loader, "_make_stager", lambda span, reader, mapped: _HostStager())
+    with pytest.raises(NonFiniteError, match=re.escape(repr(victim))):
+        _load(folder, load_config(folder), 1, 0, torch.bfloat16, threads=2)
 
 
 def _planned(folder, cfg, tp: int, rank: int) -> tuple[torch.nn.Module, list]:
