@@ -89,20 +89,34 @@ class RankGroup:
         mp_util.get_temp_dir()
         self._tmp = Path(tempfile.mkdtemp(prefix="freetoken-ranks-"))
         _LIVE.add(self)
-        for rank in range(self.tp_size):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(
-                target=worker_main,
-                args=(rank, self.tp_size, self.placement, str(self._tmp), child, os.getpid(),
-                      self.env),
-                daemon=True,
-                name=f"freetoken-rank{rank}",
-            )
-            proc.start()
-            child.close()
-            self._procs.append(proc)
-            self._conns.append(parent)
+        try:
+            for rank in range(self.tp_size):
+                self._spawn(ctx, rank)
+        except BaseException:
+            # A rank that could not be started (no fork server, no memory, a signal): the
+            # ranks already running and the group's directory go with the error.
+            self.close(force=True)
+            raise
         self._collect(self.timeout, "starting")
+
+    def _spawn(self, ctx, rank: int) -> None:
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(
+            target=worker_main,
+            args=(rank, self.tp_size, self.placement, str(self._tmp), child, os.getpid(),
+                  self.env),
+            daemon=True,
+            name=f"freetoken-rank{rank}",
+        )
+        try:
+            proc.start()
+        except BaseException:
+            parent.close()
+            raise
+        finally:
+            child.close()
+        self._procs.append(proc)
+        self._conns.append(parent)
 
     @property
     def running(self) -> bool:

@@ -270,6 +270,29 @@ def test_killed_ranks_leave_nothing_in_tmpdir(tmp_path):
     assert not left, f"left in TMPDIR after the ranks were killed: {left}"
 
 
+def test_a_rank_that_cannot_start_takes_the_others_and_the_directory_with_it(monkeypatch):
+    """Starting rank 1 fails (no fork server, no memory): the error propagates, rank 0 is
+    stopped and the group's temp directory removed - nothing is left behind."""
+    spawned: list[int] = []
+    dirs: list[Path] = []
+    real = RankGroup._spawn
+
+    def flaky(self, ctx, rank):
+        if rank == 1:
+            raise OSError("cannot fork")
+        real(self, ctx, rank)
+        spawned.append(self._procs[-1].pid)
+        dirs.append(self._tmp)
+
+    monkeypatch.setattr(RankGroup, "_spawn", flaky)
+    group = _make_group(2)
+    with pytest.raises(OSError, match="cannot fork"):
+        group.start()
+    assert spawned and not group.running, (spawned, group.running)
+    _assert_all_gone(spawned, "after a failed start")
+    assert not dirs[0].exists(), f"the group's directory survived: {dirs[0]}"
+
+
 # --- placement -------------------------------------------------------------------------------
 
 
