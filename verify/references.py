@@ -177,7 +177,7 @@ def live_hf_reference(case, options, device, with_bisect: bool = False) -> Refer
     model = hf_model(case, options, torch.float32, device)
     ref = Reference.from_tensors("hf", prompts, hf_reference(model, prompts, num_greedy))
     if with_bisect:
-        ref.bisect = _bisect_activations(model, bisect_prompt_of(prompts))
+        ref.bisect = _bisect_activations(model, ref)
     del model
     if dtype != torch.float32:
         model = hf_model(case, options, dtype, device)
@@ -192,8 +192,10 @@ def live_hf_reference(case, options, device, with_bisect: bool = False) -> Refer
     return ref
 
 
-def _bisect_activations(model, prompt: list[int]) -> BisectActivations:
-    """HF's activations on `prompt` and its first greedy token after it, in float32."""
-    logits = model(torch.tensor([prompt], device=model.device)).logits
-    token = int(logits[0, -1].argmax())
+def _bisect_activations(model, ref: Reference) -> BisectActivations:
+    """HF's activations in float32 on the bisect prompt and HF's greedy token after it (read
+    off the reference's prefill logits: the bisect prompt is a prefix of a reference prompt)."""
+    prompt = bisect_prompt_of(ref.prompts)
+    i = next(i for i, p in enumerate(ref.prompts) if p[: len(prompt)] == prompt)
+    token = int(ref.prefill_logits[i][len(prompt) - 1].argmax())
     return BisectActivations(prompt, token, {"float32": hf_activations(model, prompt + [token])})

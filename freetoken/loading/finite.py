@@ -67,13 +67,7 @@ def _has_nonfinite(t: torch.Tensor) -> bool:
 def check_finite(name: str, t: torch.Tensor) -> None:
     """Raise NonFiniteError naming checkpoint tensor `name` if its loaded shard `t` holds
     NaN or Inf (counts and the first flat index in the message)."""
-    check_finite_all([(name, t)])
-
-
-def check_finite_all(named: Sequence[tuple[str, torch.Tensor]]) -> None:
-    """check_finite over many (name, shard) pairs: one screening reduction each and one
-    host sync for all of them; the first non-finite tensor (in order) is reported."""
-    check_finite_grouped([(t, [(name, t)]) for name, t in named])
+    check_finite_grouped([(t, [(name, t)])])
 
 
 def check_finite_grouped(groups: Sequence[tuple[torch.Tensor, Sequence[tuple[str, torch.Tensor]]]]

@@ -218,12 +218,19 @@ def _finite_groups(span: list[_Job]) -> list[tuple[torch.Tensor, list[tuple[str,
     return groups
 
 
+@contextlib.contextmanager
+def _in_flight(name: str) -> Iterator[None]:
+    """Tell the observers (`observe_loading`) that tensor `name` is being copied."""
+    for observe in list(_observers):
+        observe(name, False)
+    yield
+    for observe in list(_observers):
+        observe(name, True)
+
+
 def _copy_job(job: _Job, rank: int, size: int, stager: PinnedStager | None) -> None:
-    for observe in list(_observers):
-        observe(job.name, False)
-    _copy_shard(job, rank, size, stager)
-    for observe in list(_observers):
-        observe(job.name, True)
+    with _in_flight(job.name):
+        _copy_shard(job, rank, size, stager)
 
 
 def _copy_run(run: list[_Job], stager: PinnedStager) -> None:
@@ -234,13 +241,11 @@ def _copy_run(run: list[_Job], stager: PinnedStager) -> None:
     with stager.assemble(target) as buffer:
         done = 0
         for job in run:
-            for observe in list(_observers):
-                observe(job.name, False)
-            host = buffer[done : done + job.nbytes].view(job.dest.dtype).view(job.pieces.shape)
-            write_pieces(job.pieces, host)
+            with _in_flight(job.name):
+                host = buffer[done : done + job.nbytes].view(job.dest.dtype).view(
+                    job.pieces.shape)
+                write_pieces(job.pieces, host)
             done += job.nbytes
-            for observe in list(_observers):
-                observe(job.name, True)
 
 
 def _small_runs(span: list[_Job], most: int) -> tuple[list[list[_Job]], list[_Job]]:
