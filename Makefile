@@ -36,19 +36,19 @@ endif
 # hf_quant_config.json: NVFP4) that it cannot.
 space := $(subst ,, )
 case_names = $(subst $(space),$(comma),$(sort $(notdir $(patsubst %/,%,$(dir $(1))))))
-quantized_cases := $(wildcard verify/golden/*/hf_quant_config.json)
-hf_cases := $(filter-out $(dir $(quantized_cases)),$(dir $(wildcard verify/golden/*/config.json)))
+quantized_cases := $(wildcard freetoken_verify/golden/*/hf_quant_config.json)
+hf_cases := $(filter-out $(dir $(quantized_cases)),$(dir $(wildcard freetoken_verify/golden/*/config.json)))
 # One run of the gate: $(call gate,NAME,ARGS). A failing run is listed in $(REPORTS)/failed and
 # the gate goes on to the next; verify-gpu fails at the end if any run failed.
 gate = echo "=== $(1): freetoken-verify $(2)"; \
-	$(PYTHON) -m verify.cli --device $(DEVICE) --oversubscribe --tp $(GATE_TP) $(2) \
+	$(PYTHON) -m freetoken_verify.cli --device $(DEVICE) --oversubscribe --tp $(GATE_TP) $(2) \
 	    --report-json $(REPORTS)/$(1).json --junit-xml $(REPORTS)/$(1).xml \
 	    --summary-md $(REPORTS)/$(1).md || echo $(1) >> $(REPORTS)/failed
 
 .PHONY: verify verify-gpu test test-slow golden lint external-setup
 
 verify: $(SETUP)
-	$(PYTHON) -m verify.cli --tp 1,$(TP)
+	$(PYTHON) -m freetoken_verify.cli --tp 1,$(TP)
 
 # The nightly gate: on CUDA the kernels check's GPU tests (pytest -m gpu tests/gpu); every
 # bundled case in fp32 against its stored golden; in bf16 the unquantized cases against live HF
@@ -69,7 +69,7 @@ ifneq ($(filter $(PART),all bundled),)
 endif
 ifneq ($(filter $(PART),all realdims),)
 	@test -f $(REALDIMS)/config.json || \
-	    $(PYTHON) -m verify.cases --realdims $(REALDIMS) --dtype bfloat16 || \
+	    $(PYTHON) -m freetoken_verify.cases --realdims $(REALDIMS) --dtype bfloat16 || \
 	    echo realdims-checkpoint >> $(REPORTS)/failed
 	@$(call gate,realdims-bf16,--model $(REALDIMS) --dtype bfloat16 --reference hf \
 	    --checks golden$(comma)memory$(comma)shards)
@@ -87,10 +87,10 @@ test-slow: $(SETUP)
 	$(PYTHON) -m pytest -n 2 -q -m slow
 
 golden: $(SETUP)
-	$(PYTHON) -m verify.cases --write verify/golden
+	$(PYTHON) -m freetoken_verify.cases --write freetoken_verify/golden
 
 lint: $(SETUP)
-	$(PYTHON) -m ruff check freetoken verify tests bench
+	$(PYTHON) -m ruff check freetoken freetoken_verify tests bench
 
 .venv/.installed: pyproject.toml $(CONSTRAINTS)
 	test -x .venv/bin/python || python3 -m venv .venv

@@ -13,13 +13,13 @@ from freetoken.layers.moe import FusedExperts
 
 
 def write_qwen_realdims(folder: Path, num_layers: int, device: str) -> Path:
-    """`qwen3.5-moe-realdims` (verify.case_models.REAL_TEXT, Qwen3.6-35B-A3B's text
+    """`qwen3.5-moe-realdims` (freetoken_verify.cases.qwen3_5_moe.REAL_TEXT, Qwen3.6-35B-A3B's text
     dimensions) cut to `num_layers` layers (GatedDeltaNet, full attention, alternating from
     the real 3:1 pattern's first and fourth), with HF's own random init built on `device`
-    in bfloat16: seconds instead of the minutes `verify.cases --realdims` spends
+    in bfloat16: seconds instead of the minutes `freetoken_verify.cases.catalogue --realdims` spends
     re-randomising on the CPU. HF's init leaves the router near uniform, so tokens hit
     experts about uniformly at random; `experts_hit` counts the experts actually hit."""
-    from verify.case_models import REAL_TEXT, _conditional_generation
+    from freetoken_verify.cases.qwen3_5_moe import REAL_TEXT, _conditional_generation
 
     pattern = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
     text = dict(REAL_TEXT, num_hidden_layers=num_layers,

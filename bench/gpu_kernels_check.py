@@ -4,15 +4,14 @@ machine, no rank group needed.
     python bench/gpu_kernels_check.py [--dtype bfloat16|float16|float32] [--quick] [--faults]
         [--inject NAME] [--json FILE]
 
-Runs `verify.checks.kernels.gpu_matrix()` (tokens {1, 7, 64, 300} x experts {8, 64} x top-k
-{1, 2, 8} x H {2048, 1040} x TP-local I = 512 / tp for tp {1, 2, 4, 8}, plus dense linears)
-through the same `run_matrix` the check uses, and prints every case with its path, error
-metrics and status; first it compares the decode kernels' PTX word decode with the portable
-one bit for bit. `--quick` takes every 8th case. `--faults` then re-runs the quick matrix
-once per NVFP4 kernel fault, each in a fresh process (faults monkeypatch for good), and
-reports whether the check caught it. Exit status 1 when a case fails or a fault goes
-undetected, 2 without CUDA. `--json FILE` writes the metrics, the rows, the failures and the
-number of PTX decode mismatches.
+Runs `freetoken_verify.checks.kernels.check.gpu_matrix()` (tokens {1, 7, 64, 300} x experts {8, 64}
+x top-k {1, 2, 8} x H {2048, 1040} x TP-local I = 512 / tp for tp {1, 2, 4, 8}, plus dense linears)
+through the same `run_matrix` the check uses, and prints every case with its path, error metrics and
+status; first it compares the decode kernels' PTX word decode with the portable one bit for bit.
+`--quick` takes every 8th case. `--faults` then re-runs the quick matrix once per NVFP4 kernel
+fault, each in a fresh process (faults monkeypatch for good), and reports whether the check caught
+it. Exit status 1 when a case fails or a fault goes undetected, 2 without CUDA. `--json FILE` writes
+the metrics, the rows, the failures and the number of PTX decode mismatches.
 
 The pass/fail gate is `tests/gpu/test_kernels_gpu.py` (pytest, marker `gpu`), which runs this
 script in fresh processes and asserts on its JSON; this script stays the human-readable table.
@@ -34,8 +33,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from freetoken.kernels import nvfp4_decode_jit  # noqa: E402
-from verify.checks.kernels import gpu_matrix, run_matrix, summarize  # noqa: E402
-from verify.faults import FAULTS  # noqa: E402
+from freetoken_verify.checks.kernels.check import gpu_matrix, run_matrix, summarize  # noqa: E402
+from freetoken_verify.faults import FAULTS  # noqa: E402
 
 # The kernel faults; nvfp4-load-globals-swapped corrupts checkpoint loading, which the kernels
 # check never runs (golden catches it).

@@ -34,7 +34,7 @@ Modes (monkeypatched inside each rank process):
   (on GPU through pinned staging buffers), threads over runs of tensors;
 * `fast-mmap`: as `fast`, but GPU staging buffers are filled by copying from the mapped
   views (page faults on the mapping) instead of reading the file (no difference on CPU);
-* `clone`: the old path (`verify.faults.double_copy_load`): each shard built as a fresh
+* `clone`: the old path (`freetoken_verify.faults.double_copy_load`): each shard built as a fresh
   tensor, then copied into the parameter (on GPU from pageable memory);
 * `view`: as `clone`, but shards are `narrow()` views of the full tensor (replicated: the
   tensor itself; the spec modules' `fresh` returns its input), so the copy into the
@@ -117,7 +117,7 @@ def _use_mode(ctx, mode: str) -> None:
     """Switch the loader to `mode`'s path in this rank process."""
     from freetoken.formats import specs
     from freetoken.formats.nvfp4 import specs as nvfp4_specs
-    from verify.faults import double_copy_load
+    from freetoken_verify.faults import double_copy_load
 
     if mode == "fast":
         return
@@ -231,7 +231,7 @@ def _time_load_parts() -> dict:
 def _expected_bytes(folder: str, core, ctx) -> int:
     """What the rank should hold, from the config (the memory check's computation)."""
     from freetoken.engine.core import graphs_allowed
-    from verify.checks.memory_expected import expected_parts
+    from freetoken_verify.checks.memory.expected import expected_parts
 
     parts = expected_parts(folder, core.cfg, core.dtype, ctx.rank, ctx.size,
                            graphs=graphs_allowed(core.cfg, core.device))

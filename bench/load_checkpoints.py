@@ -4,10 +4,10 @@ several files with a `model.safetensors.index.json`, as real checkpoints are:
 * `llama`: hidden 2048, intermediate 5632, 16 heads, 4 KV heads, vocab 32000, untied head,
   `layers` decoder layers (2.17 GiB at 10 layers in fp32);
 * `qwen35-bf16` / `qwen35-nvfp4`: Qwen3.6-35B-A3B's text dimensions (`REAL_TEXT` of
-  `verify/case_models.py`: hidden 2048, vocab 248320, 256 experts of 512, GatedDeltaNet 16 key
-  / 32 value heads of 128, 16 q / 2 KV heads of 256) in its multimodal on-disk layout, with
-  `layers` layers alternating GatedDeltaNet and full attention; experts in bf16 (about 5.4 GB
-  at 2 layers) or NVFP4 in the ModelOpt layout (about 3 GB).
+  `freetoken_verify/cases/qwen3_5_moe.py`: hidden 2048, vocab 248320, 256 experts of 512,
+  GatedDeltaNet 16 key / 32 value heads of 128, 16 q / 2 KV heads of 256) in its multimodal on-disk
+  layout, with `layers` layers alternating GatedDeltaNet and full attention; experts in bf16 (about
+  5.4 GB at 2 layers) or NVFP4 in the ModelOpt layout (about 3 GB).
 
 Tensor contents are tiled from a 64 MiB pool of random values per dtype (fast to write; load
 speed does not depend on the values)."""
@@ -68,7 +68,7 @@ def _real_text() -> dict:
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from verify.case_models import REAL_TEXT
+    from freetoken_verify.cases.qwen3_5_moe import REAL_TEXT
 
     return dict(REAL_TEXT)
 

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._common import copy_bandwidth, time_ms  # noqa: E402
 from freetoken.kernels import nvfp4_launch, nvfp4_moe  # noqa: E402
 from freetoken.layers.quantization.nvfp4.reference import reference_moe  # noqa: E402
-from verify.checks.kernels import make_experts  # noqa: E402
+from freetoken_verify.checks.kernels.check import make_experts  # noqa: E402
 
 DEVICE = "cuda"
 SWEEP_DECODE = [dict(mma_warps=w, mma_max_split=s, mma_tiles=t)

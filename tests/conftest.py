@@ -11,9 +11,9 @@ import torch
 # registered through the `pytest11` entry point; an editable install made before that entry
 # point existed does not advertise it, so load it by name (a no-op when the entry point, which
 # carries the same name, already loaded it).
-pytest_plugins = ["verify.pytest_plugin"]
+pytest_plugins = ["freetoken_verify.pytest_plugin"]
 
-GOLDEN = Path(__file__).resolve().parent.parent / "verify" / "golden"
+GOLDEN = Path(__file__).resolve().parent.parent / "freetoken_verify" / "golden"
 BUNDLED = ["tiny-llama", "tiny-qwen3", "tiny-qwen3-moe"]
 
 
@@ -28,7 +28,8 @@ def golden() -> Path:
 
 
 def assert_matches_hf(results, ref: dict, label: str, decode_logits: bool = False) -> None:
-    """Engine results agree with an HF reference (`verify.cases.hf_reference`): prefill logits
+    """Engine results agree with an HF reference (`freetoken_verify.cases.catalogue.hf_reference`):
+    prefill logits
     within rtol=atol=1e-4, greedy ids exactly, and optionally the decode-step logits."""
     for i, result in enumerate(results):
         torch.testing.assert_close(result.prompt_logits, ref[f"prefill_logits_{i}"], rtol=1e-4,

@@ -1,8 +1,10 @@
-"""FreeToken's dependency structure, read from the source with `ast` (nothing is imported):
-dependencies point down, engine -> models -> layers -> kernels / loading / distributed, with
-config, the forward context and the formats at the bottom; no module imports, directly or in
-a loop, a module that imports it back. Function-local imports count like top-level ones; a
-package's `__init__` importing its own submodules does not."""
+"""FreeToken's dependency structure, read from the source with `ast` (nothing is imported).
+In the engine dependencies point down, engine -> models -> layers -> kernels / loading /
+distributed, with config, the forward context and the formats at the bottom; in the harness,
+front door -> running -> checks -> report -> reference -> cases / activations / faults, with
+errors and compare at the bottom. No module imports, directly or in a loop, a module that
+imports it back. Function-local imports count like top-level ones; a package's `__init__`
+importing its own submodules does not."""
 
 from __future__ import annotations
 
@@ -21,11 +23,24 @@ RANK = {
     "kernels": 1, "loading": 1, "distributed": 1,
     "config": 0, "context": 0, "formats": 0,
 }
-"""Each top-level part of the package and its height: a part imports only lower parts."""
-SIDEWAYS = {("loading", "distributed"), ("config", "formats"), ("cli", "freetoken")}
+"""Each top-level part of the engine and its height: a part imports only lower parts."""
+VERIFY_RANK = {
+    "freetoken_verify": 7, "cli": 7, "pytest_plugin": 7,
+    "api": 6,
+    "running": 5,
+    "checks": 4,
+    "report": 3,
+    "reference": 2,
+    "cases": 1, "activations": 1, "faults": 1,
+    "errors": 0, "compare": 0,
+}
+"""Each top-level part of the harness (`freetoken_verify`) and its height."""
+SIDEWAYS = {("loading", "distributed"), ("config", "formats"), ("cli", "freetoken"),
+            ("cli", "freetoken_verify"), ("pytest_plugin", "freetoken_verify")}
 """Imports allowed between parts of one height (the loader asks the rank for its TP info;
-the config reads the checkpoint's NVFP4 quantization config; the command line uses the
-package's public API)."""
+the config reads the checkpoint's NVFP4 quantization config; the command lines and the
+pytest plugin use their package's public API)."""
+PACKAGES = {"freetoken": RANK, "freetoken_verify": VERIFY_RANK}
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -72,7 +87,7 @@ def _part(module: str) -> str:
     return parts[1] if len(parts) > 1 else parts[0]
 
 
-def _upward_imports(graph: dict[str, set[str]]) -> list[str]:
+def _upward_imports(graph: dict[str, set[str]], rank: dict[str, int] = RANK) -> list[str]:
     """`a imports b` for every import from a part to a part not below it, once per module
     and imported part."""
     found, seen = [], set()
@@ -82,9 +97,9 @@ def _upward_imports(graph: dict[str, set[str]]) -> list[str]:
             if a == b or (a, b) in SIDEWAYS or (module, b) in seen:
                 continue
             seen.add((module, b))
-            if a not in RANK or b not in RANK:
-                found.append(f"{module} imports {target}: a part missing from RANK")
-            elif RANK[b] >= RANK[a]:
+            if a not in rank or b not in rank:
+                found.append(f"{module} imports {target}: a part missing from the layer table")
+            elif rank[b] >= rank[a]:
                 found.append(f"{module} imports {target} ({a} is not above {b})")
     return found
 
@@ -146,16 +161,27 @@ _CLEAN = {
 }
 
 
-def test_freetoken_imports_point_down():
-    """No module of freetoken imports a part at or above its own height."""
-    found = _upward_imports(_make_graph(ROOT))
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_imports_point_down(package):
+    """No module of the package imports a part at or above its own height."""
+    found = _upward_imports(_make_graph(ROOT, package), PACKAGES[package])
     assert not found, "upward imports:\n" + "\n".join(found)
 
 
-def test_freetoken_has_no_import_cycles():
-    """No set of freetoken modules imports each other in a loop."""
-    found = _cycles(_make_graph(ROOT))
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_no_import_cycles(package):
+    """No set of the package's modules imports each other in a loop."""
+    found = _cycles(_make_graph(ROOT, package))
     assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_every_harness_part_has_a_height():
+    """Every top-level module and package of freetoken_verify is in the layer table, so a new
+    part cannot escape the check (the bundled cases are data, not a part)."""
+    parts = {p.stem if p.suffix == ".py" else p.name
+             for p in (ROOT / "freetoken_verify").iterdir()
+             if (p.suffix == ".py" or (p / "__init__.py").is_file()) and p.name != "__init__.py"}
+    assert parts == set(VERIFY_RANK) - {"freetoken_verify"}, parts ^ set(VERIFY_RANK)
 
 
 def test_a_clean_synthetic_package_passes(tmp_path):

@@ -19,7 +19,7 @@ import torch
 
 from freetoken.distributed import RankError, RankGroup, RankTimeout, choose_placement
 from freetoken.distributed.comm import get_communicator
-from verify.ranks import RankFailure, RankRunner
+from freetoken_verify.checks.ranks import RankFailure, RankRunner
 
 _SIGNAL_BOUND_S = 2.0
 

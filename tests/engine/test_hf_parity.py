@@ -14,7 +14,7 @@ import torch
 from conftest import BUNDLED, GOLDEN, assert_matches_hf
 
 from freetoken import LLM, SamplingParams
-from verify.cases import hf_reference, make_prompts, rerandomise
+from freetoken_verify.cases.catalogue import hf_reference, make_prompts, rerandomise
 
 NUM_GREEDY = 16
 

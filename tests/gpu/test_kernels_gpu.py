@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import run_compiled
 
-from verify.faults import FAULTS
+from freetoken_verify.faults import FAULTS
 
 pytestmark = pytest.mark.gpu
 

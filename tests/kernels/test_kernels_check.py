@@ -11,9 +11,9 @@ import json
 import pytest
 import torch
 
-from verify.checks import kernels
-from verify.cli import main
-from verify.faults import FAULTS
+from freetoken_verify.checks.kernels import check as kernels
+from freetoken_verify.cli import main
+from freetoken_verify.faults import FAULTS
 
 
 def _run(capsys, *args: str) -> tuple[int, str]:

@@ -12,7 +12,7 @@ import torch
 from freetoken.formats.nvfp4.format import NVFP4FormatError
 from freetoken.formats.nvfp4.quantizer import quantize
 from freetoken.layers.quantization.nvfp4.reference import reference_moe
-from verify.checks.kernels import make_experts
+from freetoken_verify.checks.kernels.check import make_experts
 
 
 @pytest.fixture(scope="module", autouse=True)

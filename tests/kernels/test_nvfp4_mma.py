@@ -13,7 +13,7 @@ import torch
 
 from freetoken.formats.nvfp4.format import E2M1_VALUES
 from freetoken.layers.quantization.nvfp4.reference import reference_moe
-from verify.checks.kernels import make_experts
+from freetoken_verify.checks.kernels.check import make_experts
 
 
 def fragment_position(k: int, v: int) -> int:
@@ -444,7 +444,7 @@ _PDL_GPU = """
 import dataclasses
 import torch
 from freetoken.kernels import nvfp4_launch, nvfp4_mma_launch, nvfp4_moe
-from verify.checks.kernels import make_experts
+from freetoken_verify.checks.kernels.check import make_experts
 w = make_experts(16, 512, 256, 2, seed=5, device="cuda")
 gen = torch.Generator().manual_seed(6)
 x = torch.randn(9, 512, generator=gen).cuda().bfloat16()

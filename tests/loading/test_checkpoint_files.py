@@ -102,7 +102,7 @@ def test_registration_ahead_covers_every_window_once_and_stops_at_a_refusal(monk
     tensor once, while the main thread plans; a refusal stops it and turns the registered
     pages off for the copies."""
     from freetoken.loading import mapped
-    from verify.cases import GOLDEN
+    from freetoken_verify.cases.catalogue import GOLDEN
 
     calls: list[tuple[int, int]] = []
     refuse_after = {"n": 10**9}

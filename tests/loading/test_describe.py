@@ -14,7 +14,7 @@ from freetoken.cli import main
 from freetoken.loading.checkpoint import CheckpointReader
 from freetoken.loading.describe import describe_tensor
 from freetoken.models.registry import load_config, shard_plan
-from verify.cases import resolve_case
+from freetoken_verify.cases.catalogue import resolve_case
 
 _RUN = re.compile(r"(-?\d+):(\d+)")
 

@@ -26,8 +26,8 @@ from freetoken.formats.specs import (
 from freetoken.loading import CheckpointReader, load_weights, loader
 from freetoken.loading.staging import FileReader, _row_pieces, fill
 from freetoken.models.registry import build_model, load_config, shard_plan
-from verify.cases import CASES, GOLDEN
-from verify.faults import double_copy_load
+from freetoken_verify.cases.catalogue import CASES, GOLDEN
+from freetoken_verify.faults import double_copy_load
 
 TP_SIZES = (1, 2, 4, 8)
 

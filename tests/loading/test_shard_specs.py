@@ -408,7 +408,7 @@ def test_resolve_of_every_bundled_tensor_equals_rule_by_rule(case):
     """Over the real shard plans, every checkpoint name resolves as rule by rule would."""
     from freetoken.loading import CheckpointReader
     from freetoken.models.registry import load_config, shard_plan
-    from verify.cases import resolve_case
+    from freetoken_verify.cases.catalogue import resolve_case
 
     folder = resolve_case(case).folder
     plan = shard_plan(load_config(folder), 2)
@@ -431,7 +431,7 @@ def test_every_plan_spec_follows_the_shard_spec_protocol(case):
     loader and the shards check call all three on whatever a plan holds."""
     from freetoken.formats.shard import ShardSpec
     from freetoken.models.registry import load_config, shard_plan
-    from verify.cases import resolve_case
+    from freetoken_verify.cases.catalogue import resolve_case
 
     plan = shard_plan(load_config(resolve_case(case).folder), 2)
     bad = [r.pattern for r in plan.rules if not isinstance(r.spec, ShardSpec)]

@@ -14,7 +14,7 @@ import torch
 from conftest import GOLDEN, assert_matches_hf
 
 from freetoken import LLM, SamplingParams
-from verify.cases import hf_reference, load_reference, make_prompts, rerandomise
+from freetoken_verify.cases.catalogue import hf_reference, load_reference, make_prompts, rerandomise
 
 CASE = "tiny-qwen3.5-moe"
 NUM_GREEDY = 24

@@ -22,9 +22,9 @@ from freetoken import LLM, SamplingParams
 from freetoken.config import ConfigError
 from freetoken.formats.nvfp4.checkpoint import parse_quant_config
 from freetoken.models.registry import check_tp, config_from_hf, load_config
-from verify.cases import CASES, load_reference, write_case
-from verify.cli import main
-from verify.nvfp4_case import to_compressed_tensors
+from freetoken_verify.cases.catalogue import CASES, load_reference, write_case
+from freetoken_verify.cases.nvfp4 import to_compressed_tensors
+from freetoken_verify.cli import main
 
 CASE = "tiny-qwen3.5-moe-nvfp4"
 FOLDER = GOLDEN / CASE
@@ -128,7 +128,8 @@ def test_quantized_attention_is_refused_by_name():
 
 
 def test_regeneration_is_deterministic(tmp_path):
-    """`python -m verify.cases --case tiny-qwen3.5-moe-nvfp4` writes the committed bytes (with
+    """`python -m freetoken_verify.cases --case tiny-qwen3.5-moe-nvfp4` writes the committed bytes
+    (with
     the torch / transformers versions meta.json records): weights, quantization config and the
     reference HF computes on the dequantized experts."""
     meta = json.loads((FOLDER / "meta.json").read_text())

@@ -163,7 +163,7 @@ def test_check_tp_names_the_gated_delta_net_dimension(dim, tp):
 def test_cli_rejects_an_unsplittable_tp_before_starting_ranks(capsys):
     """`freetoken-verify --tp 3` on the bundled case is a usage error (exit 2) naming the
     dimension."""
-    from verify.cli import main
+    from freetoken_verify.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["--model", CASE, "--tp", "3", "--checks", "golden"])
@@ -178,7 +178,7 @@ def test_verify_catches_a_plain_chunk_of_a_packed_tensor(fault, capsys):
     """Splitting a packed tensor (GatedDeltaNet q|k|v, its conv1d, the attention q|gate
     interleave, the experts' gate|up) as a plain row chunk makes the golden check fail at
     TP 2: exit 1, and the table names the case with FAIL."""
-    from verify.cli import main
+    from freetoken_verify.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["--model", CASE, "--tp", "2", "--checks", "golden", "--inject", fault])

@@ -10,7 +10,7 @@ import pytest
 
 from freetoken.config import ConfigError
 from freetoken.models.registry import ARCHITECTURES, architecture, config_from_hf, load_config
-from verify.cases import resolve_case
+from freetoken_verify.cases.catalogue import resolve_case
 
 
 def _make_hf(case: str, **changes) -> dict:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from verify.cli import main
+from freetoken_verify.cli import main
 
 
 def run_cli(capsys, *args: str) -> tuple[int, str, str]:

@@ -1,4 +1,4 @@
-"""A validator for the subset of JSON Schema that `verify/report_schema.json` uses (type,
+"""A validator for the subset of JSON Schema that `freetoken_verify/report/schema.json` uses (type,
 const, enum, properties, required, additionalProperties, items, minimum, pattern, anyOf), so
 the report tests need no schema library. An unknown keyword is an error, not ignored: the
 schema cannot silently outgrow what the tests check."""

@@ -1,7 +1,7 @@
-"""The Python API (`verify.run` -> `Report`) and the pytest plugin (fixture
+"""The Python API (`freetoken_verify.run` -> `Report`) and the pytest plugin (fixture
 `freetoken_verify`, markers `gpu` / `multi_gpu(n)`), used as a user would: from this separate
 test file and from a user-style test file run by a pytest subprocess. Bad input raises the
-typed `verify.errors`, never click's exceptions."""
+typed `freetoken_verify.errors`, never click's exceptions."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from pathlib import Path
 import click
 import pytest
 
-import verify
-from verify.errors import InputError, UsageError
-from verify.pytest_plugin import cuda_device_count
+import freetoken_verify as verify
+from freetoken_verify.errors import InputError, UsageError
+from freetoken_verify.pytest_plugin import cuda_device_count
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -113,8 +113,8 @@ def test_bad_input_raises_typed_errors(kind, needle, kwargs):
 def test_plan_sorts_tp_sizes_and_keeps_check_order():
     """build_plan takes typed values: TP sizes deduplicated and ascending, checks in the
     table's run order whatever order they were asked in."""
-    from verify.checks.base import CHECK_NAMES
-    from verify.main import build_plan
+    from freetoken_verify.checks.base import CHECK_NAMES
+    from freetoken_verify.running.plan import build_plan
 
     plan = build_plan(models=["tiny-llama"], tp=[2, 1, 2], checks=["shards", "golden"],
                       device="cpu")
@@ -158,15 +158,15 @@ def _make_user_project(tmp_path: Path) -> Path:
 
 
 def test_plugin_from_a_user_test_file(tmp_path):
-    """A user's own test file, run by pytest with the plugin (`-p verify.pytest_plugin`)
+    """A user's own test file, run by pytest with the plugin (`-p freetoken_verify.pytest_plugin`)
     outside this repository: the fixture runs a passing check, a failing one fails its test
     with the row in the assertion message, and `gpu` / `multi_gpu(1024)` skip with reasons
     (no CPU machine has 1024 GPUs)."""
     project = _make_user_project(tmp_path)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
         str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "verify.pytest_plugin", "-q",
-                           "-rs", "-p", "no:cacheprovider", "test_model.py"],
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "freetoken_verify.pytest_plugin",
+                           "-q", "-rs", "-p", "no:cacheprovider", "test_model.py"],
                           cwd=project, env=env, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, f"one test must fail (exit 1):\n{out}"

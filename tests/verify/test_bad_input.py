@@ -192,7 +192,7 @@ def test_damaged_indexed_checkpoint_is_refused(capsys, tmp_path, damage, needles
 def test_modified_bundled_case_is_bad_input(capsys, tmp_path, monkeypatch):
     """A bundled case whose weights no longer match meta.json's sha256 is bad input (exit 2
     naming the file), not an engine bug found by golden."""
-    import verify.cases
+    import freetoken_verify.cases.catalogue
 
     root = tmp_path / "golden"
     shutil.copytree(GOLDEN / "tiny-llama", root / "tiny-llama")
@@ -200,6 +200,6 @@ def test_modified_bundled_case_is_bad_input(capsys, tmp_path, monkeypatch):
     data = bytearray(weights.read_bytes())
     data[-3] ^= 0x10
     weights.write_bytes(bytes(data))
-    monkeypatch.setattr(verify.cases, "GOLDEN", root)
+    monkeypatch.setattr(freetoken_verify.cases.catalogue, "GOLDEN", root)
     assert_refused(capsys, ["--model", "tiny-llama", "--tp", "1"], "model.safetensors",
                    "does not match the sha256")

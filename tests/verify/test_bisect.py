@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from verify.capture import FULL, PARTIAL, flat, unshard
-from verify.checks.bisect import Bisection, Row, rel_l2
-from verify.hf_capture import NameMap
+from freetoken_verify.activations.engine import FULL, PARTIAL, flat, unshard
+from freetoken_verify.activations.hf import NameMap
+from freetoken_verify.checks.bisect.check import Bisection, Row, rel_l2
 
 
 def _make_parts(full: torch.Tensor, segments, tp: int) -> list[torch.Tensor]:
@@ -111,9 +111,9 @@ def test_hf_names_map_fused_modules_and_regroup_q_gate():
 
 
 def _run_golden(model: str, tp: tuple[int, ...], dtype: str, faults: tuple[str, ...] = ()):
-    from verify.cases import resolve_case
-    from verify.checks import VerifyOptions, available_checks
-    from verify.runner import Plan, run_plan
+    from freetoken_verify.cases.catalogue import resolve_case
+    from freetoken_verify.checks import VerifyOptions, available_checks
+    from freetoken_verify.running.runner import Plan, run_plan
 
     plan = Plan([resolve_case(model)], list(tp), {"golden": available_checks()["golden"]},
                 VerifyOptions(device="cpu", dtype=dtype, timeout=240.0), faults)
@@ -126,7 +126,7 @@ def test_low_precision_excess_with_every_module_clean_passes(monkeypatch):
     tight bound with a real TP bug still fails, naming the module."""
     from dataclasses import replace
 
-    from verify import compare
+    from freetoken_verify import compare
 
     tight = replace(compare.TOLERANCES[torch.bfloat16], max_rel_l2=1e-6, max_kl=1e-9)
     monkeypatch.setattr(compare, "effective_tolerance", lambda dtype, baseline=None: tight)
@@ -143,7 +143,7 @@ def test_hf_decode_rows_are_left_out_when_hf_consumed_another_token():
     divergence), and with the same token both are."""
     from types import SimpleNamespace
 
-    from verify.checks.bisect import _rows
+    from freetoken_verify.checks.bisect.check import _rows
 
     cfg = SimpleNamespace(quantization=None)
     ctx = SimpleNamespace(options=SimpleNamespace(dtype="float32"),

@@ -1,4 +1,5 @@
-"""Every entry of the TP bug catalogue (`verify.catalogue.CATALOGUE`): injected into its
+"""Every entry of the TP bug catalogue (`freetoken_verify.faults.catalogue.CATALOGUE`): injected
+into its
 bundled case, it fails a row naming the module, tensor or rank at every TP size where it
 bites, and TP=1 stays green where the bug is TP-only. A harness that goes green, or red
 without saying where, on any of them has regressed."""
@@ -8,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verify.catalogue import CATALOGUE
-from verify.catalogue_run import run_entry
-from verify.faults import FAULTS
+from freetoken_verify.faults import FAULTS
+from freetoken_verify.faults.catalogue import CATALOGUE
+from freetoken_verify.running.catalogue_run import run_entry
 
 # Marked slow (`make test-slow`): entries with a TP-4 group (a 4-rank spawn, ~9 s on two
 # cores each) and the kernel faults, whose kernel matrix in Triton's interpreter takes a

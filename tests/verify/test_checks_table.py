@@ -1,4 +1,5 @@
-"""The one table of checks (`verify.checks.base.CHECKS`): every name unique and loadable, in
+"""The one table of checks (`freetoken_verify.checks.base.CHECKS`): every name unique and loadable,
+in
 the order the runner uses, each with a one-line description; the shared result helper fills a
 row from the context."""
 
@@ -7,7 +8,7 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
-from verify.checks import CHECK_NAMES, CHECKS, available_checks, make_result
+from freetoken_verify.checks import CHECK_NAMES, CHECKS, available_checks, make_result
 
 
 def test_every_registered_check_loads_its_run_function_in_table_order():
@@ -19,7 +20,7 @@ def test_every_registered_check_loads_its_run_function_in_table_order():
     loaded = available_checks()
     assert list(loaded) == list(CHECK_NAMES)
     for spec in CHECKS:
-        assert loaded[spec.name].__module__ == f"verify.checks.{spec.module}", spec
+        assert loaded[spec.name].__module__ == f"freetoken_verify.checks.{spec.module}.check", spec
         assert spec.description.strip() and "\n" not in spec.description, spec
 
 

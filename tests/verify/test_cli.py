@@ -181,9 +181,9 @@ def test_version_prints_the_package_version(capsys):
 def test_list_names_every_case_check_and_fault_with_a_description(capsys):
     """`--list` exits 0 and prints one `name  description` line for every bundled case, every
     check (in run order) and every fault, each description non-empty."""
-    from verify.cases import CASES
-    from verify.checks import CHECK_NAMES
-    from verify.faults import FAULTS
+    from freetoken_verify.cases.catalogue import CASES
+    from freetoken_verify.checks import CHECK_NAMES
+    from freetoken_verify.faults import FAULTS
 
     code, out, _ = run_cli(capsys, "--list")
     assert code == 0, out
@@ -202,8 +202,8 @@ def test_list_names_every_case_check_and_fault_with_a_description(capsys):
 def test_help_documents_options_examples_and_exit_codes(capsys, flag):
     """`-h` and `--help` exit 0 and show every option with help text, the choices and
     defaults, the check names, an examples section and the four exit codes."""
-    from verify.checks import CHECK_NAMES
-    from verify.cli import verify
+    from freetoken_verify.checks import CHECK_NAMES
+    from freetoken_verify.cli import verify
 
     code, out, _ = run_cli(capsys, flag)
     assert code == 0, out
@@ -228,28 +228,31 @@ def test_unknown_fault_is_one_line_exit_2(capsys):
 def test_interrupt_before_the_run_exits_130(capsys, monkeypatch):
     """Ctrl-C while the command is still parsing (click turns it into Abort) exits 130 like
     Ctrl-C during the run (`test_signals.py`), not 1."""
-    import verify.cli
+    import freetoken_verify.cli
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(verify.cli, "parse_tp", interrupted)
+    monkeypatch.setattr(freetoken_verify.cli, "parse_tp", interrupted)
     code, _, err = run_cli(capsys, "--model", "tiny-llama")
     assert code == 130 and "interrupted" in err, (code, err)
 
 
 def test_cli_and_main_do_not_import_each_other():
-    """The command line is a layer over `verify.main`: main imports nothing from cli, and cli
+    """The command line is a layer over `freetoken_verify.running.plan`: main imports nothing from
+    cli, and cli
     imports no private name of main (the former cycle)."""
     import ast
     from pathlib import Path
 
     def imports(module: str) -> list[tuple[str, str]]:
         tree = ast.parse(Path(__file__).resolve().parents[2].joinpath(
-            "verify", f"{module}.py").read_text())
+            "freetoken_verify", f"{module}.py").read_text())
         return [(node.module, alias.name) for node in ast.walk(tree)
                 if isinstance(node, ast.ImportFrom) for alias in node.names]
 
-    assert not [m for m, _ in imports("main") if m == "verify.cli"], imports("main")
-    private = [(m, n) for m, n in imports("cli") if m == "verify.main" and n.startswith("_")]
+    plan_imports = imports("running/plan")
+    assert not [m for m, _ in plan_imports if m == "freetoken_verify.cli"], plan_imports
+    private = [(m, n) for m, n in imports("cli")
+               if m == "freetoken_verify.running.plan" and n.startswith("_")]
     assert not private, private

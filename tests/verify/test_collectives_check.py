@@ -14,12 +14,12 @@ import torch
 from freetoken.config import EngineConfig
 from freetoken.engine.core import EngineCore
 from freetoken.models.registry import build_model, load_config
-from verify.checks.collectives import compare_steps
-from verify.cli import main
-from verify.collective_sites import expected_sites, moe_blocks
-from verify.collective_trace import ENGINE, Call, Step, trace_generation
+from freetoken_verify.checks.collectives.check import compare_steps
+from freetoken_verify.checks.collectives.sites import expected_sites, moe_blocks
+from freetoken_verify.checks.collectives.trace import ENGINE, Call, Step, trace_generation
+from freetoken_verify.cli import main
 
-GOLDEN = Path(__file__).resolve().parents[2] / "verify" / "golden"
+GOLDEN = Path(__file__).resolve().parents[2] / "freetoken_verify" / "golden"
 CASES = ("tiny-llama", "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3.5-moe",
          "tiny-qwen3.5-moe-nvfp4")
 

@@ -1,4 +1,5 @@
-"""Tests for verify.compare: tensor comparison records, logit metrics and the greedy rule."""
+"""Tests for freetoken_verify.compare: tensor comparison records, logit metrics and the greedy
+rule."""
 
 import math
 
@@ -7,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verify.compare import (
+from freetoken_verify.compare import (
     TOLERANCES,
     compare_tensors,
     greedy_check,
@@ -256,7 +257,7 @@ def test_judge_logits_bf16_tolerates_scattered_drift_but_not_a_decisive_flip():
     """bf16 judges distributions: drift that leaves elements outside rtol/atol but keeps
     relative L2, KL and top-1 passes; a top-1 flip the reference did not nearly tie fails and
     names the position and both tokens; fp32 stays elementwise."""
-    from verify.compare import judge_logits
+    from freetoken_verify.compare import judge_logits
 
     expected = _make_logits()
     drift = expected.clone()
@@ -272,7 +273,7 @@ def test_judge_logits_bf16_tolerates_scattered_drift_but_not_a_decisive_flip():
 
 def test_judge_logits_bf16_fails_on_large_relative_error():
     """Noise well above bf16 precision fails on relative L2 even with top-1 intact."""
-    from verify.compare import judge_logits
+    from freetoken_verify.compare import judge_logits
 
     expected = _make_logits()
     noisy = expected + 0.5 * torch.randn(expected.shape, generator=torch.Generator().manual_seed(1),
@@ -286,7 +287,7 @@ def test_nonfinite_engine_logits_say_nan_and_where():
     message that says NaN (or Inf) and the first position, not a bare mismatch count."""
     import torch
 
-    from verify.compare import judge_logits
+    from freetoken_verify.compare import judge_logits
 
     expected = torch.randn(6, 11, generator=torch.Generator().manual_seed(0))
     actual = expected.clone()

@@ -11,7 +11,13 @@ import torch
 import transformers
 from conftest import BUNDLED, GOLDEN, case_differences
 
-from verify.cases import CASES, hf_reference, load_reference, sha256_file, write_case
+from freetoken_verify.cases.catalogue import (
+    CASES,
+    hf_reference,
+    load_reference,
+    sha256_file,
+    write_case,
+)
 
 
 @pytest.mark.parametrize("case", BUNDLED)
@@ -54,7 +60,7 @@ def test_regeneration_is_deterministic(tmp_path):
                                                  transformers.__version__):
         pytest.skip("installed torch/transformers differ from the ones golden was written with")
     assert case_differences(first, GOLDEN / name) == [], (
-        f"verify/golden/{name} is not what `make golden` writes now")
+        f"freetoken_verify/golden/{name} is not what `make golden` writes now")
 
 
 def test_case_differences_finds_a_changed_case(tmp_path):
@@ -95,12 +101,13 @@ def test_case_differences_finds_a_changed_case(tmp_path):
 
 
 def test_bundled_cases_are_package_data():
-    """`verify.cases` finds every bundled case inside the installed `verify` package (where a
+    """`freetoken_verify.cases.catalogue` finds every bundled case inside the installed
+    `freetoken_verify` package (where a
     wheel puts them), each with the files the harness reads."""
-    import verify
-    from verify import cases
+    import freetoken_verify
+    from freetoken_verify.cases import catalogue as cases
 
-    package = Path(verify.__file__).resolve().parent
+    package = Path(freetoken_verify.__file__).resolve().parent
     assert cases.GOLDEN.resolve() == package / "golden", cases.GOLDEN
     for name in CASES:
         for file in ("config.json", "model.safetensors", "reference.safetensors", "meta.json"):

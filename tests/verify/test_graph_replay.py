@@ -1,4 +1,5 @@
-"""The graph-versus-eager comparison of the golden check (`verify.graph_replay`): it compares
+"""The graph-versus-eager comparison of the golden check
+(`freetoken_verify.checks.golden.graph_replay`): it compares
 only where the engine graphs, at batch sizes that fill their bucket, restores the graphs
 after the eager run, and names the batch, prompt and step of the first bit that differs.
 The engine itself graphs only on CUDA (tests/engine/test_cuda_engine.py and the catalogue's
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from verify.graph_replay import batch_sizes, graph_replay_mismatch
+from freetoken_verify.checks.golden.graph_replay import batch_sizes, graph_replay_mismatch
 
 
 class _Result:

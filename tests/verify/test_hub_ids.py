@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import GOLDEN
 
-from verify.cases import CaseError, resolve_case
-from verify.cli import main
+from freetoken_verify.cases.catalogue import CaseError, resolve_case
+from freetoken_verify.cli import main
 
 _MAIN = "a" * 40
 _V1 = "b" * 40

@@ -11,10 +11,16 @@ import re
 import pytest
 import torch
 
-from verify.checks import engine_kernels, kernels
-from verify.engine_kernel_cases import TP_SIZES, cpu_matrix, gpu_matrix, local_shapes
-from verify.engine_kernel_runs import RUNNERS, Output
-from verify.faults import FAULTS
+from freetoken_verify.checks.kernels import check as kernels
+from freetoken_verify.checks.kernels import engine as engine_kernels
+from freetoken_verify.checks.kernels.engine_cases import (
+    TP_SIZES,
+    cpu_matrix,
+    gpu_matrix,
+    local_shapes,
+)
+from freetoken_verify.checks.kernels.engine_runs import RUNNERS, Output
+from freetoken_verify.faults import FAULTS
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +83,7 @@ def test_local_shapes_are_the_layers_shapes(tp):
     """For every bundled case: attention heads and KV heads (replicated below one per rank),
     the dense / shared-expert and expert intermediate sizes, and GatedDeltaNet's key heads,
     value heads and conv channels equal those of the layers built on a rank of `tp`."""
-    from verify.engine_kernel_cases import model_configs
+    from freetoken_verify.checks.kernels.engine_cases import model_configs
 
     for name, cfg in model_configs("cpu").items():
         shapes, layers = local_shapes(cfg, tp, "cpu"), _make_layers(cfg, tp)
@@ -171,8 +177,8 @@ def test_exact_outputs_fail_on_one_differing_element():
 # A fresh process: one that ran an interpreter test has TRITON_INTERPRET on for good.
 _GPU_MATRIX = """
 import torch
-from verify.checks import engine_kernels
-from verify.engine_kernel_cases import gpu_matrix
+from freetoken_verify.checks.kernels import engine as engine_kernels
+from freetoken_verify.checks.kernels.engine_cases import gpu_matrix
 rows = engine_kernels.run_matrix(gpu_matrix(), "cuda", torch.bfloat16)
 print(len(rows), "cases", engine_kernels.verdict(rows, "bfloat16") or "pass")
 raise SystemExit(1 if any(r["failure"] for r in rows) else 0)

@@ -1,4 +1,5 @@
-"""Layout statements (`verify.layout_book`) give each rank the global rows the design's model
+"""Layout statements (`freetoken_verify.checks.shards.layout_book`) give each rank the global rows
+the design's model
 facts say, written out here by hand for the bundled Qwen3.5 case (8 attention heads of 32, 2
 KV heads; GatedDeltaNet 8 key heads of 16, 16 value heads of 12; vocab 301), and the shards
 check fails, naming the tensor, when a plan's tensor has no statement or lands elsewhere."""
@@ -12,12 +13,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from verify.checks import shards
-from verify.layout_book import LayoutBook
-from verify.layout_compare import mismatch
-from verify.layouts import PAD, LayoutError
+from freetoken_verify.checks.shards import check as shards
+from freetoken_verify.checks.shards.layout_book import LayoutBook
+from freetoken_verify.checks.shards.layout_compare import mismatch
+from freetoken_verify.checks.shards.layouts import PAD, LayoutError
 
-GOLDEN = Path(__file__).resolve().parents[2] / "verify" / "golden"
+GOLDEN = Path(__file__).resolve().parents[2] / "freetoken_verify" / "golden"
 CASE = GOLDEN / "tiny-qwen3.5-moe"
 LAYER = "model.language_model.layers"
 

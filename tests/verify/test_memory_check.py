@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from verify.cli import main
+from freetoken_verify.cli import main
 
 
 def _memory_results(capsys, tmp_path, *args: str) -> tuple[int, list[dict]]:
@@ -126,8 +126,8 @@ def test_cache_sized_from_global_heads_fails_naming_the_part(capsys, tmp_path, f
 def test_split_part_compared_with_tp1_over_n():
     """A split part that is not 1/N of TP=1's fails twice: against the config's bytes, and as
     a ratio to TP=1's share; a part whose padding explains the excess passes."""
-    from verify.checks.memory import _expectation_failures
-    from verify.checks.memory_expected import Part
+    from freetoken_verify.checks.memory.check import _expectation_failures
+    from freetoken_verify.checks.memory.expected import Part
 
     kv = Part("KV cache", 1000, "formula", 1000, 2000)
     failures = _expectation_failures({"KV cache": 2000}, {"KV cache": kv}, rank=1, size=2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from verify.progress import Progress
+from freetoken_verify.running.progress import Progress
 
 
 def _make_progress(live: bool, lines: list[str] | None = None) -> Progress:

@@ -12,9 +12,9 @@ import pytest
 from cli_run import assert_refused, run_cli
 from conftest import GOLDEN
 
-from verify.cases import PROMPT_LENS, reference_prompts, resolve_case
-from verify.checks import VerifyOptions
-from verify.references import prompts_for, reference_source
+from freetoken_verify.cases.catalogue import PROMPT_LENS, reference_prompts, resolve_case
+from freetoken_verify.checks import VerifyOptions
+from freetoken_verify.reference.sources import prompts_for, reference_source
 
 
 def _make_file(tmp_path: Path, name: str, content) -> Path:

@@ -15,10 +15,10 @@ from cli_run import assert_refused, run_cli
 from conftest import GOLDEN
 from safetensors.torch import load_file, save_file
 
-from verify import reference_store
-from verify.cases import resolve_case
-from verify.checks import VerifyOptions
-from verify.references import live_hf_reference
+from freetoken_verify.cases.catalogue import resolve_case
+from freetoken_verify.checks import VerifyOptions
+from freetoken_verify.reference import store as reference_store
+from freetoken_verify.reference.sources import live_hf_reference
 
 
 def _make_checkpoint(tmp_path: Path, name: str = "ckpt") -> Path:
@@ -170,7 +170,7 @@ def test_broken_bisect_part_of_a_store_is_refused(capsys, tmp_path):
 def test_save_reference_from_the_command_line(capsys, tmp_path):
     """`--save-reference DIR` writes the store before the ranks start (prompts, continuation
     length, versions, source, each weights file's sha256) and the run then passes against it."""
-    from verify.cases import sha256_file
+    from freetoken_verify.cases.catalogue import sha256_file
 
     folder = _make_checkpoint(tmp_path)
     store = tmp_path / "saved"
@@ -206,7 +206,7 @@ def test_low_precision_baseline_is_saved_per_dtype(capsys, tmp_path):
 def test_saved_reference_keeps_hf_activations_on_the_bisect_prompt(capsys, tmp_path):
     """The store holds HF's per-module outputs on the bisect prompt and HF's first greedy
     token after it, in float32 and at the engine's low precision."""
-    from verify.references import bisect_prompt_of
+    from freetoken_verify.reference.sources import bisect_prompt_of
 
     folder = _make_checkpoint(tmp_path)
     store = _make_store(capsys, tmp_path, folder, with_bisect=True, dtype="bfloat16")
@@ -223,7 +223,7 @@ def test_bisect_localises_against_the_saved_activations_without_hf(capsys, tmp_p
                                                                     monkeypatch):
     """With a saved reference, bisect compares every module with HF's saved outputs and never
     loads HF; a saved output made wrong is named as the first divergence."""
-    import verify.references
+    import freetoken_verify.reference.sources
 
     folder = _make_checkpoint(tmp_path)
     store = _make_store(capsys, tmp_path, folder, with_bisect=True)
@@ -231,7 +231,7 @@ def test_bisect_localises_against_the_saved_activations_without_hf(capsys, tmp_p
     def no_hf(*args, **kwargs):
         raise AssertionError("HF was loaded although the saved reference holds its outputs")
 
-    monkeypatch.setattr(verify.references, "hf_model", no_hf)
+    monkeypatch.setattr(freetoken_verify.reference.sources, "hf_model", no_hf)
     report = tmp_path / "r.json"
     args = ["--model", str(folder), "--tp", "1", "--checks", "bisect", "--reference",
             str(store), "--report-json", str(report)]

@@ -1,4 +1,5 @@
-"""Tests for verify.report: the result record, the table, the JSON report (version 2), JUnit
+"""Tests for freetoken_verify.report.formats: the result record, the table, the JSON report (version
+2), JUnit
 XML and the markdown summary."""
 
 import json
@@ -8,7 +9,7 @@ import xml.etree.ElementTree as ET
 import pytest
 import torch
 
-from verify.report import (
+from freetoken_verify.report.formats import (
     CheckResult,
     count_line,
     junit_tree,
@@ -17,7 +18,7 @@ from verify.report import (
     report_dict,
     summarize,
 )
-from verify.run_info import RunInfo
+from freetoken_verify.report.run_info import RunInfo
 
 _RESULT_KEYS = {"check", "model", "tp", "status", "seconds", "placement", "metrics", "message",
                 "detail"}
@@ -45,7 +46,8 @@ def _make_results() -> list[CheckResult]:
 
 def _make_info(dtype: str = "float32", reference: str = "golden",
                faults: tuple[str, ...] = ()) -> RunInfo:
-    """A run identity shaped like `verify.run_info.describe_run`'s, for one model."""
+    """A run identity shaped like `freetoken_verify.report.run_info.describe_run`'s, for one
+    model."""
     env = {"python": "3.11.7", "platform": "Linux", "torch": "2.13.0", "triton": None,
            "transformers": "5.24.0", "cuda": None, "nccl": None, "driver": None,
            "device": "cpu", "gpus": 0, "gpu_names": [], "cpu": "test CPU", "cpu_count": 2}

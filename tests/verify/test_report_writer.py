@@ -1,4 +1,5 @@
-"""Reports written as the run goes (verify.report_writer): a run killed between rows leaves
+"""Reports written as the run goes (freetoken_verify.report.writer): a run killed between rows
+leaves
 valid, schema-conforming reports of what finished; writes are atomic; the job summary is
 appended once, at the end; and a real run's report matches the shipped schema."""
 
@@ -13,13 +14,13 @@ from cli_run import make_broken_checkpoint
 from json_schema import schema_errors
 from test_report import _make_info, _make_result
 
-from verify import report_writer
-from verify.cli import main
-from verify.report_writer import STEP_SUMMARY, ReportPaths, ReportWriter
+from freetoken_verify.cli import main
+from freetoken_verify.report import writer as report_writer
+from freetoken_verify.report.writer import STEP_SUMMARY, ReportPaths, ReportWriter
 
 
 def _schema() -> dict:
-    return json.loads((resources.files("verify") / "report_schema.json").read_text())
+    return json.loads((resources.files("freetoken_verify") / "report" / "schema.json").read_text())
 
 
 def _make_paths(tmp_path) -> ReportPaths:
@@ -139,7 +140,7 @@ def test_real_run_reports_error_traceback_and_match_schema(capsys, golden, tmp_p
 def test_schema_rejects_what_the_contract_forbids():
     """The schema check can fail: a version-1 report, a missing start time, an unknown key
     and a status outside the four are each named."""
-    from verify.report import report_dict
+    from freetoken_verify.report.formats import report_dict
 
     report = json.loads(json.dumps(report_dict([_make_result("pass")], _make_info())))
     _assert_valid(report)

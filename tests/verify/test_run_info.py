@@ -1,4 +1,5 @@
-"""The identity of a run (verify.run_info): the environment, the git state of a checkout (and
+"""The identity of a run (freetoken_verify.report.run_info): the environment, the git state of a
+checkout (and
 none outside one), the source of a hub snapshot, and the run section built from a plan."""
 
 from __future__ import annotations
@@ -11,11 +12,17 @@ from types import SimpleNamespace
 
 import pytest
 
-from verify import run_info
-from verify.cases import resolve_case
-from verify.checks import VerifyOptions
-from verify.run_info import environment, git_state, hub_source, model_entry, run_identity
-from verify.runner import Plan
+from freetoken_verify.cases.catalogue import resolve_case
+from freetoken_verify.checks import VerifyOptions
+from freetoken_verify.report import run_info
+from freetoken_verify.report.run_info import (
+    environment,
+    git_state,
+    hub_source,
+    model_entry,
+    run_identity,
+)
+from freetoken_verify.running.runner import Plan
 
 _ENV_KEYS = {"python", "platform", "torch", "triton", "transformers", "cuda", "nccl", "driver",
              "device", "gpus", "gpu_names", "cpu", "cpu_count"}

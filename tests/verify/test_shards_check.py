@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from verify.cli import main
+from freetoken_verify.cli import main
 
 QWEN35 = "tiny-qwen3.5-moe"
 L0 = "model.language_model.layers.0"

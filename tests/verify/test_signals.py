@@ -14,7 +14,7 @@ import psutil
 
 def _make_run(tmp_path) -> subprocess.Popen:
     env = dict(os.environ, TMPDIR=str(tmp_path))
-    return subprocess.Popen([sys.executable, "-m", "verify.cli", "--model", "tiny-llama",
+    return subprocess.Popen([sys.executable, "-m", "freetoken_verify.cli", "--model", "tiny-llama",
                              # kernels runs its matrix for tens of seconds: the signal lands
                              # while the ranks work, however fast the machine.
                              "--tp", "2", "--checks", "golden,kernels"], stdout=subprocess.PIPE,

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from verify.cli import main
+from freetoken_verify.cli import main
 
 
 def test_hybrid_model_truncated_to_a_linear_attention_layer_passes_golden(capsys, tmp_path):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 # What a wheel is built from; copied so the build leaves nothing behind in the checkout.
-_SOURCES = ("pyproject.toml", "README.md", "MANIFEST.in", "freetoken", "verify")
+_SOURCES = ("pyproject.toml", "README.md", "MANIFEST.in", "freetoken", "freetoken_verify")
 
 
 def _make_wheel(tmp_path: Path) -> Path:
@@ -67,12 +67,12 @@ def _check(args: list[str], label: str) -> None:
 
 
 def _assert_imports_from(venv: Path, cwd: Path) -> None:
-    probe = ("import json, sys, verify, freetoken; "
-             "print(json.dumps([verify.__file__, freetoken.__file__, sys.path]))")
+    probe = ("import json, sys, freetoken_verify, freetoken; "
+             "print(json.dumps([freetoken_verify.__file__, freetoken.__file__, sys.path]))")
     proc = _run([str(venv / "bin" / "python"), "-c", probe], cwd)
     assert proc.returncode == 0, proc.stderr
     verify_file, freetoken_file, path = json.loads(proc.stdout)
-    for label, module in (("verify", verify_file), ("freetoken", freetoken_file)):
+    for label, module in (("freetoken_verify", verify_file), ("freetoken", freetoken_file)):
         assert Path(module).resolve().is_relative_to(venv.resolve()), (
             f"{label} imported from {module}, not from the fresh venv {venv}")
     entries = {Path(p or cwd).resolve() for p in path}

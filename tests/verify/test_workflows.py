@@ -136,11 +136,11 @@ def test_nightly_gate_matrix_runners_reports_and_failure():
 
 @pytest.mark.parametrize("gpus, tp", [("1", "1"), ("2", "1,2"), ("4", "1,2,4"), ("8", "1,2,4,8")])
 def test_verify_gpu_matches_tp_to_gpus(gpus, tp, tmp_path):
-    """`make verify-gpu GPUS=N` runs the installed harness (`python -m verify.cli`, no
+    """`make verify-gpu GPUS=N` runs the installed harness (`python -m freetoken_verify.cli`, no
     PYTHONPATH) at TP sizes up to N for each of the gate's five runs, each writing JSON,
     JUnit and markdown reports into REPORTS, and the GPU kernel tests (JUnit into REPORTS)."""
     commands = _dry_run_gate(f"GPUS={gpus}", f"REPORTS={tmp_path}", "REALDIMS=/rd")
-    runs = [line for line in commands.splitlines() if " -m verify.cli " in line]
+    runs = [line for line in commands.splitlines() if " -m freetoken_verify.cli " in line]
     assert len(runs) == len(_GATE_RUNS), commands
     for name, line in zip(_GATE_RUNS, runs):
         assert f"--tp {tp} " in line and "--device cuda" in line, line
@@ -155,7 +155,7 @@ def test_verify_gpu_matches_tp_to_gpus(gpus, tp, tmp_path):
 
 def _assert_bf16_models(live_run: str, stored_run: str) -> None:
     """The bf16 runs split the bundled cases: those HF runs live, and the NVFP4 ones."""
-    from verify.cases import CASES
+    from freetoken_verify.cases.catalogue import CASES
 
     for line, nvfp4 in ((live_run, False), (stored_run, True)):
         models = re.findall(r"--model ([^\s\";]+)", line)[-1]
@@ -170,7 +170,7 @@ def test_verify_gpu_parts_and_explicit_tp(tmp_path):
     assert "realdims" not in commands and commands.count("--tp 2,8 ") == 3, commands
     assert " -m pytest " not in commands
     commands = _dry_run_gate("PART=kernels", f"REPORTS={tmp_path}")
-    assert " -m pytest " in commands and " -m verify.cli " not in commands, commands
+    assert " -m pytest " in commands and " -m freetoken_verify.cli " not in commands, commands
     assert " -m pytest " not in _dry_run_gate("DEVICE=cpu", f"REPORTS={tmp_path}")
     proc = subprocess.run(["make", "-n", "verify-gpu", f"PYTHON={sys.executable}", "GPUS=3"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)

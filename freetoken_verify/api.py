@@ -1,0 +1,118 @@
+"""The harness as a Python API: `freetoken_verify.run(...)` builds the same validated plan as
+`freetoken-verify`, runs it and returns a `Report` instead of printing a table.
+
+    import freetoken_verify
+
+    report = freetoken_verify.run(models=["tiny-llama"], tp=[1, 2], checks=["golden", "shards"])
+    report.assert_ok()
+
+Bad input raises `freetoken_verify.errors.UsageError` or `InputError` (both `ValueError`s) before
+any rank starts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from freetoken_verify.running.options import DEFAULT_TIMEOUT, DEFAULT_TP
+
+
+@dataclass(frozen=True)
+class Result:
+    """One check on one model at one TP size; `status` is pass, fail, skip or error."""
+
+    check: str
+    model: str
+    tp: int
+    status: str
+    seconds: float
+    placement: str
+    metrics: MappingProxyType
+    message: str
+
+    @property
+    def ok(self) -> bool:
+        """Passed or skipped."""
+        return self.status in ("pass", "skip")
+
+    def describe(self) -> str:
+        """`model check tp=N STATUS: message`, the row as one line."""
+        text = f"{self.model} {self.check} tp={self.tp} {self.status.upper()}"
+        return f"{text}: {self.message}" if self.message else text
+
+
+@dataclass(frozen=True)
+class Report:
+    """Every result of a run, in run order, and the rank tracebacks of errored rows
+    (`details`, keyed by (model, check, tp))."""
+
+    results: tuple[Result, ...]
+    details: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def ok(self) -> bool:
+        """No result failed or errored."""
+        return all(r.ok for r in self.results)
+
+    @property
+    def failures(self) -> tuple[Result, ...]:
+        """The failed and errored results."""
+        return tuple(r for r in self.results if not r.ok)
+
+    @property
+    def summary(self) -> dict[str, int]:
+        """Counts by status, with the keys of the JSON report's `summary`."""
+        counts = {s: sum(r.status == s for r in self.results)
+                  for s in ("pass", "fail", "skip", "error")}
+        return {"passed": counts["pass"], "failed": counts["fail"],
+                "skipped": counts["skip"], "errors": counts["error"]}
+
+    def assert_ok(self) -> None:
+        """Raise AssertionError listing every failed or errored row (one per line, with its
+        message) unless the run is ok."""
+        if not self.ok:
+            rows = "\n".join(r.describe() for r in self.failures)
+            raise AssertionError(f"{len(self.failures)} of {len(self.results)} verification "
+                                 f"rows failed:\n{rows}")
+
+
+def _result(row) -> Result:
+    return Result(row.check, row.model, row.tp, row.status, row.seconds, row.placement,
+                  MappingProxyType(dict(row.metrics)), row.message)
+
+
+def run(models: Sequence[str] = (), tp: Sequence[int] | int = DEFAULT_TP,
+        checks: Sequence[str] = (), *, dtype: str = "auto", device: str = "auto",
+        reference: str = "auto", num_layers: int | None = None,
+        timeout: float = DEFAULT_TIMEOUT, faults: Sequence[str] = (),
+        oversubscribe: bool = False, prompts_file: str | None = None, seed: int | None = None,
+        max_new_tokens: int | None = None, save_reference: str | None = None,
+        download: bool = False,
+        progress: bool | Callable[[str], None] = False) -> Report:
+    """Verify `models` (bundled case names, checkpoint folders or cached hub ids; every
+    bundled case when empty) at each TP size in `tp` with `checks` (all when empty), as
+    `freetoken-verify` would with the same options. `faults` injects known TP bugs by name
+    (see `freetoken-verify --list`). `progress`: True prints the command line's progress on
+    stderr, a callable receives its lines, False (default) is silent. `reference` may be a
+    folder written by `save_reference`; `prompts_file`, `seed`, `max_new_tokens` and
+    `download` are the command line's options of the same names.
+
+    Raises `freetoken_verify.errors.UsageError` / `InputError` for bad input before any rank
+    starts."""
+    # `import freetoken_verify` stays free of torch: the pytest plugin loads it in every session.
+    from freetoken_verify.running.inputs import save_references
+    from freetoken_verify.running.plan import build_plan
+    from freetoken_verify.running.progress import Progress, quiet
+    from freetoken_verify.running.runner import run_plan
+
+    plan = build_plan(models=models, tp=tp, checks=checks, device=device,
+                      oversubscribe=oversubscribe, dtype=dtype, reference=reference,
+                      num_layers=num_layers, timeout=timeout, faults=faults,
+                      prompts_file=prompts_file, seed=seed, max_new_tokens=max_new_tokens,
+                      save_reference=save_reference, download=download)
+    save_references(plan.cases, plan.tp_sizes, plan.options)
+    reporter = Progress() if progress is True else quiet() if progress is False else \
+        Progress(progress)
+    rows = run_plan(plan, reporter)
+    return Report(tuple(_result(r) for r in rows), MappingProxyType(dict(plan.details)))

@@ -1,0 +1,105 @@
+"""Qwen3.5-MoE checkpoints for verification, in the on-disk format of Qwen/Qwen3.6-35B-A3B
+(`Qwen3_5MoeForConditionalGeneration`: a multimodal config.json with `text_config`, text
+weights under `model.language_model.`, a vision tower under `model.visual.`, experts stored per
+expert), built and saved by HF transformers itself.
+
+- `qwen3_5_moe_tiny`: the bundled `tiny-qwen3.5-moe` case (dimensions valid at TP 1, 2, 4, 8).
+- `qwen3_5_moe_tiny_nvfp4`: the same with NVFP4-splittable experts (`tiny-qwen3.5-moe-nvfp4`).
+- `write_realdims`: `qwen3.5-moe-realdims`, the real model's text dimensions with 2 layers
+  (one GatedDeltaNet, one full attention), written on demand for GPU runs, never bundled."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from freetoken_verify.cases.randomise import rerandomise
+from freetoken_verify.cases.tokenizer import write_tokenizer
+
+TINY_VOCAB = 301
+TINY_TEXT = dict(
+    vocab_size=TINY_VOCAB, hidden_size=64, num_hidden_layers=4, full_attention_interval=2,
+    num_attention_heads=8, num_key_value_heads=2, head_dim=32,
+    # dk != dv and key total (8 x 16 = 128) != value total (16 x 12 = 192), so a mix-up of
+    # key and value head dims or totals cannot pass; 2 value heads per key head.
+    linear_num_key_heads=8, linear_num_value_heads=16, linear_key_head_dim=16,
+    linear_value_head_dim=12, linear_conv_kernel_dim=4,
+    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+    shared_expert_intermediate_size=48, max_position_embeddings=512, rms_norm_eps=1e-6,
+    # rotary_dim = 32 * 0.25 = 8, i.e. 4 frequencies = the mrope sections' sum, as in the
+    # real config (64 = 2 * (11 + 11 + 10)).
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                     "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+    tie_word_embeddings=False,
+)
+TINY_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64,
+                   patch_size=2, temporal_patch_size=1, spatial_merge_size=2,
+                   num_position_embeddings=16)
+
+# Qwen3.6-35B-A3B's text_config as published (hidden 2048, 40 layers in 10 x (3 GatedDeltaNet
+# + 1 full attention), 16 q / 2 KV heads of 256, GatedDeltaNet 16 key / 32 value heads of 128,
+# conv kernel 4, 256 experts top-8 of 512, one shared expert of 512, vocab 248320 padded, rope
+# theta 1e7 on a quarter of each head with interleaved mrope sections 11/11/10), cut to 2 layers.
+# These agree with transformers' Qwen3_5MoeTextConfig defaults. The vision tower is kept tiny
+# (the engine ignores it), so the folder holds the text model at full width only.
+REAL_TEXT = dict(
+    vocab_size=248320, hidden_size=2048, num_hidden_layers=2,
+    layer_types=["linear_attention", "full_attention"],
+    num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+    linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+    linear_value_head_dim=128, linear_conv_kernel_dim=4,
+    num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+    shared_expert_intermediate_size=512, max_position_embeddings=262144, rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                     "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+                     "mrope_interleaved": True},
+    tie_word_embeddings=False,
+)
+REAL_SEED = 35
+
+
+def _conditional_generation(text: dict, eos: int):
+    # transformers costs seconds to import; only writing cases and HF references need it.
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+    config = Qwen3_5MoeConfig(text_config=dict(text, eos_token_id=eos),
+                              vision_config=TINY_VISION, tie_word_embeddings=False)
+    return Qwen3_5MoeForConditionalGeneration(config)
+
+
+def qwen3_5_moe_tiny(eos: int):
+    """The bundled case's HF model (HF's init; `rerandomise` follows)."""
+    return _conditional_generation(TINY_TEXT, eos)
+
+
+def qwen3_5_moe_tiny_nvfp4(eos: int):
+    """The `tiny-qwen3.5-moe-nvfp4` case's HF model: `tiny-qwen3.5-moe` with
+    moe_intermediate_size 128, so each of 8 ranks holds 16 of down_proj's NVFP4 inputs (one
+    whole group; 32 / 8 = 4 would cut one)."""
+    return _conditional_generation(dict(TINY_TEXT, moe_intermediate_size=128), eos)
+
+
+def write_realdims(folder: str | Path, dtype: str = "bfloat16") -> Path:
+    """Write `qwen3.5-moe-realdims` into `folder`: weights (re-randomised like the bundled
+    cases), config.json and the bundled cases' tokenizer. No reference outputs: verify it with
+    `freetoken-verify --model FOLDER` (HF is run live). About 2.7e9 parameters: 5.4 GB in
+    bfloat16; building it needs roughly twice that in host memory."""
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    eos = write_tokenizer(folder)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        torch.manual_seed(REAL_SEED)
+        model = _conditional_generation(REAL_TEXT, eos).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    rerandomise(model, REAL_SEED)
+    model.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["dtype"] = dtype
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return folder

@@ -1,0 +1,94 @@
+"""What every check shares: the options, the context a check runs in, the helper that builds
+its result row, and the one table of checks in the order they run."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import import_module
+
+from freetoken_verify.cases.catalogue import Case
+from freetoken_verify.checks.ranks import RankRunner
+from freetoken_verify.report.formats import CheckResult
+
+
+@dataclass(frozen=True)
+class VerifyOptions:
+    """Options shared by every check."""
+
+    device: str = "auto"
+    dtype: str = "auto"
+    reference: str = "auto"
+    num_layers: int | None = None
+    oversubscribe: bool = False
+    timeout: float = 600.0
+    prompts_file: str | None = None
+    seed: int | None = None
+    max_new_tokens: int | None = None
+    save_reference: str | None = None
+    download: bool = False
+
+
+@dataclass
+class CheckContext:
+    """One model at one TP size, the rank runner for that size, and a cache shared across TP
+    sizes (e.g. the TP=1 outputs later sizes are compared with)."""
+
+    case: Case
+    tp: int
+    runner: RankRunner
+    options: VerifyOptions
+    cache: dict = field(default_factory=dict)
+
+    @property
+    def placement(self) -> str:
+        return self.runner.placement.name
+
+
+def make_result(check: str, ctx: CheckContext, start: float, status: str,
+                metrics: dict | None = None, message: str = "") -> CheckResult:
+    """The result row of `check` on `ctx`'s model and TP size, timed from `start`
+    (a `time.monotonic()` reading), with the context's placement."""
+    return CheckResult(check, ctx.case.name, ctx.tp, status, time.monotonic() - start,
+                       ctx.placement, metrics or {}, message)
+
+
+@dataclass(frozen=True)
+class CheckSpec:
+    """One registered check: its entry point and the line `--list` prints for it."""
+
+    name: str
+    module: str
+    description: str
+
+    def load(self) -> Callable[[CheckContext], CheckResult]:
+        """The check's `run(ctx)`; imported on demand, the check modules pull in torch."""
+
+        return import_module(f"freetoken_verify.checks.{self.module}.check").run
+
+
+# In run order: memory reloads the engine under measurement; shards then compares the loaded
+# engine; bisect follows golden so it can reuse the TP=1 outputs golden cached.
+CHECKS: tuple[CheckSpec, ...] = (
+    CheckSpec("golden", "golden",
+              "prefill logits and greedy tokens against the reference (stored golden or live HF)"),
+    CheckSpec("bisect", "bisect",
+              "first layer and module where TP activations diverge from TP=1 and HF"),
+    CheckSpec("memory", "memory",
+              "per-rank peak memory, KV cache and state sizes, no pinned checkpoint views"),
+    CheckSpec("shards", "shards",
+              "every loaded parameter equals its shard of the checkpoint tensor, owning storage"),
+    CheckSpec("kernels", "kernels",
+              "NVFP4 kernels against the format oracle, engine kernels against their torch "
+              "paths, at TP-local shapes (once per TP size)"),
+    CheckSpec("collectives", "collectives",
+              "every collective runs at its named place, with the expected shape and dtype"),
+)
+
+CHECK_NAMES: tuple[str, ...] = tuple(spec.name for spec in CHECKS)
+
+
+def available_checks() -> dict[str, Callable[[CheckContext], CheckResult]]:
+    """Check name -> run function, in the order they run."""
+    return {spec.name: spec.load() for spec in CHECKS}

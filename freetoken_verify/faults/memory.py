@@ -1,0 +1,75 @@
+"""Memory faults: a loader that keeps or builds extra copies of the weights, and per-rank
+caches sized from global head counts. The `memory` check exists to catch them."""
+
+from __future__ import annotations
+
+import torch
+
+import freetoken.engine.core as core
+from freetoken.distributed import get_tp_info
+from freetoken.loading import loader
+from freetoken.models.qwen3_5_moe.gdn import GatedDeltaNet
+
+
+def keep_shard_copies() -> None:
+    """The loader keeps every shard it copied into a parameter (a forgotten cache): each rank
+    holds its weights twice."""
+
+    original = core.load_weights
+
+    def load(model, reader, plan, progress=True):
+        out = original(model, reader, plan, progress)
+        tp = get_tp_info()
+        model.kept_shards = [plan.shard(name, reader.get(name), tp.rank)
+                             for name in reader.names() if plan.resolve(name).param]
+        reader.close()
+        return out
+
+    core.load_weights = load
+
+
+def double_copy_load() -> None:
+    """The loader builds every shard as a fresh tensor (`spec.shard`) and then copies it into
+    its parameter, as it did before shards were copied straight into place: each tensor is
+    copied twice and the host holds one shard more than the parameters (on a GPU, the whole
+    shard in pageable memory), every shard on its own (no batched small runs)."""
+
+    def copy(job, rank, size, stager):
+        job.dest.copy_(job.spec.shard(job.full, rank, size, job.name))
+
+    loader._copy_shard = copy
+    loader.SMALL_RUN_BYTES = 0
+
+
+def kv_cache_global_heads() -> None:
+    """The per-rank paged KV cache is sized with the global `num_key_value_heads` instead of
+    the rank's local KV heads: every rank allocates the whole model's cache."""
+
+    original = core.EngineCore._allocate_cache
+
+    def allocate(self):
+        allocate_kv_cache = core.allocate_kv_cache
+        heads = self.model_config.num_key_value_heads
+        core.allocate_kv_cache = lambda layers, blocks, block_size, _local, *rest: \
+            allocate_kv_cache(layers, blocks, block_size, heads, *rest)
+        try:
+            return original(self)
+        finally:
+            core.allocate_kv_cache = allocate_kv_cache
+
+    core.EngineCore._allocate_cache = allocate
+
+
+def gdn_state_global_heads() -> None:
+    """GatedDeltaNet's recurrent state is sized with the global `linear_num_value_heads`
+    instead of the rank's local value heads."""
+
+    original = GatedDeltaNet.allocate_state
+
+    def allocate_state(self, num_slots, dtype, device):
+        original(self, num_slots, dtype, device)
+        heads = self.num_v_heads * get_tp_info().size
+        self.recurrent_state = torch.zeros(num_slots, heads, self.head_k_dim, self.head_v_dim,
+                                           dtype=torch.float32, device=device)
+
+    GatedDeltaNet.allocate_state = allocate_state

@@ -1,0 +1,68 @@
+"""The pytest plugin of FreeToken (entry point `pytest11`, or `-p freetoken_verify.pytest_plugin`).
+
+- fixture `freetoken_verify`: `freetoken_verify(model=..., tp=[...], checks=[...], **options)`
+  runs `verify.run` and returns its `Report`; `report.assert_ok()` fails the test with the
+  failing rows.
+- marker `gpu`: skip the test without a CUDA device.
+- marker `multi_gpu(n)`: skip the test with fewer than n CUDA devices.
+
+Nothing here imports torch until a marked test is set up, so installing FreeToken costs other
+projects' test sessions nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import lru_cache
+
+import pytest
+
+from freetoken_verify.api import Report, run
+from freetoken_verify.running.options import DEFAULT_TP
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+    config.addinivalue_line("markers",
+                            "multi_gpu(n): needs at least n CUDA devices (skipped with fewer)")
+
+
+@lru_cache(maxsize=1)
+def cuda_device_count() -> int:
+    """CUDA devices torch can use; 0 without CUDA (or without a working driver)."""
+    # torch only when asked: the plugin is loaded in every pytest session of the project.
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _required_gpus(marker: pytest.Mark) -> int:
+    n = marker.args[0] if marker.args else marker.kwargs.get("n")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise pytest.UsageError(f"multi_gpu marker needs a positive GPU count, got {n!r}")
+    return n
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Skip `gpu` and `multi_gpu(n)` tests, with the reason, where the GPUs are missing."""
+    needs = [1] if item.get_closest_marker("gpu") else []
+    needs += [_required_gpus(m) for m in item.iter_markers("multi_gpu")]
+    if not needs:
+        return
+    have, want = cuda_device_count(), max(needs)
+    if have < want:
+        pytest.skip(f"needs {want} CUDA device(s), found {have or 'no'} CUDA device(s)")
+
+
+@pytest.fixture
+def freetoken_verify() -> Callable[..., Report]:
+    """A callable `(model=None, tp=[1, 2], checks=(), **options) -> Report` running
+    `verify.run` on one model (a bundled case name, checkpoint folder or cached hub id; every
+    bundled case when None). Options are `verify.run`'s keywords; progress goes to stderr,
+    which pytest shows for a failing test."""
+
+    def verify_model(model: str | None = None, tp: Sequence[int] | int = DEFAULT_TP,
+                     checks: Sequence[str] = (), **options) -> Report:
+        options.setdefault("progress", True)
+        return run(models=[] if model is None else [model], tp=tp, checks=checks, **options)
+
+    return verify_model

@@ -1,0 +1,210 @@
+"""Reference outputs the golden check compares with: the stored golden of a bundled case, HF
+transformers run live on the same checkpoint (same device as rank 0), or a reference saved
+earlier with `--save-reference` (`freetoken_verify.reference.store`)."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import torch
+
+from freetoken.engine.core import resolve_dtype
+from freetoken_verify.activations.hf import hf_activations
+from freetoken_verify.cases.catalogue import (
+    NUM_GREEDY,
+    PROMPT_LENS,
+    hf_reference,
+    load_reference,
+    low_precision_spread,
+    reference_prompts,
+)
+from freetoken_verify.compare import LogitMetrics
+from freetoken_verify.reference.data import BisectActivations, Reference
+from freetoken_verify.reference.prompts import (
+    DEFAULT_SEED,
+    PromptError,
+    read_prompts_file,
+    tokenize_prompts,
+)
+from freetoken_verify.reference.store import read_meta, stored_reference
+
+__all__ = ["Reference"]  # re-exported: checks import it from here
+
+
+LIVE_CHOICES = ("auto", "golden", "hf")
+MAX_BISECT_PROMPT = 32
+"""The bisect prompt's most tokens: one prefill step takes it whole."""
+
+
+def bisect_prompt_of(prompts: list[list[int]]) -> list[int]:
+    """The prompt bisect captures: the longest reference prompt of at most
+    MAX_BISECT_PROMPT tokens (else the first one, cut to that length)."""
+    fitting = [p for p in prompts if len(p) <= MAX_BISECT_PROMPT]
+    return list(max(fitting, key=len) if fitting else prompts[0][:MAX_BISECT_PROMPT])
+
+
+def stored_dir(options) -> str | None:
+    """The saved reference this run reads (`--reference DIR`, or the one `--save-reference
+    DIR` writes before the ranks start), or None."""
+    if options.save_reference:
+        return options.save_reference
+    return None if options.reference in LIVE_CHOICES else options.reference
+
+
+def custom_prompts(options) -> bool:
+    """The user chose the prompts or the continuation length: a bundled golden covers neither."""
+    return bool(options.prompts_file) or options.seed is not None or \
+        options.max_new_tokens is not None
+
+
+def reference_source(case, options) -> str:
+    """`stored` for a saved reference; `golden` for bundled cases at full depth with the
+    default prompts, `hf` otherwise (or as asked)."""
+    if stored_dir(options):
+        return "stored"
+    if options.reference != "auto":
+        return options.reference
+    golden = case.bundled and options.num_layers is None and not custom_prompts(options)
+    return "golden" if golden else "hf"
+
+
+def prompts_for(case, options) -> tuple[list[list[int]], int]:
+    """(prompts, greedy length) the reference covers, known before any model runs."""
+    source = reference_source(case, options)
+    if source == "golden":
+        meta = json.loads((case.folder / "meta.json").read_text())
+        return meta["prompts"], meta["num_greedy"]
+    if source == "stored" and not options.save_reference:
+
+        meta = read_meta(stored_dir(options))
+        return meta["prompts"], meta["num_greedy"]
+    return requested_prompts(case, options)
+
+
+def requested_prompts(case, options) -> tuple[list[list[int]], int]:
+    """The prompts the options ask for (`--prompts-file`, else seeded random ids with every
+    vocab-shard boundary id, `--seed`), and the continuation length (`--max-new-tokens`)."""
+
+    stamp = None
+    if options.prompts_file:
+        try:
+            stat = Path(options.prompts_file).stat()
+        except OSError as e:
+            raise PromptError(f"--prompts-file: cannot read {options.prompts_file} "
+                              f"({e.strerror})") from None
+        stamp = (stat.st_mtime_ns, stat.st_size)
+    prompts, num_new = _requested(case, options, stamp)
+    return [list(p) for p in prompts], num_new
+
+
+@functools.lru_cache(maxsize=16)
+def _requested(case, options, stamp) -> tuple[tuple[tuple[int, ...], ...], int]:
+    """Tokenizing a prompts file loads the tokenizer: once per model, options and version of
+    the file (`stamp`), so an edited file is read again."""
+
+    num_new = options.max_new_tokens or NUM_GREEDY
+    if options.prompts_file:
+        prompts = tokenize_prompts(read_prompts_file(options.prompts_file), case)
+    else:
+        seed = DEFAULT_SEED if options.seed is None else options.seed
+        prompts = reference_prompts(seed, PROMPT_LENS, case.model_config.vocab_size)
+    return tuple(tuple(p) for p in prompts), num_new
+
+
+def reference_for(ctx) -> Reference:
+    """The reference for ctx.case, computed once per run (cached across TP sizes)."""
+    key = ("reference", ctx.case.name)
+    if key not in ctx.cache:
+        source = reference_source(ctx.case, ctx.options)
+        if source == "golden":
+            ctx.cache[key] = golden_reference(ctx.case, ctx.options)
+        elif source == "stored":
+
+            ctx.cache[key] = stored_reference(stored_dir(ctx.options), ctx.case, ctx.options)
+        else:
+            ctx.cache[key] = live_hf_reference(ctx.case, ctx.options,
+                                               ctx.runner.placement.device_for(0))
+    return ctx.cache[key]
+
+
+def golden_reference(case, options) -> Reference:
+    """The stored golden of a bundled case, with its stored baseline at the engine's dtype."""
+
+    meta, tensors = load_reference(case.folder)
+    ref = Reference.from_tensors("golden", meta["prompts"], tensors)
+    dtype = resolve_dtype(options.dtype, case.model_config)
+    stored = meta.get("baselines", {}).get(str(dtype).removeprefix("torch."))
+    if dtype != torch.float32 and stored:
+        # Measured on another device's kernels than the engine's: per prompt it is a noisy
+        # sample of the model's sensitivity at this dtype, so every prompt gets the worst.
+        worst = {k: max(m[k] for m in stored) for k in stored[0]}
+        ref.baseline = [LogitMetrics(**worst) for _ in stored]
+    return ref
+
+
+def hf_model(case, options, dtype, device):
+    """HF's model of `case` at `dtype` on `device`, truncated as `options.num_layers` asks."""
+    # transformers costs seconds to import; only writing cases and HF references need it.
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(case.folder)
+    text = getattr(config, "text_config", None) or config
+    if options.num_layers is not None:
+        text.num_hidden_layers = options.num_layers
+        if getattr(text, "layer_types", None):
+            text.layer_types = text.layer_types[: options.num_layers]
+    cached = _cache_works(text)
+    if not cached:
+        config.use_cache = text.use_cache = False
+    model = AutoModelForCausalLM.from_pretrained(case.folder, config=config, dtype=dtype)
+    if not cached:
+        model.generation_config.use_cache = False
+    return model.to(device).eval()
+
+
+def _cache_works(text_config) -> bool:
+    """HF's hybrid cache measures the sequence on an attention layer: a model truncated to
+    linear-attention layers only must run without a cache (every greedy step recomputes the
+    prefix, which gives the same logits)."""
+    types = getattr(text_config, "layer_types", None)
+    return not types or "full_attention" in types
+
+
+@torch.inference_mode()
+def live_hf_reference(case, options, device, with_bisect: bool = False) -> Reference:
+    """HF on the checkpoint, on the engine's device. In fp32 that is the reference. For an
+    engine in bf16 / fp16 the reference is still HF in fp32 (the exact answer both low-precision
+    runs approximate), and HF at the engine's dtype supplies the baseline: how far a correct
+    implementation at that precision lands from it (the worst of a few equally valid roundings,
+    `low_precision_spread`). `with_bisect` also keeps HF's per-module activations on the
+    bisect prompt (what `--save-reference` stores, so that bisect needs no HF later)."""
+
+    dtype = resolve_dtype(options.dtype, case.model_config)
+    prompts, num_greedy = prompts_for(case, options)
+    model = hf_model(case, options, torch.float32, device)
+    ref = Reference.from_tensors("hf", prompts, hf_reference(model, prompts, num_greedy))
+    if with_bisect:
+        ref.bisect = _bisect_activations(model, ref)
+    del model
+    if dtype != torch.float32:
+        model = hf_model(case, options, dtype, device)
+        ref.baseline = [low_precision_spread(model, p, e)
+                        for p, e in zip(prompts, ref.prefill_logits)]
+        if with_bisect:
+            ids = ref.bisect.prompt + [ref.bisect.token]
+            ref.bisect.by_dtype[str(dtype).removeprefix("torch.")] = hf_activations(model, ids)
+        del model
+        if any(b is None for b in ref.baseline):
+            ref.baseline = None
+    return ref
+
+
+def _bisect_activations(model, ref: Reference) -> BisectActivations:
+    """HF's activations in float32 on the bisect prompt and HF's greedy token after it (read
+    off the reference's prefill logits: the bisect prompt is a prefix of a reference prompt)."""
+    prompt = bisect_prompt_of(ref.prompts)
+    i = next(i for i, p in enumerate(ref.prompts) if p[: len(prompt)] == prompt)
+    token = int(ref.prefill_logits[i][len(prompt) - 1].argmax())
+    return BisectActivations(prompt, token, {"float32": hf_activations(model, prompt + [token])})

@@ -1,0 +1,258 @@
+"""Check results and the ways they leave the harness: a table, the JSON report, JUnit XML and
+a markdown summary (`freetoken_verify.report.writer` writes the files as rows finish).
+
+The JSON layout is the versioned report contract (docs/report.md,
+`freetoken_verify/report/schema.json`): change its keys only with a version bump.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import xml.etree.ElementTree as ET
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+
+from tabulate import tabulate
+
+from freetoken_verify.report.run_info import dtype_label
+
+STATUSES = ("pass", "fail", "skip", "error")
+REPORT_VERSION = 2
+
+# The table shows at most this many metrics, the ones a reader scans first.
+_MAX_TABLE_METRICS = 5
+_PREFERRED_METRICS = ("max_abs", "rel_l2", "top1_agree", "kl_max", "greedy_match", "mismatched",
+                      "peak_bytes")
+_SHORT_NAMES = {"top1_agree": "top1", "kl_max": "kl", "greedy_match": "greedy"}
+_MESSAGE_WIDTH = 160
+# XML 1.0 forbids most control characters; a traceback with terminal colours would otherwise
+# produce a file CI cannot parse.
+_XML_INVALID = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f]")
+
+
+def _plain(value, key: str):
+    """Coerce torch/numpy scalars and containers of them to JSON-ready Python values."""
+    if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):
+        value = value.tolist()
+    if isinstance(value, dict):
+        return {str(k): _plain(v, f"{key}.{k}") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, key) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"metric {key!r} has type {type(value).__name__}, not a JSON value")
+
+
+def _json_safe(value):
+    """Non-finite floats as strings: strict JSON readers (jq, browsers) reject Infinity/NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+@dataclass
+class CheckResult:
+    """The outcome of one check on one model at one TP size."""
+
+    check: str
+    model: str
+    tp: int
+    status: str
+    seconds: float = 0.0
+    placement: str = ""
+    metrics: dict = field(default_factory=dict)
+    message: str = ""
+
+    def __post_init__(self):
+        if self.status not in STATUSES:
+            raise ValueError(f"status {self.status!r} is not one of {', '.join(STATUSES)}")
+        self.tp = int(self.tp)
+        self.seconds = float(self.seconds)
+        self.metrics = {str(k): _plain(v, str(k)) for k, v in self.metrics.items()}
+
+    def to_dict(self) -> dict:
+        """The result as a strict-JSON-ready dict with exactly the contract's keys."""
+        return _json_safe(asdict(self))
+
+
+def summarize(results: Iterable[CheckResult]) -> dict:
+    """Count results by status: passed, failed, skipped, errors."""
+    counts = dict.fromkeys(STATUSES, 0)
+    for result in results:
+        counts[result.status] += 1
+    return {"passed": counts["pass"], "failed": counts["fail"], "skipped": counts["skip"],
+            "errors": counts["error"]}
+
+
+def count_line(results: Iterable[CheckResult]) -> str:
+    """The harness's last output line; errors count as failed."""
+    s = summarize(results)
+    return f"{s['passed']} passed, {s['failed'] + s['errors']} failed, {s['skipped']} skipped"
+
+
+def _fmt_value(value, key: str = "") -> str:
+    if key.endswith("_bytes") and isinstance(value, int):
+        return f"{value / (1 << 20):.1f}MiB"
+    if isinstance(value, bool) or not isinstance(value, float):
+        return str(value)
+    if value == 0.0:
+        return "0"
+    if not math.isfinite(value) or abs(value) < 1e-2 or abs(value) >= 1e4:
+        return f"{value:.1e}"
+    return f"{value:.3f}"
+
+
+def _format_metrics(metrics: dict) -> str:
+    """The key metrics, compactly: `max_abs=2.1e-06 top1=1.000 greedy=16/16`."""
+    hidden = {"greedy_total"}
+    # Lists and dicts (per-rank detail) belong in the JSON report, not in a table cell.
+    scalar = {k for k, v in metrics.items() if not isinstance(v, (list, dict))}
+    keys = [k for k in _PREFERRED_METRICS if k in scalar]
+    keys += [k for k in metrics if k not in keys and k not in hidden and k in scalar]
+    parts = []
+    for key in keys[:_MAX_TABLE_METRICS]:
+        value = _fmt_value(metrics[key], key)
+        if key == "greedy_match" and "greedy_total" in metrics:
+            value = f"{metrics['greedy_match']}/{metrics['greedy_total']}"
+        parts.append(f"{_SHORT_NAMES.get(key, key)}={value}")
+    return " ".join(parts)
+
+
+def _short_message(result: CheckResult) -> str:
+    if result.status == "pass":
+        return ""
+    text = " ".join(result.message.split())
+    if len(text) <= _MESSAGE_WIDTH:
+        return text
+    return text[: _MESSAGE_WIDTH - 3] + "..."
+
+
+def render_table(results: Iterable[CheckResult]) -> str:
+    """One row per result; messages only where something needs attention."""
+    headers = ["model", "check", "tp", "status", "placement", "metrics", "seconds", "message"]
+    rows = [[r.model, r.check, r.tp, r.status.upper(), r.placement, _format_metrics(r.metrics),
+             f"{r.seconds:.1f}", _short_message(r)] for r in results]
+    return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
+
+
+def _row(result: CheckResult, detail: str | None) -> dict:
+    return {**result.to_dict(), "detail": detail or None}
+
+
+def report_dict(results: Iterable[CheckResult], info, details: dict | None = None,
+                complete: bool = True) -> dict:
+    """The `--report-json` document, version 2 of the report contract: `info` (a
+    `freetoken_verify.report.run_info.RunInfo`) says which run; `details` maps (model, check, tp) to
+    the failing rank's traceback; `complete` is False while the run is still going (or was
+    killed)."""
+    results, details = list(results), details or {}
+    return {"version": REPORT_VERSION, "complete": complete, "env": info.env, "run": info.run,
+            "models": info.models,
+            "results": [_row(r, details.get((r.model, r.check, r.tp))) for r in results],
+            "summary": summarize(results)}
+
+
+def _xml_text(text: str) -> str:
+    return _XML_INVALID.sub("?", text)
+
+
+def _model_facts(info) -> dict:
+    return {m["name"]: m for m in info.models}
+
+
+def _properties(parent: ET.Element, values: dict) -> None:
+    props = ET.SubElement(parent, "properties")
+    for name, value in values.items():
+        ET.SubElement(props, "property", name=name, value=_xml_text(str(value)))
+
+
+def _body(result: CheckResult, detail: str | None) -> str:
+    """What a CI reporter shows for a failure: the message, the failing rank's traceback,
+    the metrics."""
+    parts = [result.message]
+    if detail:
+        parts.append(detail)
+    if result.metrics:
+        parts.append("metrics: " + json.dumps(_json_safe(result.metrics), indent=2,
+                                              sort_keys=True))
+    return _xml_text("\n\n".join(parts))
+
+
+def _testcase(suite: ET.Element, result: CheckResult, model: dict, faults: str,
+              detail: str | None) -> None:
+    dtype = dtype_label(model.get("dtype", "auto"))
+    case = ET.SubElement(suite, "testcase", classname=f"{result.model}.{dtype}.tp{result.tp}",
+                         name=result.check, time=f"{result.seconds:.3f}")
+    _properties(case, {"placement": result.placement, "seconds": f"{result.seconds:.3f}",
+                       "dtype": model.get("dtype", "auto"),
+                       "reference": model.get("reference", ""), "faults": faults})
+    message = _xml_text(result.message)
+    if result.status in ("fail", "error"):
+        tag = "failure" if result.status == "fail" else "error"
+        ET.SubElement(case, tag, message=message).text = _body(result, detail)
+    elif result.status == "skip":
+        ET.SubElement(case, "skipped", message=message)
+
+
+def _suite_attributes(name: str, results: list[CheckResult]) -> dict:
+    counts = summarize(results)
+    return {"name": name, "tests": str(len(results)), "failures": str(counts["failed"]),
+            "errors": str(counts["errors"]), "skipped": str(counts["skipped"]),
+            "time": f"{sum(r.seconds for r in results):.3f}"}
+
+
+def junit_tree(results: Iterable[CheckResult], info, details: dict | None = None) -> ET.Element:
+    """JUnit XML: one <testsuite> per reference (`freetoken-verify.golden`,
+    `freetoken-verify.hf`), a <testcase> per result with classname `model.dtype.tpN` and the
+    check as name, so runs at another dtype or reference never share an id."""
+    results, details, models = list(results), details or {}, _model_facts(info)
+    faults = ",".join(info.run.get("faults") or ()) or "none"
+    root = ET.Element("testsuites", _suite_attributes("freetoken-verify", results))
+    groups: dict[str, list[CheckResult]] = {}
+    for result in results:
+        groups.setdefault(models.get(result.model, {}).get("reference", "none"), []).append(result)
+    for reference, members in groups.items():
+        suite = ET.SubElement(root, "testsuite",
+                              _suite_attributes(f"freetoken-verify.{reference}", members))
+        _properties(suite, {k: info.run.get(k) for k in ("version", "git_commit", "started",
+                                                         "dtype")}
+                    | {"device": info.env.get("device"), "reference": reference,
+                       "faults": faults})
+        for result in members:
+            _testcase(suite, result, models.get(result.model, {}), faults,
+                      details.get((result.model, result.check, result.tp)))
+    ET.indent(root)
+    return root
+
+
+def _md_cell(text) -> str:
+    return str(text).replace("|", "\\|").replace("<", "&lt;").replace("\n", " ")
+
+
+def markdown_summary(results: Iterable[CheckResult], info, complete: bool = True) -> str:
+    """A compact markdown table for CI job summaries: a heading with the counts and what ran,
+    one row per result (failures in bold, messages only where something needs attention)."""
+    results, models, run = list(results), _model_facts(info), info.run
+    tp = ",".join(map(str, run.get("arguments", {}).get("tp", [])))
+    state = "" if complete else " (incomplete)"
+    lines = [f"### freetoken-verify: {count_line(results)}{state}", "",
+             f"dtype {run.get('dtype')} · reference {run.get('reference')} · TP {tp} · "
+             f"device {info.env.get('device')} ({info.env.get('gpus')} GPUs) · faults "
+             f"{', '.join(run.get('faults') or ()) or 'none'} · freetoken "
+             f"{run.get('version')} · commit {(run.get('git_commit') or 'none')[:12]}", "",
+             "| model | dtype | reference | tp | check | status | placement | metrics | s "
+             "| message |", "|" + "---|" * 10]
+    for r in results:
+        model = models.get(r.model, {})
+        status = r.status.upper()
+        lines.append("| " + " | ".join(_md_cell(c) for c in (
+            r.model, dtype_label(model.get("dtype", "")), model.get("reference", ""), r.tp,
+            r.check, status if r.status in ("pass", "skip") else f"**{status}**", r.placement,
+            _format_metrics(r.metrics), f"{r.seconds:.1f}", _short_message(r))) + " |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,74 @@
+"""Run the bug catalogue (`freetoken_verify.faults.catalogue.CATALOGUE`): each entry's fault
+injected into
+its bundled case, its checks at TP=1 and the TP sizes where it bites. `python -m
+freetoken_verify.running.catalogue_run [FAULT ...]` prints one line per entry (caught and named, or
+not)."""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+
+from freetoken_verify.cases.catalogue import resolve_case
+from freetoken_verify.checks import VerifyOptions, available_checks
+from freetoken_verify.faults.catalogue import CATALOGUE, Entry
+from freetoken_verify.report.formats import CheckResult
+from freetoken_verify.running.runner import Plan, run_plan
+
+
+@dataclass
+class Verdict:
+    """What an entry's run showed: `problems` is empty when it was caught and named where it
+    bites and green at TP=1 where it must be."""
+
+    entry: Entry
+    results: list[CheckResult]
+    problems: list[str]
+
+
+def run_entry(entry: Entry, timeout: float = 300.0) -> Verdict:
+    """Inject `entry.fault` and run its checks; judge the rows."""
+    sizes = sorted(set(entry.tp) | ({1} if entry.tp1_green else set()))
+    checks = {n: f for n, f in available_checks().items() if n in entry.checks}
+    plan = Plan([resolve_case(entry.model)], sizes, checks,
+                VerifyOptions(device=entry.device, timeout=timeout), (entry.fault,))
+    results = run_plan(plan, progress=lambda line: None)
+    return Verdict(entry, results, judge(entry, results))
+
+
+def judge(entry: Entry, results: list[CheckResult]) -> list[str]:
+    problems = []
+    for tp in entry.tp:
+        rows = [r for r in results if r.tp == tp and r.status in ("fail", "error")]
+        if not rows:
+            problems.append(f"tp={tp}: not caught (every row passed)")
+        elif not any(re.search(entry.words, r.message) for r in rows):
+            problems.append(f"tp={tp}: caught but not named ({entry.words!r} not in "
+                            f"{rows[0].message!r})")
+    if entry.tp1_green and 1 not in entry.tp:
+        bad = [r for r in results if r.tp == 1 and r.status != "pass" and r.status != "skip"]
+        problems += [f"tp=1 must pass (TP-only bug), got {r.status}: {r.message}" for r in bad]
+    return problems
+
+
+def main(argv: list[str]) -> int:
+    entries = [e for e in CATALOGUE if not argv or e.fault in argv]
+    failed = 0
+    for entry in entries:
+        verdict = run_entry(entry)
+        failed += bool(verdict.problems)
+        status = "MISSED" if verdict.problems else "caught"
+        print(f"{status:6s} {entry.fault}: {'; '.join(verdict.problems) or _named(verdict)}",
+              flush=True)
+    print(f"{len(entries) - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+def _named(verdict: Verdict) -> str:
+    row = next(r for r in verdict.results if r.status in ("fail", "error"))
+    return f"tp={row.tp} {row.check}: {row.message}"
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

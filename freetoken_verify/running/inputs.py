@@ -1,0 +1,155 @@
+"""Input checks that run before any rank starts: report paths, checkpoint files (headers
+only) and the bundled cases' weights against the hashes their `meta.json` records. Each
+failure is a one-line `InputError` naming the path or tensor."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from freetoken.distributed import choose_placement
+from freetoken.engine.core import resolve_dtype
+from freetoken.loading.checkpoint import CheckpointError
+from freetoken.loading.validate import validate_checkpoint
+from freetoken_verify.cases.catalogue import weights_sha256
+from freetoken_verify.errors import InputError, UsageError
+from freetoken_verify.reference.prompts import PromptError, check_lengths
+from freetoken_verify.reference.sources import (
+    custom_prompts,
+    live_hf_reference,
+    reference_source,
+    requested_prompts,
+    stored_dir,
+)
+from freetoken_verify.reference.store import StoreError, check_store, check_writable, save_reference
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_report_path(option: str, value: str) -> Path:
+    """`value` can be written after the run: not a folder, its nearest existing ancestor a
+    folder we can create files in (probed with a real temporary file: permission bits lie to
+    root and on read-only mounts)."""
+    if not value.strip():
+        raise InputError(f"{option}: empty path")
+    path = Path(value).expanduser().absolute()
+    if path.is_dir():
+        raise InputError(f"{option}: {path} is a directory")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise InputError(f"{option}: {path} is not writable")
+    base = _nearest_existing(path.parent)
+    if not base.is_dir():
+        raise InputError(f"{option}: cannot create {path}: {base} is not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=base):
+            pass
+    except OSError as e:
+        raise InputError(f"{option}: cannot write under {base} ({e.strerror})") from None
+    return path
+
+
+def check_report_paths(report_json: str | None, junit_xml: str | None,
+                       summary_md: str | None = None) -> None:
+    """Every report path writable and no two of them the same file."""
+    paths = {opt: check_report_path(opt, v) for opt, v in
+             (("--report-json", report_json), ("--junit-xml", junit_xml),
+              ("--summary-md", summary_md)) if v is not None}
+    seen: dict[Path, str] = {}
+    for option, path in paths.items():
+        if path.resolve() in seen:
+            raise InputError(f"{seen[path.resolve()]} and {option} are the same file {path}: "
+                             "one would overwrite the other")
+        seen[path.resolve()] = option
+
+
+def check_case_files(case) -> None:
+    """The case's checkpoint headers and index; for a bundled case, its weights' sha256
+    against meta.json (a modified bundled case is bad input, not an engine bug)."""
+    try:
+        validate_checkpoint(case.folder)
+    except (CheckpointError, OSError) as e:
+        raise InputError(f"{case.name}: {e}") from None
+    if case.bundled:
+        _check_bundled_hashes(case)
+
+
+def _check_bundled_hashes(case) -> None:
+
+    meta_path = case.folder / "meta.json"
+    try:
+        recorded = json.loads(meta_path.read_text())["weights_sha256"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise InputError(f"{case.name}: {meta_path} has no usable weights_sha256 "
+                         f"({type(e).__name__}: {e}); run `make golden`") from None
+    actual = weights_sha256(case.folder)
+    for name in sorted(set(recorded) | set(actual)):
+        if recorded.get(name) != actual.get(name):
+            raise InputError(
+                f"{case.name}: {case.folder / name} does not match the sha256 in {meta_path} "
+                "(the bundled case was modified; restore it with git or run `make golden`)")
+
+
+def check_reference_options(cases, options) -> None:
+    """The reference options fit the models: prompts that tokenize and fit each model, a
+    saved reference (`--reference DIR`) that matches the checkpoint, a `--save-reference`
+    folder that can receive one. Runs before any rank starts (it hashes the weights)."""
+
+    saving, reusing = options.save_reference, stored_dir(options) and not options.save_reference
+    if saving and options.reference not in ("auto", "hf"):
+        raise UsageError(f"--save-reference computes HF's reference; it cannot be "
+                         f"combined with --reference {options.reference}")
+    if (saving or reusing) and len(cases) != 1:
+        option = "--save-reference" if saving else "--reference DIR"
+        raise UsageError(f"{option} holds one model's reference; give exactly one --model "
+                         f"(got {len(cases)})")
+    try:
+        for case in cases:
+            source = reference_source(case, options)
+            if source == "golden" and custom_prompts(options):
+                raise UsageError(f"{case.name}: the stored golden covers its own prompts; "
+                                 "--prompts-file, --seed and --max-new-tokens need "
+                                 "--reference hf or a saved reference")
+            if saving and case.model_config.quantization is not None:
+                raise InputError(f"{case.name}: HF transformers cannot run this quantized "
+                                 "checkpoint, so there is no reference to save")
+            if saving:
+                check_writable(saving)
+            requested = requested_prompts(case, options) if source != "golden" else None
+            if reusing:
+                dtype = resolve_dtype(options.dtype, case.model_config)
+                asked = (requested[0] if options.prompts_file or options.seed is not None
+                         else None, options.max_new_tokens)
+                meta = check_store(options.reference, case, options, asked, dtype)
+                requested = (meta["prompts"], meta["num_greedy"])
+            if requested is not None:
+                check_lengths(*requested, case)
+    except (PromptError, StoreError) as e:
+        raise InputError(str(e)) from None
+
+
+def save_references(cases, tp_sizes, options) -> None:
+    """`--save-reference DIR`: compute HF's reference once, before any rank starts (HF's model
+    is freed before the engine loads), on the device rank 0 of the first TP size uses."""
+    if not options.save_reference:
+        return
+
+    device = choose_placement(options.device, tp_sizes[0], options.oversubscribe).device_for(0)
+    print(f"{cases[0].name}: computing HF's reference into {options.save_reference}",
+          file=sys.stderr)
+    try:
+        save_reference(live_hf_reference(cases[0], options, device, with_bisect=True),
+                       cases[0], options, device, options.save_reference)
+    except OSError as e:
+        raise InputError(f"--save-reference: cannot write {options.save_reference} "
+                         f"({e.strerror or e})") from None
+    except Exception as e:  # HF failing on this checkpoint: one line, as any bad input
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise InputError(f"{cases[0].name}: HF transformers could not compute the "
+                         f"reference ({type(e).__name__}: {first})") from None
