@@ -11,16 +11,37 @@ any rank starts."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from types import MappingProxyType
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 from freetoken_verify.running.options import DEFAULT_TIMEOUT, DEFAULT_TP
 
 
+class FrozenDict(dict):
+    """A read-only dict: a row's metrics cannot be changed after the run, yet stay a plain
+    JSON value (`json.dumps` and `dataclasses.asdict` take it as the dict it is)."""
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError("report rows are read-only")
+
+    __setitem__ = __delitem__ = __ior__ = _refuse
+    clear = pop = popitem = setdefault = update = _refuse
+
+    def __reduce__(self):
+        return FrozenDict, (dict(self),)
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+
 @dataclass(frozen=True)
 class Result:
-    """One check on one model at one TP size; `status` is pass, fail, skip or error."""
+    """One check on one model at one TP size; `status` is pass, fail, skip or error;
+    `detail` is the failing rank's traceback of an errored row ("" otherwise). Every field is
+    a plain JSON value (`json.dumps(dataclasses.asdict(result))` works)."""
 
     check: str
     model: str
@@ -28,8 +49,12 @@ class Result:
     status: str
     seconds: float
     placement: str
-    metrics: MappingProxyType
+    metrics: Mapping
     message: str
+    detail: str = ""
+
+    def __post_init__(self):
+        object.__setattr__(self, "metrics", FrozenDict(self.metrics))
 
     @property
     def ok(self) -> bool:
@@ -44,11 +69,17 @@ class Result:
 
 @dataclass(frozen=True)
 class Report:
-    """Every result of a run, in run order, and the rank tracebacks of errored rows
-    (`details`, keyed by (model, check, tp))."""
+    """Every result of a run, in run order."""
 
     results: tuple[Result, ...]
-    details: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
+
+    def __post_init__(self):
+        object.__setattr__(self, "results", tuple(self.results))
+
+    @property
+    def details(self) -> dict[tuple[str, str, int], str]:
+        """The rank tracebacks of errored rows, keyed by (model, check, tp)."""
+        return {(r.model, r.check, r.tp): r.detail for r in self.results if r.detail}
 
     @property
     def ok(self) -> bool:
@@ -79,7 +110,7 @@ class Report:
 
 def _result(row) -> Result:
     return Result(row.check, row.model, row.tp, row.status, row.seconds, row.placement,
-                  MappingProxyType(dict(row.metrics)), row.message)
+                  row.metrics, row.message, row.detail)
 
 
 def run(models: Sequence[str] = (), tp: Sequence[int] | int = DEFAULT_TP,
@@ -115,4 +146,4 @@ def run(models: Sequence[str] = (), tp: Sequence[int] | int = DEFAULT_TP,
     reporter = Progress() if progress is True else quiet() if progress is False else \
         Progress(progress)
     rows = run_plan(plan, reporter)
-    return Report(tuple(_result(r) for r in rows), MappingProxyType(dict(plan.details)))
+    return Report(tuple(_result(r) for r in rows))

@@ -58,7 +58,8 @@ def _json_safe(value):
 
 @dataclass
 class CheckResult:
-    """The outcome of one check on one model at one TP size."""
+    """The outcome of one check on one model at one TP size; `detail` is the failing rank's
+    traceback of an errored row (empty otherwise), kept off the table."""
 
     check: str
     model: str
@@ -68,6 +69,7 @@ class CheckResult:
     placement: str = ""
     metrics: dict = field(default_factory=dict)
     message: str = ""
+    detail: str = ""
 
     def __post_init__(self):
         if self.status not in STATUSES:
@@ -78,7 +80,7 @@ class CheckResult:
 
     def to_dict(self) -> dict:
         """The result as a strict-JSON-ready dict with exactly the contract's keys."""
-        return _json_safe(asdict(self))
+        return {**_json_safe(asdict(self)), "detail": self.detail or None}
 
 
 def summarize(results: Iterable[CheckResult]) -> dict:
@@ -141,20 +143,16 @@ def render_table(results: Iterable[CheckResult]) -> str:
     return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
 
 
-def _row(result: CheckResult, detail: str | None) -> dict:
-    return {**result.to_dict(), "detail": detail or None}
-
-
-def report_dict(results: Iterable[CheckResult], info, details: dict | None = None,
+def report_dict(results: Iterable[CheckResult], info,
                 complete: bool = True) -> dict:
     """The `--report-json` document, version 2 of the report contract: `info` (a
-    `freetoken_verify.report.run_info.RunInfo`) says which run; `details` maps (model, check, tp) to
+    `freetoken_verify.report.run_info.RunInfo`) says which run; each row carries its
     the failing rank's traceback; `complete` is False while the run is still going (or was
     killed)."""
-    results, details = list(results), details or {}
+    results = list(results)
     return {"version": REPORT_VERSION, "complete": complete, "env": info.env, "run": info.run,
             "models": info.models,
-            "results": [_row(r, details.get((r.model, r.check, r.tp))) for r in results],
+            "results": [r.to_dict() for r in results],
             "summary": summarize(results)}
 
 
@@ -172,20 +170,19 @@ def _properties(parent: ET.Element, values: dict) -> None:
         ET.SubElement(props, "property", name=name, value=_xml_text(str(value)))
 
 
-def _body(result: CheckResult, detail: str | None) -> str:
+def _body(result: CheckResult) -> str:
     """What a CI reporter shows for a failure: the message, the failing rank's traceback,
     the metrics."""
     parts = [result.message]
-    if detail:
-        parts.append(detail)
+    if result.detail:
+        parts.append(result.detail)
     if result.metrics:
         parts.append("metrics: " + json.dumps(_json_safe(result.metrics), indent=2,
                                               sort_keys=True))
     return _xml_text("\n\n".join(parts))
 
 
-def _testcase(suite: ET.Element, result: CheckResult, model: dict, faults: str,
-              detail: str | None) -> None:
+def _testcase(suite: ET.Element, result: CheckResult, model: dict, faults: str) -> None:
     dtype = dtype_label(model.get("dtype", "auto"))
     case = ET.SubElement(suite, "testcase", classname=f"{result.model}.{dtype}.tp{result.tp}",
                          name=result.check, time=f"{result.seconds:.3f}")
@@ -195,7 +192,7 @@ def _testcase(suite: ET.Element, result: CheckResult, model: dict, faults: str,
     message = _xml_text(result.message)
     if result.status in ("fail", "error"):
         tag = "failure" if result.status == "fail" else "error"
-        ET.SubElement(case, tag, message=message).text = _body(result, detail)
+        ET.SubElement(case, tag, message=message).text = _body(result)
     elif result.status == "skip":
         ET.SubElement(case, "skipped", message=message)
 
@@ -207,11 +204,11 @@ def _suite_attributes(name: str, results: list[CheckResult]) -> dict:
             "time": f"{sum(r.seconds for r in results):.3f}"}
 
 
-def junit_tree(results: Iterable[CheckResult], info, details: dict | None = None) -> ET.Element:
+def junit_tree(results: Iterable[CheckResult], info) -> ET.Element:
     """JUnit XML: one <testsuite> per reference (`freetoken-verify.golden`,
     `freetoken-verify.hf`), a <testcase> per result with classname `model.dtype.tpN` and the
     check as name, so runs at another dtype or reference never share an id."""
-    results, details, models = list(results), details or {}, _model_facts(info)
+    results, models = list(results), _model_facts(info)
     faults = ",".join(info.run.get("faults") or ()) or "none"
     root = ET.Element("testsuites", _suite_attributes("freetoken-verify", results))
     groups: dict[str, list[CheckResult]] = {}
@@ -225,8 +222,7 @@ def junit_tree(results: Iterable[CheckResult], info, details: dict | None = None
                     | {"device": info.env.get("device"), "reference": reference,
                        "faults": faults})
         for result in members:
-            _testcase(suite, result, models.get(result.model, {}), faults,
-                      details.get((result.model, result.check, result.tp)))
+            _testcase(suite, result, models.get(result.model, {}), faults)
     ET.indent(root)
     return root
 

@@ -49,9 +49,8 @@ class ReportWriter:
     `finish` marks them complete. A report that cannot be written is dropped for the rest of
     the run with one line in `errors`; the others still come out."""
 
-    def __init__(self, info: RunInfo, paths: ReportPaths, details: dict | None = None):
+    def __init__(self, info: RunInfo, paths: ReportPaths):
         self.info = info
-        self.details = details if details is not None else {}
         self.results: list[CheckResult] = []
         self.errors: list[str] = []
         self.complete = False
@@ -94,11 +93,11 @@ class ReportWriter:
                 del self._outputs[option]
 
     def _json(self) -> str:
-        document = report_dict(self.results, self.info, self.details, self.complete)
+        document = report_dict(self.results, self.info, self.complete)
         return json.dumps(document, indent=2, allow_nan=False) + "\n"
 
     def _junit(self) -> str:
-        root = junit_tree(self.results, self.info, self.details)
+        root = junit_tree(self.results, self.info)
         return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
 
     def _markdown(self) -> str:

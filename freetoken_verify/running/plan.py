@@ -154,14 +154,15 @@ def execute(plan_args: dict, report_json: str | None = None, junit_xml: str | No
     save_references(plan.cases, plan.tp_sizes, plan.options)
     if plan.faults:
         click.echo(f"injected faults: {', '.join(plan.faults)}", err=True)
-    reports = ReportWriter(describe_run(plan), ReportPaths(report_json, junit_xml, summary_md),
-                           plan.details).start()
+    reports = ReportWriter(describe_run(plan),
+                           ReportPaths(report_json, junit_xml, summary_md)).start()
     results = run_plan(plan, Progress(), on_result=reports.add)
     reports.finish()
     click.echo(render_table(results))
     if verbose:
-        for (model, check, tp_size), detail in plan.details.items():
-            click.echo(f"\n=== {model} {check} tp={tp_size} ===\n{detail}")
+        for r in results:
+            if r.detail:
+                click.echo(f"\n=== {r.model} {r.check} tp={r.tp} ===\n{r.detail}")
     for line in reports.errors:
         click.echo(f"error: {line}", err=True)
     click.echo(count_line(results))

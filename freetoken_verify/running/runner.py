@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 from freetoken.distributed import choose_placement
@@ -26,7 +26,6 @@ class Plan:
     checks: dict[str, Callable[[CheckContext], CheckResult]]
     options: VerifyOptions
     faults: tuple[str, ...] = ()
-    details: dict = field(default_factory=dict)
 
 
 def run_plan(plan: Plan, progress: Progress | Callable[[str], None] | None = None,
@@ -48,7 +47,7 @@ def run_plan(plan: Plan, progress: Progress | Callable[[str], None] | None = Non
                 for name, check in plan.checks.items():
                     ctx = CheckContext(case, tp, runner, plan.options, cache)
                     with progress.step(f"[tp={tp}] {case.name} {name}"):
-                        result = _run_one(name, check, ctx, plan.details)
+                        result = _run_one(name, check, ctx)
                     results.append(result)
                     if on_result is not None:
                         on_result(result)
@@ -57,14 +56,17 @@ def run_plan(plan: Plan, progress: Progress | Callable[[str], None] | None = Non
     return results
 
 
-def _run_one(name: str, check, ctx: CheckContext, details: dict) -> CheckResult:
+def _run_one(name: str, check, ctx: CheckContext) -> CheckResult:
+    """The check's row; an exception becomes an error row carrying the failing rank's (or the
+    check's own) traceback as its detail."""
     start = time.monotonic()
     try:
         return check(ctx)
     except RankFailure as e:
-        details[(ctx.case.name, name, ctx.tp)] = e.detail()
-        message = f"{ctx.case.name} tp={ctx.tp}: {e}"
+        detail, message = e.detail(), f"{ctx.case.name} tp={ctx.tp}: {e}"
     except Exception as e:  # a check's own bug must not hide the other results
-        details[(ctx.case.name, name, ctx.tp)] = traceback.format_exc()
+        detail = traceback.format_exc()
         message = f"{ctx.case.name} tp={ctx.tp}: {type(e).__name__}: {e}"
-    return make_result(name, ctx, start, "error", {}, message)
+    result = make_result(name, ctx, start, "error", {}, message)
+    result.detail = detail
+    return result

@@ -5,8 +5,11 @@ typed `freetoken_verify.errors`, never click's exceptions."""
 
 from __future__ import annotations
 
+import copy as copy_module
 import dataclasses
+import json
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -22,11 +25,10 @@ from freetoken_verify.pytest_plugin import cuda_device_count
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _make_result(status: str, message: str = "", check: str = "golden") -> verify.Result:
-    from types import MappingProxyType
-
-    return verify.Result(check, "tiny-llama", 2, status, 0.5, "cpu-gloo",
-                         MappingProxyType({"max_abs": 0.0}), message)
+def _make_result(status: str, message: str = "", check: str = "golden",
+                 detail: str = "") -> verify.Result:
+    return verify.Result(check, "tiny-llama", 2, status, 0.5, "cpu-gloo", {"max_abs": 0.0},
+                         message, detail)
 
 
 def _assert_typed_error(kind: type, needle: str, **kwargs) -> None:
@@ -59,6 +61,26 @@ def test_report_ok_summary_and_assert_ok_from_rows():
         bad.results = ()
     with pytest.raises(TypeError):
         rows[0].metrics["max_abs"] = 1.0
+    with pytest.raises(TypeError):
+        rows[0].metrics.update(max_abs=1.0)
+
+
+def test_report_is_plain_json_and_copies():
+    """Every field of a report is a plain JSON value: a row's metrics, a whole row and the
+    whole report go through `json.dumps` (the metrics were a mappingproxy, which it refused);
+    rows survive pickle and deepcopy still read-only; an errored row's traceback is its
+    `detail`, and `details` indexes them by (model, check, tp)."""
+    rows = (_make_result("pass"), _make_result("error", "rank 1 raised", "shards",
+                                               detail="--- rank 1 ---\nTraceback ..."))
+    report = verify.Report(rows)
+    assert json.loads(json.dumps(rows[0].metrics)) == {"max_abs": 0.0}
+    document = json.loads(json.dumps(dataclasses.asdict(report)))
+    assert document["results"][1]["detail"].startswith("--- rank 1"), document
+    assert report.details == {("tiny-llama", "shards", 2): "--- rank 1 ---\nTraceback ..."}
+    for copy in (pickle.loads(pickle.dumps(report)), copy_module.deepcopy(report)):
+        assert copy == report
+        with pytest.raises(TypeError):
+            copy.results[0].metrics["max_abs"] = 2.0
 
 
 def test_run_shards_on_tiny_llama_passes():

@@ -40,7 +40,7 @@ def _make_results() -> list[CheckResult]:
                      message="layers.0.mlp.gate_up_proj rank 1: 3 / 64 mismatched"),
         _make_result("skip", check="kernels", metrics={}, message="needs CUDA"),
         _make_result("error", check="memory", tp=4, metrics={},
-                     message="rank 3 raised RuntimeError: boom"),
+                     message="rank 3 raised RuntimeError: boom", detail=_TRACEBACK),
     ]
 
 
@@ -60,10 +60,6 @@ def _make_info(dtype: str = "float32", reference: str = "golden",
     models = [{"name": "tiny-llama", "bundled": True, "dtype": dtype, "reference": reference,
                "source": source}]
     return RunInfo(env, run, models)
-
-
-def _make_details() -> dict:
-    return {("tiny-llama", "memory", 4): _TRACEBACK}
 
 
 def _assert_strict_json(text: str):
@@ -140,7 +136,7 @@ def test_json_v2_carries_identity_rows_and_tracebacks():
     per result with the contract's keys, the failing rank's traceback on the error row only,
     and `complete` as stated."""
     results, info = _make_results(), _make_info()
-    report = report_dict(results, info, _make_details(), complete=False)
+    report = report_dict(results, info, complete=False)
     loaded = _assert_strict_json(json.dumps(report, allow_nan=False))
     assert set(loaded) == _REPORT_KEYS and loaded["version"] == 2, loaded.keys()
     assert loaded["complete"] is False
@@ -186,8 +182,7 @@ def test_junit_counts_properties_and_bodies():
     """Counts add up at both levels; each testcase carries placement, seconds, dtype,
     reference and faults; a failure's body holds its message and metrics, an error's its
     message and the failing rank's traceback; a pass has no child but its properties."""
-    root = junit_tree(_make_results(), _make_info("bfloat16", "hf", ("drop-allreduce",)),
-                      _make_details())
+    root = junit_tree(_make_results(), _make_info("bfloat16", "hf", ("drop-allreduce",)))
     counts = {k: root.get(k) for k in ("tests", "failures", "errors", "skipped")}
     assert counts == {"tests": "4", "failures": "1", "errors": "1", "skipped": "1"}
     assert root.find("testsuite").get("tests") == "4"
@@ -212,8 +207,8 @@ def test_junit_counts_properties_and_bodies():
 
 def test_junit_survives_control_characters():
     """Terminal colour codes in a message or traceback do not make the XML unparseable."""
-    result = _make_result("error", message="\x1b[31mboom\x1b[0m")
-    root = junit_tree([result], _make_info(), {("tiny-llama", "golden", 2): "\x1b[1mtrace"})
+    result = _make_result("error", message="\x1b[31mboom\x1b[0m", detail="\x1b[1mtrace")
+    root = junit_tree([result], _make_info())
     error = ET.fromstring(ET.tostring(root)).find("testsuite/testcase/error")
     assert "boom" in error.get("message") and "trace" in error.text
 

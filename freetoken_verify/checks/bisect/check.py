@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+import freetoken_verify.compare as compare
 from freetoken.engine.core import resolve_dtype
 from freetoken.engine.sequence import SamplingParams
-from freetoken_verify import compare
 from freetoken_verify.activations.engine import FULL, Recorder, unshard
 from freetoken_verify.activations.hf import NameMap, hf_activations
 from freetoken_verify.checks.base import CheckContext, make_result
