@@ -40,8 +40,8 @@ Examples:
 
 \b
 Exit status:
-  {EXIT_OK}    every check passed (or was skipped)
-  {EXIT_FAILED}    a check failed or errored
+  {EXIT_OK}    every check passed (some rows may be skipped)
+  {EXIT_FAILED}    a check failed or errored, or every row was skipped (see --allow-skips)
   {EXIT_USAGE}    bad usage or bad input (one `error: ...` line, before any rank starts)
   {EXIT_INTERRUPTED}  interrupted (Ctrl-C); every rank process is stopped
 The last line of output is `N passed, N failed, N skipped`."""
@@ -146,12 +146,15 @@ def _print_list(ctx: click.Context, _param, value: bool) -> None:
 @click.option("--download", is_flag=True,
               help="let a hub id Org/Name[@revision] missing from the local HF cache be "
                    "downloaded (never otherwise)")
+@click.option("--allow-skips", is_flag=True,
+              help="exit 0 when every row was skipped (by default a run that verified nothing "
+                   "exits 1)")
 @click.option("-v", "--verbose", is_flag=True, help="print rank tracebacks of errors")
 @click.option("--list", "list_", is_flag=True, expose_value=False, is_eager=True,
               callback=_print_list, help="list bundled cases, checks and faults, then exit")
 @click.option("--version", is_flag=True, expose_value=False, is_eager=True,
               callback=_print_version, help="print the version and exit")
-def verify(models, tp, checks, faults, report_json, junit_xml, summary_md, verbose,
+def verify(models, tp, checks, faults, report_json, junit_xml, summary_md, verbose, allow_skips,
            **options) -> int:
     """Verify the engine's tensor-parallel path against references at several TP sizes."""
 
@@ -159,7 +162,7 @@ def verify(models, tp, checks, faults, report_json, junit_xml, summary_md, verbo
                      checks=split_values(checks, "--checks"),
                      faults=split_values(faults, "--inject"), **options)
     with stop_on_signals():
-        return execute(plan_args, report_json, junit_xml, verbose, summary_md)
+        return execute(plan_args, report_json, junit_xml, verbose, summary_md, allow_skips)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,14 +1,16 @@
 """Run the bug catalogue (`freetoken_verify.faults.catalogue.CATALOGUE`): each entry's fault
-injected into
-its bundled case, its checks at TP=1 and the TP sizes where it bites. `python -m
-freetoken_verify.running.catalogue_run [FAULT ...]` prints one line per entry (caught and named, or
-not)."""
+injected into its bundled case, its checks at TP=1 and the TP sizes where it bites. `python -m
+freetoken_verify.running.catalogue_run [FAULT ...]` prints one line per entry (caught and named,
+or not) and the count line; exit 0 when every entry was caught and named, 1 when one was not,
+2 for an unknown fault name (nothing runs)."""
 
 from __future__ import annotations
 
 import re
 import sys
 from dataclasses import dataclass
+
+import click
 
 from freetoken_verify.cases.catalogue import resolve_case
 from freetoken_verify.checks import VerifyOptions, available_checks
@@ -52,17 +54,40 @@ def judge(entry: Entry, results: list[CheckResult]) -> list[str]:
     return problems
 
 
-def main(argv: list[str]) -> int:
-    entries = [e for e in CATALOGUE if not argv or e.fault in argv]
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("faults", nargs=-1, metavar="[FAULT]...")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=300.0,
+              show_default=True, help="seconds a rank group may take for one call")
+def catalogue(faults: tuple[str, ...], timeout: float) -> int:
+    """Inject each catalogued TP bug (all, or the FAULTs named) into its bundled case and say
+    whether the checks caught and named it where it bites (and stayed green at TP=1 where the
+    bug is TP-only). Names: `freetoken-verify --list`."""
+    known = [e.fault for e in CATALOGUE]
+    unknown = [f for f in faults if f not in known]
+    if unknown:
+        raise click.UsageError(f"unknown fault {', '.join(map(repr, unknown))}; catalogued "
+                               f"faults are listed by `freetoken-verify --list`")
+    entries = [e for e in CATALOGUE if not faults or e.fault in faults]
     failed = 0
     for entry in entries:
-        verdict = run_entry(entry)
+        verdict = run_entry(entry, timeout)
         failed += bool(verdict.problems)
         status = "MISSED" if verdict.problems else "caught"
-        print(f"{status:6s} {entry.fault}: {'; '.join(verdict.problems) or _named(verdict)}",
-              flush=True)
-    print(f"{len(entries) - failed} passed, {failed} failed")
+        click.echo(f"{status:6s} {entry.fault}: "
+                   f"{'; '.join(verdict.problems) or _named(verdict)}")
+    click.echo(f"{len(entries) - failed} passed, {failed} failed")
     return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The catalogue run's exit status: 0 all caught and named, 1 one missed, 2 bad usage."""
+    try:
+        return catalogue.main(args=argv, prog_name="catalogue_run", standalone_mode=False)
+    except click.exceptions.Exit as e:
+        return e.exit_code
+    except click.UsageError as e:
+        click.echo(f"error: {e.format_message()}", err=True)
+        return 2
 
 
 def _named(verdict: Verdict) -> str:
@@ -71,4 +96,4 @@ def _named(verdict: Verdict) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -144,11 +144,12 @@ def build_plan(models: Sequence[str] = (), tp: Sequence[int] | int = DEFAULT_TP,
 
 
 def execute(plan_args: dict, report_json: str | None = None, junit_xml: str | None = None,
-            verbose: bool = False, summary_md: str | None = None) -> int:
+            verbose: bool = False, summary_md: str | None = None,
+            allow_skips: bool = False) -> int:
     """The command line's run: check the report paths, build the plan from `plan_args`
     (`build_plan`'s keywords), run it with progress on stderr, writing the reports as rows
-    finish (`freetoken_verify.report.writer`), print the table and the count line. Returns the exit
-    status."""
+    finish (`freetoken_verify.report.writer`), print the table and the count line. Returns the
+    exit status (`exit_status`)."""
     check_report_paths(report_json, junit_xml, summary_md)
     plan = build_plan(**plan_args)
     save_references(plan.cases, plan.tp_sizes, plan.options)
@@ -165,7 +166,19 @@ def execute(plan_args: dict, report_json: str | None = None, junit_xml: str | No
                 click.echo(f"\n=== {r.model} {r.check} tp={r.tp} ===\n{r.detail}")
     for line in reports.errors:
         click.echo(f"error: {line}", err=True)
+    code = exit_status(results, allow_skips)
+    if code == EXIT_FAILED and not any(r.status in ("fail", "error") for r in results):
+        click.echo("error: nothing was verified: every row was skipped (pass --allow-skips "
+                   "when that is expected)", err=True)
     click.echo(count_line(results))
-    if reports.errors:
-        return EXIT_USAGE
-    return EXIT_FAILED if any(r.status in ("fail", "error") for r in results) else EXIT_OK
+    return EXIT_USAGE if reports.errors else code
+
+
+def exit_status(results: list, allow_skips: bool = False) -> int:
+    """1 when a row failed or errored, and when no row ran at all (every row skipped, or none)
+    unless `allow_skips`: a run that verified nothing is not a green one. Else 0."""
+    if any(r.status in ("fail", "error") for r in results):
+        return EXIT_FAILED
+    if not allow_skips and not any(r.status == "pass" for r in results):
+        return EXIT_FAILED
+    return EXIT_OK

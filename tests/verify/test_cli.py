@@ -256,3 +256,52 @@ def test_cli_and_main_do_not_import_each_other():
     private = [(m, n) for m, n in imports("cli")
                if m == "freetoken_verify.running.plan" and n.startswith("_")]
     assert not private, private
+
+
+def _make_rows(*statuses: str) -> list:
+    from freetoken_verify.report.formats import CheckResult
+
+    return [CheckResult("golden", "tiny-llama", 1, s) for s in statuses]
+
+
+def test_exit_status_refuses_a_run_that_verified_nothing():
+    """A failed or errored row exits 1; a run whose every row was skipped (or that has no
+    row) exits 1 too unless skips are allowed: nothing verified is not a green run."""
+    from freetoken_verify.running.plan import exit_status
+
+    assert exit_status(_make_rows("pass", "skip")) == 0
+    assert exit_status(_make_rows("pass", "fail")) == 1
+    assert exit_status(_make_rows("error")) == 1
+    assert exit_status(_make_rows("skip", "skip")) == 1
+    assert exit_status([]) == 1
+    assert exit_status(_make_rows("skip", "skip"), allow_skips=True) == 0
+    assert exit_status(_make_rows("skip", "error"), allow_skips=True) == 1
+
+
+def test_an_all_skipped_run_exits_1_naming_why(capsys, monkeypatch):
+    """Through the command line: every row skipped gives exit 1, an `error:` line saying that
+    nothing was verified, and the count line last; `--allow-skips` turns it into exit 0."""
+    import freetoken_verify.running.plan as plan_module
+
+    monkeypatch.setattr(plan_module, "run_plan",
+                        lambda plan, progress, on_result: _make_rows("skip", "skip"))
+    code, out, err = run_cli(capsys, "--model", "tiny-llama", "--tp", "1", "--checks", "kernels")
+    assert code == 1 and "nothing was verified" in err, (code, err)
+    assert out.strip().splitlines()[-1] == "0 passed, 0 failed, 2 skipped", out
+    code, out, err = run_cli(capsys, "--model", "tiny-llama", "--tp", "1", "--checks", "kernels",
+                             "--allow-skips")
+    assert code == 0 and "nothing was verified" not in err, (code, err)
+
+
+def test_catalogue_run_refuses_unknown_faults_and_has_help(capsys):
+    """`python -m freetoken_verify.running.catalogue_run` with a misspelt fault exits 2 naming
+    it before anything runs (it printed `0 passed, 0 failed` and exited 0); `--help` prints
+    the usage and exits 0 without running an entry."""
+    from freetoken_verify.running.catalogue_run import main as catalogue_main
+
+    assert catalogue_main(["drop-allreduc"]) == 2
+    out, err = capsys.readouterr()
+    assert "unknown fault 'drop-allreduc'" in err and "passed" not in out, (out, err)
+    assert catalogue_main(["--help"]) == 0
+    out, _ = capsys.readouterr()
+    assert "Usage:" in out and "[FAULT]..." in out and " passed, " not in out, out
