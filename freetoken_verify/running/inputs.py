@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -33,15 +34,26 @@ def _nearest_existing(path: Path) -> Path:
     return path
 
 
+_KINDS = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISDIR, "a directory"))
+
+
 def check_report_path(option: str, value: str) -> Path:
-    """`value` can be written after the run: not a folder, its nearest existing ancestor a
-    folder we can create files in (probed with a real temporary file: permission bits lie to
-    root and on read-only mounts)."""
+    """`value` can be written after the run: absent or a regular file (reports are replaced
+    atomically by a rename, which would put a plain file in place of a device, a pipe or a
+    socket: `--report-json /dev/stdout` as root would replace the system's node), its nearest
+    existing ancestor a folder we can create files in (probed with a real temporary file:
+    permission bits lie to root and on read-only mounts)."""
     if not value.strip():
         raise InputError(f"{option}: empty path")
     path = Path(value).expanduser().absolute()
-    if path.is_dir():
-        raise InputError(f"{option}: {path} is a directory")
+    if path.exists():
+        mode = path.stat().st_mode
+        kind = next((name for test, name in _KINDS if test(mode)), None)
+        if kind is not None:
+            raise InputError(f"{option}: {path} is {kind}; reports are written only to "
+                             "regular files")
     if path.exists() and not os.access(path, os.W_OK):
         raise InputError(f"{option}: {path} is not writable")
     base = _nearest_existing(path.parent)
@@ -81,7 +93,6 @@ def check_case_files(case) -> None:
 
 
 def _check_bundled_hashes(case) -> None:
-
     meta_path = case.folder / "meta.json"
     try:
         recorded = json.loads(meta_path.read_text())["weights_sha256"]

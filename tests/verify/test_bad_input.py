@@ -6,7 +6,9 @@ quantization configs and modified bundled cases."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 import struct
 from pathlib import Path
 
@@ -96,6 +98,40 @@ def test_report_paths_are_checked_before_the_run(capsys, tmp_path):
                    "same file")
     assert_refused(capsys, ["--model", "tiny-llama", "--junit-xml", str(tmp_path)],
                    "--junit-xml", "is a directory")
+
+
+def _make_special_files(tmp_path: Path) -> dict[str, Path]:
+    """A private character device (a copy of /dev/null's node, where this user may create
+    one), a named pipe and a bound unix socket under `tmp_path`."""
+    import socket
+
+    made = {}
+    null = os.stat("/dev/null")
+    try:
+        os.mknod(tmp_path / "null", 0o666 | stat.S_IFCHR, null.st_rdev)
+        made["a character device"] = tmp_path / "null"
+    except PermissionError:
+        pass
+    os.mkfifo(tmp_path / "pipe")
+    made["a named pipe"] = tmp_path / "pipe"
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(tmp_path / "sock"))
+    sock.close()
+    made["a socket"] = tmp_path / "sock"
+    return made
+
+
+def test_reports_are_written_only_to_regular_files(capsys, tmp_path):
+    """A device, a named pipe or a socket at a report path is refused before any rank starts,
+    naming what it is, and left as it was (the atomic rename replaced a private copy of
+    /dev/full with a regular file, exit 0)."""
+    for kind, path in _make_special_files(tmp_path).items():
+        before = os.lstat(path)
+        for option in ("--report-json", "--junit-xml", "--summary-md"):
+            assert_refused(capsys, ["--model", "tiny-llama", option, str(path)], option,
+                           f"is {kind}", "regular files")
+        after = os.lstat(path)
+        assert (after.st_mode, after.st_ino) == (before.st_mode, before.st_ino), kind
 
 
 @pytest.mark.parametrize("changes, needles", [
