@@ -14,6 +14,8 @@ import copy
 import hashlib
 import json
 import re
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -26,6 +28,7 @@ from safetensors.torch import load_file, save_file
 from freetoken.config import ConfigError
 from freetoken.engine.resolve import ModelNotFound, resolve_checkpoint
 from freetoken.models.registry import load_config
+from freetoken_verify.cases.numerics import check_pinned, pinned_env
 from freetoken_verify.cases.nvfp4 import quantize_experts
 from freetoken_verify.cases.qwen3_5_moe import (
     qwen3_5_moe_tiny,
@@ -214,7 +217,6 @@ def low_precision_baselines(model, prompts: list[list[int]], reference: dict) ->
     Stored with the golden, it is the yardstick the
     golden check widens low-precision bounds by when it does not run HF live."""
 
-
     out = {}
     for name in LOW_PRECISION:
         low = copy.deepcopy(model).to(getattr(torch, name))
@@ -302,7 +304,6 @@ class Case:
 
     @cached_property
     def model_config(self):
-
         return load_config(self.folder)
 
     def engine_args(self, options) -> dict:
@@ -347,8 +348,26 @@ def main(argv: list[str] | None = None) -> None:
         print(f"writing {write_realdims(args.realdims, args.dtype)}")
         return
     torch.set_num_threads(1)
+    unpinned = check_pinned(torch)
+    if unpinned:
+        print(f"warning: {unpinned}", file=sys.stderr)
     for name in args.case or sorted(CASES):
         print(f"writing {write_case(CASES[name], args.write / name)}")
+
+
+def write_pinned(names: list[str], root: Path, timeout: float = 1200) -> list[Path]:
+    """Write the bundled cases `names` under `root` as `make golden` does: in a fresh process
+    with the pinned numeric environment (`freetoken_verify.cases.numerics`), whatever this
+    process's torch was started with. Raises RuntimeError with the writer's output if it
+    fails."""
+    args = [sys.executable, "-m", "freetoken_verify.cases", "--write", str(root)]
+    for name in names:
+        args += ["--case", name]
+    proc = subprocess.run(args, env=pinned_env(), capture_output=True, text=True,
+                          timeout=timeout)
+    if proc.returncode != 0 or "warning:" in proc.stderr:
+        raise RuntimeError(f"case writer failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return [root / name for name in names]
 
 
 if __name__ == "__main__":

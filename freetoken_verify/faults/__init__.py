@@ -145,7 +145,6 @@ def _plain_chunk_rules(arch: str, needle: str) -> None:
     """Replace the spec of every `arch` plan rule whose pattern contains `needle` with a plain
     row chunk (dim 0), keeping destinations as they are."""
 
-
     original = registry.ARCHITECTURES[arch].plan
 
     def plan(cfg, tp):
@@ -199,7 +198,6 @@ def plain_chunk_expert_gate_up() -> None:
 def _wrap_nvfp4_moe(transform: Callable[[dict], dict]) -> None:
     """Pass `fused_moe`'s arguments through `transform` before the NVFP4 kernels see them, so
     the kernels compute exactly what a kernel with the bug would."""
-
 
     original = nvfp4_moe.fused_moe
     signature = inspect.signature(original)

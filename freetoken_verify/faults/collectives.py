@@ -50,7 +50,6 @@ def allreduce_contiguous_copy() -> None:
     """Communicator.all_reduce reduces `x.contiguous()` and returns `x`: a non-contiguous
     input is reduced in a copy that is thrown away and comes back unreduced."""
 
-
     def all_reduce(self, x):
         if self.size > 1:
             dist.all_reduce(x.contiguous())

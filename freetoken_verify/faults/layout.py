@@ -33,7 +33,6 @@ def _replace_rule_specs(arch: str, needles: tuple[str, ...], spec) -> None:
     """Give every `arch` plan rule whose pattern contains one of `needles` the shard spec
     `spec`, keeping destinations as they are."""
 
-
     original = registry.ARCHITECTURES[arch].plan
 
     def plan(cfg, tp):

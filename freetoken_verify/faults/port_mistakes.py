@@ -60,7 +60,6 @@ def gdn_value_dim_from_key_dim() -> None:
     """GatedDeltaNet sizes its value channels with the key head dim (`nv * dk`): invisible
     while key and value totals agree, a shape error naming the tensor when they do not."""
 
-
     original = gdn.GatedDeltaNet.__init__
 
     def init(self, cfg):
@@ -155,7 +154,6 @@ class _NextRank:
 def _respec(arch: str, needle: str, make) -> None:
     """Replace the spec of every `arch` plan rule whose pattern contains `needle` by
     `make(spec)`, keeping destinations."""
-
 
     original = registry.ARCHITECTURES[arch].plan
 

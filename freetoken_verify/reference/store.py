@@ -235,7 +235,6 @@ def stored_reference(folder: str | Path, case, options) -> Reference:
     """The saved reference, with its baseline at the engine's dtype (per prompt, measured by
     HF live on the saving run's device)."""
 
-
     meta = read_meta(folder)
     ref = Reference.from_tensors("stored", meta["prompts"], load_file(Path(folder) / TENSORS))
     dtype = resolve_dtype(options.dtype, case.model_config)

@@ -46,7 +46,6 @@ from freetoken_verify.running.runner import Plan, run_plan
 
 
 def _validate(cases, tp_sizes, options, selected: dict) -> None:
-
     for case in cases:
         check_case_files(case)
         cfg = case.model_config

@@ -22,7 +22,7 @@ from freetoken import LLM, SamplingParams
 from freetoken.config import ConfigError
 from freetoken.formats.nvfp4.checkpoint import parse_quant_config
 from freetoken.models.registry import check_tp, config_from_hf, load_config
-from freetoken_verify.cases.catalogue import CASES, load_reference, write_case
+from freetoken_verify.cases.catalogue import load_reference, write_pinned
 from freetoken_verify.cases.nvfp4 import to_compressed_tensors
 from freetoken_verify.cli import main
 
@@ -128,14 +128,14 @@ def test_quantized_attention_is_refused_by_name():
 
 
 def test_regeneration_is_deterministic(tmp_path):
-    """`python -m freetoken_verify.cases --case tiny-qwen3.5-moe-nvfp4` writes the committed bytes
-    (with
-    the torch / transformers versions meta.json records): weights, quantization config and the
-    reference HF computes on the dequantized experts."""
+    """`python -m freetoken_verify.cases --case tiny-qwen3.5-moe-nvfp4` (pinned numerics, a
+    fresh process) writes the committed bytes (with the torch / transformers versions
+    meta.json records): weights, quantization config and the reference HF computes on the
+    dequantized experts, and baselines within float rounding."""
     meta = json.loads((FOLDER / "meta.json").read_text())
     if (meta["torch"], meta["transformers"]) != (torch.__version__.split("+")[0],
                                                  transformers.__version__):
         pytest.skip("installed torch/transformers differ from the ones golden was written with")
-    written = write_case(CASES[CASE], tmp_path / CASE)
+    (written,) = write_pinned([CASE], tmp_path)
     assert case_differences(written, FOLDER) == [], (
         f"golden/{CASE} is not what the case writer produces now")

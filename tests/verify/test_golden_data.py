@@ -4,6 +4,8 @@ still reproduces the stored reference, and regeneration is byte-for-byte determi
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,8 +18,9 @@ from freetoken_verify.cases.catalogue import (
     hf_reference,
     load_reference,
     sha256_file,
-    write_case,
+    write_pinned,
 )
+from freetoken_verify.cases.numerics import pinned_env
 
 
 @pytest.mark.parametrize("case", BUNDLED)
@@ -47,21 +50,32 @@ def test_live_hf_reproduces_stored_reference(case):
 
 
 def test_regeneration_is_deterministic(tmp_path):
-    """Writing a case twice gives the same bytes; with the versions meta.json records, the
-    committed golden files (`case_differences`: the same bytes but for float rounding of
-    the reference logits and baselines on another CPU)."""
+    """`make golden`'s writer, in its pinned numeric environment, writes the committed case
+    (with the versions meta.json records): config, weights and token ids the same bytes,
+    reference logits and the bf16 / fp16 baselines equal within `case_differences`' float
+    rounding. It runs in a fresh process whatever this one's torch was started with
+    (ATEN_CPU_CAPABILITY=default included), so the result does not depend on this CPU."""
     name = "tiny-qwen3-moe"
-    first, second = write_case(CASES[name], tmp_path / "a"), write_case(CASES[name], tmp_path / "b")
-    files = sorted(p.name for p in first.iterdir())
-    for f in files:
-        assert (first / f).read_bytes() == (second / f).read_bytes(), f"{f} differs run to run"
     meta = json.loads((GOLDEN / name / "meta.json").read_text())
     if (meta["torch"], meta["transformers"]) != (torch.__version__.split("+")[0],
                                                  transformers.__version__):
         pytest.skip("installed torch/transformers differ from the ones golden was written with")
-    assert case_differences(first, GOLDEN / name) == [], (
+    (written,) = write_pinned([name], tmp_path)
+    assert case_differences(written, GOLDEN / name) == [], (
         f"freetoken_verify/golden/{name} is not what `make golden` writes now")
 
+
+def test_the_writer_pins_its_numerics(tmp_path):
+    """The writer's environment overrides the caller's kernel choices (a caller running the
+    scalar kernels, ATEN_CPU_CAPABILITY=default, draws other random weights) and oneDNN is
+    off in it: what `make golden` writes does not follow the machine's instruction set."""
+    env = pinned_env({"ATEN_CPU_CAPABILITY": "default", "PATH": "/usr/bin"})
+    assert env["ATEN_CPU_CAPABILITY"] == "avx2" and env["MKL_CBWR"] == "AVX2", env
+    probe = ("import torch; from freetoken_verify.cases.numerics import check_pinned; "
+             "print(check_pinned(torch), torch.backends.mkldnn.enabled)")
+    proc = subprocess.run([sys.executable, "-c", probe], env=pinned_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.stdout.split() == ["None", "False"], proc.stdout + proc.stderr
 
 def test_case_differences_finds_a_changed_case(tmp_path):
     """The golden comparison fails on a changed reference logit, token id, weight or config

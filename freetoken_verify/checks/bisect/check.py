@@ -236,7 +236,6 @@ def _saved_activations(ctx: CheckContext, prompt: list[int]):
 
 
 def _run_hf(ctx: CheckContext, ids: list[int]):
-
     device = ctx.runner.placement.device_for(0)
     dtype = resolve_dtype(ctx.options.dtype, ctx.case.model_config)
     acts = []

@@ -44,7 +44,6 @@ class Site:
 
 
 def _routed_expert_types() -> tuple[type, ...]:
-
     return (FusedExperts, NVFP4FusedExperts)
 
 

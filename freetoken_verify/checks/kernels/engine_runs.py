@@ -64,7 +64,6 @@ def _int32(values, device) -> torch.Tensor:
 
 
 def paged_attention(case: EngineCase, inp: _Inputs) -> list[Output]:
-
     heads, kv, dim, block = case["heads"], case["kv heads"], case["head_dim"], case["block"]
     contexts = case["contexts"]
     decode = case["mode"] == "decode"
@@ -91,7 +90,6 @@ def paged_attention(case: EngineCase, inp: _Inputs) -> list[Output]:
 
 
 def write_kv(case: EngineCase, inp: _Inputs) -> list[Output]:
-
     kv, dim, tokens = case["kv heads"], case["head_dim"], case["tokens"]
     # k and v are views into a fused [q | k | v] projection row, as the engine passes them.
     qkv = inp.draw(tokens, (2 + 2 * kv) * dim)
@@ -108,7 +106,6 @@ def write_kv(case: EngineCase, inp: _Inputs) -> list[Output]:
 
 
 def rotary(case: EngineCase, inp: _Inputs) -> list[Output]:
-
     dim, rotary_dim = case["head_dim"], case["rotary_dim"]
     scaling = dict(case["scaling"]) or None
     rope = RotaryEmbedding(dim, rotary_dim, case["theta"], scaling).to(inp.device)
@@ -121,7 +118,6 @@ def rotary(case: EngineCase, inp: _Inputs) -> list[Output]:
 
 
 def rms_norm(case: EngineCase, inp: _Inputs) -> list[Output]:
-
     offset = case["offset"]
     if "heads" in dict(case.dims):
         heads, dim = case["heads"], case["head_dim"]
@@ -137,7 +133,6 @@ def rms_norm(case: EngineCase, inp: _Inputs) -> list[Output]:
 
 
 def gated_rms_norm(case: EngineCase, inp: _Inputs) -> list[Output]:
-
     heads, dim = case["heads"], case["dv"]
     x = inp.draw(5, heads, dim)
     z = inp.draw(5, heads * dim + 7)[:, 7:].view(5, heads, dim)
@@ -149,7 +144,6 @@ def gated_rms_norm(case: EngineCase, inp: _Inputs) -> list[Output]:
 
 
 def silu_and_mul(case: EngineCase, inp: _Inputs) -> list[Output]:
-
     x = inp.draw(4, 2 * case["intermediate"] + 3)[:, 3:]
     return [Output("output", norm_rope.silu_and_mul(x), torch_silu_and_mul(_ref(x)))]
 
@@ -174,7 +168,6 @@ def fused_moe(case: EngineCase, inp: _Inputs) -> list[Output]:
 
 
 def route(case: EngineCase, inp: _Inputs) -> list[Output]:
-
     logits = _router_logits(inp, case["tokens"], case["experts"])
     want_w, want_ids = torch_route(_ref(logits), case["top_k"], True, torch.float32)
     got_w, got_ids = moe.route(logits, case["top_k"], True, torch.float32)
@@ -183,7 +176,6 @@ def route(case: EngineCase, inp: _Inputs) -> list[Output]:
 
 
 def align(case: EngineCase, inp: _Inputs) -> list[Output]:
-
     experts = case["experts"]
     ids = torch.randint(0, experts, (case["pairs"],), generator=inp.gen, device=inp.device)
     got, want = moe.align_small(ids, experts, case["block"]), align_by_expert(
@@ -193,7 +185,6 @@ def align(case: EngineCase, inp: _Inputs) -> list[Output]:
 
 
 def gated_delta_decode(case: EngineCase, inp: _Inputs) -> list[Output]:
-
     batch, nk, nv, dk, dv = (case[k] for k in ("batch", "key heads", "value heads", "dk", "dv"))
     # q, k and v are views into the conv output row, b and a into the projection row.
     mixed = inp.draw(batch, 2 * nk * dk + nv * dv)
@@ -229,7 +220,6 @@ def _slots(num_slots: int, batch: int, device) -> tuple[torch.Tensor, torch.Tens
 
 
 def conv_update(case: EngineCase, inp: _Inputs) -> list[Output]:
-
     channels, kernel, batch = case["channels"], case["kernel"], case["batch"]
     conv = CausalConv1d(channels, kernel).to(inp.device)
     weight = inp.draw(*conv.weight.shape, scale=0.5)

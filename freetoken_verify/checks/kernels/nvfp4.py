@@ -37,7 +37,6 @@ BACKEND = "torch NVFP4 backend disagrees with the format oracle"
 
 
 def _routing(tokens: int, experts: int, top_k: int, gen: torch.Generator):
-
     logits = torch.randn(tokens, experts, generator=gen) * 2.0
     return route(logits, top_k, renormalize=True, dtype=torch.float32)
 
@@ -79,14 +78,12 @@ def _oracle_weights(case: KernelCase, w: dict, cache: dict) -> dict:
 
 
 def _oracle_linear(w: dict) -> dict:
-
     truth = oracle.dequantize(w["packed"], w["block_scale"], w["global_scale"])
     got = reference.dequantize(w["packed"], w["block_scale"], w["global_scale"])
     return {"weight": truth, "backend_failure": _dequant_diff("weight", got, truth)}
 
 
 def _oracle_experts(w: dict) -> dict:
-
     out = {"w13": {}, "w2": {}, "backend_failure": None}
     for e in range(w["w13"].shape[0]):
         out["w13"][e] = oracle.w13(w["w13"][e], w["w13_scale"][e], w["w13_global"][e])

@@ -41,7 +41,6 @@ class PeakSampler:
     loader was copying tensors (`load_peak`) with the tensors in flight then (`at_peak`)."""
 
     def __init__(self, period: float = 0.001):
-
         self._proc = psutil.Process()
         self.base = self.peak = self.load_peak = self.now()
         self.at_peak: tuple[str, ...] = ()

@@ -78,7 +78,6 @@ def _audit(rank_ctx, engine_args: dict) -> dict:
 
 class _Audit:
     def __init__(self, rank_ctx, engine_args: dict):
-
         cfg = load_config(engine_args["folder"])
         if engine_args["num_layers"] is not None:
             cfg = cfg.truncated(engine_args["num_layers"])
@@ -101,7 +100,6 @@ class _Audit:
             self.fail(message)
 
     def tensor(self, name: str, full: torch.Tensor) -> None:
-
         target = self.plan.resolve(name)
         self.tensors += 1
         self.bytes_read += full.numel() * full.element_size()
@@ -184,7 +182,6 @@ class _Audit:
                 return
 
     def _across_ranks(self, name, full, spec, shards) -> None:
-
         parts = [shards[r] for r in range(self.size)]
         back = spec.unshard(parts, name)
         if back.numel() == 1 == full.numel():
