@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -158,10 +159,27 @@ def hf_model(case, options, dtype, device):
     cached = _cache_works(text)
     if not cached:
         config.use_cache = text.use_cache = False
-    model = AutoModelForCausalLM.from_pretrained(case.folder, config=config, dtype=dtype)
+    with _hf_bars_off():
+        model = AutoModelForCausalLM.from_pretrained(case.folder, config=config, dtype=dtype)
     if not cached:
         model.generation_config.use_cache = False
     return model.to(device).eval()
+
+
+@contextmanager
+def _hf_bars_off():
+    """HF's own `Loading weights` bar off while it loads: the harness reports its progress
+    itself, one line per step (and not at all through `freetoken_verify.run(progress=False)`)."""
+    # transformers costs seconds to import; only HF references need it.
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
 
 
 def _cache_works(text_config) -> bool:

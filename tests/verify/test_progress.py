@@ -4,7 +4,12 @@ erased when the step ends, even when it raises."""
 from __future__ import annotations
 
 import pytest
+import torch
+from transformers.utils import logging as hf_logging
 
+from freetoken_verify.cases.catalogue import resolve_case
+from freetoken_verify.checks import VerifyOptions
+from freetoken_verify.reference.sources import hf_model
 from freetoken_verify.running.progress import Progress
 
 
@@ -37,3 +42,13 @@ def test_live_mode_updates_one_line_and_erases_it(capsys):
     assert err.count("\r\x1b[K[tp=1] tiny-llama golden ... ") >= 2, repr(err)
     assert err.endswith("\r\x1b[K"), f"the live line must be erased: {err[-40:]!r}"
     assert "\n" not in err, repr(err)
+
+
+def test_hf_loading_prints_no_bar_of_its_own(capfd):
+    """Loading HF's reference model draws none of HF's `Loading weights` bars (they came out
+    through `freetoken_verify.run(progress=False)` and in CI logs); HF's own setting is
+    restored afterwards."""
+    hf_model(resolve_case("tiny-llama"), VerifyOptions(), torch.float32, "cpu")
+    err = capfd.readouterr().err
+    assert "Loading weights" not in err, err[-500:]
+    assert hf_logging.is_progress_bar_enabled(), "HF's own progress setting not restored"
