@@ -101,9 +101,62 @@ def read_meta(folder: str | Path) -> dict:
     if missing or not (folder / TENSORS).is_file():
         what = f"no {missing[0]!r}" if missing else f"no {TENSORS} beside it"
         raise StoreError(f"--reference: {path} has {what}; save the reference again")
+    _check_fields(meta, path)
+    _check_tensors(folder / TENSORS, meta)
     if "bisect" in meta:
         _check_bisect(folder, meta["bisect"], path)
     return meta
+
+
+def _is_count(value, least: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _check_fields(meta: dict, path: Path) -> None:
+    """Every field the runs read has the type they read it as (an edited `reference.json`
+    fails here, naming the field, instead of as a TypeError in a check or as an engine
+    mismatch)."""
+    prompts, weights, baselines = meta["prompts"], meta["weights"], meta["baselines"]
+    checks = {
+        "prompts": (isinstance(prompts, list) and prompts != [] and all(
+            isinstance(p, list) and p and all(_is_count(t) for t in p) for p in prompts),
+            "a non-empty list of token-id lists"),
+        "num_greedy": (_is_count(meta["num_greedy"]), "a count"),
+        "num_layers": (meta["num_layers"] is None or _is_count(meta["num_layers"], 1),
+                       "null or a positive count"),
+        "baselines": (isinstance(baselines, dict) and all(
+            rows is None or (isinstance(rows, list) and all(isinstance(r, dict) for r in rows))
+            for rows in baselines.values()), "an object of per-dtype lists of objects"),
+        "weights": (isinstance(weights, dict) and all(
+            isinstance(w, dict) and _is_count(w.get("size")) and isinstance(w.get("method"), str)
+            and isinstance(w.get("digest"), str) for w in weights.values()),
+            "an object of {size, method, digest} per weights file"),
+    }
+    for field, (ok, want) in checks.items():
+        if not ok:
+            raise StoreError(f"--reference: {path}: {field!r} is not {want}; save the "
+                             "reference again")
+
+
+def _check_tensors(path: Path, meta: dict) -> None:
+    """reference.safetensors is whole (every entry inside the file) and holds, per prompt, the
+    prompt, its prefill logits (a row per prompt token), and `num_greedy` greedy ids and
+    logits rows: a truncated file or an edited `num_greedy` is named here, before any rank
+    starts."""
+    try:
+        entries = read_header(path).entries
+    except (OSError, CheckpointError) as e:
+        raise StoreError(f"--reference: {path} is unreadable ({e}); save the reference "
+                         "again") from None
+    for i, prompt in enumerate(meta["prompts"]):
+        rows = {f"prompt_{i}": len(prompt), f"prefill_logits_{i}": len(prompt),
+                f"greedy_ids_{i}": meta["num_greedy"], f"greedy_logits_{i}": meta["num_greedy"]}
+        for name, want in rows.items():
+            shape = entries.get(name, {}).get("shape")
+            if not shape or shape[0] != want:
+                found = "missing" if shape is None else f"shape {shape}"
+                raise StoreError(f"--reference: {path}: tensor {name!r} is {found}, expected "
+                                 f"{want} rows from {META}; save the reference again")
 
 
 def _check_bisect(folder: Path, info, path: Path) -> None:

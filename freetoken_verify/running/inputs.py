@@ -155,12 +155,14 @@ def save_references(cases, tp_sizes, options) -> None:
     print(f"{cases[0].name}: computing HF's reference into {options.save_reference}",
           file=sys.stderr)
     try:
-        save_reference(live_hf_reference(cases[0], options, device, with_bisect=True),
-                       cases[0], options, device, options.save_reference)
-    except OSError as e:
-        raise InputError(f"--save-reference: cannot write {options.save_reference} "
-                         f"({e.strerror or e})") from None
+        ref = live_hf_reference(cases[0], options, device, with_bisect=True)
     except Exception as e:  # HF failing on this checkpoint: one line, as any bad input
+        # HF's own OSErrors (a checkpoint it cannot find or load) are HF's, not the folder's.
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise InputError(f"{cases[0].name}: HF transformers could not compute the "
                          f"reference ({type(e).__name__}: {first})") from None
+    try:
+        save_reference(ref, cases[0], options, device, options.save_reference)
+    except OSError as e:
+        raise InputError(f"--save-reference: cannot write {options.save_reference} "
+                         f"({e.strerror or e})") from None

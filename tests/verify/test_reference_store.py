@@ -150,6 +150,52 @@ def test_incomplete_store_is_refused(capsys, tmp_path):
     assert_refused(capsys, args, f"no {reference_store.TENSORS}")
 
 
+def test_damaged_store_is_refused_as_a_whole_before_any_rank(capsys, tmp_path):
+    """Every part of a saved reference is checked before any rank starts, naming the file and
+    the field: a truncated reference.safetensors (was: ERROR rows with SafetensorError not
+    naming the file), a weights entry that is not an object (was: a TypeError traceback), and
+    an edited num_greedy (was: golden blaming the engine)."""
+    folder = _make_checkpoint(tmp_path)
+    store = _make_store(capsys, tmp_path, folder)
+    args = ["--model", str(folder), "--tp", "1", "--checks", "golden", "--reference", str(store)]
+    meta_path, tensors = store / reference_store.META, store / reference_store.TENSORS
+    saved, data = meta_path.read_text(), tensors.read_bytes()
+    tensors.write_bytes(data[: len(data) * 2 // 3])
+    assert_refused(capsys, args, str(tensors), "is unreadable")
+    tensors.write_bytes(data)
+    for field, value, needle in (("weights", {"model.safetensors": 3}, "'weights' is not"),
+                                 ("weights", [1], "'weights' is not"),
+                                 ("prompts", [[1, "x"]], "'prompts' is not"),
+                                 ("num_layers", 0, "'num_layers' is not"),
+                                 ("num_greedy", "16", "'num_greedy' is not")):
+        meta = json.loads(saved)
+        meta[field] = value
+        meta_path.write_text(json.dumps(meta))
+        assert_refused(capsys, args, str(meta_path), needle)
+    meta = json.loads(saved)
+    meta["num_greedy"] += 3
+    meta_path.write_text(json.dumps(meta))
+    assert_refused(capsys, args, "tensor 'greedy_ids_0'", f"expected {meta['num_greedy']} rows")
+
+
+def test_hf_failing_to_load_is_blamed_on_hf_not_the_folder(capsys, tmp_path):
+    """--save-reference on a checkpoint HF cannot load (two shards and no index) says HF could
+    not compute the reference; it said `cannot write DIR (Error no file named ...)`."""
+    folder = _make_checkpoint(tmp_path)
+    tensors = load_file(folder / "model.safetensors")
+    names = sorted(tensors)
+    save_file({k: tensors[k] for k in names[: len(names) // 2]}, folder / "model-00001-of-00002.safetensors",
+              metadata={"format": "pt"})
+    save_file({k: tensors[k] for k in names[len(names) // 2:]}, folder / "model-00002-of-00002.safetensors",
+              metadata={"format": "pt"})
+    (folder / "model.safetensors").unlink()
+    out = tmp_path / "ref"
+    code, _, err = run_cli(capsys, "--model", str(folder), "--tp", "1", "--checks", "golden",
+                           "--save-reference", str(out))
+    assert code == 2 and "HF transformers could not compute the reference" in err, (code, err)
+    assert "cannot write" not in err, err
+
+
 def test_broken_bisect_part_of_a_store_is_refused(capsys, tmp_path):
     """A truncated bisect.safetensors or a malformed bisect entry: exit 2 naming it, before
     any rank starts."""
