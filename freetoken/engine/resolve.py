@@ -65,11 +65,17 @@ def resolve_hub_id(arg: str, download: bool = False, hint: str = "") -> tuple[Pa
                             "allow the download")
     cache_dir = os.environ.get("HF_HUB_CACHE") or None
     try:
+        if download:
+            _probe_hub(repo, revision)
         folder = Path(snapshot_download(repo, revision=revision, cache_dir=cache_dir,
                                         local_files_only=not download,
-                                        allow_patterns=list(DOWNLOADED)))
+                                        allow_patterns=list(DOWNLOADED),
+                                        etag_timeout=HUB_TIMEOUT))
     except Exception as e:  # the hub raises several types for "not cached" / "not found"
         at = f" at revision {revision!r}" if revision else ""
+        if download and "timeout" in type(e).__name__.lower():
+            raise ModelNotFound(f"{arg}: download failed{at}: {_endpoint()} did not answer "
+                                f"within {HUB_TIMEOUT:g} s ({type(e).__name__})") from None
         if download:
             raise ModelNotFound(f"{arg}: download failed{at} ({type(e).__name__}: "
                                 f"{_first_line(e)})") from None
@@ -77,6 +83,24 @@ def resolve_hub_id(arg: str, download: bool = False, hint: str = "") -> tuple[Pa
                             f"cache{at} ({type(e).__name__}){hint}") from None
     return folder, {"path": str(folder), "hub_id": repo, "revision": revision or "main",
                     "snapshot": folder.name}
+
+
+# Seconds the hub may take to connect or to send the next bytes of an answer. The hub client
+# asks for the repository's metadata with no timeout at all (an endpoint that accepts and never
+# answers hung `--download` for good); its file downloads have their own (HF_HUB_DOWNLOAD_TIMEOUT).
+HUB_TIMEOUT = 30.0
+
+
+def _probe_hub(repo: str, revision: str | None) -> None:
+    """The repository's metadata asked for once with `HUB_TIMEOUT`, before the download asks
+    again without one: an endpoint that does not answer fails here, named."""
+    from huggingface_hub import HfApi
+
+    HfApi(endpoint=_endpoint()).repo_info(repo, revision=revision, timeout=HUB_TIMEOUT)
+
+
+def _endpoint() -> str:
+    return os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
 
 
 def _offline() -> bool:

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import shutil
 import socket
+import threading
+import time
 from pathlib import Path
 
 import pytest
 from conftest import GOLDEN
 
+import freetoken.engine.resolve as resolve
 from freetoken_verify.cases.catalogue import CaseError, resolve_case
 from freetoken_verify.cli import main
 
@@ -79,16 +82,18 @@ def test_download_only_when_asked(tmp_path, monkeypatch):
     snapshot = _make_cache(tmp_path, monkeypatch) / "models--Org--Tiny" / "snapshots" / _V1
 
     def fake_snapshot_download(repo, revision=None, cache_dir=None, local_files_only=False,
-                               allow_patterns=None):
+                               allow_patterns=None, etag_timeout=None):
         assert "*.safetensors" in allow_patterns and "*.bin" not in allow_patterns
+        assert etag_timeout == resolve.HUB_TIMEOUT, "file requests are bounded"
         calls.append((repo, revision, local_files_only))
         return str(snapshot)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    monkeypatch.setattr(resolve, "_probe_hub", lambda repo, revision: calls.append("probe"))
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     resolve_case("Org/Other@v1")
     resolve_case("Org/Other@v1", download=True)
-    assert calls == [("Org/Other", "v1", True), ("Org/Other", "v1", False)]
+    assert calls == [("Org/Other", "v1", True), "probe", ("Org/Other", "v1", False)]
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(CaseError, match="HF_HUB_OFFLINE"):
         resolve_case("Org/Other@v1", download=True)
@@ -120,3 +125,48 @@ def test_engine_commands_take_a_revision_from_the_cache(tmp_path, monkeypatch, n
     with pytest.raises(ModelNotFound, match="at revision 'v9'") as info:
         resolve_model("Org/Tiny@v9")
     assert "--download" not in str(info.value), str(info.value)
+
+
+@pytest.fixture
+def silent_endpoint(monkeypatch):
+    """A hub endpoint on loopback that accepts connections and never answers, as HF_ENDPOINT;
+    closed after the test."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept():
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                accepted.append(server.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    endpoint = f"http://127.0.0.1:{server.getsockname()[1]}"
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    yield endpoint
+    stop.set()
+    thread.join(timeout=5)
+    for conn in accepted:
+        conn.close()
+    server.close()
+
+
+def test_download_from_an_endpoint_that_never_answers_is_bounded(tmp_path, monkeypatch,
+                                                                  silent_endpoint):
+    """`--download` against an endpoint that accepts and never answers fails within the hub
+    timeout with one line naming the endpoint and the timeout (the hub client asks for the
+    repository's metadata with no timeout: still waiting at 75 s before)."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(resolve, "HUB_TIMEOUT", 1.0)
+    start = time.monotonic()
+    with pytest.raises(CaseError) as info:
+        resolve_case("Org/Tiny", download=True)
+    assert time.monotonic() - start < 60, "the download was not bounded"
+    message = str(info.value)
+    assert silent_endpoint in message and "did not answer within 1 s" in message, message
