@@ -15,8 +15,8 @@ from freetoken.layers import invariant
 class CausalConv1d(nn.Module):
     """`weight` [channels, 1, kernel] as HF's `nn.Conv1d(groups=channels)` stores it; channels
     are rank-local. Output is `silu(conv(x))`. In the tp_invariant mode the convolution is
-written out as `kernel` multiply-adds per output in a fixed order, and the SiLU goes through
-`invariant.pointwise`, so no result depends on how many channels the rank holds."""
+    written out as `kernel` multiply-adds per output in a fixed order, and the SiLU goes
+    through `invariant.pointwise`, so no result depends on how many channels the rank holds."""
 
     def __init__(self, channels: int, kernel: int):
         super().__init__()

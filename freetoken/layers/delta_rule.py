@@ -9,8 +9,8 @@ computes the same in chunks (prefill): inside a chunk the sequential updates are
 a triangular solve (the UT transform), and only the state is carried from chunk to chunk.
 Both follow HF transformers' torch fallbacks for Qwen3.5 in operation order, so they agree
 with HF to fp32 rounding. Everything runs in fp32; callers cast the output. `exp` is the
-exponential both use, as `rsqrt` is l2norm's (the tp_invariant mode passes ones whose result
-per element does not depend on how many heads are in the launch)."""
+exponential both use (the tp_invariant mode passes one whose result per element does not
+depend on how many heads are in the launch)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ import torch.nn.functional as F
 CHUNK_SIZE = 64
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6, rsqrt=torch.rsqrt) -> torch.Tensor:
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """`x / sqrt(sum(x^2) + eps)` over the last dim (the FLA / HF formula, eps inside)."""
-    return x * rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
 def _heads_first(*xs: torch.Tensor) -> list[torch.Tensor]:

@@ -26,7 +26,6 @@ class GatedRMSNorm(nn.Module):
             return norm_rope.gated_rms_norm(x, gate, self.weight, self.eps)
         dtype = x.dtype
         h = x.float()
-        h = h * invariant.elementwise(self.canonical, torch.rsqrt,
-                                      h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         h = self.weight * h.to(dtype)
         return (h * invariant.elementwise(self.canonical, F.silu, gate.float())).to(dtype)

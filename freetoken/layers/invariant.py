@@ -10,10 +10,10 @@ so TP=N logits are bit-identical to TP=1 (CPU torch paths, fp32 and bf16).
   sums that subtree and `Communicator.all_reduce_tree` combines the N subtree sums in the same
   tree order on every rank (fp32 on the wire). One rounding to the activation dtype at the end.
   The MoE block adds routed and shared leaves chunk by chunk before the tree.
-- Elementwise ops over TP-split dimensions (sigmoid, silu, softplus in fp32, rsqrt in bf16,
-  exp for good measure): torch's vectorised CPU loop leaves the tail of a launch (fewer than
-  two vectors) to a scalar loop that rounds differently, so which elements land in the tail
-  moves with the TP size. `pointwise` runs them on a padded flat buffer that has no tail.
+- Elementwise ops over TP-split dimensions (sigmoid, silu and softplus; exp alongside them):
+  torch's vectorised CPU loop leaves the tail of a launch (fewer than two vectors) to a scalar
+  loop that rounds differently, so which elements land in the tail moves with the TP size.
+  `pointwise` runs them on a padded flat buffer that has no tail.
 - Column-parallel GEMMs and the LM head: torch's CPU matmul picks its algorithm by shape (an
   output element changes with the number of output columns in the launch) and by operand
   alignment, so the output is computed in tiles of `tile` weight rows, each tile one GEMM of

@@ -8,7 +8,6 @@ from torch import nn
 
 from freetoken.context import uses_kernels
 from freetoken.kernels import norm_rope
-from freetoken.layers import invariant
 
 
 class RMSNorm(nn.Module):
@@ -20,17 +19,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.offset = offset
         self.weight = nn.Parameter(torch.empty(hidden), requires_grad=False)
-        # Per-head norms run over rank-local heads: rsqrt's vector and tail loops round
-        # differently, so the tp_invariant mode takes `invariant.pointwise`.
-        self.canonical = invariant.active_reductions()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if uses_kernels():
             return norm_rope.rms_norm(x, self.weight, self.eps, self.offset)
         dtype = x.dtype
         h = x.float()
-        h = h * invariant.elementwise(self.canonical, torch.rsqrt,
-                                      h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:
             return (h * (1.0 + self.weight.float())).to(dtype)
         return self.weight * h.to(dtype)

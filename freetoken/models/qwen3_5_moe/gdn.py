@@ -106,9 +106,6 @@ class GatedDeltaNet(nn.Module):
     def _exp(self, x: torch.Tensor) -> torch.Tensor:
         return invariant.elementwise(self.out_proj.canonical, torch.exp, x)
 
-    def _rsqrt(self, x: torch.Tensor) -> torch.Tensor:
-        return invariant.elementwise(self.out_proj.canonical, torch.rsqrt, x)
-
     def _output(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """Gated norm of the mixed values [T, value heads, dv], then out_proj."""
         tokens = core.shape[0]
@@ -150,8 +147,8 @@ class GatedDeltaNet(nn.Module):
         batch, length, _ = mixed.shape
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         shape = (batch, length, self.num_k_heads, self.head_k_dim)
-        q = l2norm(q.reshape(shape).float(), rsqrt=self._rsqrt) * self.head_k_dim**-0.5
-        k = l2norm(k.reshape(shape).float(), rsqrt=self._rsqrt)
+        q = l2norm(q.reshape(shape).float()) * self.head_k_dim**-0.5
+        k = l2norm(k.reshape(shape).float())
         group = self.num_v_heads // self.num_k_heads
         v = v.reshape(batch, length, self.num_v_heads, self.head_v_dim)
         return q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2), v
