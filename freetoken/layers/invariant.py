@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -67,23 +68,24 @@ class CanonicalReductions:
         return self.chunks // self.tp_size
 
 
-_ACTIVE: CanonicalReductions | None = None
+# A context variable, not a global: two engines built at once on two threads keep their modes.
+_ACTIVE: ContextVar[CanonicalReductions | None] = ContextVar("canonical_reductions",
+                                                             default=None)
 
 
 @contextmanager
 def canonical_reductions(reductions: CanonicalReductions | None) -> Iterator[None]:
     """Layers built inside take the invariant paths of `reductions` (None: the default)."""
-    global _ACTIVE
-    previous, _ACTIVE = _ACTIVE, reductions
+    token = _ACTIVE.set(reductions)
     try:
         yield
     finally:
-        _ACTIVE = previous
+        _ACTIVE.reset(token)
 
 
 def active_reductions() -> CanonicalReductions | None:
     """The mode a layer under construction takes (None outside `canonical_reductions`)."""
-    return _ACTIVE
+    return _ACTIVE.get()
 
 
 def fresh(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
