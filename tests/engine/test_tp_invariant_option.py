@@ -1,7 +1,7 @@
 """The tp_invariant option as users reach it: `freetoken generate --tp-invariant` prints the
-same tokens at TP 1 and 2, an engine asked for it on a device without the invariant paths
-refuses to start (naming the option), and only the option switches layers to the canonical
-reductions."""
+same tokens at TP 1 and 2 and refuses a CUDA placement with one line; an engine asked for it
+on a device without the invariant paths refuses to start (naming the option); only the option
+switches layers to the canonical reductions."""
 
 from __future__ import annotations
 
@@ -62,3 +62,20 @@ def test_only_the_option_switches_layers(tp_invariant):
             assert module.canonical is not None and module.canonical.chunks == 8, name
         else:
             assert module.canonical is None, name
+
+
+def test_generate_tp_invariant_on_cuda_is_a_one_line_usage_error(monkeypatch):
+    """`--tp-invariant` where the placement would be CUDA exits 2 with one line naming the
+    option, before any engine or rank starts (placement faked as CUDA: no GPU needed)."""
+    from click.testing import CliRunner
+
+    import freetoken.distributed as distributed
+    from freetoken import cli
+    from freetoken.distributed import Placement
+
+    monkeypatch.setattr(distributed, "choose_placement",
+                        lambda device, tp, oversubscribe=False: Placement("cuda-nccl", tp))
+    result = CliRunner().invoke(cli.main, ["generate", "--model", str(CASE), "--tp-invariant",
+                                           "--prompt-ids", "1,2"])
+    assert result.exit_code == 2, result.output
+    assert "--tp-invariant runs on the CPU only" in result.output, result.output
