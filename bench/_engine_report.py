@@ -51,17 +51,22 @@ def table(args, hf, engine, copy_gbs) -> list[list]:
     for batch in args.batches:
         h = hf[batch]
         hf_speed = decode_tok_s(h, batch, args.new_tokens)
-        rows.append(["hf", "-", "-", batch, args.prompt_len, args.new_tokens, h["ttft"] * 1e3,
-                     hf_speed, "", "", 1e6 * batch / hf_speed, "", "", ""])
-        for (tp, graphs), (results, _) in engine.items():
+        rows.append(["hf", "-", "-", "-", batch, args.prompt_len, args.new_tokens,
+                     h["ttft"] * 1e3, hf_speed, "", "", 1e6 * batch / hf_speed, "", "", "", ""])
+        for (tp, graphs, invariant), (results, _) in engine.items():
             e = results[batch]
             speed = decode_tok_s(e, batch, args.new_tokens)
             step_s = batch / speed
-            mb = gbs = pct = ""
+            mb = gbs = pct = slower = ""
             if e["bytes"] is not None:
                 mb, gbs = e["bytes"] / 1e6, e["bytes"] / step_s / 1e9
                 pct = f"{100 * gbs / copy_gbs:.1f}" if copy_gbs else ""
-            rows.append(["engine", tp, graphs, batch, args.prompt_len, args.new_tokens,
-                         e["ttft"] * 1e3, speed, match(e["tokens"], h["tokens"]),
-                         ratio(speed, hf_speed), step_s * 1e6, mb, gbs, pct])
+            default = engine.get((tp, graphs, "off"))
+            if invariant == "on" and default is not None:
+                slower = ratio(speed ** -1, decode_tok_s(default[0][batch], batch,
+                                                         args.new_tokens) ** -1)
+            rows.append(["engine", tp, graphs, invariant, batch, args.prompt_len,
+                         args.new_tokens, e["ttft"] * 1e3, speed,
+                         match(e["tokens"], h["tokens"]), ratio(speed, hf_speed),
+                         step_s * 1e6, slower, mb, gbs, pct])
     return rows

@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/engine_decode.py [--device cpu|cuda] [--dtype float32|bfloat16]
         [--tp 1,2] [--batches 1,8] [--prompt-len 32] [--new-tokens 32] [--graphs on,off]
+        [--tp-invariant on,off]
         [--size small|medium|qwen3.5-moe-realdims [--layers 2] | --model FOLDER]
         [--repeats 3] [--threads N]
 
@@ -18,6 +19,10 @@ embedding table, the routed experts actually hit, counted by hooks in one extra 
 the cached keys and values and the linear-attention states; `_engine_bytes.step_bytes`),
 that over the measured step time (`GB/s`), and that against the device-to-device copy
 bandwidth measured in the same run (`% copy`, read + write bytes per second of a 1 GiB copy).
+
+`--tp-invariant on` runs the engine in the `tp_invariant` mode (canonical TP-split sums,
+CPU only) as rows of their own; `x default` is an invariant row's step time over the step time
+of the default-mode row with the same TP size, graphs and batch.
 
 Method. Each configuration gets a batch of `batch` random prompts of exactly `prompt_len`
 tokens (same prompts for the engine and for HF, so HF needs no padding) and generates
@@ -101,6 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--graphs", type=lambda t: [v.strip() for v in t.split(",")], default=None,
                    help="engine decode CUDA graphs: on, off or on,off (default on,off on "
                         "cuda, off on cpu)")
+    p.add_argument("--tp-invariant", dest="invariant", type=_on_off, default=["off"],
+                   help="engine tp_invariant mode: on, off or on,off (default off; CPU only)")
     p.add_argument("--model", type=Path, default=None,
                    help="an existing Llama-family checkpoint folder instead of a generated one")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement")
@@ -119,7 +126,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.graphs = ["on", "off"] if args.device == "cuda" else ["off"]
     if not set(args.graphs) <= {"on", "off"}:
         p.error("--graphs takes on, off or on,off")
+    if "on" in args.invariant and args.device != "cpu":
+        p.error("--tp-invariant on runs on --device cpu only")
     return args
+
+
+def _on_off(text: str) -> list[str]:
+    values = [v.strip() for v in text.split(",")]
+    if not values or not set(values) <= {"on", "off"}:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected on, off or on,off")
+    return values
 
 
 def make_checkpoint(size: str, folder: Path, args) -> Path:
@@ -197,13 +213,14 @@ def bench_hf(folder: Path, args, prompts: dict[int, list[list[int]]]) -> dict[in
     return results
 
 
-def bench_engine(folder: Path, tp: int, graphs: str, args,
+def bench_engine(folder: Path, tp: int, graphs: str, invariant: str, args,
                  prompts: dict[int, list[list[int]]]) -> tuple[dict[int, dict], str]:
     """Per batch: timings, tokens and (TP 1 on CUDA) the bytes a decode step reads; and a
     line on graph capture."""
     results, capture = {}, ""
     with LLM(folder, tp=tp, device=args.device, dtype=args.dtype, progress=False,
-             max_num_seqs=max(16, *prompts), enforce_eager=graphs == "off") as llm:
+             max_num_seqs=max(16, *prompts), enforce_eager=graphs == "off",
+             tp_invariant=invariant == "on") as llm:
         for batch, ps in prompts.items():
 
             def run(n, ps=ps):
@@ -212,7 +229,8 @@ def bench_engine(folder: Path, tp: int, graphs: str, args,
                 return [r.token_ids for r in llm.generate(ps, params)]
 
             ttft, full, tokens = measure(run, args.device, args.repeats,
-                                         f"engine tp={tp} graphs={graphs} batch={batch}")
+                                         f"engine tp={tp} graphs={graphs} "
+                                         f"invariant={invariant} batch={batch}")
             results[batch] = dict(ttft=ttft, full=full, tokens=tokens, bytes=None)
             if args.device == "cuda" and llm._core is not None:
                 hit = experts_hit(llm, ps, args.new_tokens)
@@ -257,8 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         prompts = {b: make_prompts(b, args.prompt_len, vocab) for b in args.batches}
 
         hf = bench_hf(folder, args, prompts)
-        engine = {(tp, g): bench_engine(folder, tp, g, args, prompts)
-                  for tp in args.tp for g in args.graphs}
+        engine = {(tp, g, inv): bench_engine(folder, tp, g, inv, args, prompts)
+                  for tp in args.tp for g in args.graphs for inv in args.invariant}
 
     print(machine(args))
     print(f"model: {label}, dtype {args.dtype}")
@@ -268,9 +286,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"copy bandwidth (1 GiB device-to-device, read + write): {copy_gbs:.0f} GB/s")
     print()
     print(tabulate(table(args, hf, engine, copy_gbs),
-                   headers=["impl", "tp", "graphs", "batch", "prompt_len", "new_tokens",
-                            "ttft_ms", "decode_tok_s", "match", "engine/hf", "step_us",
-                            "MB/step", "GB/s", "% copy"],
+                   headers=["impl", "tp", "graphs", "invariant", "batch", "prompt_len",
+                            "new_tokens", "ttft_ms", "decode_tok_s", "match", "engine/hf",
+                            "step_us", "x default", "MB/step", "GB/s", "% copy"],
                    floatfmt=".1f", disable_numparse=False))
     for _, capture in engine.values():
         if capture:

@@ -65,8 +65,10 @@ def main() -> None:
 @click.option("--seed", default=None, type=int)
 @click.option("--ignore-eos", is_flag=True)
 @click.option("--enforce-eager", is_flag=True, help="no CUDA graphs for decode steps")
+@click.option("--tp-invariant", is_flag=True,
+              help="canonical TP-split sums: logits bit-identical at every TP size (CPU, slower)")
 def generate(model, tp, device, dtype, oversubscribe, prompts, prompt_ids, max_tokens,
-             temperature, top_k, top_p, seed, ignore_eos, enforce_eager) -> None:
+             temperature, top_k, top_p, seed, ignore_eos, enforce_eager, tp_invariant) -> None:
     """Generate a continuation for each prompt."""
     from freetoken.distributed import stop_on_signals
 
@@ -77,7 +79,7 @@ def generate(model, tp, device, dtype, oversubscribe, prompts, prompt_ids, max_t
         results = _generate(all_prompts, model, tp, device, dtype, oversubscribe,
                             dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                  top_p=top_p, seed=seed, ignore_eos=ignore_eos),
-                            enforce_eager)
+                            dict(enforce_eager=enforce_eager, tp_invariant=tp_invariant))
     for prompt, result in zip(all_prompts, results):
         click.echo(f"prompt: {prompt!r}")
         if result.text is not None:
@@ -85,16 +87,20 @@ def generate(model, tp, device, dtype, oversubscribe, prompts, prompt_ids, max_t
         click.echo(f"ids:    {result.token_ids}")
 
 
-def _generate(prompts, model, tp, device, dtype, oversubscribe, sampling: dict,
-              enforce_eager: bool):
-    """The LLM run; exits 2 on bad input (ours or a rank's), 1 on a rank failure."""
+def _generate(prompts, model, tp, device, dtype, oversubscribe, sampling: dict, modes: dict):
+    """The LLM run (`modes`: EngineConfig switches); exits 2 on bad input (ours or a
+    rank's), 1 on a rank failure."""
     from freetoken import LLM, SamplingParams
+    from freetoken.distributed import choose_placement
 
     try:
         params = SamplingParams(**sampling)
+        if modes.get("tp_invariant") and choose_placement(device, tp, oversubscribe).is_cuda:
+            raise ValueError("--tp-invariant runs on the CPU only (the CUDA kernels are not "
+                             "TP-invariant yet): add --device cpu")
         # Progress bars redraw with carriage returns: only for a person at a terminal.
         with LLM(model, tp=tp, device=device, dtype=dtype, oversubscribe=oversubscribe,
-                 enforce_eager=enforce_eager, progress=sys.stderr.isatty()) as llm:
+                 progress=sys.stderr.isatty(), **modes) as llm:
             return llm.generate(prompts, params)
     except RankError as e:
         if e.summary.split(":")[0] in INPUT_FAULTS:

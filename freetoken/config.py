@@ -238,3 +238,6 @@ class EngineConfig:
     timeout: float = 600.0
     enforce_eager: bool = False
     """Run decode steps eagerly on CUDA too (no CUDA graphs)."""
+    tp_invariant: bool = False
+    """Compute every TP-split sum in one canonical order (`freetoken.layers.invariant`): TP=N
+    logits bit-identical to TP=1, at some cost in speed; CPU torch paths only."""

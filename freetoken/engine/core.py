@@ -40,6 +40,9 @@ class EngineCore:
         if cfg.num_layers is not None:
             self.model_config = self.model_config.truncated(cfg.num_layers)
         self.dtype = resolve_dtype(cfg.dtype, self.model_config)
+        if cfg.tp_invariant and self.device.type != "cpu":
+            raise ValueError(f"tp_invariant runs on CPU only (the {self.device.type} kernels "
+                             "are not TP-invariant yet); use device='cpu'")
         self.model = self._build()
         load_weights(self.model, CheckpointReader(folder, cfg.num_layers),
                      shard_plan(self.model_config, get_tp_info().size), progress=cfg.progress)
@@ -55,7 +58,7 @@ class EngineCore:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = build_model(self.model_config)
+                model = build_model(self.model_config, self.cfg.tp_invariant)
         finally:
             torch.set_default_dtype(previous)
         return model.eval()

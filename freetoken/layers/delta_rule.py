@@ -8,7 +8,9 @@ Per head, with state S [dk, dv], decay g_t <= 0 (log space) and rate beta_t:
 computes the same in chunks (prefill): inside a chunk the sequential updates are condensed by
 a triangular solve (the UT transform), and only the state is carried from chunk to chunk.
 Both follow HF transformers' torch fallbacks for Qwen3.5 in operation order, so they agree
-with HF to fp32 rounding. Everything runs in fp32; callers cast the output."""
+with HF to fp32 rounding. Everything runs in fp32; callers cast the output. `exp` is the
+exponential both use (the tp_invariant mode passes one whose result per element does not
+depend on how many heads are in the launch)."""
 
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ def _initial(state: torch.Tensor | None, shape, device) -> torch.Tensor:
     return state.to(torch.float32)
 
 
-def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None):
+def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, exp=torch.exp):
     """One token at a time.
 
     q, k: [B, T, H, dk] (already normalised and scaled); v: [B, T, H, dv]; g, beta: [B, T, H];
@@ -47,7 +49,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None):
     state = _initial(initial_state, (batch, heads, dk, dv), v.device)
     out = torch.empty_like(v)
     for t in range(length):
-        state = state * g[:, :, t].exp()[..., None, None]
+        state = state * exp(g[:, :, t])[..., None, None]
         k_t = k[:, :, t].unsqueeze(-1)
         predicted = (state * k_t).sum(dim=-2)
         delta = (v[:, :, t] - predicted) * beta[:, :, t].unsqueeze(-1)
@@ -56,7 +58,8 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None):
     return out.transpose(1, 2), state
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, chunk_size=CHUNK_SIZE):
+def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, chunk_size=CHUNK_SIZE,
+                           exp=torch.exp):
     """The same result as `recurrent_gated_delta_rule`, `chunk_size` tokens at a time.
 
     Same shapes and return value. The sequence is zero-padded to a whole number of chunks:
@@ -76,18 +79,19 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, chunk_size=CHUN
     # j <= i is what a write at j has faded to when read at i (0 above the diagonal).
     gc = g.cumsum(dim=-1)
     future = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
-    decay = (gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill(future, float("-inf")).exp()
+    decay = (gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill(future, float("-inf"))
+    decay = exp(decay)
 
     # (I + strictly-lower(beta K K^T * decay)) turns the chunk's sequential delta updates into
     # one solve; unitriangular=True ignores the stored diagonal.
     system = (k_beta @ k.transpose(-1, -2)) * decay
     new_values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
-    state_reads = torch.linalg.solve_triangular(system, k_beta * gc.exp().unsqueeze(-1),
+    state_reads = torch.linalg.solve_triangular(system, k_beta * exp(gc).unsqueeze(-1),
                                                 upper=False, unitriangular=True)
     intra = (q @ k.transpose(-1, -2)) * decay
-    q_decayed = q * gc.exp().unsqueeze(-1)
-    k_decayed = k * (gc[..., -1:] - gc).exp().unsqueeze(-1)
-    chunk_decay = gc[..., -1].exp()[..., None, None]
+    q_decayed = q * exp(gc).unsqueeze(-1)
+    k_decayed = k * exp(gc[..., -1:] - gc).unsqueeze(-1)
+    chunk_decay = exp(gc[..., -1])[..., None, None]
 
     state = _initial(initial_state, (batch, heads, dk, dv), v.device)
     out = torch.empty_like(new_values)

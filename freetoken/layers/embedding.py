@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from freetoken.distributed import get_communicator, get_tp_info
+from freetoken.layers import invariant
 
 
 def padded_vocab(vocab_size: int, tp_size: int) -> int:
@@ -46,10 +47,14 @@ class ParallelLMHead(nn.Module):
         self.vocab_size = vocab_size
         self.local_vocab = padded_vocab(vocab_size, tp.size) // tp.size
         self.tied = tied
+        self.canonical = invariant.active_reductions()
         if tied is None:
             self.weight = nn.Parameter(torch.empty(self.local_vocab, hidden), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.tied.weight if self.tied is not None else self.weight
-        local = F.linear(hidden, weight)
+        if self.canonical is not None:
+            local = invariant.column_linear(hidden, weight, None, self.canonical.tile)
+        else:
+            local = F.linear(hidden, weight)
         return get_communicator().all_gather(local, dim=-1)[..., : self.vocab_size]

@@ -8,6 +8,7 @@ from torch import nn
 
 from freetoken.context import uses_kernels
 from freetoken.kernels import norm_rope
+from freetoken.layers import invariant
 
 
 class GatedRMSNorm(nn.Module):
@@ -18,6 +19,7 @@ class GatedRMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden), requires_grad=False)
+        self.canonical = invariant.active_reductions()
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         if uses_kernels() and x.dim() == 3:
@@ -26,4 +28,4 @@ class GatedRMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         h = self.weight * h.to(dtype)
-        return (h * F.silu(gate.float())).to(dtype)
+        return (h * invariant.elementwise(self.canonical, F.silu, gate.float())).to(dtype)

@@ -8,18 +8,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from freetoken.distributed import divide, get_communicator, get_tp_info
+from freetoken.layers import invariant
 
 
 class LinearBase(nn.Module):
-    """`y = x W^T (+ b)` with a rank-local weight of shape [local_out, local_in]."""
+    """`y = x W^T (+ b)` with a rank-local weight of shape [local_out, local_in]. In the
+    tp_invariant mode (`canonical` set) the output is computed in canonical tiles."""
 
     def __init__(self, local_in: int, local_out: int, bias: bool = False):
         super().__init__()
         self.local_in, self.local_out = local_in, local_out
         self.weight = nn.Parameter(torch.empty(local_out, local_in), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(local_out), requires_grad=False) if bias else None
+        self.canonical = invariant.active_reductions()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.canonical is not None:
+            return invariant.column_linear(x, self.weight, self.bias, self.canonical.tile)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -84,7 +89,14 @@ class RowParallelLinear(LinearBase):
         self.reduce = reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.canonical is not None:
+            return invariant.row_linear(x, self.weight, self.bias, self.canonical, self.reduce)
         y = F.linear(x, self.weight)
         if self.reduce:
             y = get_communicator().all_reduce(y)
         return y + self.bias if self.bias is not None else y
+
+    def leaves(self, x: torch.Tensor) -> torch.Tensor:
+        """tp_invariant mode: this rank's fp32 leaves [local chunks, .., out] (no bias), for a
+        block that adds several row-parallel results before one canonical reduction."""
+        return invariant.chunk_leaves(x, self.weight, self.canonical.local_chunks)

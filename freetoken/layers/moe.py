@@ -10,6 +10,7 @@ from torch import nn
 from freetoken.context import uses_kernels
 from freetoken.distributed import divide, get_tp_info
 from freetoken.kernels import fused_moe
+from freetoken.layers import invariant
 from freetoken.layers.activation import silu_and_mul
 
 
@@ -37,6 +38,7 @@ class FusedExperts(nn.Module):
         i = self.local_intermediate
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * i, hidden), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, i), requires_grad=False)
+        self.canonical = invariant.active_reductions()
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Each token's weighted expert outputs summed in fp32 and rounded once to x's dtype,
@@ -54,3 +56,15 @@ class FusedExperts(nn.Module):
             h = F.linear(h, self.w2[e]) * weights[token, slot, None]
             out.index_add_(0, token, h.float())
         return out.to(x.dtype)
+
+    def leaves(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """tp_invariant mode: this rank's fp32 leaves [local chunks, T, H] of the weighted
+        expert sum (`invariant.expert_leaves`), for the MoE block's canonical reduction."""
+        canonical = self.canonical
+
+        def expert_mlp(e: int, rows: torch.Tensor) -> torch.Tensor:
+            h = silu_and_mul(invariant.column_linear(rows, self.w13[e], None, canonical.tile),
+                             canonical)
+            return invariant.chunk_leaves(h, self.w2[e], canonical.local_chunks)
+
+        return invariant.expert_leaves(x, weights, ids, self.num_experts, expert_mlp, canonical)

@@ -56,7 +56,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, what="intermediate_size")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.gate_up_proj.canonical))
 
 
 class DecoderLayer(nn.Module):

@@ -8,6 +8,7 @@ from torch import nn
 
 from freetoken.config import ModelConfig
 from freetoken.distributed import get_communicator
+from freetoken.layers import invariant
 from freetoken.layers.linear import ReplicatedLinear
 from freetoken.layers.moe import FusedExperts, route
 from freetoken.models.llama import MLP, DecoderLayer, LlamaForCausalLM
@@ -22,6 +23,8 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize, x.dtype)
+        if self.experts.canonical is not None:
+            return invariant.finish(self.experts.leaves(x, weights, ids), x.dtype)
         return get_communicator().all_reduce(self.experts(x, weights, ids))
 
 

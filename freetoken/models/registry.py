@@ -12,6 +12,8 @@ from typing import Any
 from torch import nn
 
 from freetoken.config import ConfigError, ModelConfig, decoder_config, parse_config, read_hf_config
+from freetoken.distributed import get_tp_info
+from freetoken.layers.invariant import CanonicalReductions, canonical_reductions
 from freetoken.loading.plan import ShardPlan
 from freetoken.models.llama import LlamaForCausalLM
 from freetoken.models.qwen3 import Qwen3ForCausalLM
@@ -83,14 +85,41 @@ def load_config(folder: str | Path) -> ModelConfig:
         raise ConfigError(f"{Path(folder) / 'config.json'}: {e}") from None
 
 
-def build_model(cfg: ModelConfig) -> nn.Module:
-    """The rank-local model for `cfg` (the TP size comes from `get_tp_info()`)."""
-    return ARCHITECTURES[cfg.arch].model(cfg)
+def build_model(cfg: ModelConfig, tp_invariant: bool = False) -> nn.Module:
+    """The rank-local model for `cfg` (the TP size comes from `get_tp_info()`); with
+    `tp_invariant` its layers take the canonical reductions of `invariant_reductions`."""
+    reductions = invariant_reductions(cfg, get_tp_info().size) if tp_invariant else None
+    with canonical_reductions(reductions):
+        return ARCHITECTURES[cfg.arch].model(cfg)
 
 
 def shard_plan(cfg: ModelConfig, tp_size: int) -> ShardPlan:
     """The declarative shard plan for `cfg` at `tp_size` ranks."""
     return ARCHITECTURES[cfg.arch].plan(cfg, tp_size)
+
+
+MAX_CHUNKS = 1024
+"""No real model splits beyond this many ranks; bounds the search for the chunk count."""
+
+
+def canonical_chunks(cfg: ModelConfig) -> int:
+    """The tp_invariant mode's chunk count C: the largest power-of-two TP size `cfg`
+    supports (every smaller power of two then divides it, and its splits too)."""
+    size = 1
+    while size < MAX_CHUNKS:
+        try:
+            check_tp(cfg, 2 * size)
+        except ValueError:
+            break
+        size *= 2
+    return size
+
+
+def invariant_reductions(cfg: ModelConfig, tp_size: int) -> CanonicalReductions:
+    """How `cfg`'s TP-split sums are cut at `tp_size` ranks in the tp_invariant mode; a
+    ValueError naming tp_size when it is not a power of two dividing the chunk count."""
+    check_tp(cfg, tp_size)
+    return CanonicalReductions(canonical_chunks(cfg), tp_size)
 
 
 def check_tp(cfg: ModelConfig, tp_size: int) -> None:

@@ -9,6 +9,7 @@ from torch import nn
 
 from freetoken.distributed import divide, get_tp_info
 from freetoken.layers.attention import PagedAttention
+from freetoken.layers.invariant import elementwise
 from freetoken.layers.linear import LinearBase, RowParallelLinear, local_kv_heads
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rotary import RotaryEmbedding
@@ -49,4 +50,4 @@ class GatedAttention(nn.Module):
         k = self.k_norm(k.view(tokens, self.num_kv_heads, hd))
         q, k = self.rotary(positions, q, k)
         out = self.attn(q, k, v.view(tokens, self.num_kv_heads, hd)).reshape(tokens, -1)
-        return self.o_proj(out * torch.sigmoid(gate))
+        return self.o_proj(out * elementwise(self.qkv_proj.canonical, torch.sigmoid, gate))

@@ -20,6 +20,7 @@ from torch import nn
 from freetoken.context import get_forward_context, uses_kernels
 from freetoken.distributed import divide, get_tp_info
 from freetoken.kernels.delta_rule import conv_update, gated_delta_decode
+from freetoken.layers import invariant
 from freetoken.layers.causal_conv import CausalConv1d
 from freetoken.layers.delta_rule import (
     chunk_gated_delta_rule,
@@ -75,8 +76,7 @@ class GatedDeltaNet(nn.Module):
         decode = all(q == 1 for q in ctx.query_lens) and all(starts)
         if decode and uses_kernels():
             return self._output(self._fused_decode(qkv, a, b, slots), z)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        beta, g = self._gates(a, b)
         if decode:
             # Decode: one token per sequence, all continuing; one batched step.
             core = self._mix(qkv[:, None], g[:, None], beta[:, None], slots, False)[:, 0]
@@ -95,6 +95,16 @@ class GatedDeltaNet(nn.Module):
                                        slots[i : i + 1], start == 0)[0]
                 offset += qlen
         return self._output(core, z)
+
+    def _gates(self, a: torch.Tensor, b: torch.Tensor):
+        """beta = sigmoid(b) and the log decay g = -exp(A_log) * softplus(a + dt_bias), fp32."""
+        canonical = self.out_proj.canonical
+        beta = invariant.elementwise(canonical, torch.sigmoid, b)
+        rate = invariant.elementwise(canonical, torch.exp, self.A_log.float())
+        return beta, -rate * invariant.elementwise(canonical, F.softplus, a.float() + self.dt_bias)
+
+    def _exp(self, x: torch.Tensor) -> torch.Tensor:
+        return invariant.elementwise(self.out_proj.canonical, torch.exp, x)
 
     def _output(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """Gated norm of the mixed values [T, value heads, dv], then out_proj."""
@@ -127,7 +137,7 @@ class GatedDeltaNet(nn.Module):
         # As HF: the recurrent rule for a single continuing token, the chunked rule otherwise.
         rule = recurrent_gated_delta_rule if qkv.shape[1] == 1 and not fresh \
             else chunk_gated_delta_rule
-        out, state = rule(q, k, v, g, beta, initial)
+        out, state = rule(q, k, v, g, beta, initial, exp=self._exp)
         self.recurrent_state[slots] = state
         return out.to(qkv.dtype)
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from freetoken.distributed import get_communicator
+from freetoken.layers import invariant
 from freetoken.layers.activation import silu_and_mul
 from freetoken.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from freetoken.layers.moe import FusedExperts, route
@@ -25,7 +26,12 @@ class SharedExpert(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, what=what, reduce=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.gate_up_proj.canonical))
+
+    def leaves(self, x: torch.Tensor) -> torch.Tensor:
+        """tp_invariant mode: the down projection's fp32 leaves [local chunks, T, H]."""
+        return self.down_proj.leaves(silu_and_mul(self.gate_up_proj(x),
+                                                  self.gate_up_proj.canonical))
 
 
 def _routed_experts(cfg: Qwen35MoeConfig) -> nn.Module:
@@ -51,6 +57,15 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, True, x.dtype)
+        if self.shared_expert.down_proj.canonical is not None:
+            return self._canonical(x, weights, ids)
         # The sigmoid gate is replicated, so scaling each rank's partial sum by it is exact.
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return get_communicator().all_reduce(self.experts(x, weights, ids) + shared)
+
+    def _canonical(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
+        """tp_invariant mode: routed + gated shared leaves, chunk by chunk, in fp32, then one
+        canonical reduction and one rounding."""
+        gate = torch.sigmoid(self.shared_expert_gate(x)).to(torch.float32)
+        leaves = self.experts.leaves(x, weights, ids) + gate * self.shared_expert.leaves(x)
+        return invariant.finish(leaves, x.dtype)

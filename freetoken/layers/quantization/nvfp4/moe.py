@@ -9,8 +9,9 @@ from torch import nn
 from freetoken.distributed import get_tp_info
 from freetoken.formats.nvfp4.format import GROUP
 from freetoken.formats.nvfp4.specs import local_inputs
+from freetoken.layers import invariant
 from freetoken.layers.quantization.nvfp4.backend import TRITON, choose_backend
-from freetoken.layers.quantization.nvfp4.reference import reference_moe
+from freetoken.layers.quantization.nvfp4.reference import reference_moe, reference_moe_leaves
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -48,6 +49,7 @@ class NVFP4FusedExperts(nn.Module):
         self.w2_weight = _param(e, hidden, i // 2, dtype=torch.uint8)
         self.w2_weight_scale = _param(e, hidden, i // GROUP, dtype=fp8)
         self.w2_weight_scale_2 = _param(e, dtype=torch.float32)
+        self.canonical = invariant.active_reductions()
 
     def global_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13 [E, 2], w2 [E]) global scales as multipliers, float32."""
@@ -61,11 +63,21 @@ class NVFP4FusedExperts(nn.Module):
         return choose_backend(x.device, x.dtype, self.hidden, self.local_intermediate,
                               self.backend)
 
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        g13, g2 = self.global_scales()
+        return (self.w13_weight, self.w13_weight_scale, g13, self.w2_weight,
+                self.w2_weight_scale, g2)
+
+    def leaves(self, x: torch.Tensor, topk_weights: torch.Tensor,
+               topk_ids: torch.Tensor) -> torch.Tensor:
+        """tp_invariant mode: this rank's fp32 leaves [local chunks, T, H] of the routed
+        sum, from the torch reference (the Triton kernels are not TP-invariant)."""
+        return reference_moe_leaves(x, topk_weights, topk_ids, *self._tensors(),
+                                    self.canonical)
+
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
-        g13, g2 = self.global_scales()
-        args = (self.w13_weight, self.w13_weight_scale, g13, self.w2_weight,
-                self.w2_weight_scale, g2)
+        args = self._tensors()
         if self.backend_for(x).name == TRITON:
             from freetoken.kernels import nvfp4_moe
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from freetoken.formats.nvfp4.format import dequantize
+from freetoken.layers import invariant
 
 
 def dequantize_w13(packed: torch.Tensor, block_scale: torch.Tensor,
@@ -43,6 +44,28 @@ def reference_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
         down = F.linear(h, dequantize(w2[e], w2_scale[e], w2_global[e], "w2"))
         out.index_add_(0, token, down * topk_weights[token, slot, None].to(torch.float32))
     return out.to(x.dtype)
+
+
+def reference_moe_leaves(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                         w13: torch.Tensor, w13_scale: torch.Tensor, w13_global: torch.Tensor,
+                         w2: torch.Tensor, w2_scale: torch.Tensor, w2_global: torch.Tensor,
+                         reductions: invariant.CanonicalReductions) -> torch.Tensor:
+    """tp_invariant mode: `reference_moe`'s arithmetic as this rank's fp32 leaves
+    [local chunks, T, H] (`invariant.expert_leaves`): gate | up in canonical tiles, down in
+    canonical chunks of the intermediate dimension. Same tensors as `reference_moe`."""
+    xf = x.to(torch.float32)
+
+    def expert_mlp(e: int, rows: torch.Tensor) -> torch.Tensor:
+        gate_up = invariant.column_linear(rows, dequantize_w13(w13[e], w13_scale[e],
+                                                               w13_global[e]),
+                                          None, reductions.tile)
+        gate, up = gate_up.chunk(2, dim=-1)
+        down = dequantize(w2[e], w2_scale[e], w2_global[e], "w2")
+        h = invariant.pointwise(invariant.silu_mul, gate, up)
+        return invariant.chunk_leaves(h, down, reductions.local_chunks)
+
+    return invariant.expert_leaves(xf, topk_weights, topk_ids, w13.shape[0], expert_mlp,
+                                   reductions)
 
 
 def reference_linear(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tensor,

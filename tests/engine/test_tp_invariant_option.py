@@ -1,0 +1,81 @@
+"""The tp_invariant option as users reach it: `freetoken generate --tp-invariant` prints the
+same tokens at TP 1 and 2 and refuses a CUDA placement with one line; an engine asked for it
+on a device without the invariant paths refuses to start (naming the option); only the option
+switches layers to the canonical reductions."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import GOLDEN
+
+from freetoken.config import EngineConfig
+from freetoken.engine.core import EngineCore
+from freetoken.layers.linear import LinearBase
+from freetoken.models.registry import build_model, load_config
+
+CASE = GOLDEN / "tiny-qwen3.5-moe"
+
+
+def _run_generate(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "freetoken.cli", "generate", "--model",
+                           str(CASE), "--device", "cpu", "--prompt-ids", "5,17,29,3",
+                           "--max-tokens", "6", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def _ids_lines(result: subprocess.CompletedProcess, label: str) -> list[str]:
+    assert result.returncode == 0, f"{label}: exit {result.returncode}: {result.stderr[-500:]}"
+    lines = [line for line in result.stdout.splitlines() if line.startswith("ids:")]
+    assert lines, f"{label}: no ids line in {result.stdout!r}"
+    return lines
+
+
+def test_generate_tp_invariant_same_tokens_at_tp1_and_tp2():
+    """`--tp-invariant` runs at TP 1 and TP 2 and prints the same greedy tokens."""
+    tp1 = _ids_lines(_run_generate("--tp", "1", "--tp-invariant"), "tp=1")
+    tp2 = _ids_lines(_run_generate("--tp", "2", "--tp-invariant"), "tp=2")
+    assert tp1 == tp2, f"--tp-invariant: tp=1 {tp1} != tp=2 {tp2}"
+
+
+def test_tp_invariant_refuses_a_non_cpu_device():
+    """An engine in the tp_invariant mode on a device other than the CPU raises before
+    building anything, naming the option and the device."""
+    cfg = EngineConfig(str(CASE), device="cpu", progress=False, tp_invariant=True)
+    with pytest.raises(ValueError, match="tp_invariant runs on CPU only .*meta"):
+        EngineCore(CASE, cfg, torch.device("meta"))
+
+
+@pytest.mark.parametrize("tp_invariant", [False, True])
+def test_only_the_option_switches_layers(tp_invariant):
+    """Every linear layer of a model built with tp_invariant carries the canonical reductions
+    (8 chunks for the bundled case); without it none does (the default paths run)."""
+    with torch.device("meta"):
+        model = build_model(load_config(CASE), tp_invariant)
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, LinearBase)]
+    assert linears, "no linear layers found"
+    for name, module in linears:
+        if tp_invariant:
+            assert module.canonical is not None and module.canonical.chunks == 8, name
+        else:
+            assert module.canonical is None, name
+
+
+def test_generate_tp_invariant_on_cuda_is_a_one_line_usage_error(monkeypatch):
+    """`--tp-invariant` where the placement would be CUDA exits 2 with one line naming the
+    option, before any engine or rank starts (placement faked as CUDA: no GPU needed)."""
+    from click.testing import CliRunner
+
+    import freetoken.distributed as distributed
+    from freetoken import cli
+    from freetoken.distributed import Placement
+
+    monkeypatch.setattr(distributed, "choose_placement",
+                        lambda device, tp, oversubscribe=False: Placement("cuda-nccl", tp))
+    result = CliRunner().invoke(cli.main, ["generate", "--model", str(CASE), "--tp-invariant",
+                                           "--prompt-ids", "1,2"])
+    assert result.exit_code == 2, result.output
+    assert "--tp-invariant runs on the CPU only" in result.output, result.output
