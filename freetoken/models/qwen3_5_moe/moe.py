@@ -8,7 +8,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from freetoken.context import uses_kernels
 from freetoken.distributed import get_communicator
+from freetoken.kernels import gemv
 from freetoken.layers.activation import silu_and_mul
 from freetoken.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from freetoken.layers.moe import FusedExperts, route
@@ -25,6 +27,8 @@ class SharedExpert(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, what=what, reduce=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if uses_kernels():
+            return self.down_proj(self.gate_up_proj.forward_gated(x))
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
@@ -50,7 +54,21 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = ReplicatedLinear(cfg.hidden_size, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if uses_kernels() and self._combines(x):
+            return get_communicator().all_reduce(self._forward_combined(x))
         weights, ids = route(self.gate(x), self.top_k, True, x.dtype)
         # The sigmoid gate is replicated, so scaling each rank's partial sum by it is exact.
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return get_communicator().all_reduce(self.experts(x, weights, ids) + shared)
+
+    def _combines(self, x: torch.Tensor) -> bool:
+        """Whether the CUDA path sums the routed slots, the gated shared expert and the
+        gate itself in one launch (`freetoken.kernels.gemv.moe_combine`): 16-bit or
+        float32 routed experts (`FusedExperts`) and a decode batch."""
+        return type(self.experts) is FusedExperts and gemv.enabled() and \
+            gemv.fits(x, self.shared_expert.gate_up_proj.weight)
+
+    def _forward_combined(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, True, x.dtype)
+        slots = self.experts(x, weights, ids, sum_slots=False)
+        return gemv.moe_combine(slots, x, self.shared_expert_gate.weight, self.shared_expert(x))
