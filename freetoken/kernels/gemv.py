@@ -135,6 +135,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if weight.shape[1] != in_features:
         raise ValueError(f"gemv: x has {in_features} input features, weight "
                          f"{tuple(weight.shape)} takes {weight.shape[1]}")
+    if gated and weight.shape[0] % 2:
+        raise ValueError(f"gemv: a gated weight stacks [gate | up], but {tuple(weight.shape)} "
+                         "has an odd number of rows")
     out_features = weight.shape[0] // 2 if gated else weight.shape[0]
     out = torch.empty(tokens, out_features, dtype=x.dtype, device=x.device)
     if residual is not None and tuple(residual.shape) != (tokens, out_features):

@@ -80,13 +80,15 @@ def test_residual_epilogue(tokens):
 
 
 def test_wrong_shapes_are_named():
-    """A weight that takes another input width, or a residual of the wrong shape, is
-    refused with both shapes in the message."""
+    """A weight that takes another input width, a residual of the wrong shape or a gated
+    weight of odd rows is refused with the shapes in the message."""
     x, w, _ = _make_linear(2, 32, 64, 0)
     with pytest.raises(ValueError, match=r"x has 48 input features, weight \(32, 64\)"):
         gemv.linear(x[:, :48], w)
     with pytest.raises(ValueError, match=r"residual \(2, 31\)"):
         gemv.linear(x, w, residual=torch.zeros(2, 31))
+    with pytest.raises(ValueError, match=r"\(31, 64\) has an odd number of rows"):
+        gemv.linear(x, w[:31], gated=True)
 
 
 def test_fits_only_small_same_dtype_batches():
