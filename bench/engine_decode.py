@@ -3,13 +3,15 @@
     .venv/bin/python bench/engine_decode.py [--device cpu|cuda] [--dtype float32|bfloat16]
         [--tp 1,2] [--batches 1,8] [--prompt-len 32] [--new-tokens 32] [--graphs on,off]
         [--tp-invariant on,off]
-        [--size small|medium|qwen3.5-moe-realdims [--layers 2] | --model FOLDER]
+        [--size small|medium|qwen3.5-moe-realdims [--layers N] | --model FOLDER]
         [--repeats 3] [--threads N]
 
 Without `--model` a checkpoint is generated with HF transformers itself (random init under a
-fixed seed, `save_pretrained` into a temporary folder): a Llama (`small` or `medium`) or
-`qwen3.5-moe-realdims` (Qwen3.6-35B-A3B's text dimensions, `--layers` layers, bf16, built on
-the device; `_engine_bytes.write_qwen_realdims`).
+fixed seed, `save_pretrained` into a temporary folder): a Llama (`small` or `medium`, its
+preset's depth or `--layers` layers) or `qwen3.5-moe-realdims` (Qwen3.6-35B-A3B's text
+dimensions, `--layers` layers, default 2, bf16, built on the device;
+`_engine_bytes.write_qwen_realdims`). Two runs at two depths give the per-layer cost (their
+step times' difference over the layers' difference) without the LM head.
 
 On CUDA the engine runs with decode CUDA graphs (`graphs on`) and without (`off`, the
 `enforce_eager` engine option), each as its own rows; the graph capture time and memory of
@@ -102,7 +104,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="preset of the generated checkpoint (ignored with --model)")
     p.add_argument("--keep-model", type=Path, default=None,
                    help="write the generated checkpoint here (reused when it exists)")
-    p.add_argument("--layers", type=int, default=2, help=f"layers of {REALDIMS} (default 2)")
+    p.add_argument("--layers", type=int, default=None,
+                   help=f"decoder layers of the generated checkpoint (default: {REALDIMS} 2, "
+                        "the Llama presets their own)")
     p.add_argument("--graphs", type=lambda t: [v.strip() for v in t.split(",")], default=None,
                    help="engine decode CUDA graphs: on, off or on,off (default on,off on "
                         "cuda, off on cpu)")
@@ -118,6 +122,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--prompt-len must be >= 1")
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
+    if args.layers is not None and args.layers < 1:
+        p.error("--layers must be >= 1")
     if args.new_tokens < 2:
         p.error("--new-tokens must be >= 2 (decode needs at least one step after the first)")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -144,8 +150,9 @@ def make_checkpoint(size: str, folder: Path, args) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if size == REALDIMS:
-        return write_qwen_realdims(folder, args.layers, args.device)
-    config = LlamaConfig(**PRESETS[size], max_position_embeddings=2048, rms_norm_eps=1e-5,
+        return write_qwen_realdims(folder, args.layers or 2, args.device)
+    config = LlamaConfig(**llama_preset(size, args.layers), max_position_embeddings=2048,
+                         rms_norm_eps=1e-5,
                          rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1,
                          eos_token_id=2, pad_token_id=0)
     torch.manual_seed(SEED)
@@ -254,9 +261,17 @@ def checkpoint(args, tmp: str) -> tuple[Path, str]:
     if not (folder / "config.json").is_file():
         make_checkpoint(args.size, folder, args)
     if args.size == REALDIMS:
-        return folder, f"generated {REALDIMS} ({args.layers} layers, HF init, bfloat16)"
+        return folder, f"generated {REALDIMS} ({args.layers or 2} layers, HF init, bfloat16)"
     return folder, f"generated Llama ({args.size}: " + ", ".join(
-        f"{k}={v}" for k, v in PRESETS[args.size].items()) + ")"
+        f"{k}={v}" for k, v in llama_preset(args.size, args.layers).items()) + ")"
+
+
+def llama_preset(size: str, layers: int | None) -> dict:
+    """The preset's Llama config, with `layers` decoder layers when given."""
+    preset = dict(PRESETS[size])
+    if layers is not None:
+        preset["num_hidden_layers"] = layers
+    return preset
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,16 +47,20 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
-              w2: torch.Tensor, tiles: MoeTiles | None = None) -> torch.Tensor:
+              w2: torch.Tensor, tiles: MoeTiles | None = None, sum_slots: bool = True
+              ) -> torch.Tensor:
     """Routed-expert partial sum for `x` [T, H]: w13 [E, 2I, H] (gate rows, then up rows),
     w2 [E, H, I], `weights` and `ids` [T, top_k]. Each token's weighted slots are summed in
-    float32 and rounded once to x's dtype. Rank-dependent through the TP-local I."""
+    float32 and rounded once to x's dtype; with `sum_slots=False` the weighted slots
+    themselves, float32 [T, top_k, H], for a caller that sums them in its own launch.
+    Rank-dependent through the TP-local I."""
     tokens, hidden = x.shape
     top_k = ids.shape[1]
     inter = w2.shape[2]
     pairs = tokens * top_k
     if tokens == 0:
-        return x.new_zeros(0, hidden)
+        return x.new_zeros(0, hidden) if sum_slots else x.new_zeros(0, top_k, hidden,
+                                                                      dtype=torch.float32)
     tiles = tiles or (DECODE_TILES if pairs <= DECODE_MAX_PAIRS else PREFILL_TILES)
     if tokens == 1:
         rows, block_expert = one_token_layout(ids, tiles.block_m)
@@ -83,7 +87,8 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: to
         stride_w2_row=w2.stride(1), stride_out_pair=out.stride(0),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_n, BLOCK_K=min(tiles.block_k, _pow2(inter)),
         PRECISION=precision, **launch)
-    return out.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+    out = out.view(tokens, top_k, hidden)
+    return out.sum(dim=1).to(x.dtype) if sum_slots else out
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype

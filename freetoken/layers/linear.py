@@ -7,8 +7,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from freetoken.context import uses_kernels
 from freetoken.distributed import divide, get_communicator, get_tp_info
+from freetoken.kernels import gemv
 from freetoken.layers import invariant
+from freetoken.layers.activation import silu_and_mul
 
 
 class LinearBase(nn.Module):
@@ -25,7 +28,33 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.canonical is not None:
             return invariant.column_linear(x, self.weight, self.bias, self.canonical.tile)
+        tiles = _gemv_tiles(x, self.weight)
+        if tiles is not None:
+            return gemv.linear(x, self.weight, self.bias, tiles=tiles)
         return F.linear(x, self.weight, self.bias)
+
+    def forward_normed(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        """`self(norm(x))` for an RMSNorm `norm`; on the CUDA path for a decode batch the
+        norm is applied as the projection loads x (one launch)."""
+        if self.canonical is None:
+            fused = dict(norm=_as_norm(norm))
+            tiles = _gemv_tiles(x, self.weight, **fused)
+            if tiles is not None:
+                return gemv.linear(x, self.weight, self.bias, tiles=tiles, **fused)
+        return self(norm(x))
+
+
+def _gemv_tiles(x: torch.Tensor, weight: torch.Tensor, **fused) -> gemv.GemvTiles | None:
+    """The decode-step linear kernel's tiles for this call (`freetoken.kernels.gemv`), or
+    None where the unfused path runs: no kernels, a batch too large, or the measured tile
+    table found the GEMM and the separate small kernels faster."""
+    if not (uses_kernels() and gemv.enabled() and gemv.fits(x, weight)):
+        return None
+    return gemv.tiles_for(x, weight, **fused)
+
+
+def _as_norm(norm: nn.Module) -> gemv.Norm:
+    return gemv.Norm(norm.weight, norm.eps, norm.offset)
 
 
 class ReplicatedLinear(LinearBase):
@@ -51,6 +80,17 @@ class MergedColumnParallelLinear(LinearBase):
         size = get_tp_info().size
         self.local_sizes = [divide(s, size, what) for s in full_sizes]
         super().__init__(full_in, sum(self.local_sizes), bias)
+
+    def forward_gated(self, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
+        """`silu(gate) * up` of `self(norm(x))` for a [gate | up] pair of equal segments;
+        on the CUDA path for a decode batch in one launch, the norm (when given) included."""
+        if len(self.local_sizes) != 2 or self.local_sizes[0] != self.local_sizes[1]:
+            raise ValueError(f"forward_gated needs two equal segments, not {self.local_sizes}")
+        fused = dict(gated=True, norm=None if norm is None else _as_norm(norm))
+        tiles = _gemv_tiles(x, self.weight, **fused)
+        if tiles is not None:
+            return gemv.linear(x, self.weight, self.bias, tiles=tiles, **fused)
+        return silu_and_mul(F.linear(x if norm is None else norm(x), self.weight, self.bias))
 
 
 class QKVParallelLinear(LinearBase):
@@ -91,7 +131,12 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.canonical is not None:
             return invariant.row_linear(x, self.weight, self.bias, self.canonical, self.reduce)
-        y = F.linear(x, self.weight)
+        tiles = _gemv_tiles(x, self.weight)
+        y = (gemv.linear(x, self.weight, tiles=tiles) if tiles is not None
+             else F.linear(x, self.weight))
+        return self._finish(y)
+
+    def _finish(self, y: torch.Tensor) -> torch.Tensor:
         if self.reduce:
             y = get_communicator().all_reduce(y)
         return y + self.bias if self.bias is not None else y
@@ -100,3 +145,13 @@ class RowParallelLinear(LinearBase):
         """tp_invariant mode: this rank's fp32 leaves [local chunks, .., out] (no bias), for a
         block that adds several row-parallel results before one canonical reduction."""
         return invariant.chunk_leaves(x, self.weight, self.canonical.local_chunks)
+
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """`residual + self(x)`; on the CUDA path for a decode batch in one launch where no
+        all-reduce comes between the projection and the add (TP 1, no bias)."""
+        fusable = (not self.reduce or get_tp_info().size == 1) and self.bias is None
+        if fusable and self.canonical is None:
+            tiles = _gemv_tiles(x, self.weight, residual=residual)
+            if tiles is not None:
+                return gemv.linear(x, self.weight, residual=residual, tiles=tiles)
+        return residual + self(x)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from freetoken.config import ModelConfig
+from freetoken.context import uses_kernels
 from freetoken.layers.activation import silu_and_mul
 from freetoken.layers.attention import PagedAttention
 from freetoken.layers.linear import (
@@ -37,15 +38,19 @@ class Attention(nn.Module):
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, hd, hd**-0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        tokens, hd = x.shape[0], self.attn.head_dim
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.local_sizes, dim=-1)
+        return self.o_proj(self.attend(positions, self.qkv_proj(x)))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """Attention of the projected `qkv` [T, q + k + v], before `o_proj`: [T, heads * d]."""
+        tokens, hd = qkv.shape[0], self.attn.head_dim
+        q, k, v = qkv.split(self.qkv_proj.local_sizes, dim=-1)
         q = q.view(tokens, self.num_heads, hd)
         k = k.view(tokens, self.num_kv_heads, hd)
         v = v.view(tokens, self.num_kv_heads, hd)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v).reshape(tokens, -1))
+        return self.attn(q, k, v).reshape(tokens, -1)
 
 
 class MLP(nn.Module):
@@ -57,6 +62,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.gate_up_proj.canonical))
+
+    def forward_residual(self, h: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        """`h + self(norm(h))` in two launches on the CUDA path (see `DecoderLayer`)."""
+        return self.down_proj.forward_residual(self.gate_up_proj.forward_gated(h, norm), h)
 
 
 class DecoderLayer(nn.Module):
@@ -71,7 +80,20 @@ class DecoderLayer(nn.Module):
         return MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        if uses_kernels():
+            return self._forward_fused(positions, h)
         h = h + self.self_attn(positions, self.input_layernorm(h))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def _forward_fused(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """The CUDA path: each norm is applied inside the projection after it, each residual
+        add inside the projection before it and SiLU-and-mul inside gate_up, where the batch
+        is a decode step's (`freetoken.kernels.gemv`; otherwise the same steps unfused)."""
+        attn = self.self_attn
+        qkv = attn.qkv_proj.forward_normed(h, self.input_layernorm)
+        h = attn.o_proj.forward_residual(attn.attend(positions, qkv), h)
+        if type(self.mlp) is MLP:
+            return self.mlp.forward_residual(h, self.post_attention_layernorm)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

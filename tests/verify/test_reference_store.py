@@ -184,10 +184,9 @@ def test_hf_failing_to_load_is_blamed_on_hf_not_the_folder(capsys, tmp_path):
     folder = _make_checkpoint(tmp_path)
     tensors = load_file(folder / "model.safetensors")
     names = sorted(tensors)
-    save_file({k: tensors[k] for k in names[: len(names) // 2]}, folder / "model-00001-of-00002.safetensors",
-              metadata={"format": "pt"})
-    save_file({k: tensors[k] for k in names[len(names) // 2:]}, folder / "model-00002-of-00002.safetensors",
-              metadata={"format": "pt"})
+    for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2:])):
+        save_file({k: tensors[k] for k in part}, folder / f"model-0000{i + 1}-of-00002.safetensors",
+                  metadata={"format": "pt"})
     (folder / "model.safetensors").unlink()
     out = tmp_path / "ref"
     code, _, err = run_cli(capsys, "--model", str(folder), "--tp", "1", "--checks", "golden",

@@ -43,11 +43,19 @@ class GatedAttention(nn.Module):
         self.rotary = RotaryEmbedding(hd, cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, hd, hd**-0.5)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, norm: nn.Module | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """With `norm`, x is the residual stream and the projection takes `norm(x)` (applied
+        inside it on the CUDA path); with `residual`, the result is `residual + out` (added
+        inside o_proj where it can be)."""
         tokens, hd = x.shape[0], self.attn.head_dim
-        q, gate, k, v = self.qkv_proj(x).split(self.qkv_proj.local_sizes, dim=-1)
+        projected = self.qkv_proj(x) if norm is None else self.qkv_proj.forward_normed(x, norm)
+        q, gate, k, v = projected.split(self.qkv_proj.local_sizes, dim=-1)
         q = self.q_norm(q.view(tokens, self.num_heads, hd))
         k = self.k_norm(k.view(tokens, self.num_kv_heads, hd))
         q, k = self.rotary(positions, q, k)
         out = self.attn(q, k, v.view(tokens, self.num_kv_heads, hd)).reshape(tokens, -1)
-        return self.o_proj(out * elementwise(self.qkv_proj.canonical, torch.sigmoid, gate))
+        gated = out * elementwise(self.qkv_proj.canonical, torch.sigmoid, gate)
+        if residual is None:
+            return self.o_proj(gated)
+        return self.o_proj.forward_residual(gated, residual)

@@ -64,18 +64,23 @@ class GatedDeltaNet(nn.Module):
         self.recurrent_state = torch.zeros(num_slots, self.num_v_heads, self.head_k_dim,
                                            self.head_v_dim, dtype=torch.float32, device=device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: nn.Module | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """With `norm`, x is the residual stream and in_proj takes `norm(x)` (applied inside
+        the projection on the CUDA path); with `residual`, the result is `residual + out`
+        (added inside out_proj where it can be)."""
         ctx = get_forward_context()
         if ctx.seq_slots is None:
             raise RuntimeError("GatedDeltaNet needs linear-state slots in the forward context")
         tokens = x.shape[0]
-        qkv, z, b, a = self.in_proj(x).split(self.local_sizes, dim=-1)
+        projected = self.in_proj(x) if norm is None else self.in_proj.forward_normed(x, norm)
+        qkv, z, b, a = projected.split(self.local_sizes, dim=-1)
         starts = [c - q for q, c in zip(ctx.query_lens, ctx.context_lens)]
         slots = (ctx.device.seq_slots if ctx.device is not None
                  else torch.tensor(ctx.seq_slots, dtype=torch.long, device=x.device))
         decode = all(q == 1 for q in ctx.query_lens) and all(starts)
         if decode and uses_kernels():
-            return self._output(self._fused_decode(qkv, a, b, slots), z)
+            return self._output(self._fused_decode(qkv, a, b, slots), z, residual)
         beta, g = self._gates(a, b)
         if decode:
             # Decode: one token per sequence, all continuing; one batched step.
@@ -94,7 +99,7 @@ class GatedDeltaNet(nn.Module):
                 core[part] = self._mix(qkv[None, part], g[None, part], beta[None, part],
                                        slots[i : i + 1], start == 0)[0]
                 offset += qlen
-        return self._output(core, z)
+        return self._output(core, z, residual)
 
     def _gates(self, a: torch.Tensor, b: torch.Tensor):
         """beta = sigmoid(b) and the log decay g = -exp(A_log) * softplus(a + dt_bias), fp32."""
@@ -106,11 +111,16 @@ class GatedDeltaNet(nn.Module):
     def _exp(self, x: torch.Tensor) -> torch.Tensor:
         return invariant.elementwise(self.out_proj.canonical, torch.exp, x)
 
-    def _output(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """Gated norm of the mixed values [T, value heads, dv], then out_proj."""
+    def _output(self, core: torch.Tensor, z: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """Gated norm of the mixed values [T, value heads, dv], then out_proj (plus the
+        residual when given)."""
         tokens = core.shape[0]
         z = z.view(tokens, self.num_v_heads, self.head_v_dim)
-        return self.out_proj(self.norm(core, z).reshape(tokens, -1))
+        normed = self.norm(core, z).reshape(tokens, -1)
+        if residual is None:
+            return self.out_proj(normed)
+        return self.out_proj.forward_residual(normed, residual)
 
     def _fused_decode(self, qkv, a, b, slots: torch.Tensor) -> torch.Tensor:
         """The CUDA path of a decode step in two launches: the conv update, then gating,

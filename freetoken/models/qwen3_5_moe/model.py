@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from freetoken.context import uses_kernels
 from freetoken.layers.norm import RMSNorm
 from freetoken.models.base import CausalLM, DecoderModel
 from freetoken.models.qwen3_5_moe.attention import GatedAttention
@@ -27,8 +28,21 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=True)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        if uses_kernels():
+            return self._forward_fused(positions, h)
         x = self.input_layernorm(h)
         h = h + (self.linear_attn(x) if self.is_linear else self.self_attn(positions, x))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def _forward_fused(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """The CUDA path: the input norm is applied inside the first projection and the
+        residual add inside the last one of the mixer, where the batch is a decode step's
+        (`freetoken.kernels.gemv`; otherwise the same steps unfused)."""
+        norm = self.input_layernorm
+        if self.is_linear:
+            h = self.linear_attn(h, norm=norm, residual=h)
+        else:
+            h = self.self_attn(positions, h, norm=norm, residual=h)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

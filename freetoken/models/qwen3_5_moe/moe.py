@@ -8,7 +8,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from freetoken.context import uses_kernels
 from freetoken.distributed import get_communicator
+from freetoken.kernels import gemv
 from freetoken.layers import invariant
 from freetoken.layers.activation import silu_and_mul
 from freetoken.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -26,6 +28,8 @@ class SharedExpert(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, what=what, reduce=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if uses_kernels():
+            return self.down_proj(self.gate_up_proj.forward_gated(x))
         return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.gate_up_proj.canonical))
 
     def leaves(self, x: torch.Tensor) -> torch.Tensor:
@@ -56,6 +60,8 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = ReplicatedLinear(cfg.hidden_size, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if uses_kernels() and self._combines(x):
+            return get_communicator().all_reduce(self._forward_combined(x))
         weights, ids = route(self.gate(x), self.top_k, True, x.dtype)
         if self.shared_expert.down_proj.canonical is not None:
             return self._canonical(x, weights, ids)
@@ -69,3 +75,15 @@ class SparseMoeBlock(nn.Module):
         gate = torch.sigmoid(self.shared_expert_gate(x)).to(torch.float32)
         leaves = self.experts.leaves(x, weights, ids) + gate * self.shared_expert.leaves(x)
         return invariant.finish(leaves, x.dtype)
+
+    def _combines(self, x: torch.Tensor) -> bool:
+        """Whether the CUDA path sums the routed slots, the gated shared expert and the
+        gate itself in one launch (`freetoken.kernels.gemv.moe_combine`): 16-bit or
+        float32 routed experts (`FusedExperts`) and a decode batch."""
+        return type(self.experts) is FusedExperts and gemv.enabled() and \
+            gemv.fits(x, self.shared_expert.gate_up_proj.weight)
+
+    def _forward_combined(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, True, x.dtype)
+        slots = self.experts(x, weights, ids, sum_slots=False)
+        return gemv.moe_combine(slots, x, self.shared_expert_gate.weight, self.shared_expert(x))

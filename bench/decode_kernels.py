@@ -1,0 +1,202 @@
+"""The decode-step linear kernels (`freetoken.kernels.gemv`) on a GPU at the projections of
+the medium Llama and of qwen3.5-moe-realdims: each fused launch against the launches it
+replaces (the GEMM and the engine's separate RMSNorm, SiLU-and-mul, add and MoE-combine
+steps), checked in bf16 against the torch composition, graph replay against eager.
+
+    python3 bench/decode_kernels.py [--tokens 1,16] [--sweep [--write FILE]] [--only NAME,...]
+
+Times are per call from CUDA graphs of many calls, each call on its own copy of the
+weight (copies filling more than twice the L2), so no call finds its weight cached: what
+a decode step sees. `% copy` is the weight's bytes per call against the device-to-device
+copy bandwidth (read + write) measured in the same run. `--sweep` also times every tile
+choice of `SWEEP` (the input split included) and takes the fastest of those and the
+unfused launches; `--write` saves these choices as a tile table (JSON, `gemv.table_key`
+keys; `FREETOKEN_GEMV_TABLE` makes the engine take it, `freetoken/kernels/gemv_tiles.py`
+holds the one measured on an H200)."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from _common import copy_bandwidth, int_list
+from tabulate import tabulate
+from triton.runtime.errors import OutOfResources
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from freetoken.kernels import gemv, norm_rope  # noqa: E402
+
+# name: (weight rows, in_features, what the engine fuses: norm 0/1/2, gated, residual)
+SHAPES = {
+    "llama.qkv+norm": (1536, 1024, 1, False, False),
+    "llama.o+residual": (1024, 1024, 0, False, True),
+    "llama.gate_up+norm+silu": (5632, 1024, 1, True, False),
+    "llama.down+residual": (1024, 2816, 0, False, True),
+    "qwen35.gdn_in_proj+norm": (12352, 2048, 2, False, False),
+    "qwen35.out_proj+residual": (2048, 4096, 0, False, True),
+    "qwen35.attn_qkv+norm": (9216, 2048, 2, False, False),
+    "qwen35.router": (256, 2048, 0, False, False),
+    "qwen35.shared_gate_up+silu": (1024, 2048, 0, True, False),
+    "qwen35.shared_down": (2048, 512, 0, False, False),
+}
+L2_BYTES = 60 * 2**20
+SWEEP = dict(block_n=(16, 32), block_k=(128, 256), num_warps=(4,), num_stages=(4,),
+             split=(1, 2, 4, 8))
+
+
+def graph_us(calls: list, replays: int = 5) -> float:
+    """Microseconds per call of `calls` (closures) captured once each into one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (replays * len(calls))
+
+
+def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30))
+
+
+def make_case(name: str, tokens: int, gen: torch.Generator):
+    """Inputs of one shape: x, weight copies, norm, residual (bf16 on the GPU)."""
+    rows, k, norm, gated, residual = SHAPES[name]
+    n = rows // 2 if gated else rows
+    copies = max(2, -(-2 * L2_BYTES // (rows * k * 2)))
+    kw = dict(device="cuda", dtype=torch.bfloat16, generator=gen)
+    weights = [torch.randn(rows, k, **kw) * k**-0.5 for _ in range(min(copies, 160))]
+    x = torch.randn(tokens, k, **kw)
+    fused_norm = gemv.Norm(torch.randn(k, **kw) * 0.3, 1e-6, norm == 2) if norm else None
+    res = torch.randn(tokens, n, **kw) if residual else None
+    return x, weights, dict(norm=fused_norm, gated=gated, residual=res)
+
+
+def unfused(x, w, norm=None, gated=False, residual=None):
+    """What the engine's CUDA path launched before: RMSNorm kernel, GEMM, SiLU-and-mul
+    kernel, add."""
+    if norm is not None:
+        x = norm_rope.rms_norm(x, norm.weight, norm.eps, norm.offset)
+    y = F.linear(x, w)
+    if gated:
+        y = norm_rope.silu_and_mul(y)
+    return y if residual is None else residual + y
+
+
+def graph_equals_eager(fn) -> bool:
+    eager = fn()
+    graph, out = torch.cuda.CUDAGraph(), None
+    fn()
+    with torch.cuda.graph(graph):
+        out = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return torch.equal(out, eager)
+
+
+def bench_shape(name, tokens, copy_gbs, sweep, gen):
+    """One shape's row: error, graph equality and time of the launcher's tiles (with
+    `sweep`: of the fastest choice), against the unfused launches."""
+    x, weights, fused = make_case(name, tokens, gen)
+    w = weights[0]
+    rows, in_features, norm, gated, residual = SHAPES[name]
+    tiles = gemv.choose_tiles(rows // 2 if gated else rows, in_features, x.dtype)
+    t_old = graph_us([lambda w=w: unfused(x, w, **fused) for w in weights])
+    t_fused = graph_us([lambda w=w: gemv.linear(x, w, **fused, tiles=tiles) for w in weights])
+    choice, best_us = tiles, t_fused
+    if sweep:
+        for values in itertools.product(*SWEEP.values()):
+            t = gemv.GemvTiles(*values)
+            if t.block_k * t.split > in_features:
+                continue
+            try:
+                us = graph_us([lambda w=w, t=t: gemv.linear(x, w, **fused, tiles=t)
+                               for w in weights], replays=3)
+            except OutOfResources as err:
+                print(f"{name} T={tokens} tiles {t.key()}: skipped ({err})", file=sys.stderr)
+                continue
+            if us < best_us:
+                choice, best_us = t, us
+    got = gemv.linear(x, w, **fused, tiles=choice)
+    want = gemv.reference_linear(x, w, **fused)
+    key = gemv.table_key(rows, in_features, tokens, norm > 0, gated, residual)
+    return dict(name=name, tokens=tokens, MB=w.numel() * 2 / 1e6, rel_l2=rel_l2(got, want),
+                graph_eq=graph_equals_eager(lambda: gemv.linear(x, w, **fused, tiles=choice)),
+                old_us=t_old, default_us=t_fused, best_us=best_us,
+                pct_copy=100 * w.numel() * 2 / (min(best_us, t_old) * 1e-6) / (copy_gbs * 1e9),
+                tiles=choice.key(), key=key,
+                choice="gemm" if sweep and t_old < best_us else choice.key())
+
+
+def bench_combine(tokens, copy_gbs, gen):
+    hidden, top_k = 2048, 8
+    kw = dict(device="cuda", dtype=torch.bfloat16, generator=gen)
+    slots = torch.randn(tokens, top_k, hidden, device="cuda", generator=gen)
+    x = torch.randn(tokens, hidden, **kw)
+    gate_w = torch.randn(1, hidden, **kw) * hidden**-0.5
+    shared = torch.randn(tokens, hidden, **kw)
+    got = gemv.moe_combine(slots, x, gate_w, shared)
+    want = gemv.reference_moe_combine(slots, x, gate_w, shared)
+    calls = 32
+    fused_us = graph_us([lambda: gemv.moe_combine(slots, x, gate_w, shared)] * calls)
+    return dict(name="qwen35.moe_combine", tokens=tokens, MB=slots.numel() * 4 / 1e6,
+                rel_l2=rel_l2(got, want),
+                graph_eq=graph_equals_eager(lambda: gemv.moe_combine(slots, x, gate_w, shared)),
+                old_us=graph_us([lambda: gemv.reference_moe_combine(slots, x, gate_w, shared)]
+                                * calls),
+                default_us=fused_us, best_us=fused_us, pct_copy=float("nan"), tiles="-",
+                key="-", choice="-")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int_list, default=[1, 16])
+    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--only", type=lambda t: t.split(","), default=None)
+    p.add_argument("--write", type=Path, default=None,
+                   help="with --sweep: write the chosen tiles as a JSON tile table")
+    args = p.parse_args()
+    if args.write and not args.sweep:
+        p.error("--write needs --sweep")
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA device")
+    copy_gbs = copy_bandwidth()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for tokens in args.tokens:
+        for name in args.only or SHAPES:
+            rows.append(bench_shape(name, tokens, copy_gbs, args.sweep, gen))
+            print(rows[-1], flush=True)
+        rows.append(bench_combine(tokens, copy_gbs, gen))
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth "
+          f"{copy_gbs:.0f} GB/s; times per call in CUDA graphs, weights not in L2")
+    print(tabulate(rows, headers="keys", floatfmt=".3g"))
+    if args.write:
+        table = {r["key"]: r["choice"] for r in rows if r["key"] != "-"}
+        args.write.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+        print(f"tile table ({len(table)} entries) written to {args.write}")
+    bad = [r["name"] for r in rows if r["rel_l2"] > 1e-2 or not r["graph_eq"]]
+    if bad:
+        print(f"FAILED (rel L2 > 1e-2 or graph != eager): {', '.join(bad)}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""The decode-step linear kernels (`freetoken.kernels.gemv`) in Triton's interpreter with
+float32 inputs, against the torch steps they fuse (`reference_linear`,
+`reference_moe_combine`), at TP-local shapes of TP 1, 2, 4 and 8 (scaled down): plain,
+biased, norm-prologue (both RMSNorm forms), gated (SiLU-and-mul) and residual projections,
+ragged sizes that exercise every mask, and the MoE block's combination."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from interpreted import TP_SIZES, interpreter  # noqa: F401  (module-wide fixture)
+from interpreted import assert_close as _assert_close
+
+from freetoken.kernels import gemv
+
+
+def _make_linear(tokens, out_features, in_features, seed, bias=False):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, in_features, generator=gen)
+    weight = torch.randn(out_features, in_features, generator=gen) / in_features**0.5
+    b = torch.randn(out_features, generator=gen) if bias else None
+    return x, weight, b
+
+
+def _make_norm(in_features, offset, seed):
+    gen = torch.Generator().manual_seed(seed + 100)
+    return gemv.Norm(torch.randn(in_features, generator=gen) * 0.5, 1e-6, offset)
+
+
+def _assert_linear(what, x, weight, bias=None, **fused):
+    got = gemv.linear(x, weight, bias, **fused)
+    want = gemv.reference_linear(x, weight, bias, **fused)
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    _assert_close(got, want, what)
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("tokens", [1, 5, 16])
+def test_plain_and_biased_projection(tp, tokens):
+    """x W^T (+ b) for 512 / tp output features over 256 inputs (whole tiles) and for 100 /
+    tp + 3 outputs over 200 inputs (a partial feature tile and a partial input step)."""
+    for out_features, in_features in ((512 // tp, 256), (100 // tp + 3, 200)):
+        for bias in (False, True):
+            x, w, b = _make_linear(tokens, out_features, in_features, tp, bias)
+            _assert_linear(f"tp={tp} T={tokens} {out_features}x{in_features} bias={bias}",
+                           x, w, b)
+
+
+@pytest.mark.parametrize("offset", [False, True])
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_norm_prologue(offset, tokens):
+    """RMSNorm fused before the projection equals RMSNorm then F.linear, for the plain
+    (`w * round(x * s)`) and the offset (`x * s * (1 + w)`) forms, over inputs that are
+    not a whole number of steps (the statistics must not count the padding)."""
+    for in_features in (256, 200):
+        x, w, _ = _make_linear(tokens, 48, in_features, in_features)
+        x = x * 3.0 + 1.0
+        _assert_linear(f"norm offset={offset} K={in_features}", x, w,
+                       norm=_make_norm(in_features, offset, in_features))
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_gated_projection(tp):
+    """A [gate | up] weight of 2 * 352 / tp rows (the medium MLP scaled down) gives
+    silu(gate) * up, alone and behind a fused norm."""
+    half = 352 // tp
+    x, w, _ = _make_linear(3, 2 * half, 128, tp)
+    _assert_linear(f"gated tp={tp}", x, w, gated=True)
+    _assert_linear(f"gated+norm tp={tp}", x, w, gated=True, norm=_make_norm(128, True, tp))
+
+
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_residual_epilogue(tokens):
+    """An output projection with the residual add fused equals `residual + F.linear`."""
+    x, w, b = _make_linear(tokens, 96, 160, tokens, bias=True)
+    residual = torch.randn(tokens, 96, generator=torch.Generator().manual_seed(7))
+    _assert_linear(f"residual T={tokens}", x, w, b, residual=residual)
+
+
+def test_wrong_shapes_are_named():
+    """A weight that takes another input width, a residual of the wrong shape or a gated
+    weight of odd rows is refused with the shapes in the message."""
+    x, w, _ = _make_linear(2, 32, 64, 0)
+    with pytest.raises(ValueError, match=r"x has 48 input features, weight \(32, 64\)"):
+        gemv.linear(x[:, :48], w)
+    with pytest.raises(ValueError, match=r"residual \(2, 31\)"):
+        gemv.linear(x, w, residual=torch.zeros(2, 31))
+    with pytest.raises(ValueError, match=r"\(31, 64\) has an odd number of rows"):
+        gemv.linear(x, w[:31], gated=True)
+
+
+def test_fits_only_small_same_dtype_batches():
+    """`fits` takes 1..MAX_TOKENS tokens of the weight's dtype, nothing else."""
+    w = torch.zeros(8, 16)
+    assert gemv.fits(torch.zeros(gemv.MAX_TOKENS, 16), w), "MAX_TOKENS tokens"
+    assert not gemv.fits(torch.zeros(gemv.MAX_TOKENS + 1, 16), w), "one token too many"
+    assert not gemv.fits(torch.zeros(0, 16), w), "no tokens"
+    assert not gemv.fits(torch.zeros(2, 16, dtype=torch.float64), w.double()), "float64"
+    assert not gemv.fits(torch.zeros(2, 16, dtype=torch.bfloat16), w), "dtype mismatch"
+
+
+def _make_combine(tokens, top_k, hidden, seed):
+    gen = torch.Generator().manual_seed(seed)
+    slots = torch.randn(tokens, top_k, hidden, generator=gen)
+    x = torch.randn(tokens, hidden, generator=gen)
+    gate_weight = torch.randn(1, hidden, generator=gen) / hidden**0.5
+    shared = torch.randn(tokens, hidden, generator=gen)
+    return slots, x, gate_weight, shared
+
+
+@pytest.mark.parametrize("tokens, top_k, hidden", [(1, 8, 2048), (5, 2, 96), (16, 8, 1040)])
+def test_moe_combine(tokens, top_k, hidden):
+    """Routed slots summed, plus the shared expert scaled by its sigmoid gate, equal the
+    MoE block's torch steps, for a hidden size of two blocks and one of a partial block."""
+    parts = _make_combine(tokens, top_k, hidden, hidden)
+    _assert_close(gemv.moe_combine(*parts), gemv.reference_moe_combine(*parts),
+                  f"combine T={tokens} k={top_k} H={hidden}")
+
+
+def test_moe_combine_uses_every_slot_and_the_gate():
+    """Dropping the last slot or the gate changes the result: the check above would see a
+    kernel that sums top_k - 1 slots or leaves the shared expert ungated."""
+    slots, x, gate_weight, shared = _make_combine(2, 4, 64, 3)
+    got = gemv.moe_combine(slots, x, gate_weight, shared)
+    fewer = gemv.reference_moe_combine(slots[:, :3], x, gate_weight, shared)
+    ungated = slots.sum(dim=1) + shared
+    assert (got - fewer).abs().max() > 1e-2, "the last slot made no difference"
+    assert (got - ungated).abs().max() > 1e-2, "the gate made no difference"
+
+
+@pytest.mark.parametrize("split", [2, 3, 8])
+def test_split_inputs_match_unsplit(split):
+    """Inputs split over programs (partial sums added by the second launch) give the same
+    projection, norm prologue, gated pairing, bias and residual as one program per block:
+    splits that divide the steps evenly, unevenly (3 parts of 5 steps) and that leave the
+    last part short (200 inputs in steps of 64)."""
+    for in_features in (320, 200):
+        tiles = gemv.GemvTiles(block_n=16, block_k=64, split=split)
+        x, w, b = _make_linear(4, 2 * 40, in_features, split, bias=True)
+        residual = torch.randn(4, 40, generator=torch.Generator().manual_seed(split))
+        norm = _make_norm(in_features, False, split)
+        what = f"split={split} K={in_features}"
+        for fused in (dict(), dict(norm=norm, gated=True), dict(residual=residual)):
+            weight = w if fused.get("gated") else w[:40]
+            bias = b if fused.get("gated") else b[:40]
+            got = gemv.linear(x, weight, bias, tiles=tiles, **fused)
+            _assert_close(got, gemv.reference_linear(x, weight, bias, **fused),
+                          f"{what} {sorted(fused)}")
+
+
+def test_default_tiles_split_a_few_rows_over_many_inputs():
+    """Without a measured entry, a router-sized weight (256 x 2048) is split 8 ways and a
+    wide projection (12352 rows) is not split: enough programs either way."""
+    assert gemv.choose_tiles(256, 2048, torch.bfloat16).split == 8, "router"
+    assert gemv.choose_tiles(12352, 2048, torch.bfloat16).split == 1, "wide projection"
+
+
+def test_table_entries_choose_tiles_or_the_gemm(monkeypatch, tmp_path):
+    """A measured entry sets the tiles of its shape, fusion and token bucket; "gemm" and a
+    missing entry send a 16-bit call to the unfused path (None), float32 takes the
+    default tiles; a malformed table file is named."""
+    x, w, _ = _make_linear(3, 64, 128, 0)
+    table = {gemv.table_key(64, 128, 3, False, False, True): "gemm",
+             gemv.table_key(64, 128, 3, False, False, False): "32/128/8/3/2"}
+    path = tmp_path / "tiles.json"
+    path.write_text(json.dumps(table))
+    monkeypatch.setenv("FREETOKEN_GEMV_TABLE", str(path))
+    gemv._table.cache_clear()
+    try:
+        assert gemv.tiles_for(x.bfloat16(), w.bfloat16()) == gemv.GemvTiles(32, 128, 8, 3, 2)
+        assert gemv.tiles_for(x.bfloat16(), w.bfloat16(), residual=torch.zeros(3, 64)) is None
+        assert gemv.tiles_for(x[:1].bfloat16(), w.bfloat16()) is None, \
+            "the one-token bucket has no entry: unfused"
+        assert gemv.tiles_for(x, w) == gemv.choose_tiles(64, 128, torch.float32), "float32"
+        path.write_text("{not json")
+        gemv._table.cache_clear()
+        with pytest.raises(ValueError, match="FREETOKEN_GEMV_TABLE=.*tiles.json"):
+            gemv.tiles_for(x.bfloat16(), w.bfloat16())
+    finally:
+        gemv._table.cache_clear()
