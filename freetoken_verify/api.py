@@ -119,15 +119,15 @@ def run(models: Sequence[str] = (), tp: Sequence[int] | int = DEFAULT_TP,
         timeout: float = DEFAULT_TIMEOUT, faults: Sequence[str] = (),
         oversubscribe: bool = False, prompts_file: str | None = None, seed: int | None = None,
         max_new_tokens: int | None = None, save_reference: str | None = None,
-        download: bool = False,
+        download: bool = False, bitwise: bool | None = None,
         progress: bool | Callable[[str], None] = False) -> Report:
     """Verify `models` (bundled case names, checkpoint folders or cached hub ids; every
     bundled case when empty) at each TP size in `tp` with `checks` (all when empty), as
     `freetoken-verify` would with the same options. `faults` injects known TP bugs by name
     (see `freetoken-verify --list`). `progress`: True prints the command line's progress on
     stderr, a callable receives its lines, False (default) is silent. `reference` may be a
-    folder written by `save_reference`; `prompts_file`, `seed`, `max_new_tokens` and
-    `download` are the command line's options of the same names.
+    folder written by `save_reference`; `prompts_file`, `seed`, `max_new_tokens`,
+    `download` and `bitwise` are the command line's options of the same names.
 
     Raises `freetoken_verify.errors.UsageError` / `InputError` for bad input before any rank
     starts."""
@@ -141,7 +141,7 @@ def run(models: Sequence[str] = (), tp: Sequence[int] | int = DEFAULT_TP,
                       oversubscribe=oversubscribe, dtype=dtype, reference=reference,
                       num_layers=num_layers, timeout=timeout, faults=faults,
                       prompts_file=prompts_file, seed=seed, max_new_tokens=max_new_tokens,
-                      save_reference=save_reference, download=download)
+                      save_reference=save_reference, download=download, bitwise=bitwise)
     save_references(plan.cases, plan.tp_sizes, plan.options)
     reporter = Progress() if progress is True else quiet() if progress is False else \
         Progress(progress)

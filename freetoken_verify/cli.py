@@ -146,6 +146,9 @@ def _print_list(ctx: click.Context, _param, value: bool) -> None:
 @click.option("--download", is_flag=True,
               help="let a hub id Org/Name[@revision] missing from the local HF cache be "
                    "downloaded (never otherwise)")
+@click.option("--bitwise/--no-bitwise", default=None,
+              help="golden runs the engine's tp_invariant mode and requires TP=N to equal "
+                   "TP=1 bit for bit  [default: on where that mode runs: CPU ranks]")
 @click.option("--allow-skips", is_flag=True,
               help="exit 0 when every row was skipped (by default a run that verified nothing "
                    "exits 1)")

@@ -357,3 +357,42 @@ def judge_logits(name: str, actual: torch.Tensor, expected: torch.Tensor,
     if problems:
         return False, f"{name}: {'; '.join(problems)} ({summary})", cmp
     return True, f"{name}: distribution within tolerance ({summary})", cmp
+
+
+_SAME_WIDTH_INT = {torch.float32: torch.int32, torch.float64: torch.int64,
+                   torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def ulp_order(t: torch.Tensor) -> torch.Tensor:
+    """Each float as an int64 position on the number line of its dtype: neighbouring floats
+    are 1 apart (and +0 and -0 both 0), so the difference of two is their distance in ulps."""
+    bits = t.contiguous().view(_SAME_WIDTH_INT[t.dtype]).to(torch.int64)
+    lowest = torch.iinfo(_SAME_WIDTH_INT[t.dtype]).min
+    return torch.where(bits < 0, lowest - bits, bits)
+
+
+def bitwise_difference(got: torch.Tensor, want: torch.Tensor, label: str) -> str | None:
+    """None when `got` and `want` are the same bits; else one line: how many elements differ,
+    the largest difference in ulps of their dtype and where. Integer tensors (token ids) are
+    compared by value."""
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return (f"{label}: {got.dtype} {tuple(got.shape)} where the reference has "
+                f"{want.dtype} {tuple(want.shape)}")
+    if not got.is_floating_point():
+        differ = got != want
+        if not bool(differ.any()):
+            return None
+        first = tuple(int(i) for i in differ.nonzero()[0])
+        return (f"{label}: {int(differ.sum())} / {got.numel()} differ, first at {first} "
+                f"({got[first].item()} vs {want[first].item()})")
+    ours, theirs = ulp_order(got), ulp_order(want)
+    differ = got.contiguous().view(_SAME_WIDTH_INT[got.dtype]) != \
+        want.contiguous().view(_SAME_WIDTH_INT[want.dtype])
+    if not bool(differ.any()):
+        return None
+    ulps = (ours - theirs).abs()
+    flat = int(ulps.argmax())
+    where = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), got.shape))
+    return (f"{label}: {int(differ.sum())} / {got.numel()} elements differ bit for bit, "
+            f"largest {int(ulps.max())} ulp at {where} ({got[where].item():.9g} vs "
+            f"{want[where].item():.9g})")

@@ -28,6 +28,7 @@ class VerifyOptions:
     max_new_tokens: int | None = None
     save_reference: str | None = None
     download: bool = False
+    bitwise: bool = False
 
 
 @dataclass

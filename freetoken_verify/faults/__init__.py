@@ -30,6 +30,7 @@ from freetoken_verify.faults.collectives import (
     moe_reduce_routed_and_shared_separately,
 )
 from freetoken_verify.faults.graphs import GRAPH_FAULTS
+from freetoken_verify.faults.invariant import INVARIANT_FAULTS
 from freetoken_verify.faults.kernels import KERNEL_FAULTS
 from freetoken_verify.faults.layout import (
     gdn_heads_from_first,
@@ -293,6 +294,7 @@ FAULTS: dict[str, Callable[[], None]] = {
     "torch-nvfp4-drop-w13-global": torch_nvfp4_drop_w13_global,
     **KERNEL_FAULTS,
     **GRAPH_FAULTS,
+    **INVARIANT_FAULTS,
 }
 
 

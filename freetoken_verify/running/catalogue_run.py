@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import click
 
@@ -16,6 +16,7 @@ from freetoken_verify.cases.catalogue import resolve_case
 from freetoken_verify.checks import VerifyOptions, available_checks
 from freetoken_verify.faults.catalogue import CATALOGUE, Entry
 from freetoken_verify.report.formats import CheckResult
+from freetoken_verify.running.plan import resolve_bitwise
 from freetoken_verify.running.runner import Plan, run_plan
 
 
@@ -33,8 +34,11 @@ def run_entry(entry: Entry, timeout: float = 300.0) -> Verdict:
     """Inject `entry.fault` and run its checks; judge the rows."""
     sizes = sorted(set(entry.tp) | ({1} if entry.tp1_green else set()))
     checks = {n: f for n, f in available_checks().items() if n in entry.checks}
-    plan = Plan([resolve_case(entry.model)], sizes, checks,
-                VerifyOptions(device=entry.device, timeout=timeout), (entry.fault,))
+    cases = [resolve_case(entry.model)]
+    options = VerifyOptions(device=entry.device, timeout=timeout)
+    # As the command line does: golden bitwise wherever the tp_invariant mode runs.
+    options = replace(options, bitwise=resolve_bitwise(None, cases, sizes, options))
+    plan = Plan(cases, sizes, checks, options, (entry.fault,))
     results = run_plan(plan, progress=lambda line: None)
     return Verdict(entry, results, judge(entry, results))
 

@@ -7,12 +7,13 @@ the Python API (`freetoken_verify.api`) passes them through."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import click
 
 from freetoken.distributed import PlacementError, choose_placement
-from freetoken.models.registry import check_tp
+from freetoken.models.registry import canonical_chunks, check_tp
 from freetoken_verify.cases.catalogue import CASES, CaseError, resolve_case
 from freetoken_verify.checks.base import CHECK_NAMES, VerifyOptions, available_checks
 from freetoken_verify.errors import InputError, UsageError
@@ -120,13 +121,15 @@ def build_plan(models: Sequence[str] = (), tp: Sequence[int] | int = DEFAULT_TP,
                timeout: float = DEFAULT_TIMEOUT, faults: Sequence[str] = (),
                prompts_file: str | None = None, seed: int | None = None,
                max_new_tokens: int | None = None, save_reference: str | None = None,
-               download: bool = False) -> Plan:
+               download: bool = False, bitwise: bool | None = None) -> Plan:
     """A validated plan: models (bundled case names, checkpoint folders or cached hub ids; all
     bundled cases when empty) x TP sizes x checks (all when empty), in run order. Raises
     `UsageError` for a malformed or unknown value and `InputError` for a model that cannot be
     verified as asked, before any rank starts. `reference` may also be a folder written by
     `save_reference`; `prompts_file`, `seed` and `max_new_tokens` choose the reference prompts
-    and continuation (see `freetoken-verify --help`)."""
+    and continuation (see `freetoken-verify --help`). `bitwise`: golden runs the engine's
+    tp_invariant mode and requires TP=N to equal TP=1 bit for bit; None (default) turns it on
+    where that mode runs (CPU ranks, TP sizes dividing each model's canonical chunk count)."""
 
     sizes = [tp] if isinstance(tp, int) else list(tp)
     if not sizes:
@@ -139,7 +142,33 @@ def build_plan(models: Sequence[str] = (), tp: Sequence[int] | int = DEFAULT_TP,
     fault_names = tuple(check_names("faults", "fault", faults, tuple(FAULTS), False))
     cases = _cases(models, options.download)
     _validate(cases, tp_sizes, options, selected)
+    options = replace(options, bitwise=resolve_bitwise(bitwise, cases, tp_sizes, options))
     return Plan(cases, tp_sizes, selected, options, fault_names)
+
+
+def resolve_bitwise(asked: bool | None, cases, tp_sizes: list[int],
+                    options: VerifyOptions) -> bool:
+    """Whether golden runs bitwise: as asked, else wherever the tp_invariant mode can run.
+    UsageError when asked for where it cannot, naming why."""
+    if asked is not None and not isinstance(asked, bool):
+        raise UsageError(f"bitwise: {asked!r} is not True, False or None")
+    if asked is False:
+        return False
+    device = choose_placement(options.device, max(tp_sizes), options.oversubscribe).device_for(0)
+    why = None
+    if not str(device).startswith("cpu"):
+        why = f"the engine's tp_invariant mode runs on CPU ranks only (this run: {device})"
+    for case in cases:
+        cfg = case.model_config if options.num_layers is None else \
+            case.model_config.truncated(options.num_layers)
+        chunks = canonical_chunks(cfg)
+        bad = [tp for tp in tp_sizes if chunks % tp]
+        if why is None and bad:
+            why = (f"{case.name}: tp={bad[0]} does not divide its canonical chunk count "
+                   f"{chunks}")
+    if why is not None and asked:
+        raise UsageError(f"--bitwise: {why}; pass --no-bitwise")
+    return why is None
 
 
 def execute(plan_args: dict, report_json: str | None = None, junit_xml: str | None = None,

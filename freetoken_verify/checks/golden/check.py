@@ -4,7 +4,13 @@ TP=1. Every rank must also hold the same full logits, and a short seeded continu
 temperature > 0 must give the same tokens on every rank and (in float32) at every TP size.
 Where decode runs as CUDA graphs, the graphed continuation must equal the eager one bit for
 bit (`freetoken_verify.checks.golden.graph_replay`).
-A failure carries the first divergent module (the `bisect` check's localisation)."""
+A failure carries the first divergent module (the `bisect` check's localisation).
+
+With `bitwise` (`--bitwise`, the default where the engine's tp_invariant mode runs: CPU ranks)
+the engine runs in that mode and TP=N must equal TP=1 bit for bit: the prefill logits at every
+position, the greedy tokens and their logits, and the seeded sampled tokens, in every dtype. A
+difference names the prompt, how many elements differ and the largest difference in ulps. The
+reference is still compared within its tolerance (the canonical arithmetic is not HF's)."""
 
 from __future__ import annotations
 
@@ -19,7 +25,13 @@ from freetoken_verify.checks.bisect import check as bisect
 from freetoken_verify.checks.engine_cache import engine_on_rank
 from freetoken_verify.checks.golden.graph_replay import batch_sizes, graph_replay_mismatch
 from freetoken_verify.checks.ranks import RankFailure
-from freetoken_verify.compare import effective_tolerance, greedy_check, judge_logits, logit_metrics
+from freetoken_verify.compare import (
+    bitwise_difference,
+    effective_tolerance,
+    greedy_check,
+    judge_logits,
+    logit_metrics,
+)
 from freetoken_verify.reference.sources import Reference, prompts_for, reference_for
 from freetoken_verify.report.formats import CheckResult
 
@@ -30,17 +42,22 @@ SAMPLING_SEED = 1234
 def run(ctx: CheckContext) -> CheckResult:
     start = time.monotonic()
     prompts, num_greedy = prompts_for(ctx.case, ctx.options)
-    records = ctx.runner.run(_engine_outputs, ctx.case.engine_args(ctx.options), prompts,
+    records = ctx.runner.run(_engine_outputs, golden_engine_args(ctx), prompts,
                              num_greedy, sampling_seed(ctx.options))
     ref = reference_for(ctx)
     outputs = records[0].value
     dtype = resolve_dtype(ctx.options.dtype, ctx.case.model_config)
     metrics, numeric = _against_reference(outputs, ref, dtype)
-    metrics.update(_against_tp1(ctx, outputs, dtype, numeric, ref))
-    # A graph replay that differs from eager is the most precise finding: it goes first.
+    bitwise: list[str] = []
+    if ctx.options.bitwise:
+        metrics.update(_bitwise_against_tp1(ctx, outputs, bitwise))
+    else:
+        metrics.update(_against_tp1(ctx, outputs, dtype, numeric, ref))
+    # A graph replay that differs from eager is the most precise finding: it goes first; a
+    # bitwise difference from TP=1 is never excused by per-module precision.
     graph = [f"rank {r.rank}: {r.value['graph_replay']}" for r in records
              if r.value["graph_replay"]][:1]
-    hard = graph + _ranks_disagree([r.value for r in records])
+    hard = graph + bitwise[:1] + _ranks_disagree([r.value for r in records])
     if records[0].value["graphs"]:
         metrics["graph_replay_batches"] = len(batch_sizes(len(prompts)))
     hard += _sampling_disagrees(ctx, [r.value["sampled"] for r in records], dtype)
@@ -86,6 +103,12 @@ def _first_divergence(ctx: CheckContext) -> str:
     except RankFailure as e:
         return f"(bisect could not run: {e}) "
     return f"{found}; " if found else ""
+
+
+def golden_engine_args(ctx: CheckContext) -> dict:
+    """The engine golden runs: the case's, in the tp_invariant mode when the run is bitwise."""
+    args = ctx.case.engine_args(ctx.options)
+    return {**args, "tp_invariant": True} if ctx.options.bitwise else args
 
 
 def sampling_seed(options) -> int:
@@ -176,7 +199,7 @@ def _sampling_disagrees(ctx: CheckContext, sampled: list[list[list[int]]], dtype
     if ctx.tp == 1:
         ctx.cache[key] = sampled[0]
     base = ctx.cache.get(key)
-    if ctx.tp == 1 or base is None or dtype != torch.float32:
+    if ctx.tp == 1 or base is None or (dtype != torch.float32 and not ctx.options.bitwise):
         return []
     return [f"seeded sampling (seed {seed + i}): tp={ctx.tp} produced "
             f"{mine} where tp=1 produced {first} (prompt {i})"
@@ -208,4 +231,31 @@ def _against_tp1(ctx: CheckContext, outputs: dict, dtype, failures: list[str],
         if not passed:
             failures.append(message)
     return {"tp1_max_abs": worst}
+
+
+def _bitwise_against_tp1(ctx: CheckContext, outputs: dict, failures: list[str]) -> dict:
+    """Every prompt's prefill logits, greedy ids and greedy-step logits at TP=N the same bits
+    as at TP=1 (kept from the TP=1 row); the first difference joins `failures`. Metrics: how
+    many tensors were compared and how many differ."""
+    key = ("golden-tp1", ctx.case.name)
+    if ctx.tp == 1:
+        ctx.cache[key] = outputs
+        return {"bitwise": 1}
+    base = ctx.cache.get(key)
+    if base is None:
+        return {"bitwise": 1}
+    differing = compared = 0
+    for i, (a, b) in enumerate(zip(outputs["outputs"], base["outputs"])):
+        for field, what in (("prompt_logits", "prefill logits"), ("ids", "greedy tokens"),
+                            ("step_logits", "greedy-step logits")):
+            got, want = a[field], b[field]
+            if not isinstance(got, torch.Tensor):
+                got, want = torch.tensor(got), torch.tensor(want)
+            compared += 1
+            found = bitwise_difference(got, want, f"prompt {i} {what} vs tp=1")
+            if found:
+                differing += 1
+                if differing == 1:
+                    failures.append(found)
+    return {"bitwise": 1, "tp1_tensors": compared, "tp1_differing": differing}
 
