@@ -62,7 +62,7 @@ def main() -> None:
 @click.option("--temperature", default=0.0, show_default=True)
 @click.option("--top-k", default=0, show_default=True)
 @click.option("--top-p", default=1.0, show_default=True)
-@click.option("--seed", default=None, type=int)
+@click.option("--seed", default=None, type=int, help="sampling seed, in [0, 2**63)")
 @click.option("--ignore-eos", is_flag=True)
 @click.option("--enforce-eager", is_flag=True, help="no CUDA graphs for decode steps")
 def generate(model, tp, device, dtype, oversubscribe, prompts, prompt_ids, max_tokens,
@@ -89,9 +89,11 @@ def _generate(prompts, model, tp, device, dtype, oversubscribe, sampling: dict,
               enforce_eager: bool):
     """The LLM run; exits 2 on bad input (ours or a rank's), 1 on a rank failure."""
     from freetoken import LLM, SamplingParams
+    from freetoken.engine.llm import check_generate
 
     try:
         params = SamplingParams(**sampling)
+        check_generate(model, prompts, params, tp=tp, dtype=dtype)
         # Progress bars redraw with carriage returns: only for a person at a terminal.
         with LLM(model, tp=tp, device=device, dtype=dtype, oversubscribe=oversubscribe,
                  enforce_eager=enforce_eager, progress=sys.stderr.isatty()) as llm:

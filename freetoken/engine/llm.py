@@ -112,9 +112,7 @@ class LLM:
     @property
     def limits(self) -> Limits:
         """What one request may be: ids in the vocabulary, within `max_len` and the cache."""
-        cfg = self.config
-        blocks = cfg.num_kv_blocks or cfg.max_num_seqs * -(-cfg.max_model_len // cfg.block_size)
-        return Limits(self.model_config.vocab_size, self.max_len, blocks, cfg.block_size)
+        return _limits(self.config, self.model_config)
 
     def _run(self, fn: Callable[..., Any], args: tuple) -> list:
         if self._core is not None:
@@ -144,6 +142,31 @@ class LLM:
             with self._tokenizer_lock:
                 return self.tokenizer.encode(prompt)
         return token_ids(prompt, index)
+
+
+def check_generate(model: str | Path, prompts: Any, params: SamplingParams, tp: int = 1,
+                   dtype: str = "auto", **engine_options: Any) -> None:
+    """The checks `LLM(model, tp, ...).generate(prompts, params)` makes in the parent, made
+    before any rank starts or any weight loads (a 35B checkpoint takes minutes): ValueError
+    naming the option, the TP size or the prompt (ids outside the vocabulary, too long)."""
+    folder = resolve_model(model)
+    model_config = load_config(folder)
+    config = engine_config(str(folder), model_config, tp, "auto", dtype, False, engine_options)
+    check_tp(model_config, tp)
+    prompts = split_prompts(prompts)
+    tokenizer = _load_tokenizer(folder) if any(isinstance(p, str) for p in prompts) else None
+    ids = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str) and tokenizer is None:
+            raise ValueError(f"{folder} has no tokenizer: pass token id lists")
+        ids.append(tokenizer.encode(prompt) if isinstance(prompt, str) else token_ids(prompt, i))
+    check_request(ids, [params] * len(ids), _limits(config, model_config))
+
+
+def _limits(cfg: EngineConfig, model_config) -> Limits:
+    blocks = cfg.num_kv_blocks or cfg.max_num_seqs * -(-cfg.max_model_len // cfg.block_size)
+    max_len = min(cfg.max_model_len, model_config.max_position_embeddings)
+    return Limits(model_config.vocab_size, max_len, blocks, cfg.block_size)
 
 
 def _load_tokenizer(folder: Path):
