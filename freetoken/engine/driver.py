@@ -91,18 +91,23 @@ class Driver:
             with self._cond:
                 self._release_exclusive()
 
-    def close(self) -> None:
-        """Fail every call in flight with LLMClosed and stop the driver thread (after the
-        engine steps it is running, if any, return)."""
+    def close(self, wait: bool = True) -> None:
+        """Fail every call in flight with LLMClosed and stop the driver thread; `wait` joins
+        it (it returns once the engine steps it is running, if any, return)."""
         with self._cond:
-            if self._closed:
-                return
-            self._closed = True
-            self._fail(list(self._calls), lambda call: LLMClosed(
-                f"LLM closed while this call was in flight: {len(call.ids) - len(call.results)}"
-                f" of its {len(call.ids)} requests unfinished"))
-            self._queued = []
-            self._cond.notify_all()
+            if not self._closed:
+                self._closed = True
+                self._fail(list(self._calls), lambda call: LLMClosed(
+                    f"LLM closed while this call was in flight: "
+                    f"{len(call.ids) - len(call.results)} of its {len(call.ids)} requests "
+                    f"unfinished"))
+                self._queued = []
+                self._cond.notify_all()
+        if wait:
+            self.join()
+
+    def join(self) -> None:
+        """Wait for the driver thread to end (after `close`)."""
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
 

@@ -72,10 +72,14 @@ class LLM:
     def shutdown(self, force: bool = False) -> None:
         """Fail the calls in flight with LLMClosed, stop the rank processes (if any) and drop
         the model; `force` kills the ranks at once. Calls afterwards raise LLMClosed."""
-        self._driver.close()
+        # Unforced, the driver finishes the steps it is running before the ranks are asked
+        # to stop; forced (an exception, a signal), the ranks die first, hung ones included,
+        # and the driver's round trip ends with their deaths, which nobody waits for.
+        self._driver.close(wait=not force)
         if self._group is not None:
             self._group.close(force=force)
             self._group = None
+        self._driver.join()
         self._core = None
 
     def generate(self, prompts: str | Sequence[int] | torch.Tensor | Sequence[Any],

@@ -6,6 +6,7 @@ serving."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -108,17 +109,22 @@ def _wait_in_flight(llm: LLM, label: str) -> None:
 
 
 @pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
-def test_closing_fails_calls_in_flight_with_llm_closed(tp):
-    """Leaving the with block while another thread generates fails that call with LLMClosed
-    ("in flight"), not a rank death; calls afterwards raise LLMClosed; no rank survives."""
-    label = f"TP {tp}"
+@pytest.mark.parametrize("forced", [False, True], ids=["shutdown", "exception"])
+def test_closing_fails_calls_in_flight_with_llm_closed(tp, forced):
+    """Leaving the with block (normally, or by an exception: the ranks are killed at once)
+    while another thread generates fails that call with LLMClosed ("in flight"), not a rank
+    death; calls afterwards raise LLMClosed; no rank survives."""
+    label = f"TP {tp} {'exception' if forced else 'shutdown'}"
     outcome: list = []
-    with LLM(GOLDEN / "tiny-llama", tp=tp, device="cpu", progress=False,
-             max_model_len=512) as llm:
-        ranks = [p.pid for p in llm._group._procs] if llm._group else []
-        worker = threading.Thread(target=lambda: outcome.append(_generate_or_error(llm)))
-        worker.start()
-        _wait_in_flight(llm, label)
+    with pytest.raises(KeyError) if forced else contextlib.nullcontext():
+        with LLM(GOLDEN / "tiny-llama", tp=tp, device="cpu", progress=False,
+                 max_model_len=512) as llm:
+            ranks = [p.pid for p in llm._group._procs] if llm._group else []
+            worker = threading.Thread(target=lambda: outcome.append(_generate_or_error(llm)))
+            worker.start()
+            _wait_in_flight(llm, label)
+            if forced:
+                raise KeyError("the body failed")
     worker.join(60)
     assert outcome and isinstance(outcome[0], LLMClosed), f"{label}: the caller got {outcome}"
     assert "in flight" in str(outcome[0]), f"{label}: {outcome[0]}"
