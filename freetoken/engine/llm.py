@@ -73,13 +73,17 @@ class LLM:
         """Fail the calls in flight with LLMClosed, stop the rank processes (if any) and drop
         the model; `force` kills the ranks at once. Calls afterwards raise LLMClosed."""
         # Unforced, the driver finishes the steps it is running before the ranks are asked
-        # to stop; forced (an exception, a signal), the ranks die first, hung ones included,
-        # and the driver's round trip ends with their deaths, which nobody waits for.
+        # to stop. Forced (an exception, a signal), the ranks are killed first, hung ones
+        # included, so that the driver's round trip ends with their deaths; only then is the
+        # group closed: closing it while the driver is inside `run` would close the pipes
+        # under the driver's feet, twice.
         self._driver.close(wait=not force)
+        if force and self._group is not None:
+            _kill_ranks(self._group)
+        self._driver.join()
         if self._group is not None:
             self._group.close(force=force)
             self._group = None
-        self._driver.join()
         self._core = None
 
     def generate(self, prompts: str | Sequence[int] | torch.Tensor | Sequence[Any],
@@ -179,6 +183,14 @@ def _load_tokenizer(folder: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(folder)
+
+
+def _kill_ranks(group: RankGroup) -> None:
+    """SIGKILL every rank of `group` and nothing else: unlike `close`, safe while another
+    thread waits in `group.run` (it sees the deaths and returns)."""
+    for proc in list(group._procs):
+        if proc.is_alive():
+            proc.kill()
 
 
 def _start_core(ctx: RankContext, folder: Path, config: EngineConfig) -> None:

@@ -113,13 +113,17 @@ def _wait_in_flight(llm: LLM, label: str) -> None:
 def test_closing_fails_calls_in_flight_with_llm_closed(tp, forced):
     """Leaving the with block (normally, or by an exception: the ranks are killed at once)
     while another thread generates fails that call with LLMClosed ("in flight"), not a rank
-    death; calls afterwards raise LLMClosed; no rank survives."""
+    death; calls afterwards raise LLMClosed; no rank survives; the rank group is never
+    closed while the driver thread is inside its `run` (both would close its pipes)."""
     label = f"TP {tp} {'exception' if forced else 'shutdown'}"
     outcome: list = []
     with pytest.raises(KeyError) if forced else contextlib.nullcontext():
         with LLM(GOLDEN / "tiny-llama", tp=tp, device="cpu", progress=False,
                  max_model_len=512) as llm:
             ranks = [p.pid for p in llm._group._procs] if llm._group else []
+            watch = _GroupWatch(llm._group) if llm._group else None
+            if watch:
+                llm._group = watch
             worker = threading.Thread(target=lambda: outcome.append(_generate_or_error(llm)))
             worker.start()
             _wait_in_flight(llm, label)
@@ -130,9 +134,34 @@ def test_closing_fails_calls_in_flight_with_llm_closed(tp, forced):
     assert "in flight" in str(outcome[0]), f"{label}: {outcome[0]}"
     with pytest.raises(LLMClosed, match="LLM closed"):
         llm.generate([[1, 2]])
+    assert not (watch and watch.overlaps), f"{label}: the group was closed inside a run"
     alive = [pid for pid in ranks if psutil.pid_exists(pid)
              and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
     assert not alive, f"{label}: rank processes {alive} outlived the LLM"
+
+
+class _GroupWatch:
+    """A RankGroup that records every `close` begun while a `run` is inside it."""
+
+    def __init__(self, group):
+        self.group = group
+        self.inside = 0
+        self.overlaps: list[bool] = []
+
+    def run(self, *args, **kwargs):
+        self.inside += 1
+        try:
+            return self.group.run(*args, **kwargs)
+        finally:
+            self.inside -= 1
+
+    def close(self, force: bool = False) -> None:
+        if self.inside:
+            self.overlaps.append(force)
+        self.group.close(force=force)
+
+    def __getattr__(self, name):
+        return getattr(self.group, name)
 
 
 def _generate_or_error(llm: LLM):
