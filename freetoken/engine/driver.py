@@ -152,7 +152,8 @@ class Driver:
     def _engine_failed(self, error: BaseException) -> None:
         with self._cond:
             self._stepping = False
-            live = [i for i in self._calls if i not in {r.request_id for r in self._queued}]
+            queued = {r.request_id for r in self._queued}
+            live = [i for i in self._calls if i not in queued]
             self._fail(live, lambda call: error)
             self._cond.notify_all()
         self._reset()
