@@ -62,7 +62,7 @@ def main() -> None:
 @click.option("--temperature", default=0.0, show_default=True)
 @click.option("--top-k", default=0, show_default=True)
 @click.option("--top-p", default=1.0, show_default=True)
-@click.option("--seed", default=None, type=int)
+@click.option("--seed", default=None, type=int, help="sampling seed, in [0, 2**63)")
 @click.option("--ignore-eos", is_flag=True)
 @click.option("--enforce-eager", is_flag=True, help="no CUDA graphs for decode steps")
 @click.option("--tp-invariant", is_flag=True,
@@ -92,9 +92,11 @@ def _generate(prompts, model, tp, device, dtype, oversubscribe, sampling: dict, 
     rank's), 1 on a rank failure."""
     from freetoken import LLM, SamplingParams
     from freetoken.distributed import choose_placement
+    from freetoken.engine.llm import check_generate
 
     try:
         params = SamplingParams(**sampling)
+        check_generate(model, prompts, params, tp=tp, dtype=dtype)
         if modes.get("tp_invariant") and choose_placement(device, tp, oversubscribe).is_cuda:
             raise ValueError("--tp-invariant runs on the CPU only (the CUDA kernels are not "
                              "TP-invariant yet): add --device cpu")

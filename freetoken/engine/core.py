@@ -15,7 +15,13 @@ from freetoken.engine.graphs import DecodeGraphs
 from freetoken.engine.kv_cache import BlockManager, StatePool, allocate_kv_cache
 from freetoken.engine.sampler import sample
 from freetoken.engine.scheduler import Scheduler
-from freetoken.engine.sequence import GenerationResult, SamplingParams, Sequence
+from freetoken.engine.sequence import (
+    GenerationResult,
+    Request,
+    SamplingParams,
+    Sequence,
+    default_seed,
+)
 from freetoken.loading import CheckpointReader, load_weights
 from freetoken.models.registry import build_model, load_config, shard_plan
 
@@ -50,7 +56,7 @@ class EngineCore:
         # The Triton paths (sync-free, graphable) on CUDA; CPU keeps the torch reference.
         self.use_kernels = self.device.type == "cuda"
         self.blocks = self._allocate_cache()
-        self.states = StatePool(self.cfg.max_num_seqs)
+        self.reset()
         self.graphs = self._decode_graphs() if self.use_graphs else None
 
     def _build(self) -> torch.nn.Module:
@@ -90,42 +96,68 @@ class EngineCore:
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]
                  ) -> list[GenerationResult]:
-        """Generate for every prompt with continuous batching; results in prompt order."""
-        self.states = StatePool(self.cfg.max_num_seqs)
-        sched = Scheduler(self.blocks, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens,
-                          self.states)
-        seqs = [self._sequence(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
-        for seq in seqs:
-            sched.add(seq)
-        while sched.has_work():
-            batch, prefill = sched.schedule()
-            for seq, token in zip(batch, self.step(batch, prefill)):
-                self._append(sched, seq, token)
-        return [seq.result() for seq in seqs]
+        """Generate for every prompt with continuous batching; results in prompt order. Drops
+        any requests still in flight from `add_requests` (their callers are the LLM's to
+        settle): this call owns the engine until it returns."""
+        self.reset()
+        self.add_requests([Request(i, list(p), sp, default_seed(sp, i))
+                           for i, (p, sp) in enumerate(zip(prompts, params))])
+        results: dict[int, GenerationResult] = {}
+        while self.scheduler.has_work():
+            results.update(self.run_steps(1))
+        return [results[i] for i in range(len(prompts))]
 
-    def _sequence(self, i: int, prompt: list[int], params: SamplingParams) -> Sequence:
+    def reset(self) -> None:
+        """Forget every request: all cache blocks and linear-state slots free again."""
+        self.blocks = BlockManager(self.blocks.num_blocks, self.blocks.block_size)
+        self.states = StatePool(self.cfg.max_num_seqs)
+        self.scheduler = Scheduler(self.blocks, self.cfg.max_num_seqs,
+                                   self.cfg.max_num_batched_tokens, self.states)
+
+    def add_requests(self, requests: list[Request]) -> None:
+        """Queue `requests` behind those in flight; later `run_steps` calls batch them all."""
+        for request in requests:
+            self.scheduler.add(self._sequence(request))
+
+    def run_steps(self, max_steps: int) -> list[tuple[int, GenerationResult]]:
+        """Up to `max_steps` engine steps, stopping after the first step in which a request
+        finished (its caller is waiting); (request id, result) of each request finished."""
+        finished = []
+        for _ in range(max_steps):
+            if finished or not self.scheduler.has_work():
+                break
+            batch, prefill = self.scheduler.schedule()
+            for seq, token in zip(batch, self.step(batch, prefill)):
+                if self._append(seq, token):
+                    finished.append((seq.seq_id, seq.result()))
+        return finished
+
+    def _sequence(self, request: Request) -> Sequence:
         vocab = self.model_config.vocab_size
+        i, prompt, params = request.request_id, request.prompt, request.params
         bad = [t for t in prompt if not 0 <= t < vocab]
         if not prompt or bad:
-            raise ValueError(f"prompt {i}: token ids must be non-empty and in [0, {vocab}), "
+            raise ValueError(f"request {i}: token ids must be non-empty and in [0, {vocab}), "
                              f"got {bad[:5] or 'an empty prompt'}")
         limit = min(self.cfg.max_model_len, self.model_config.max_position_embeddings)
         if len(prompt) + params.max_tokens > limit:
-            raise ValueError(f"prompt {i}: {len(prompt)} tokens + max_tokens="
+            raise ValueError(f"request {i}: {len(prompt)} tokens + max_tokens="
                              f"{params.max_tokens} exceed the model length {limit}")
         gen = None
         if params.temperature > 0:
-            gen = torch.Generator().manual_seed(params.seed if params.seed is not None else i)
+            gen = torch.Generator().manual_seed(request.seed)
         return Sequence(i, list(prompt), params, generator=gen)
 
-    def _append(self, sched: Scheduler, seq: Sequence, token: int) -> None:
+    def _append(self, seq: Sequence, token: int) -> bool:
+        """Add `token` to `seq`; True when that finished it."""
         seq.output.append(token)
         if len(seq.output) >= seq.params.max_tokens:
             seq.finish_reason = "length"
         elif not seq.params.ignore_eos and token in self.model_config.eos_token_ids:
             seq.finish_reason = "stop"
         if seq.finish_reason:
-            sched.finish(seq)
+            self.scheduler.finish(seq)
+        return seq.finish_reason is not None
 
     @torch.inference_mode()
     def step(self, batch: list[Sequence], prefill: bool) -> list[int]:

@@ -1,7 +1,8 @@
 """Requests are checked in the parent before dispatch: each bad request raises a ValueError
 naming the prompt and the problem, and the same LLM (TP 2: the rank group survives) then
-serves a good request. Non-finite weights and NVFP4 scales are refused at load, naming the
-tensor."""
+serves a good request. Engine options and sampling values no rank could take are refused
+in the parent, naming the option. Non-finite weights and NVFP4 scales are refused at load,
+naming the tensor."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from conftest import GOLDEN
 from safetensors.torch import load_file, save_file
 
 from freetoken import LLM, SamplingParams
-from freetoken.distributed import RankError
+from freetoken.distributed import RankError, RankGroup
 from freetoken.formats.shard import ShardError
 from freetoken.loading.finite import NonFiniteError
 
@@ -29,13 +30,44 @@ _BAD_REQUESTS = [
 
 
 @pytest.mark.parametrize("field, value", [("temperature", math.nan), ("temperature", -1.0),
+                                          ("temperature", 1e-39),
                                           ("top_p", math.inf), ("top_p", math.nan),
                                           ("max_tokens", 0), ("max_tokens", 2.0),
-                                          ("top_k", -1)])
-def test_sampling_params_refuse_non_finite_and_negative(field, value):
-    """SamplingParams refuses NaN, Inf, negative and non-integer values, naming the field."""
+                                          ("top_k", -1), ("seed", -1), ("seed", 2**63),
+                                          ("seed", 2**64), ("ignore_eos", "no"),
+                                          ("return_logits", 1)])
+def test_sampling_params_refuse_what_no_rank_can_take(field, value):
+    """SamplingParams refuses NaN, Inf, negative and non-integer values, seeds outside
+    [0, 2**63) (a torch generator's range), temperatures whose division overflows float32
+    logits (NaN probabilities on rank 0) and non-bool flags, naming the field."""
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def _no_rank_may_start(group) -> None:
+    raise AssertionError("a rank group started before the bad option was refused")
+
+
+@pytest.mark.parametrize("option, value, needle", [
+    ("block_size", 0, "block_size must be >= 1, got 0"),
+    ("max_num_seqs", 2.5, "max_num_seqs must be an integer, got 2.5"),
+    ("max_model_len", True, "max_model_len must be an integer, got True"),
+    ("num_kv_blocks", -1, "num_kv_blocks must be >= 1, got -1"),
+    ("num_layers", 99, "num_layers=99 exceeds the model's num_hidden_layers=2"),
+    ("timeout", math.nan, "timeout must be a finite number of seconds above 0, got nan"),
+    ("progress", "yes", "progress must be True or False, got 'yes'"),
+    ("dtype", "int8", "dtype must be auto or one of float32, bfloat16, float16, got 'int8'"),
+    ("tp", "2", "tp must be an integer, got '2'"),
+    ("max_num_seq", 4, "unknown engine option 'max_num_seq'"),
+])
+def test_engine_options_refused_before_any_rank_starts(monkeypatch, option, value, needle):
+    """Every numeric (and flag) engine option no rank could take is a ValueError naming the
+    option, raised before a rank group starts."""
+    monkeypatch.setattr(RankGroup, "start", _no_rank_may_start)
+    options = {"tp": 2, "device": "cpu", option: value}
+    with pytest.raises(ValueError) as info:
+        LLM(GOLDEN / "tiny-llama", **options)
+    assert needle in str(info.value), f"{option}={value!r}: {info.value}"
 
 
 def _assert_bad_requests_refused(llm: LLM) -> None:
