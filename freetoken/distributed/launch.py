@@ -3,15 +3,15 @@
 Start the group once, run many functions in it, close it. A rank that raises or dies tears
 the group down and the root failure (see `failures.py`) reaches the caller as a RankError; a
 rank that hangs is killed at the timeout after its Python stack was dumped; workers watch the
-parent and exit when it is gone. `close_all_groups` kills every running group at once (the
-signal handlers of `signals.py` call it).
+parent and, when it is gone, remove the group's directory and exit (`rankdir.py`).
+`close_all_groups` kills every running group at once (the signal handlers of `signals.py`
+call it).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import shutil
 import signal
 import tempfile
 import time
@@ -22,6 +22,7 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
+from freetoken.distributed import rankdir
 from freetoken.distributed.failures import (
     RankError,
     RankFault,
@@ -85,7 +86,8 @@ class RankGroup:
         ctx = _mp_context()
         # multiprocessing's socket directory (pymp-*), made now so that every rank inherits
         # this process's: a rank sending a tensor would otherwise make its own, which stays
-        # behind when the rank is killed. This process removes it at exit.
+        # behind when the rank is killed. This process removes it at exit (or, when this
+        # process is killed, the last rank out does).
         mp_util.get_temp_dir()
         self._tmp = Path(tempfile.mkdtemp(prefix="freetoken-ranks-"))
         _LIVE.add(self)
@@ -204,7 +206,7 @@ class RankGroup:
         time.sleep(1.0)
         stacks = {}
         for rank in ranks:
-            path = self._tmp / f"stack-{rank}.txt"
+            path = rankdir.stack_path(self._tmp, rank)
             stacks[rank] = path.read_text() if path.exists() else ""
         return stacks
 
@@ -229,7 +231,7 @@ class RankGroup:
             conn.close()
         self._procs, self._conns = [], []
         if self._tmp is not None:
-            shutil.rmtree(self._tmp, ignore_errors=True)
+            rankdir.remove(self._tmp)
             self._tmp = None
         _LIVE.discard(self)
 
