@@ -5,11 +5,12 @@ the group down and the root failure (see `failures.py`) reaches the caller as a 
 rank that hangs is killed at the timeout after its Python stack was dumped; workers watch the
 parent and, when it is gone, remove the group's directory and exit (`rankdir.py`).
 `close_all_groups` kills every running group at once (the signal handlers of `signals.py`
-call it).
+call it); a signal never falls between a rank's fork and its record (`deferred.py`).
 """
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
 import os
 import signal
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from freetoken.distributed import rankdir
+from freetoken.distributed.deferred import signals_deferred
 from freetoken.distributed.failures import (
     RankError,
     RankFault,
@@ -49,11 +51,16 @@ _MP = None
 
 def _mp_context():
     """forkserver with torch preloaded: each rank forks a warm interpreter instead of
-    re-importing torch, and the server never touches CUDA or a thread pool."""
+    re-importing torch, and the server never touches CUDA or a thread pool. Its last
+    preload makes every rank start with SIGINT ignored (see `forkserver_init.py`)."""
     global _MP
     if _MP is None:
         _MP = mp.get_context("forkserver")
-        _MP.set_forkserver_preload(["torch", "torch.distributed"])
+        _MP.set_forkserver_preload(["torch", "torch.distributed",
+                                    "freetoken.distributed.forkserver_init"])
+        # A group still running when the interpreter exits would otherwise be ended by
+        # multiprocessing's own exit hook (SIGTERM), which leaves its directory behind.
+        atexit.register(close_all_groups)
     return _MP
 
 
@@ -83,23 +90,25 @@ class RankGroup:
         self.close(force=exc_type is not None)
 
     def start(self) -> None:
+        """Start the ranks and wait until every one has joined the process group. Whatever
+        stops it (a rank's failure, the timeout, a signal) stops the ranks already running
+        and removes the group's directory before the error propagates."""
         ctx = _mp_context()
         # multiprocessing's socket directory (pymp-*), made now so that every rank inherits
         # this process's: a rank sending a tensor would otherwise make its own, which stays
         # behind when the rank is killed. This process removes it at exit (or, when this
         # process is killed, the last rank out does).
         mp_util.get_temp_dir()
-        self._tmp = Path(tempfile.mkdtemp(prefix="freetoken-ranks-"))
-        _LIVE.add(self)
+        with signals_deferred():  # a directory not yet known to close_all_groups would stay
+            self._tmp = Path(tempfile.mkdtemp(prefix="freetoken-ranks-"))
+            _LIVE.add(self)
         try:
             for rank in range(self.tp_size):
                 self._spawn(ctx, rank)
+            self._collect(self.timeout, "starting")
         except BaseException:
-            # A rank that could not be started (no fork server, no memory, a signal): the
-            # ranks already running and the group's directory go with the error.
             self.close(force=True)
             raise
-        self._collect(self.timeout, "starting")
 
     def _spawn(self, ctx, rank: int) -> None:
         parent, child = ctx.Pipe()
@@ -110,15 +119,17 @@ class RankGroup:
             daemon=True,
             name=f"freetoken-rank{rank}",
         )
-        try:
-            proc.start()
-        except BaseException:
-            parent.close()
-            raise
-        finally:
-            child.close()
-        self._procs.append(proc)
-        self._conns.append(parent)
+        # A signal between the fork and the bookkeeping would leave a rank nobody stops.
+        with signals_deferred():
+            try:
+                proc.start()
+            except BaseException:
+                parent.close()
+                raise
+            finally:
+                child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
 
     @property
     def running(self) -> bool:
@@ -130,15 +141,25 @@ class RankGroup:
         if not self._procs:
             raise RuntimeError("rank group is not running")
         what = getattr(fn, "__name__", "a call")
-        for rank, (proc, conn) in enumerate(zip(self._procs, self._conns)):
-            if not proc.is_alive():
-                self._fail([self._death(rank, "while idle")])
-            try:
-                conn.send(("call", fn, args))
-            except OSError as e:
-                self._fail([RankFault(rank, "died", f"{type(e).__name__}: {e} (sending "
-                                      f"{what})", f"pipe to rank {rank} broke: {e}")])
-        return self._collect(self.timeout if timeout is None else timeout, f"in {what}")
+        sent = 0
+        try:
+            for rank, (proc, conn) in enumerate(zip(self._procs, self._conns)):
+                if not proc.is_alive():
+                    self._fail([self._death(rank, "while idle")])
+                try:
+                    conn.send(("call", fn, args))
+                except OSError as e:
+                    self._fail([RankFault(rank, "died", f"{type(e).__name__}: {e} (sending "
+                                          f"{what})", f"pipe to rank {rank} broke: {e}")])
+                sent += 1
+            return self._collect(self.timeout if timeout is None else timeout, f"in {what}")
+        except BaseException:
+            # A call cut short (a signal) leaves replies in the pipes that the next call would
+            # take for its own: the group ends with it. (A function that cannot be pickled is
+            # refused before any rank got it, and the group stays.)
+            if sent:
+                self.close(force=True)
+            raise
 
     def _collect(self, timeout: float, doing: str) -> list:
         deadline = time.monotonic() + timeout

@@ -1,6 +1,8 @@
 """A rank group leaves nothing behind, whatever ends its parent: SIGKILL while the ranks
 start, sit idle or run a call (the ranks exit without a word and remove the group's temp
-directories themselves)."""
+directories themselves), and SIGINT / SIGTERM at any point of the group's life, right after a
+rank's fork included (the command's one line is the last thing printed, and every rank and
+temp directory is gone)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from freetoken.distributed.deferred import signals_deferred
 
 _DRIVER = Path(__file__).with_name("lifecycle_driver.py")
 _GONE_WITHIN_S = 10.0
@@ -94,3 +98,64 @@ def test_sigkilled_parent_leaves_no_rank_no_directory_and_no_output(tmp_path, po
     assert pids, "the driver printed no pids"
     _assert_nothing_left(tmp_path, pids, f"SIGKILL at {point}")
     assert _stderr(tmp_path) == "", f"printed after SIGKILL at {point}:\n{_stderr(tmp_path)}"
+
+
+@pytest.mark.parametrize("point, flag, name, code", [
+    ("start", "--sigint", "SIGINT", 130),
+    ("fork", "--sigint", "SIGINT", 130),
+    ("fork", "--sigterm", "SIGTERM", 143),
+    ("run", "--sigterm", "SIGTERM", 143),
+    ("close", "--sigint", "SIGINT", 130),
+])
+def test_signal_at_any_point_prints_one_last_line_and_leaves_nothing(tmp_path, point, flag,
+                                                                     name, code):
+    """SIGINT / SIGTERM while the group starts (between two ranks, or right after a rank's
+    fork, before the group recorded it), while a call runs, or while the ranks stop: exit
+    130 / 143, stderr is exactly the one interruption line (nothing from a rank after it),
+    no rank and nothing in TMPDIR left."""
+    proc, pids = _make_driver(tmp_path, point, "--signals", flag)
+    if point in ("start", "run"):  # the others signal themselves
+        proc.send_signal(signal.SIGTERM if flag == "--sigterm" else signal.SIGINT)
+    got = _finish(proc)
+    _assert_nothing_left(tmp_path, pids, f"{name} at {point}")
+    time.sleep(0.5)  # a rank that outlived its stop would print by now
+    lines = _stderr(tmp_path).strip().splitlines()
+    assert got == code, f"{name} at {point}: exit {got}, want {code}\n{_stderr(tmp_path)}"
+    assert lines == [f"interrupted by {name}: rank processes stopped"], \
+        f"{name} at {point}: stderr is not the one line:\n{_stderr(tmp_path)}"
+
+
+def test_ranks_ignore_sigint_while_they_still_start(tmp_path):
+    """A rank ignores SIGINT from its first instruction on, while it imports the parent's
+    main module included: a Ctrl-C reaching the terminal's process group while ranks start
+    cannot print a KeyboardInterrupt traceback from a rank."""
+    (tmp_path / "tmp").mkdir()
+    run = subprocess.run([sys.executable, str(_DRIVER), "imported"], capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ, TMPDIR=str(tmp_path / "tmp")))
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().splitlines()[-1] == "sigint ignored ignored", run.stdout
+
+
+def _make_held(signum: int, times: int) -> list[str]:
+    """What happens around a section that receives `signum` `times` times."""
+    events = []
+    try:
+        with signals_deferred():
+            for _ in range(times):
+                os.kill(os.getpid(), signum)
+                time.sleep(0.05)  # the handler runs in here
+            events.append("section done")
+    except KeyboardInterrupt:
+        events.append("KeyboardInterrupt")
+    return events
+
+
+def test_signals_deferred_holds_a_signal_until_the_section_ends():
+    """SIGINT inside the section is raised right after it, once; sent twice it is raised at
+    once (the section is cut short); the previous handler is back in place afterwards."""
+    before = signal.getsignal(signal.SIGINT)
+    once = _make_held(signal.SIGINT, 1)
+    assert once == ["section done", "KeyboardInterrupt"], f"one SIGINT: {once}"
+    twice = _make_held(signal.SIGINT, 2)
+    assert twice == ["KeyboardInterrupt"], f"two SIGINTs: {twice}"
+    assert signal.getsignal(signal.SIGINT) is before, "the SIGINT handler was not restored"
