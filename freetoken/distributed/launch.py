@@ -2,7 +2,8 @@
 
 Start the group once, run many functions in it, close it. A rank that raises or dies tears
 the group down and the root failure (see `failures.py`) reaches the caller as a RankError; a
-rank that hangs is killed at the timeout after its Python stack was dumped; workers watch the
+rank that hangs is killed at the timeout after its Python stack was dumped; a main module
+that starts ranks at import time is a MainModuleError (`bootstrap.py`); workers watch the
 parent and, when it is gone, remove the group's directory and exit (`rankdir.py`).
 `close_all_groups` kills every running group at once (the signal handlers of `signals.py`
 call it); a signal never falls between a rank's fork and its record (`deferred.py`).
@@ -24,6 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from freetoken.distributed import rankdir
+from freetoken.distributed.bootstrap import (
+    bootstrap_fault,
+    raise_if_bootstrap,
+    refuse_start_while_importing_main,
+)
 from freetoken.distributed.deferred import signals_deferred
 from freetoken.distributed.failures import (
     RankError,
@@ -93,6 +99,7 @@ class RankGroup:
         """Start the ranks and wait until every one has joined the process group. Whatever
         stops it (a rank's failure, the timeout, a signal) stops the ranks already running
         and removes the group's directory before the error propagates."""
+        refuse_start_while_importing_main()
         ctx = _mp_context()
         # multiprocessing's socket directory (pymp-*), made now so that every rank inherits
         # this process's: a rank sending a tensor would otherwise make its own, which stays
@@ -209,6 +216,11 @@ class RankGroup:
     def _death(self, rank: int, doing: str) -> RankFault:
         proc = self._procs[rank]
         proc.join(1)
+        if doing == "starting":
+            began = rankdir.stack_path(self._tmp, rank).exists()
+            fault = bootstrap_fault(rank, proc.exitcode, began, time.time())
+            if fault is not None:
+                return fault
         reason = exit_reason(proc.exitcode)
         return RankFault(rank, "died", f"process died ({reason}) {doing}",
                          f"rank {rank} (pid {proc.pid}) exited {doing} without a result: "
@@ -217,6 +229,7 @@ class RankGroup:
     def _fail(self, faults: list[RankFault]) -> None:
         root = root_fault(faults)
         self.close(force=True)
+        raise_if_bootstrap(faults)
         raise RankError.from_fault(root, faults, self.tp_size)
 
     def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
