@@ -71,7 +71,7 @@ def _processes_using(tmpdir: Path) -> list[int]:
 
 def _assert_nothing_left(tmp_path: Path) -> None:
     tmpdir = tmp_path / "tmp"
-    deadline = time.monotonic() + 10.0
+    deadline = time.monotonic() + 20.0
     while time.monotonic() < deadline and (_processes_using(tmpdir) or any(tmpdir.iterdir())):
         time.sleep(0.2)
     left = _processes_using(tmpdir)
