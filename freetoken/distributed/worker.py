@@ -22,6 +22,8 @@ from freetoken.distributed.placement import Placement
 
 # How often a rank checks that its parent still runs.
 _WATCH_S = 0.5
+# How long the last rank out waits for a parent that closed its pipe to be gone.
+_PARENT_EXIT_WAIT_S = 2.0
 # The exit status of a rank that ended because its parent was gone (nobody reads it: the
 # parent is gone; it tells such an exit apart when one is traced).
 EXIT_PARENT_GONE = 3
@@ -58,9 +60,20 @@ class _Parent:
 
     def leave(self) -> NoReturn:
         with self._leaving:  # the watcher and the serving thread may both find it gone
-            if rankdir.leave(self.tmp, self.rank) and not rankdir.parent_alive(self.pid):
+            if rankdir.leave(self.tmp, self.rank) and self._gone_soon():
                 rankdir.remove_parents_mp_dir()
             os._exit(EXIT_PARENT_GONE)
+
+    def _gone_soon(self) -> bool:
+        """Whether the parent is gone, or goes within a moment: the pipe's end reaches a
+        rank while the parent is still exiting (its files are closed before it is a zombie).
+        A parent that stays has only let go of the group, and keeps its directories."""
+        deadline = time.monotonic() + _PARENT_EXIT_WAIT_S
+        while rankdir.parent_alive(self.pid):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     def watch(self) -> None:
         while True:
