@@ -1,4 +1,4 @@
-"""Sections of the parent that a signal must not cut in half.
+"""Sections of the parent that a signal must not cut in half, and the fork server's start.
 
 Starting a rank is one such section: a SIGINT (KeyboardInterrupt) or SIGTERM raised after the
 fork server forked the rank but before the group recorded it leaves a rank that nobody
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable
 from contextlib import contextmanager
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -58,3 +59,23 @@ def _deliver(signum: int, handler) -> None:
         handler(signum, None)
     else:  # SIG_DFL: the default action (terminate) now that it is back in place
         signal.raise_signal(signum)
+
+
+def start_ignoring_sigint(start: Callable[[], None]) -> None:
+    """Call `start` (which forks and execs a process: the fork server) with SIGINT ignored,
+    so that the process, and every rank it forks, begins with SIGINT ignored: a Ctrl-C that
+    reaches the terminal's process group while a rank still imports the main module cannot
+    print a KeyboardInterrupt traceback from it. Meanwhile this thread blocks SIGINT, which
+    keeps one that arrives pending until the handler is back (in a process with other
+    threads one of them may take it, and it is lost: the window is one fork and exec)."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is None:
+        start()
+        return
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        start()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)

@@ -19,6 +19,7 @@ import tempfile
 import time
 import weakref
 from collections.abc import Callable
+from multiprocessing import forkserver, resource_tracker
 from multiprocessing import util as mp_util
 from multiprocessing.connection import wait
 from pathlib import Path
@@ -30,7 +31,7 @@ from freetoken.distributed.bootstrap import (
     raise_if_bootstrap,
     refuse_start_while_importing_main,
 )
-from freetoken.distributed.deferred import signals_deferred
+from freetoken.distributed.deferred import signals_deferred, start_ignoring_sigint
 from freetoken.distributed.failures import (
     RankError,
     RankFault,
@@ -57,13 +58,14 @@ _MP = None
 
 def _mp_context():
     """forkserver with torch preloaded: each rank forks a warm interpreter instead of
-    re-importing torch, and the server never touches CUDA or a thread pool. Its last
-    preload makes every rank start with SIGINT ignored (see `forkserver_init.py`)."""
+    re-importing torch, and the server never touches CUDA or a thread pool. It is started
+    with SIGINT ignored, which every rank inherits (see `deferred.start_ignoring_sigint`)."""
     global _MP
     if _MP is None:
         _MP = mp.get_context("forkserver")
-        _MP.set_forkserver_preload(["torch", "torch.distributed",
-                                    "freetoken.distributed.forkserver_init"])
+        _MP.set_forkserver_preload(["torch", "torch.distributed"])
+        resource_tracker.ensure_running()  # it unblocks SIGINT when it starts
+        start_ignoring_sigint(forkserver.ensure_running)
         # A group still running when the interpreter exits would otherwise be ended by
         # multiprocessing's own exit hook (SIGTERM), which leaves its directory behind.
         atexit.register(close_all_groups)
