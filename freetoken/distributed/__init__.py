@@ -1,5 +1,6 @@
 """Tensor-parallel identity, collectives and rank processes."""
 
+from freetoken.distributed.bootstrap import MainModuleError
 from freetoken.distributed.comm import Communicator, get_communicator, set_communicator
 from freetoken.distributed.failures import RankError, RankTimeout
 from freetoken.distributed.launch import RankGroup, close_all_groups
@@ -12,5 +13,5 @@ __all__ = [
     "Communicator", "get_communicator", "set_communicator", "RankContext", "RankError",
     "RankGroup", "RankTimeout", "Placement", "PlacementError", "choose_placement", "TPInfo",
     "divide", "get_tp_info", "reset_tp_info", "set_tp_info", "close_all_groups", "Terminated",
-    "stop_on_signals",
+    "stop_on_signals", "MainModuleError",
 ]

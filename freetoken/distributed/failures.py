@@ -25,7 +25,8 @@ _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+
 @dataclass(frozen=True)
 class RankFault:
     """One rank's failure: `summary` is `Type: message`, `detail` its traceback; `kind` is
-    `raised` (its own exception), `transport` (lost a peer) or `died` (the process exited)."""
+    `raised` (its own exception), `transport` (lost a peer), `died` (the process exited) or
+    `bootstrap` (it died starting, because of the main module: see `bootstrap.py`)."""
 
     rank: int
     kind: str
@@ -57,9 +58,9 @@ def exit_reason(code: int | None) -> str:
 
 
 def root_fault(faults: list[RankFault]) -> RankFault:
-    """The cause among simultaneous faults: a rank's own exception (earliest first), else a
-    death, else the earliest transport error."""
-    order = {"raised": 0, "died": 1, "transport": 2}
+    """The cause among simultaneous faults: the main module failing a rank's start, else a
+    rank's own exception (earliest first), else a death, else the earliest transport error."""
+    order = {"bootstrap": -1, "raised": 0, "died": 1, "transport": 2}
     return min(faults, key=lambda f: (order[f.kind], f.time, f.rank))
 
 

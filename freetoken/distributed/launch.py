@@ -2,26 +2,36 @@
 
 Start the group once, run many functions in it, close it. A rank that raises or dies tears
 the group down and the root failure (see `failures.py`) reaches the caller as a RankError; a
-rank that hangs is killed at the timeout after its Python stack was dumped; workers watch the
-parent and exit when it is gone. `close_all_groups` kills every running group at once (the
-signal handlers of `signals.py` call it).
+rank that hangs is killed at the timeout after its Python stack was dumped; a main module
+that starts ranks at import time is a MainModuleError (`bootstrap.py`); workers watch the
+parent and, when it is gone, remove the group's directory and exit (`rankdir.py`).
+`close_all_groups` kills every running group at once (the signal handlers of `signals.py`
+call it); a signal never falls between a rank's fork and its record (`deferred.py`).
 """
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
 import os
-import shutil
 import signal
 import tempfile
 import time
 import weakref
 from collections.abc import Callable
+from multiprocessing import forkserver, resource_tracker
 from multiprocessing import util as mp_util
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
+from freetoken.distributed import rankdir
+from freetoken.distributed.bootstrap import (
+    bootstrap_fault,
+    raise_if_bootstrap,
+    refuse_start_while_importing_main,
+)
+from freetoken.distributed.deferred import signals_deferred, start_ignoring_sigint
 from freetoken.distributed.failures import (
     RankError,
     RankFault,
@@ -48,11 +58,17 @@ _MP = None
 
 def _mp_context():
     """forkserver with torch preloaded: each rank forks a warm interpreter instead of
-    re-importing torch, and the server never touches CUDA or a thread pool."""
+    re-importing torch, and the server never touches CUDA or a thread pool. It is started
+    with SIGINT ignored, which every rank inherits (see `deferred.start_ignoring_sigint`)."""
     global _MP
     if _MP is None:
         _MP = mp.get_context("forkserver")
         _MP.set_forkserver_preload(["torch", "torch.distributed"])
+        resource_tracker.ensure_running()  # it unblocks SIGINT when it starts
+        start_ignoring_sigint(forkserver.ensure_running)
+        # A group still running when the interpreter exits would otherwise be ended by
+        # multiprocessing's own exit hook (SIGTERM), which leaves its directory behind.
+        atexit.register(close_all_groups)
     return _MP
 
 
@@ -82,22 +98,26 @@ class RankGroup:
         self.close(force=exc_type is not None)
 
     def start(self) -> None:
+        """Start the ranks and wait until every one has joined the process group. Whatever
+        stops it (a rank's failure, the timeout, a signal) stops the ranks already running
+        and removes the group's directory before the error propagates."""
+        refuse_start_while_importing_main()
         ctx = _mp_context()
         # multiprocessing's socket directory (pymp-*), made now so that every rank inherits
         # this process's: a rank sending a tensor would otherwise make its own, which stays
-        # behind when the rank is killed. This process removes it at exit.
+        # behind when the rank is killed. This process removes it at exit (or, when this
+        # process is killed, the last rank out does).
         mp_util.get_temp_dir()
-        self._tmp = Path(tempfile.mkdtemp(prefix="freetoken-ranks-"))
-        _LIVE.add(self)
+        with signals_deferred():  # a directory not yet known to close_all_groups would stay
+            self._tmp = Path(tempfile.mkdtemp(prefix="freetoken-ranks-"))
+            _LIVE.add(self)
         try:
             for rank in range(self.tp_size):
                 self._spawn(ctx, rank)
+            self._collect(self.timeout, "starting")
         except BaseException:
-            # A rank that could not be started (no fork server, no memory, a signal): the
-            # ranks already running and the group's directory go with the error.
             self.close(force=True)
             raise
-        self._collect(self.timeout, "starting")
 
     def _spawn(self, ctx, rank: int) -> None:
         parent, child = ctx.Pipe()
@@ -108,15 +128,17 @@ class RankGroup:
             daemon=True,
             name=f"freetoken-rank{rank}",
         )
-        try:
-            proc.start()
-        except BaseException:
-            parent.close()
-            raise
-        finally:
-            child.close()
-        self._procs.append(proc)
-        self._conns.append(parent)
+        # A signal between the fork and the bookkeeping would leave a rank nobody stops.
+        with signals_deferred():
+            try:
+                proc.start()
+            except BaseException:
+                parent.close()
+                raise
+            finally:
+                child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
 
     @property
     def running(self) -> bool:
@@ -128,15 +150,25 @@ class RankGroup:
         if not self._procs:
             raise RuntimeError("rank group is not running")
         what = getattr(fn, "__name__", "a call")
-        for rank, (proc, conn) in enumerate(zip(self._procs, self._conns)):
-            if not proc.is_alive():
-                self._fail([self._death(rank, "while idle")])
-            try:
-                conn.send(("call", fn, args))
-            except OSError as e:
-                self._fail([RankFault(rank, "died", f"{type(e).__name__}: {e} (sending "
-                                      f"{what})", f"pipe to rank {rank} broke: {e}")])
-        return self._collect(self.timeout if timeout is None else timeout, f"in {what}")
+        sent = 0
+        try:
+            for rank, (proc, conn) in enumerate(zip(self._procs, self._conns)):
+                if not proc.is_alive():
+                    self._fail([self._death(rank, "while idle")])
+                try:
+                    conn.send(("call", fn, args))
+                except OSError as e:
+                    self._fail([RankFault(rank, "died", f"{type(e).__name__}: {e} (sending "
+                                          f"{what})", f"pipe to rank {rank} broke: {e}")])
+                sent += 1
+            return self._collect(self.timeout if timeout is None else timeout, f"in {what}")
+        except BaseException:
+            # A call cut short (a signal) leaves replies in the pipes that the next call would
+            # take for its own: the group ends with it. (A function that cannot be pickled is
+            # refused before any rank got it, and the group stays.)
+            if sent:
+                self.close(force=True)
+            raise
 
     def _collect(self, timeout: float, doing: str) -> list:
         deadline = time.monotonic() + timeout
@@ -186,6 +218,11 @@ class RankGroup:
     def _death(self, rank: int, doing: str) -> RankFault:
         proc = self._procs[rank]
         proc.join(1)
+        if doing == "starting":
+            began = rankdir.stack_path(self._tmp, rank).exists()
+            fault = bootstrap_fault(rank, proc.exitcode, began, time.time())
+            if fault is not None:
+                return fault
         reason = exit_reason(proc.exitcode)
         return RankFault(rank, "died", f"process died ({reason}) {doing}",
                          f"rank {rank} (pid {proc.pid}) exited {doing} without a result: "
@@ -194,6 +231,7 @@ class RankGroup:
     def _fail(self, faults: list[RankFault]) -> None:
         root = root_fault(faults)
         self.close(force=True)
+        raise_if_bootstrap(faults)
         raise RankError.from_fault(root, faults, self.tp_size)
 
     def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
@@ -204,7 +242,7 @@ class RankGroup:
         time.sleep(1.0)
         stacks = {}
         for rank in ranks:
-            path = self._tmp / f"stack-{rank}.txt"
+            path = rankdir.stack_path(self._tmp, rank)
             stacks[rank] = path.read_text() if path.exists() else ""
         return stacks
 
@@ -229,7 +267,7 @@ class RankGroup:
             conn.close()
         self._procs, self._conns = [], []
         if self._tmp is not None:
-            shutil.rmtree(self._tmp, ignore_errors=True)
+            rankdir.remove(self._tmp)
             self._tmp = None
         _LIVE.discard(self)
 

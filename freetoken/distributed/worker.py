@@ -1,22 +1,32 @@
 """The rank side of a rank group: join the process group, then serve calls from the parent
-until told to stop, reporting any failure as a RankFault. Workers watch the parent and exit
-when it is gone; they ignore SIGINT (the parent decides teardown) and dump their Python stack
-on SIGUSR1 (the parent's timeout asks for it)."""
+until told to stop, reporting any failure as a RankFault. Workers watch the parent and, when
+it is gone, remove what the group left in TMPDIR and exit without a word (`rankdir.py`);
+they ignore SIGINT (the parent decides teardown) and dump their Python stack on SIGUSR1 (the
+parent's timeout asks for it)."""
 
 from __future__ import annotations
 
 import faulthandler
 import os
-import shutil
 import signal
 import threading
 import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
+from freetoken.distributed import rankdir
 from freetoken.distributed.failures import fault_from_exception
 from freetoken.distributed.placement import Placement
+
+# How often a rank checks that its parent still runs.
+_WATCH_S = 0.5
+# How long the last rank out waits for a parent that closed its pipe to be gone.
+_PARENT_EXIT_WAIT_S = 2.0
+# The exit status of a rank that ended because its parent was gone (nobody reads it: the
+# parent is gone; it tells such an exit apart when one is traced).
+EXIT_PARENT_GONE = 3
 
 
 @dataclass
@@ -33,18 +43,72 @@ class RankContext:
         return self.placement.device_for(self.rank)
 
 
-def _watch_parent(parent_pid: int, rank: int, tmp: str) -> None:
-    while True:
-        time.sleep(1.0)
+class _Parent:
+    """The rank's line to its parent, and the one way out when the parent is gone or has
+    let go of the group (found by the watcher, at the pipe's end, or by a reply that cannot
+    be sent): `leave` gives up the rank's place in the group's directory, the last rank out
+    removing it (and the dead parent's multiprocessing directory), and ends without a word.
+    Nothing is flushed: whatever the rank printed now would come after its parent's last
+    line."""
+
+    def __init__(self, conn, pid: int, tmp: str, rank: int):
+        self.conn = conn
+        self.pid = pid
+        self.tmp = tmp
+        self.rank = rank
+        self._leaving = threading.Lock()
+
+    def leave(self) -> NoReturn:
+        with self._leaving:  # the watcher and the serving thread may both find it gone
+            if rankdir.leave(self.tmp, self.rank) and self._gone_soon():
+                rankdir.remove_parents_mp_dir()
+            os._exit(EXIT_PARENT_GONE)
+
+    def _gone_soon(self) -> bool:
+        """Whether the parent is gone, or goes within a moment: the pipe's end reaches a
+        rank while the parent is still exiting (its files are closed before it is a zombie).
+        A parent that stays has only let go of the group, and keeps its directories."""
+        deadline = time.monotonic() + _PARENT_EXIT_WAIT_S
+        while rankdir.parent_alive(self.pid):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def watch(self) -> None:
+        while True:
+            time.sleep(_WATCH_S)
+            if not rankdir.parent_alive(self.pid):
+                self.leave()
+
+    def receive(self) -> tuple:
         try:
-            os.kill(parent_pid, 0)
-        except ProcessLookupError:
-            if rank == 0:  # the dead parent cannot remove the group's directory any more
-                shutil.rmtree(tmp, ignore_errors=True)
-            os._exit(3)
+            return self.conn.recv()
+        except (EOFError, OSError):
+            self.leave()
+
+    def send(self, message: tuple) -> None:
+        try:
+            self.conn.send(message)
+        except (BrokenPipeError, ConnectionResetError):
+            self.leave()
+        except BaseException:
+            # A reply that cannot be pickled is the call's own error, unless the parent went
+            # meanwhile (a tensor's socket cannot be made once its directory is gone).
+            if not rankdir.parent_alive(self.pid):
+                self.leave()
+            raise
+
+    def send_error(self, exc: BaseException) -> None:
+        self.send(("error", fault_from_exception(self.rank, exc, traceback.format_exc(),
+                                                 time.time())))
 
 
 def worker_main(rank, size, placement, tmp, conn, parent_pid, env) -> None:
+    stack_file = rankdir.join(tmp, rank)
+    if stack_file is None:  # the group ended before this rank began
+        os._exit(EXIT_PARENT_GONE)
+    parent = _Parent(conn, parent_pid, tmp, rank)
     import torch
 
     torch.set_num_threads(1)
@@ -56,20 +120,15 @@ def worker_main(rank, size, placement, tmp, conn, parent_pid, env) -> None:
     from tqdm import tqdm
 
     tqdm.set_lock(threading.RLock())
-    stack_file = open(Path(tmp) / f"stack-{rank}.txt", "w")  # noqa: SIM115 - lives with the process
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
-    threading.Thread(target=_watch_parent, args=(parent_pid, rank, tmp), daemon=True).start()
+    threading.Thread(target=parent.watch, daemon=True).start()
     try:
         ctx = _init_rank(rank, size, placement, tmp)
-        conn.send(("ok", None))
     except BaseException as e:
-        _send_error(conn, rank, e)
+        parent.send_error(e)
         return
-    _serve(ctx, conn)
-
-
-def _send_error(conn, rank: int, exc: BaseException) -> None:
-    conn.send(("error", fault_from_exception(rank, exc, traceback.format_exc(), time.time())))
+    parent.send(("ok", None))
+    _serve(ctx, parent)
 
 
 def _init_rank(rank: int, size: int, placement: Placement, tmp: str) -> RankContext:
@@ -89,21 +148,18 @@ def _init_rank(rank: int, size: int, placement: Placement, tmp: str) -> RankCont
     return RankContext(rank, size, placement)
 
 
-def _serve(ctx: RankContext, conn) -> None:
+def _serve(ctx: RankContext, parent: _Parent) -> None:
     import torch.distributed as dist
 
     try:
         while True:
-            try:
-                kind, fn, args = conn.recv()
-            except EOFError:
-                return
+            kind, fn, args = parent.receive()
             if kind == "stop":
                 return
             try:
-                conn.send(("ok", fn(ctx, *args)))
+                parent.send(("ok", fn(ctx, *args)))
             except BaseException as e:
-                _send_error(conn, ctx.rank, e)
+                parent.send_error(e)
                 return
     finally:
         if dist.is_initialized():
