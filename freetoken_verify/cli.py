@@ -11,7 +11,7 @@ from importlib import metadata
 
 import click
 
-from freetoken.distributed import stop_on_signals
+from freetoken.distributed import MainModuleError, stop_on_signals
 from freetoken_verify.checks.base import CHECK_NAMES
 from freetoken_verify.errors import VerifyError
 from freetoken_verify.running.listing import print_listing
@@ -23,6 +23,7 @@ from freetoken_verify.running.options import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_USAGE,
+    MAX_SEED,
     REFERENCES,
     is_count,
     parse_tp,
@@ -138,7 +139,7 @@ def _print_list(ctx: click.Context, _param, value: bool) -> None:
 @click.option("--prompts-file", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="reference prompts: one text prompt a line (the model's tokenizer), or a "
                    ".json list of lists of token ids")
-@click.option("--seed", type=click.IntRange(min=0), default=None,
+@click.option("--seed", type=click.IntRange(min=0, max=MAX_SEED, max_open=True), default=None,
               help="seed of the random reference prompts and of seeded sampling  [default: 0 "
                    "for prompts, 1234 for sampling]")
 @click.option("--max-new-tokens", type=PositiveInt(), default=None,
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     except click.UsageError as e:
         click.echo(f"error: {e.format_message()}", err=True)
         code = EXIT_USAGE
-    except VerifyError as e:
+    except (VerifyError, MainModuleError) as e:
         click.echo(f"error: {e}", err=True)
         code = EXIT_USAGE
     except click.Abort:

@@ -89,9 +89,14 @@ class RankRunner:
     def _start(self) -> None:
         group = RankGroup(self.tp_size, self.placement, self.timeout, self.env)
         self._group = group
-        group.start()
-        if self.setup is not None:
-            group.run(_call_setup, self.setup)
+        try:
+            group.start()
+            if self.setup is not None:
+                group.run(_call_setup, self.setup)
+        except BaseException:
+            # Whatever cut the start short, the next call starts afresh.
+            self._group = None
+            raise
 
     def close(self, force: bool = False) -> None:
         if self._group is not None:

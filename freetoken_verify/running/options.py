@@ -7,6 +7,10 @@ import math
 
 from freetoken_verify.errors import UsageError
 
+# The harness derives seeds from --seed (prompts: seed + 1000 and + 2000; seeded sampling:
+# seed + i per prompt), each of which must stay below the engine's SEED_LIMIT (2**63, a signed
+# 64-bit torch seed); kept as a literal so this module imports no torch.
+MAX_SEED = 2**63 - 4096
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 

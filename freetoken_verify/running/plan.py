@@ -36,6 +36,7 @@ from freetoken_verify.running.options import (
     EXIT_FAILED,
     EXIT_OK,
     EXIT_USAGE,
+    MAX_SEED,
     REFERENCES,
     check_choice,
     check_count,
@@ -88,8 +89,9 @@ def _reference(reference) -> str:
 def _options(device, dtype, reference, num_layers, oversubscribe, timeout, prompts_file=None,
              seed=None, max_new_tokens=None, save_reference=None, download=False
              ) -> VerifyOptions:
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
-        raise UsageError(f"seed: {seed!r} is not a non-negative integer")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)
+                             or not 0 <= seed < MAX_SEED):
+        raise UsageError(f"seed: {seed!r} is not an integer in [0, 2**63 - 4096)")
     return VerifyOptions(
         device=check_choice("device", device, DEVICES),
         dtype=check_choice("dtype", dtype, DTYPES),

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
-from freetoken.distributed import choose_placement
+from freetoken.distributed import MainModuleError, choose_placement
 from freetoken_verify.cases.catalogue import Case
 from freetoken_verify.checks.base import CheckContext, VerifyOptions, make_result
 from freetoken_verify.checks.ranks import RankFailure, RankRunner
@@ -64,6 +64,8 @@ def _run_one(name: str, check, ctx: CheckContext) -> CheckResult:
         return check(ctx)
     except RankFailure as e:
         detail, message = e.detail(), f"{ctx.case.name} tp={ctx.tp}: {e}"
+    except MainModuleError:
+        raise  # no rank can start at all: the caller's script, not this row, is at fault
     except Exception as e:  # a check's own bug must not hide the other results
         detail = traceback.format_exc()
         message = f"{ctx.case.name} tp={ctx.tp}: {type(e).__name__}: {e}"

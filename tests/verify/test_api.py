@@ -220,3 +220,37 @@ def test_a_project_with_its_own_verify_module_runs_pytest(tmp_path):
                           cwd=project, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "1 passed" in out, out[-3000:]
+
+
+def test_run_without_the_main_guard_is_one_error(tmp_path):
+    """`freetoken_verify.run` at the top level of a script (no `__main__` guard) raises one
+    MainModuleError naming the guard instead of one ERROR row per check, each retrying a
+    start that fails again."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(textwrap.dedent("""
+        import freetoken_verify
+        from freetoken.distributed import MainModuleError
+        try:
+            freetoken_verify.run(models=["tiny-llama"], tp=[2], checks=["golden", "shards"],
+                                 device="cpu")
+        except MainModuleError as e:
+            print("MainModuleError:", e, flush=True)
+        else:
+            print("no error", flush=True)
+    """))
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert out.count("MainModuleError:") == 1 and "__main__" in out, out[-3000:]
+    assert "ERROR" not in proc.stdout, out[-3000:]
+
+
+def test_seeds_past_what_the_ranks_take_are_refused_in_the_parent():
+    """A seed the engine's derived seeds (seed + offsets) would carry past 2**63 is refused
+    before any rank starts, by the API as by the command line's range."""
+    from freetoken.engine.sequence import SEED_LIMIT
+    from freetoken_verify.running.options import MAX_SEED
+
+    assert MAX_SEED + 4096 == SEED_LIMIT, "the harness's seed bound follows the engine's"
+    _assert_typed_error(UsageError, "seed", models=["tiny-llama"], seed=2**64)
+    _assert_typed_error(UsageError, "seed", models=["tiny-llama"], seed=MAX_SEED)

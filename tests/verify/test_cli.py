@@ -8,7 +8,7 @@ import json
 import xml.etree.ElementTree as ET
 
 import pytest
-from cli_run import make_broken_checkpoint, run_cli
+from cli_run import assert_refused, make_broken_checkpoint, run_cli
 from conftest import GOLDEN
 
 
@@ -305,3 +305,10 @@ def test_catalogue_run_refuses_unknown_faults_and_has_help(capsys):
     assert catalogue_main(["--help"]) == 0
     out, _ = capsys.readouterr()
     assert "Usage:" in out and "[FAULT]..." in out and " passed, " not in out, out
+
+
+def test_seed_past_the_engine_range_exits_2(capsys):
+    """`--seed 2**64` is refused by the command line in one line, before any rank starts (it
+    overflowed on a rank: `Overflow when unpacking long long`, exit 1)."""
+    assert_refused(capsys, ["--model", "tiny-llama", "--tp", "2", "--seed", str(2**64)],
+                   "--seed")
