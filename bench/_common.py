@@ -73,3 +73,22 @@ def h2d_bandwidth(device, nbytes: int = 512 << 20, reps: int = 5) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return nbytes / statistics.median(times[1:]) / 1e6
+
+
+def capture_graph(fns: list):
+    """One CUDA graph that calls each of `fns` once, in order, after one warm-up pass of them
+    on a side stream (what capture needs: allocations and lazy initialisation done)."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    return graph
+

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _common import copy_bandwidth, int_list
+from _common import capture_graph, copy_bandwidth, int_list
 from tabulate import tabulate
 from triton.runtime.errors import OutOfResources
 
@@ -52,16 +52,7 @@ SWEEP = dict(block_n=(16, 32), block_k=(128, 256), num_warps=(4,), num_stages=(4
 
 def graph_us(calls: list, replays: int = 5) -> float:
     """Microseconds per call of `calls` (closures) captured once each into one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
+    graph = capture_graph(calls)
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()

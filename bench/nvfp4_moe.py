@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import copy_bandwidth, time_ms  # noqa: E402
+from bench._common import capture_graph, copy_bandwidth, time_ms  # noqa: E402
 from freetoken.kernels import nvfp4_launch, nvfp4_moe  # noqa: E402
 from freetoken.layers.quantization.nvfp4.reference import reference_moe  # noqa: E402
 from freetoken_verify.checks.kernels.check import make_experts  # noqa: E402
@@ -61,17 +61,7 @@ def time_graph_ms(fns: list, reps: int) -> float:
     for fn in fns:
         fn()
     torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fns:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    return time_ms(graph.replay, reps) / len(fns)
+    return time_ms(capture_graph(fns).replay, reps) / len(fns)
 
 
 def weight_copies(w: dict, hit_bytes: int, limit: int = 64) -> list[dict]:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import math
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 # FreeToken's pytest plugin (markers `gpu` / `multi_gpu(n)`, fixture `freetoken_verify`) is
 # registered through the `pytest11` entry point; an editable install made before that entry
@@ -48,13 +52,9 @@ def case_differences(written: Path, golden: Path) -> list[str]:
     (meta.json records their SHA-256) and token ids must be the same bytes; the float tensors
     of reference.safetensors (HF's fp32 logits) may differ by what another CPU's SIMD kernels
     round differently (atol 1e-4 + rtol 1e-5: observed 5e-6 on logits of magnitude 4), and
-    meta.json's bf16 baselines (bf16 against fp32, as hardware-dependent) by 0.05 absolute or
-    10 % relative per number (the positions of their maxima not compared)."""
-    import json
-    import math
-
-    from safetensors.torch import load_file
-
+    meta.json's bf16 / fp16 baselines by 0.05 absolute or 10 % relative per number (the
+    positions of their maxima not compared): `make golden` pins its numerics
+    (`freetoken_verify.cases.numerics`), these bounds are for what the pin leaves."""
     def close(a, b, path: str, out: list[str]):
         if isinstance(a, dict) and isinstance(b, dict):
             if sorted(a) != sorted(b):
@@ -114,3 +114,15 @@ def run_compiled(args: list[str], timeout: int = 600):
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
                           cwd=root, timeout=timeout)
+
+
+def make_broken_checkpoint(golden: Path, tmp_path: Path) -> Path:
+    """tiny-llama with one k_proj weight of the wrong shape: every rank fails while loading
+    (the headers are fine, so nothing refuses it before the ranks start)."""
+    folder = tmp_path / "broken"
+    shutil.copytree(golden / "tiny-llama", folder)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.1.self_attn.k_proj.weight"] = torch.zeros(48, 64)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+

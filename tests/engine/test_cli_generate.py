@@ -6,7 +6,6 @@ while generating stops everything with one line."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -14,9 +13,7 @@ import time
 import uuid
 
 import psutil
-import torch
-from conftest import GOLDEN
-from safetensors.torch import load_file, save_file
+from conftest import GOLDEN, make_broken_checkpoint
 
 
 def _run_cli(*args: str, tag: str = "") -> subprocess.CompletedProcess:
@@ -59,7 +56,7 @@ def test_rank_failing_while_loading_names_the_rank_and_leaves_nothing(tmp_path):
     """A checkpoint whose k_proj has the wrong shape makes the ranks raise while loading: bad
     input, so the command exits 2 with a line naming a rank and the tensor, and no process
     it started survives."""
-    folder = _make_unloadable_copy(tmp_path)
+    folder = make_broken_checkpoint(GOLDEN, tmp_path)
     tag = uuid.uuid4().hex
     result = _run_cli("--model", str(folder), "--tp", "2", "--prompt-ids", "1,2", tag=tag)
     assert result.returncode == 2, result.stderr
@@ -91,21 +88,11 @@ def test_prompt_ids_outside_the_vocabulary_refused_before_any_rank_starts(tmp_pa
     """`--tp 2 --prompt-ids 1,99999` is refused from the config's vocabulary before any rank
     starts: on a checkpoint whose weights cannot load, the vocabulary error is the one line
     printed (ranks that had started would have failed loading first)."""
-    folder = _make_unloadable_copy(tmp_path)
+    folder = make_broken_checkpoint(GOLDEN, tmp_path)
     result = _run_cli("--model", str(folder), "--tp", "2", "--prompt-ids", "1,99999")
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2, result.stderr
     assert lines == ["error: prompt 0: token ids [99999] outside the vocabulary [0, 301)"], lines
-
-
-def _make_unloadable_copy(tmp_path):
-    """tiny-llama with a k_proj of the wrong shape: found only by a rank, while loading."""
-    folder = tmp_path / "unloadable"
-    shutil.copytree(GOLDEN / "tiny-llama", folder)
-    tensors = load_file(folder / "model.safetensors")
-    tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(48, 64)
-    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    return folder
 
 
 def test_sigterm_while_generating_stops_everything(tmp_path):

@@ -1,15 +1,10 @@
-"""What the command-line tests of `freetoken-verify` share: running it in-process, the
-bad-input contract (exit 2, one `error:` line, refused before any rank starts) and a
-checkpoint every rank fails to load."""
+"""What the command-line tests of `freetoken-verify` share: running it in-process and the
+bad-input contract (exit 2, one `error:` line, refused before any rank starts); a checkpoint
+every rank fails to load is `conftest.make_broken_checkpoint`."""
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
 from freetoken_verify.cli import main
 
@@ -32,13 +27,3 @@ def assert_refused(capsys, args: list[str], *needles: str) -> None:
     for needle in needles:
         assert needle in lines[0], f"{needle!r} missing from {lines[0]!r}"
     assert "Traceback" not in out + err and "starting" not in err, "refused before ranks"
-
-
-def make_broken_checkpoint(golden: Path, tmp_path: Path) -> Path:
-    """tiny-llama with one k_proj weight of the wrong shape: every rank fails while loading."""
-    folder = tmp_path / "broken"
-    shutil.copytree(golden / "tiny-llama", folder)
-    tensors = load_file(folder / "model.safetensors")
-    tensors["model.layers.1.self_attn.k_proj.weight"] = torch.zeros(48, 64)
-    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    return folder

@@ -8,8 +8,8 @@ import json
 import xml.etree.ElementTree as ET
 
 import pytest
-from cli_run import assert_refused, make_broken_checkpoint, run_cli
-from conftest import GOLDEN
+from cli_run import assert_refused, run_cli
+from conftest import GOLDEN, make_broken_checkpoint
 
 
 def _rows(out: str, model: str) -> list[str]:

@@ -10,7 +10,7 @@ import xml.etree.ElementTree as ET
 from importlib import resources
 
 import pytest
-from cli_run import make_broken_checkpoint
+from conftest import make_broken_checkpoint
 from json_schema import schema_errors
 from test_report import _make_info, _make_result
 
