@@ -55,6 +55,11 @@ verify: $(SETUP)
 # on the same GPU and the NVFP4 case against its stored golden and stored bf16 baseline; the
 # real-dimension Qwen3.5-MoE in bf16 and fp32 against HF.
 verify-gpu: $(SETUP)
+ifeq ($(DEVICE),cuda)
+	@$(PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" || { \
+	echo "error: DEVICE=cuda but $(PYTHON)'s torch sees no CUDA device; nothing was run or \
+	written (DEVICE=cpu dry-runs the gate on CPU ranks)" >&2; exit 2; }
+endif
 	@mkdir -p $(REPORTS) && rm -f $(REPORTS)/failed
 ifeq ($(DEVICE)-$(filter $(PART),all kernels),cuda-$(PART))
 	@echo "=== kernels-gpu: pytest -m gpu tests/gpu"; \
@@ -97,8 +102,13 @@ lint: $(SETUP)
 	.venv/bin/python -m pip install -q -c $(CONSTRAINTS) -e '.[test]'
 	touch $@
 
-# An interpreter given as PYTHON=...: install the package (editable, with the test extra) if
-# it is not installed there yet; its own torch stays.
+# An interpreter given as PYTHON=...: it must have its own torch (the GPU build of its machine:
+# never installed here, where a plain install would pull a CUDA torch); the package is installed
+# into it (editable, with the test extra, without build isolation so an offline runner needs
+# nothing from the network) if it is not installed there yet.
 external-setup:
+	@$(PYTHON) -c "import torch" 2>/dev/null || { echo "error: PYTHON=$(PYTHON) cannot import \
+	torch; install the torch build for this machine first (make never installs one)" >&2; exit 2; }
 	@$(PYTHON) -c "import importlib.metadata as m; m.version('freetoken'); \
-		import pytest, xdist" 2>/dev/null || $(PYTHON) -m pip install -q -e '.[test]'
+		import pytest, xdist" 2>/dev/null || \
+		$(PYTHON) -m pip install -q --no-build-isolation -e '.[test]'

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml  # a dependency of transformers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -175,3 +176,29 @@ def test_verify_gpu_parts_and_explicit_tp(tmp_path):
     proc = subprocess.run(["make", "-n", "verify-gpu", f"PYTHON={sys.executable}", "GPUS=3"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "GPUS=3: expected 1, 2, 4 or 8" in proc.stderr
+
+
+def test_the_gate_refuses_an_interpreter_without_torch(tmp_path):
+    """`make verify-gpu PYTHON=...` with an interpreter that has no torch stops at set-up,
+    naming it, and installs nothing (a plain install there would pull a CUDA torch)."""
+    venv = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                   timeout=120)
+    python = venv / "bin" / "python"
+    proc = subprocess.run(["make", "verify-gpu", f"PYTHON={python}", f"REPORTS={tmp_path}/r"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and f"PYTHON={python} cannot import torch" in proc.stderr, (
+        proc.stdout + proc.stderr)
+    assert not (tmp_path / "r").exists(), "the gate ran on an interpreter without torch"
+
+
+def test_the_gate_checks_for_cuda_before_writing_anything(tmp_path):
+    """DEVICE=cuda on a machine whose torch sees no GPU fails at once with one error line,
+    before the 5 GB real-dimension checkpoint is written or any report is started."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    proc = subprocess.run(["make", "verify-gpu", f"PYTHON={sys.executable}", "DEVICE=cuda",
+                           f"REALDIMS={tmp_path}/realdims", f"REPORTS={tmp_path}/r"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "sees no CUDA device" in proc.stderr, proc.stderr
+    assert not (tmp_path / "realdims").exists() and not (tmp_path / "r").exists()
