@@ -262,7 +262,6 @@ def write_case(spec: CaseSpec, folder: Path) -> Path:
     model = build_hf_model(spec, eos)
     model.save_pretrained(folder)
     if spec.nvfp4:
-
         quantize_experts(model, folder)
     prompts = reference_prompts(spec.seed, spec.prompt_lens, VOCAB)
     reference = hf_reference(model, prompts, spec.num_greedy)

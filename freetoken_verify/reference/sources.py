@@ -78,7 +78,6 @@ def prompts_for(case, options) -> tuple[list[list[int]], int]:
         meta = json.loads((case.folder / "meta.json").read_text())
         return meta["prompts"], meta["num_greedy"]
     if source == "stored" and not options.save_reference:
-
         meta = read_meta(stored_dir(options))
         return meta["prompts"], meta["num_greedy"]
     return requested_prompts(case, options)
@@ -122,7 +121,6 @@ def reference_for(ctx) -> Reference:
         if source == "golden":
             ctx.cache[key] = golden_reference(ctx.case, ctx.options)
         elif source == "stored":
-
             ctx.cache[key] = stored_reference(stored_dir(ctx.options), ctx.case, ctx.options)
         else:
             ctx.cache[key] = live_hf_reference(ctx.case, ctx.options,

@@ -222,7 +222,6 @@ def _saved_activations(ctx: CheckContext, prompt: list[int]):
         return None
     key = ("bisect-saved", folder)
     if key not in ctx.cache:
-
         ctx.cache[key] = stored_bisect(folder)
     saved = ctx.cache[key]
     if saved is None or saved.prompt != prompt:

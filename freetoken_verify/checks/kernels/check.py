@@ -81,7 +81,6 @@ def _on_rank(rank_ctx, dtype_name: str) -> dict | None:
         dtype = torch.bfloat16 if dtype_name == "auto" else getattr(torch, dtype_name)
         nvfp4, cases = gpu_matrix(), engine_kernel_cases.gpu_matrix()
     else:
-
         use_interpreter()
         dtype, nvfp4, cases = torch.float32, cpu_matrix(), engine_kernel_cases.cpu_matrix()
     return {"rows": run_matrix(nvfp4, device, dtype),

@@ -84,7 +84,6 @@ def model_configs(device_type: str) -> dict:
 
     configs = {name: resolve_case(name).model_config for name in CASES}
     if device_type == "cuda":
-
         configs[REALDIMS] = qwen3_5_moe_config({"text_config": dict(REAL_TEXT)})
     return configs
 

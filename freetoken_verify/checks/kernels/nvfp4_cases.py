@@ -115,7 +115,6 @@ def weights_for(case: KernelCase, device, cache: dict) -> dict:
     if key not in cache:
         seed = sum(key[1:]) * 7919 + len(case.kind)
         if case.kind == "linear":
-
             gen = torch.Generator(device=device).manual_seed(seed)
             shape = (case.local_intermediate, case.hidden)
             q = quantize(_heavy_tailed(shape, 1.0 / math.sqrt(case.hidden), gen))
