@@ -114,7 +114,7 @@ def gemv_kernel(
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x_token
     w_rows = weight_ptr + cols.to(tl.int64)[:, None] * stride_weight_row
     if NORM:
-        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+        squares = tl.full([BLOCK_M], 0, dtype=tl.float32)
         for k0 in range(0, in_features, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             xv = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < in_features)[None, :],
@@ -123,8 +123,8 @@ def gemv_kernel(
         scale = 1.0 / tl.sqrt(squares / in_features + eps)
     k_start = tl.program_id(2) * split_features
     k_end = tl.minimum(k_start + split_features, in_features)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_N], 0, dtype=tl.float32)
+    acc_up = tl.full([BLOCK_M, BLOCK_N], 0, dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
@@ -185,8 +185,8 @@ def gemv_reduce_kernel(
     col_ok = cols < half
     ok = row_ok[:, None] & col_ok[None, :]
     at = partial_ptr + rows.to(tl.int64)[:, None] * out_features + cols[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_N], 0, dtype=tl.float32)
+    acc_up = tl.full([BLOCK_M, BLOCK_N], 0, dtype=tl.float32)
     for split in range(0, splits):
         acc += tl.load(at + split * stride_partial_split, mask=ok, other=0.0)
         if GATED:
@@ -221,7 +221,7 @@ def moe_combine_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = cols < hidden
     dtype = out_ptr.dtype.element_ty
-    dot = tl.zeros([BLOCK_D], dtype=tl.float32)
+    dot = tl.full([BLOCK_D], 0, dtype=tl.float32)
     for d0 in range(0, hidden, BLOCK_D):
         ds = d0 + tl.arange(0, BLOCK_D)
         d_ok = ds < hidden
@@ -232,7 +232,7 @@ def moe_combine_kernel(
     sigmoid = ops.sigmoid(gate).to(dtype).to(tl.float32)
     shared = tl.load(shared_ptr + token * stride_shared_token + cols, mask=ok, other=0.0)
     gated = (sigmoid * shared.to(tl.float32)).to(dtype).to(tl.float32)
-    routed = tl.zeros([BLOCK_N], dtype=tl.float32)
+    routed = tl.full([BLOCK_N], 0, dtype=tl.float32)
     for k in range(0, top_k):
         routed += tl.load(slots_ptr + token * stride_slots_token + k * stride_slots_slot + cols,
                           mask=ok, other=0.0)

@@ -64,3 +64,26 @@ def test_interpreter_after_compiled_kernels_is_refused():
     from conftest import run_compiled
 
     _assert_ran(run_compiled(["-c", _COMPILED_FIRST]), "set TRITON_INTERPRET=1")
+
+
+def test_no_kernel_calls_a_triton_language_jit_function():
+    """No engine kernel calls one of triton.language's own @jit functions (`tl.zeros`,
+    `tl.sum`, `tl.sigmoid`, ...): they are compiled when triton was imported before the
+    interpreter was asked for (transformers imports it), and an interpreted kernel cannot
+    call a compiled one ("Cannot call @triton.jit'd outside of the scope of a kernel": the
+    fused decode kernels' `tl.zeros` failed the engine's interpreter tests that way).
+    `jit_ops` and builtins such as `tl.full` serve instead."""
+    import ast
+    from pathlib import Path
+
+    import triton.language.standard as standard
+
+    jitted = {n for n, v in vars(standard).items() if type(v).__name__ == "JITFunction"}
+    kernels = Path(__file__).resolve().parents[2] / "freetoken" / "kernels"
+    found = []
+    for path in sorted(kernels.glob("*_jit.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id == "tl" and node.attr in jitted):
+                found.append(f"{path.name}:{node.lineno} tl.{node.attr}")
+    assert not found, "triton.language @jit functions called from kernels: " + ", ".join(found)

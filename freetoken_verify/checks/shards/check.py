@@ -63,7 +63,9 @@ def _audit(rank_ctx, engine_args: dict) -> dict:
     """Runs on every rank; rank 0 also checks round trips and replication across ranks."""
 
     audit = _Audit(rank_ctx, engine_args)
-    engine = resident_engine(rank_ctx, engine_args)
+    # Golden's bitwise engine (tp_invariant) loads the same parameters as the default one.
+    engine = resident_engine(rank_ctx, engine_args) or \
+        resident_engine(rank_ctx, {**engine_args, "tp_invariant": True})
     audit.loaded = dict(engine.model.named_parameters()) if engine is not None else None
     reader = audit.reader = CheckpointReader(engine_args["folder"], engine_args["num_layers"])
     for name in reader.names():
