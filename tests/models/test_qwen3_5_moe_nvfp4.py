@@ -20,7 +20,7 @@ from conftest import GOLDEN, case_differences
 
 from freetoken import LLM, SamplingParams
 from freetoken.config import ConfigError
-from freetoken.formats.nvfp4.checkpoint import parse_quant_config
+from freetoken.formats.quant import parse_quant_config
 from freetoken.models.registry import check_tp, config_from_hf, load_config
 from verify.cases import CASES, load_reference, write_case
 from verify.cli import main

@@ -51,10 +51,12 @@ def test_family_parsers_set_what_differs_between_families(case, qk_norm, default
 
 
 def test_a_quantized_plain_decoder_is_refused_by_name():
-    """An NVFP4 quantization config on a Llama checkpoint is a ConfigError naming the
-    architecture, not a model that would load the packed weights as floats."""
-    quant = {"quant_method": "modelopt", "quant_algo": "NVFP4"}
-    with pytest.raises(ConfigError, match="llama: NVFP4 checkpoints are not supported"):
+    """An NVFP4 quantization config on a Llama checkpoint is a ConfigError naming the first
+    module the engine does not run in that format, not a model that would load the packed
+    weights as floats."""
+    quant = {"quant_method": "modelopt", "quant_algo": "NVFP4", "exclude_modules": ["lm_head"]}
+    with pytest.raises(ConfigError, match=r"model\.layers\.0\.self_attn\.q_proj is NVFP4 "
+                                          r"\(modelopt\), which FreeToken does not support"):
         config_from_hf(_make_hf("tiny-llama", quantization_config=quant))
 
 

@@ -1,0 +1,38 @@
+"""The Llama, Qwen3 and Qwen3-MoE modules as a checkpoint names them, mapped onto the
+engine's destinations (q|k|v into `qkv_proj`, gate|up into `gate_up_proj`, per-expert
+projections into the stacked experts), with the formats the engine runs each in
+(`freetoken.formats.quant.resolve` reads a quantization config against it)."""
+
+from __future__ import annotations
+
+from freetoken.config import ModelConfig
+from freetoken.formats.quant import Destination, ModuleTable
+
+DENSE_FORMATS: frozenset[str] = frozenset()
+"""Quantized formats of the attention and dense-MLP linears (bf16 is always accepted)."""
+_ROUTER = "a router; kept unquantized by every producer"
+
+
+def decoder_module_table(cfg: ModelConfig) -> ModuleTable:
+    """Every linear destination (engine names equal the checkpoint's here) and the other
+    modules a quantization config may name."""
+    dests = [Destination("lm_head", ("lm_head",))]
+    others = ["model.embed_tokens", "model.norm", "model.rotary_emb"]
+    for i in range(cfg.num_hidden_layers):
+        a, m = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+        dests += [Destination(f"{a}.qkv_proj", tuple(f"{a}.{x}_proj" for x in "qkv"),
+                              DENSE_FORMATS),
+                  Destination(f"{a}.o_proj", (f"{a}.o_proj",), DENSE_FORMATS)]
+        if cfg.is_moe_layer(i):
+            experts = tuple(f"{m}.experts.{e}.{p}_proj" for e in range(cfg.num_experts)
+                            for p in ("gate", "up", "down"))
+            dests += [Destination(f"{m}.gate", (f"{m}.gate",), note=_ROUTER),
+                      Destination(f"{m}.experts", experts, stacked=True)]
+        else:
+            dests += [Destination(f"{m}.gate_up_proj", (f"{m}.gate_proj", f"{m}.up_proj"),
+                                  DENSE_FORMATS),
+                      Destination(f"{m}.down_proj", (f"{m}.down_proj",), DENSE_FORMATS)]
+        others += [f"model.layers.{i}.input_layernorm",
+                   f"model.layers.{i}.post_attention_layernorm",
+                   f"{a}.q_norm", f"{a}.k_norm"]
+    return ModuleTable(tuple(dests), tuple(others))
