@@ -15,6 +15,7 @@ from freetoken.engine.core import EngineCore
 from freetoken.engine.requests import check_request, token_ids
 from freetoken.engine.resolve import resolve_model
 from freetoken.engine.sequence import GenerationResult, SamplingParams
+from freetoken.loading.screen import screen_checkpoint
 from freetoken.loading.validate import validate_checkpoint
 from freetoken.models.registry import check_tp, load_config
 
@@ -29,6 +30,7 @@ class LLM:
         self.model_config = load_config(self.folder)
         check_tp(self.model_config, tp)
         validate_checkpoint(self.folder)
+        screen_checkpoint(self.folder, self.model_config.quantization)
         self.config = EngineConfig(str(self.folder), tp=tp, device=device, dtype=dtype,
                                    oversubscribe=oversubscribe, **engine_options)
         self.placement = choose_placement(device, tp, oversubscribe)
