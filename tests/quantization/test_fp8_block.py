@@ -116,3 +116,49 @@ def test_unsplittable_layouts_and_wrong_scales_are_refused():
     weight, scale = _make_weight(40, 24, (16, 16))
     with pytest.raises(BlockFP8FormatError, match="q.weight: dim 0 has 40 elements"):
         dequantize(weight, scale[:2], (16, 16), name="q.weight")
+
+
+def test_packed_segments_and_interleaved_heads_move_scales_with_their_rows():
+    """GDN in_proj_qkv-like packing [q 40 | k 40 | v 56] with blocks of 16 (k starts mid-
+    block) split per segment, and q_proj-like per-head [q_h | gate_h] rows (4 heads of 12
+    rows) with its scale expanded to one row per weight row: at TP 1/2/4 each rank's shard
+    dequantizes bitwise to its rows of the full dequantized weight, pieces equal shard, and
+    unshard restores the scale bitwise."""
+    from freetoken.formats.fp8.interleaved import InterleavedBlockRows
+    from freetoken.formats.fp8.specs import BlockScaleSegments
+    from freetoken.formats.specs import InterleavedHeads, Segments
+
+    block, sizes = (16, 16), (40, 40, 56)
+    weight, scale = _make_weight(sum(sizes), 32, block)
+    whole = dequantize(weight, scale, block)
+    starts = (0, 40, 80)
+    spec = BlockScaleSegments(tuple(BlockScaleSplit(0, 16, n, start=s, total=sum(sizes))
+                                    for n, s in zip(sizes, starts)))
+    for size in (1, 2, 4):
+        w_parts = [Segments(sizes).shard(weight, r, size) for r in range(size)]
+        s_parts = [spec.shard(scale, r, size) for r in range(size)]
+        for r in range(size):
+            local, row, at = [], 0, 0
+            for seg in spec.segments:
+                n, blocks = seg.full_size // size, seg.blocks(size)
+                local.append(dequantize(w_parts[r][row:row + n], s_parts[r][at:at + blocks],
+                                        block, (seg.offset(r, size), 0)))
+                row, at = row + n, at + blocks
+            want = Segments(sizes).shard(whole, r, size)
+            _assert_bitwise(torch.cat(local), want, f"segments tp={size} rank {r}")
+            out = torch.full_like(s_parts[r], float("nan"))
+            write_pieces(spec.pieces(scale, r, size), out)
+            _assert_bitwise(out, s_parts[r], f"segments tp={size} rank {r} pieces")
+        _assert_bitwise(spec.unshard(s_parts), scale, f"segments tp={size} unshard")
+    weight, scale = _make_weight(4 * 2 * 12, 32, block)
+    whole, heads = dequantize(weight, scale, block), InterleavedHeads(4)
+    spec = InterleavedBlockRows(16, 96, 4)
+    for size in (1, 2, 4):
+        s_parts = [spec.shard(scale, r, size) for r in range(size)]
+        for r in range(size):
+            local = dequantize(heads.shard(weight, r, size), s_parts[r], (1, 16))
+            _assert_bitwise(local, heads.shard(whole, r, size), f"q|gate tp={size} rank {r}")
+            out = torch.full_like(s_parts[r], float("nan"))
+            write_pieces(spec.pieces(scale, r, size), out)
+            _assert_bitwise(out, s_parts[r], f"q|gate tp={size} rank {r} pieces")
+        _assert_bitwise(spec.unshard(s_parts), scale, f"q|gate tp={size} unshard")

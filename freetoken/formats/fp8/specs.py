@@ -33,6 +33,11 @@ class BlockScaleSplit:
     block: int
     full_size: int
     heads: int | None = None
+    start: int = 0
+    """Where the split part begins in the weight's dim: a segment of a packed tensor (GDN
+    `in_proj_qkv`'s k segment starts at key_dim, maybe inside a block)."""
+    total: int | None = None
+    """The weight's whole dim (None: `full_size`, the part is the whole dim)."""
 
     def _chunk(self, rank: int, size: int, name: str) -> tuple[int, int]:
         """(first element, elements) of the weight's dim on `rank`."""
@@ -41,7 +46,7 @@ class BlockScaleSplit:
             raise ShardError(f"{name}: weight dim {self.dim} of {self.full_size} cannot be "
                              f"split across tp_size={size}")
         step = self.full_size // parts
-        return (rank * parts // size) * step, step
+        return self.start + (rank * parts // size) * step, step
 
     def offset(self, rank: int, size: int, name: str = "") -> int:
         """How far into its first scale block `rank`'s first weight element lies."""
@@ -56,12 +61,15 @@ class BlockScaleSplit:
         first = start // self.block
         return first, (start + step - 1) // self.block - first + 1
 
+    def grid(self) -> int:
+        """Scale entries along `dim` of the whole (unsplit) scale."""
+        return -(-(self.total or self.full_size) // self.block)
+
     def _check(self, full: torch.Tensor, name: str) -> None:
-        grid = -(-self.full_size // self.block)
-        if full.dim() != 2 or full.shape[self.dim] != grid:
+        if full.dim() != 2 or full.shape[self.dim] != self.grid():
             raise ShardError(f"{name}: block scale of shape {tuple(full.shape)}; a weight dim "
-                             f"{self.dim} of {self.full_size} in blocks of {self.block} needs "
-                             f"{grid} along dim {self.dim}")
+                             f"{self.dim} of {self.total or self.full_size} in blocks of "
+                             f"{self.block} needs {self.grid()} along dim {self.dim}")
 
     def pieces(self, full, rank, size, name=""):
         self._check(full, name)
@@ -83,11 +91,51 @@ class BlockScaleSplit:
         return out
 
     def unshard(self, parts, name=""):
-        size = len(parts)
         shape = list(parts[0].shape)
-        shape[self.dim] = -(-self.full_size // self.block)
+        shape[self.dim] = self.grid()
         full = parts[0].new_zeros(shape)
+        self.unshard_into(full, parts, name)
+        return full
+
+    def unshard_into(self, full: torch.Tensor, parts, name: str = "") -> None:
+        """Write every rank's blocks back into `full` (ranks sharing a block hold the same
+        values, so the order of the writes does not matter)."""
         for rank, part in enumerate(parts):
-            first, count = self._span(rank, size, name)
+            first, count = self._span(rank, len(parts), name)
             full.narrow(self.dim, first, count).copy_(part.narrow(self.dim, 0, count))
+
+
+@dataclass(frozen=True)
+class BlockScaleSegments:
+    """The block scale of a packed weight `[seg_0 | seg_1 | ...]` split per segment
+    (`Segments`): each segment's `BlockScaleSplit` (with its `start` in the packed dim) takes
+    the blocks covering its rank's rows, so segment boundaries inside a block (GDN
+    `in_proj_qkv` with key_dim not a multiple of B) share that block; rank r holds
+    `[seg_0's blocks | seg_1's blocks | ...]`."""
+
+    segments: tuple[BlockScaleSplit, ...]
+
+    def pieces(self, full, rank, size, name=""):
+        shape, pieces, at = list(full.shape), [], 0
+        dim = self.segments[0].dim
+        for seg in self.segments:
+            part = seg.pieces(full, rank, size, name)
+            pieces += [Piece(p.source, dim, at + p.start, p.length) for p in part.pieces]
+            at += part.shape[dim]
+        shape[dim] = at
+        return ShardPieces(tuple(shape), tuple(pieces))
+
+    def shard(self, full, rank, size, name=""):
+        dim = self.segments[0].dim
+        return torch.cat([s.shard(full, rank, size, name) for s in self.segments], dim=dim)
+
+    def unshard(self, parts, name=""):
+        first = self.segments[0]
+        size, dim = len(parts), first.dim
+        shape = list(parts[0].shape)
+        shape[dim] = first.grid()
+        full = parts[0].new_zeros(shape)
+        counts = [s.blocks(size, name) for s in self.segments]
+        for seg, per_rank in zip(self.segments, zip(*(p.split(counts, dim) for p in parts))):
+            seg.unshard_into(full, list(per_rank), name)
         return full

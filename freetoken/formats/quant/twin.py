@@ -6,10 +6,14 @@ Independent of the engine's layers and kernels, so it can check them."""
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from freetoken.formats.fp8 import block as fp8_block
 from freetoken.formats.nvfp4.format import check_shapes, e2m1_table, unpack_nibbles
@@ -74,3 +78,37 @@ def dequantize_module(fmt: ModuleFormat, tensors: Mapping[str, torch.Tensor],
     blocks = values.unflatten(-1, (-1, 16)) * fields["weight_scale"].double().unsqueeze(-1)
     blocks = blocks / g if fmt.global_scale_is_reciprocal else blocks * g
     return blocks.flatten(-2)
+
+
+def write_dequantized_twin(folder: str | Path, dst: str | Path, scheme,
+                           dtype: torch.dtype = torch.float32) -> Path:
+    """Copy checkpoint `folder` (one `model.safetensors`) to `dst` with every quantized
+    module (by `scheme`, the folder's QuantScheme) replaced by its `weight` dequantized in
+    float64 from the format definition and rounded once to `dtype`, its scales dropped, and
+    no quantization config left: the unquantized model the quantized one must compute."""
+    folder, dst = Path(folder), Path(dst)
+    shutil.copytree(folder, dst)
+    (dst / "hf_quant_config.json").unlink(missing_ok=True)
+    tensors = load_file(folder / "model.safetensors")
+    # A scheme answers for linear modules; an embedding or norm it would call quantized
+    # still holds its plain weight, so only modules whose weight is in the format's dtype
+    # are dequantized.
+    quantized = {name.rpartition(".")[0] for name, t in tensors.items()
+                 if name.endswith(".weight") and t.dtype in
+                 scheme.format_of(name.rpartition(".")[0]).weight_dtypes()}
+    modules: dict[str, dict[str, torch.Tensor]] = {}
+    out = {}
+    for name, t in tensors.items():
+        module, _, suffix = name.rpartition(".")
+        if module in quantized and suffix in scheme.format_of(module).suffixes():
+            modules.setdefault(module, {})[suffix] = t
+        else:
+            out[name] = t
+    for module, parts in modules.items():
+        out[f"{module}.weight"] = dequantize_module(scheme.format_of(module), parts,
+                                                    module).to(dtype)
+    save_file(out, dst / "model.safetensors")
+    config = json.loads((dst / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
