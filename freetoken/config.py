@@ -92,6 +92,22 @@ class ModelConfig:
             raise ConfigError(f"num_experts_per_tok={self.num_experts_per_tok} must be in "
                               f"1..num_experts={self.num_experts}")
 
+    def format_of(self, module: str, gemm: int | None = None):
+        """The ModuleFormat engine module `module` (e.g. `model.layers.0.mlp.down_proj`), or
+        its GEMM number `gemm`, is stored in; None when unquantized. A module resolved into
+        several GEMMs has no single format: ValueError naming it unless `gemm` is given."""
+        gemms = self.module_formats.get(module)
+        if not gemms:
+            return None
+        if gemm is None and len(gemms) > 1:
+            raise ValueError(f"{module} is stored in {len(gemms)} formats; ask per GEMM")
+        fmt = gemms[gemm or 0].format
+        return fmt if fmt.quantized else None
+
+    def gemm_count(self, module: str) -> int:
+        """How many GEMMs engine module `module` resolved into (1 when unquantized)."""
+        return len(self.module_formats.get(module) or (None,))
+
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)

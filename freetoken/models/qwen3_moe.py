@@ -10,7 +10,7 @@ from freetoken.config import ModelConfig
 from freetoken.distributed import get_communicator
 from freetoken.layers.linear import ReplicatedLinear
 from freetoken.layers.moe import FusedExperts, route
-from freetoken.models.llama import MLP, DecoderLayer, LlamaForCausalLM
+from freetoken.models.llama import MLP, DecoderLayer, LlamaForCausalLM, mlp_formats
 
 
 class SparseMoeBlock(nn.Module):
@@ -29,7 +29,7 @@ class MoeDecoderLayer(DecoderLayer):
     def make_mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
         if cfg.is_moe_layer(layer):
             return SparseMoeBlock(cfg)
-        return MLP(cfg.hidden_size, cfg.intermediate_size)
+        return MLP(cfg.hidden_size, cfg.intermediate_size, mlp_formats(cfg, layer))
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):

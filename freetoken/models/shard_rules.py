@@ -11,6 +11,7 @@ from freetoken.formats.nvfp4.specs import PACKED, SCALE, GlobalScale, InputSplit
 from freetoken.formats.specs import Heads, PaddedSplit, Replicate, Split
 from freetoken.layers.linear import local_kv_heads
 from freetoken.loading.plan import Rule, ShardPlan
+from freetoken.models.scale_rules import block_scale_rules, decoder_parts
 
 LAYER = r"(?P<p>model\.layers\.\d+)"
 
@@ -118,6 +119,7 @@ def decoder_plan(cfg: ModelConfig, tp: int) -> ShardPlan:
         rules.append(Rule(rf"{LAYER}\.mlp\.gate\.weight", Replicate()))
         rules += expert_rules(rf"{LAYER}\.mlp\.experts\.(?P<e>\d+)", r"\g<p>.mlp.experts",
                               cfg.moe_intermediate_size, tp)
+    rules += block_scale_rules(cfg, range(cfg.num_hidden_layers), decoder_parts(cfg), tp)
     return ShardPlan(rules, tp)
 
 

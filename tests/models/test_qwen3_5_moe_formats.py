@@ -65,9 +65,10 @@ def test_experts_only_layouts_resolve_every_module():
 
 
 def test_shipping_layouts_not_run_yet_are_refused_naming_module_and_format():
-    """RedHatAI's NVFP4 shared expert, NVIDIA's mixed FP8 attention and Qwen's block FP8 are
-    each refused naming the first module and its format (layer 0 is GatedDeltaNet, layer 1
-    the first full attention)."""
+    """RedHatAI's NVFP4 shared expert and NVIDIA's mixed FP8-per-tensor attention are each
+    refused naming the first module and its format (layer 0 is GatedDeltaNet, layer 1 the
+    first full attention); a GDN with in_proj_qkv block FP8 but in_proj_z not is refused
+    naming the split. Block FP8 itself runs (tests/models/test_qwen3_5_moe_fp8.py)."""
     hf = _make_hf()
     redhat = {"quant_method": "compressed-tensors", "ignore": _redhat_ignore(hf),
               "config_groups": {"group_0": {"targets": ["Linear"], **NVFP4_GROUP}}}
@@ -75,15 +76,20 @@ def test_shipping_layouts_not_run_yet_are_refused_naming_module_and_format():
         **{f"{P}.{i}.self_attn.{x}_proj": {"quant_algo": "FP8"} for i in (1, 3) for x in "qkvo"},
         **{f"{P}.{i}.mlp.experts": {"quant_algo": "W4A16_NVFP4", "group_size": 16}
            for i in range(4)}}}
-    block = {"quant_method": "fp8", "weight_block_size": [16, 16], "activation_scheme":
-             "dynamic", "modules_to_not_convert": ["lm_head", "mlp.gate", "shared_expert_gate",
-                                                   "in_proj_b", "in_proj_a"]}
+    block = {"quant_method": "compressed-tensors", "ignore": ["re:.*in_proj_[ab]$"],
+             "config_groups": {"group_0": {"targets": ["re:.*in_proj_qkv$"], "weights": {
+                 "num_bits": 8, "type": "float", "strategy": "block",
+                 "block_structure": [16, 16]}}}}
     cases = ((redhat, rf"{P}\.0\.mlp\.shared_expert\.gate_proj is NVFP4 \(compressed-tensors\)"),
-             (mixed, rf"{P}\.1\.self_attn\.q_proj is FP8 per-tensor \(modelopt\)"),
-             (block, rf"{P}\.0\.linear_attn\.in_proj_qkv is FP8 block 16x16 \(fp8\)"))
+             (mixed, rf"{P}\.1\.self_attn\.q_proj is FP8 per-tensor \(modelopt\)"))
     for raw, message in cases:
         with pytest.raises(ConfigError, match=message + ", which FreeToken does not support"):
             _parse(raw)
+    with pytest.raises(ConfigError, match=r"model\.layers\.0\.linear_attn\.in_proj: the "
+                                          r"quantization config splits it as \[in_proj_qkv\] "
+                                          r"FP8 block 16x16 \(compressed-tensors\) \| "
+                                          r"\[in_proj_z, in_proj_b, in_proj_a\] bf16"):
+        _parse(block)
 
 
 def test_gdn_ba_quantized_and_fused_names_are_refused():
