@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from freetoken.formats.fp8.interleaved import InterleavedBlockRows
 from freetoken.formats.fp8.specs import BlockScaleSegments, BlockScaleSplit
-from freetoken.formats.quant import FP8_BLOCK, ModuleFormat
+from freetoken.formats.fp8.tensor import ScalarScale
+from freetoken.formats.quant.format import FP8_BLOCK, FP8_TENSOR, MODELOPT, ModuleFormat
 from freetoken.formats.specs import Split
 from freetoken.loading.plan import Rule
 
@@ -45,14 +46,16 @@ def _scale_suffix(fmt: ModuleFormat) -> str:
 
 
 def block_scale_rules(cfg, layers: range, parts: list[Part], tp: int) -> list[Rule]:
-    """Rules for the block scales of `parts` in every layer of `layers` whose destination
-    is block FP8 (formats from `cfg.format_of`); layers sharing a block shape share rules."""
+    """Rules for the scales of `parts` in every layer of `layers` whose destination is block
+    FP8 or FP8 per tensor (formats from `cfg.format_of`); layers sharing a format share
+    rules. Per tensor: each checkpoint tensor's 0-d `weight_scale` (and ModelOpt's
+    `input_scale`, checked and unused) into its own entry of the destination's."""
     by_format: dict[tuple, list[int]] = defaultdict(list)
     for layer in layers:
         for index, part in enumerate(parts):
             dest = part.dest.format(layer=layer)
             fmt = cfg.format_of(dest, part.gemm) if part.gemm < cfg.gemm_count(dest) else None
-            if fmt is not None and fmt.kind == FP8_BLOCK:
+            if fmt is not None and fmt.kind in (FP8_BLOCK, FP8_TENSOR):
                 by_format[(index, fmt)].append(layer)
     rules = []
     for (index, fmt), hits in by_format.items():
@@ -60,12 +63,21 @@ def block_scale_rules(cfg, layers: range, parts: list[Part], tp: int) -> list[Ru
         alternation = "|".join(str(i) for i in hits)
         src = re.escape(part.name).replace(re.escape("{layer}"), rf"(?P<l>{alternation})")
         dest = part.dest.replace("{layer}", r"\g<l>")
+        if fmt.kind == FP8_TENSOR:
+            rules += _tensor_scale_rules(src, dest, part.segment, fmt)
+            continue
         start = sum(_spec_and_rows(p, fmt, tp)[1] for p in parts
                     if p.dest == part.dest and p.gemm == part.gemm and p.segment < part.segment)
         spec, rows = _spec_and_rows(part, fmt, tp)
         rules.append(Rule(rf"{src}\.{_scale_suffix(fmt)}", spec, f"{dest}.weight_scale",
                           (slice(start, start + rows),)))
     return rules
+
+
+def _tensor_scale_rules(src: str, dest: str, segment: int, fmt: ModuleFormat) -> list[Rule]:
+    inputs = f"{dest}.input_scale" if fmt.producer == MODELOPT else None
+    return [Rule(rf"{src}\.weight_scale", ScalarScale(), f"{dest}.weight_scale", (segment,)),
+            Rule(rf"{src}\.input_scale", ScalarScale(), inputs, (segment,) if inputs else ())]
 
 
 def _spec_and_rows(part: Part, fmt: ModuleFormat, tp: int):

@@ -65,15 +65,15 @@ def test_experts_only_layouts_resolve_every_module():
 
 
 def test_shipping_layouts_not_run_yet_are_refused_naming_module_and_format():
-    """RedHatAI's NVFP4 shared expert and NVIDIA's mixed FP8-per-tensor attention are each
-    refused naming the first module and its format (layer 0 is GatedDeltaNet, layer 1 the
-    first full attention); a GDN with in_proj_qkv block FP8 but in_proj_z not is refused
-    naming the split. Block FP8 itself runs (tests/models/test_qwen3_5_moe_fp8.py)."""
+    """RedHatAI's NVFP4 shared expert and NVIDIA's NVFP4 lm_head (NVFP4 dense linears do not
+    run yet) are each refused naming the module and its format; a GDN with in_proj_qkv in
+    block FP8 but in_proj_z not is refused naming the split. Block FP8 and FP8 per tensor run
+    (test_qwen3_5_moe_fp8.py, test_fp8_per_tensor.py)."""
     hf = _make_hf()
     redhat = {"quant_method": "compressed-tensors", "ignore": _redhat_ignore(hf),
               "config_groups": {"group_0": {"targets": ["Linear"], **NVFP4_GROUP}}}
     mixed = {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "quantized_layers": {
-        **{f"{P}.{i}.self_attn.{x}_proj": {"quant_algo": "FP8"} for i in (1, 3) for x in "qkvo"},
+        "lm_head": {"quant_algo": "W4A16_NVFP4", "group_size": 16},
         **{f"{P}.{i}.mlp.experts": {"quant_algo": "W4A16_NVFP4", "group_size": 16}
            for i in range(4)}}}
     block = {"quant_method": "compressed-tensors", "ignore": ["re:.*in_proj_[ab]$"],
@@ -81,7 +81,7 @@ def test_shipping_layouts_not_run_yet_are_refused_naming_module_and_format():
                  "num_bits": 8, "type": "float", "strategy": "block",
                  "block_structure": [16, 16]}}}}
     cases = ((redhat, rf"{P}\.0\.mlp\.shared_expert\.gate_proj is NVFP4 \(compressed-tensors\)"),
-             (mixed, rf"{P}\.1\.self_attn\.q_proj is FP8 per-tensor \(modelopt\)"))
+             (mixed, r"lm_head is NVFP4 \(modelopt\)"))
     for raw, message in cases:
         with pytest.raises(ConfigError, match=message + ", which FreeToken does not support"):
             _parse(raw)

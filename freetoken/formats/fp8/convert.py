@@ -14,6 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from freetoken.formats.fp8.block import quantize
+from freetoken.formats.fp8.tensor import quantize_per_tensor
+from freetoken.formats.quant.format import FP8_TENSOR
 from freetoken.formats.quant.producers import parse_quant_config
 
 LINEAR = r".*_proj(_qkv|_z)?"
@@ -47,4 +49,36 @@ def write_block_fp8(src: str | Path, dst: str | Path, block: tuple[int, int],
     config = json.loads((dst / "config.json").read_text())
     config["quantization_config"] = quant
     (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
+
+
+def write_modelopt_fp8(src: str | Path, dst: str | Path, layers: dict | None = None,
+                       exclude: tuple[str, ...] = ("lm_head",), modules: str = LINEAR) -> Path:
+    """Copy checkpoint `src` to `dst` with ModelOpt's FP8-per-tensor layout (`weight` e4m3,
+    0-d float32 `weight_scale` = amax / 448 and `input_scale`, each module its own) and an
+    `hf_quant_config.json`: `MIXED_PRECISION` with `layers` (module -> its entry, e.g.
+    `{"quant_algo": "FP8"}`; entries in other formats must already be stored so in `src`)
+    as `quantized_layers` when given, else `quant_algo: FP8` over every module not in
+    `exclude`. The input scales are stand-ins (no calibration): positive, different per
+    module. Returns `dst`."""
+    src, dst = Path(src), Path(dst)
+    if layers is None:
+        quant = {"quant_algo": "FP8", "exclude_modules": list(exclude)}
+    else:
+        quant = {"quant_algo": "MIXED_PRECISION", "quantized_layers": layers}
+    doc = {"producer": {"name": "modelopt"}, "quantization": quant}
+    scheme = parse_quant_config(doc, "hf_quant_config.json")
+    shutil.copytree(src, dst)
+    out = {}
+    for name, t in load_file(src / "model.safetensors").items():
+        module, _, suffix = name.rpartition(".")
+        if (suffix == "weight" and t.dim() == 2 and t.is_floating_point()
+                and re.fullmatch(modules, module)
+                and scheme.format_of(module).kind == FP8_TENSOR):
+            out[name], out[f"{module}.weight_scale"] = quantize_per_tensor(t)
+            out[f"{module}.input_scale"] = torch.tensor(0.01 * (1 + len(out) % 7))
+        else:
+            out[name] = t
+    save_file(out, dst / "model.safetensors")
+    (dst / "hf_quant_config.json").write_text(json.dumps(doc, indent=2))
     return dst

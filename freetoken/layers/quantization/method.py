@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 from freetoken.distributed import get_tp_info
 from freetoken.formats.fp8.specs import BlockScaleSplit
-from freetoken.formats.quant import FP8_BLOCK, ModuleFormat
+from freetoken.formats.quant.format import FP8_BLOCK, FP8_TENSOR, MODELOPT, ModuleFormat
 from freetoken.layers.quantization.fp8.block_linear import BlockFP8Linear
+from freetoken.layers.quantization.fp8.tensor_linear import FP8TensorLinear
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,14 @@ class Split:
     """That checkpoint tensor's size along the dim (None: the segment is the tensor)."""
     per_row: bool = False
     """The scale is held one row per weight row (expanded at load: q_proj's interleave)."""
+    group: int | None = None
+    """The checkpoint tensor this segment comes from, for per-tensor scales (None: one per
+    segment; Qwen3.5's q and gate share q_proj's, GDN's q, k and v in_proj_qkv's)."""
+
+    def local(self, size: int) -> int:
+        """This segment's rows (or inputs) on each rank."""
+        return self.full_size // (self.heads if self.heads is not None and self.heads < size
+                                  else size)
 
     @classmethod
     def whole(cls, full_size: int) -> Split:
@@ -39,9 +48,13 @@ def linear_method(fmt: ModuleFormat | None, rows: list[Split], cols: Split):
     `cols`, in format `fmt` (None or bf16: no method)."""
     if fmt is None or not fmt.quantized:
         return None
+    tp = get_tp_info()
+    if fmt.kind == FP8_TENSOR:
+        groups = tuple(i if r.group is None else r.group for i, r in enumerate(rows))
+        return FP8TensorLinear(tuple(r.local(tp.size) for r in rows), groups,
+                               fmt.producer == MODELOPT)
     if fmt.kind != FP8_BLOCK:
         raise ValueError(f"{fmt.describe()} linear layers are not supported yet")
-    tp = get_tp_info()
     b_rows, b_cols = fmt.block
     return BlockFP8Linear(fmt.block,
                           tuple(BlockScaleSplit(0, 1 if r.per_row else b_rows, r.full_size,

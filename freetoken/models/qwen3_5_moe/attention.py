@@ -29,8 +29,11 @@ class QGateKVParallelLinear(LinearBase):
         q, kv = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.local_sizes = [q, q, kv, kv]
         full_q = cfg.num_attention_heads * cfg.head_dim
-        full_kv = Split(cfg.num_key_value_heads * cfg.head_dim, heads=cfg.num_key_value_heads)
-        quant = linear_method(fmt, [Split(full_q, per_row=True)] * 2 + [full_kv] * 2,
+        full_kv = Split(cfg.num_key_value_heads * cfg.head_dim, heads=cfg.num_key_value_heads,
+                        group=1)
+        q_rows = Split(full_q, per_row=True, group=0)
+        quant = linear_method(fmt, [q_rows, q_rows, full_kv,
+                                    Split(full_kv.full_size, full_kv.heads, group=2)],
                               Split.whole(cfg.hidden_size))
         super().__init__(cfg.hidden_size, sum(self.local_sizes), bias=cfg.attention_bias,
                          quant=quant)

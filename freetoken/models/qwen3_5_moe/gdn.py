@@ -165,8 +165,9 @@ def in_projections(cfg: Qwen35MoeConfig, prefix: str, local_sizes: list[int]):
     key = cfg.linear_num_key_heads * cfg.linear_key_head_dim
     value = cfg.linear_num_value_heads * cfg.linear_value_head_dim
     total = 2 * key + value
-    rows = [Split(key, start=0, total=total), Split(key, start=key, total=total),
-            Split(value, start=2 * key, total=total), Split(value)]
+    rows = [Split(key, start=0, total=total, group=0),
+            Split(key, start=key, total=total, group=0),
+            Split(value, start=2 * key, total=total, group=0), Split(value, group=1)]
     quant = linear_method(fmt, rows, Split.whole(cfg.hidden_size))
     return (LinearBase(cfg.hidden_size, sum(local_sizes[:2]), quant=quant),
             LinearBase(cfg.hidden_size, sum(local_sizes[2:])))

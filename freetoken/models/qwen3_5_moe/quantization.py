@@ -10,13 +10,14 @@ and are refused in a quantized format."""
 from __future__ import annotations
 
 from freetoken.config import ConfigError
-from freetoken.formats.quant import BF16, FP8_BLOCK, NVFP4, Destination, ModuleTable
+from freetoken.formats.quant import BF16, FP8_BLOCK, FP8_TENSOR, NVFP4, Destination, ModuleTable
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 DEST = "model.layers"
 _PER_HEAD = "one row per value head; kept unquantized by every producer"
 _ROUTER = "a router; kept unquantized by every producer"
-BLOCK = frozenset({FP8_BLOCK})
+BLOCK = frozenset({FP8_BLOCK, FP8_TENSOR})
+"""The quantized formats of attention, GDN and shared-expert linears."""
 
 
 def module_table(prefix: str, layer_types: tuple[str, ...], num_experts: int) -> ModuleTable:
