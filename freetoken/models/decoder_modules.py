@@ -6,9 +6,9 @@ projections into the stacked experts), with the formats the engine runs each in
 from __future__ import annotations
 
 from freetoken.config import ModelConfig
-from freetoken.formats.quant import FP8_BLOCK, FP8_TENSOR, Destination, ModuleTable
+from freetoken.formats.quant import FP8_BLOCK, FP8_TENSOR, NVFP4, Destination, ModuleTable
 
-DENSE_FORMATS: frozenset[str] = frozenset({FP8_BLOCK, FP8_TENSOR})
+DENSE_FORMATS: frozenset[str] = frozenset({FP8_BLOCK, FP8_TENSOR, NVFP4})
 """Quantized formats of the attention and dense-MLP linears (bf16 is always accepted)."""
 _ROUTER = "a router; kept unquantized by every producer"
 

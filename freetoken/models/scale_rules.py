@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from freetoken.formats.fp8.interleaved import InterleavedBlockRows
 from freetoken.formats.fp8.specs import BlockScaleSegments, BlockScaleSplit
 from freetoken.formats.fp8.tensor import ScalarScale
-from freetoken.formats.quant.format import FP8_BLOCK, FP8_TENSOR, MODELOPT, ModuleFormat
-from freetoken.formats.specs import Split
+from freetoken.formats.nvfp4.specs import PACKED, SCALE, GlobalScale, InputSplit
+from freetoken.formats.quant.format import FP8_BLOCK, FP8_TENSOR, MODELOPT, NVFP4, ModuleFormat
+from freetoken.formats.specs import Heads, InterleavedHeads, Split
 from freetoken.loading.plan import Rule
 
 
@@ -55,7 +56,7 @@ def block_scale_rules(cfg, layers: range, parts: list[Part], tp: int) -> list[Ru
         for index, part in enumerate(parts):
             dest = part.dest.format(layer=layer)
             fmt = cfg.format_of(dest, part.gemm) if part.gemm < cfg.gemm_count(dest) else None
-            if fmt is not None and fmt.kind in (FP8_BLOCK, FP8_TENSOR):
+            if fmt is not None and fmt.kind in (FP8_BLOCK, FP8_TENSOR, NVFP4):
                 by_format[(index, fmt)].append(layer)
     rules = []
     for (index, fmt), hits in by_format.items():
@@ -65,6 +66,9 @@ def block_scale_rules(cfg, layers: range, parts: list[Part], tp: int) -> list[Ru
         dest = part.dest.replace("{layer}", r"\g<l>")
         if fmt.kind == FP8_TENSOR:
             rules += _tensor_scale_rules(src, dest, part.segment, fmt)
+            continue
+        if fmt.kind == NVFP4:
+            rules += _nvfp4_rules(src, dest, part, parts, fmt, tp)
             continue
         start = sum(_spec_and_rows(p, fmt, tp)[1] for p in parts
                     if p.dest == part.dest and p.gemm == part.gemm and p.segment < part.segment)
@@ -78,6 +82,36 @@ def _tensor_scale_rules(src: str, dest: str, segment: int, fmt: ModuleFormat) ->
     inputs = f"{dest}.input_scale" if fmt.producer == MODELOPT else None
     return [Rule(rf"{src}\.weight_scale", ScalarScale(), f"{dest}.weight_scale", (segment,)),
             Rule(rf"{src}\.input_scale", ScalarScale(), inputs, (segment,) if inputs else ())]
+
+
+def _local_rows(part: Part, tp: int) -> int:
+    rows, heads = part.rows
+    return rows // (heads if heads is not None and heads < tp else tp)
+
+
+def _nvfp4_rules(src: str, dest: str, part: Part, parts: list[Part], fmt: ModuleFormat,
+                 tp: int) -> list[Rule]:
+    """NVFP4 tensors of one part: packed weight and block scale split like an unquantized
+    weight (rows per row; inputs on 16-element groups), into the part's rows of the
+    destination; its global scale into its own entry of `weight_scale_2`; input scales,
+    unused by W4A16, ignored. ModelOpt's packed `weight` is read by the weight rules."""
+    names = {f: s for s, f in fmt.suffixes().items()}
+    if part.rows[1] == 1:
+        weight, scale, slot = InputSplit(PACKED, 1), InputSplit(SCALE, 1), ()
+    else:
+        weight = scale = (InterleavedHeads(part.interleaved) if part.interleaved
+                          else Heads(part.rows[1]) if part.rows[1] else Split(0))
+        start = sum(_local_rows(p, tp) for p in parts
+                    if p.dest == part.dest and p.segment < part.segment)
+        slot = (slice(start, start + _local_rows(part, tp)),)
+    glob = GlobalScale((1,) if fmt.global_scale_is_reciprocal else ())
+    rules = [Rule(rf"{src}\.{names['weight_scale']}", scale, f"{dest}.weight_scale", slot),
+             Rule(rf"{src}\.{names['weight_scale_2']}", glob, f"{dest}.weight_scale_2",
+                  (part.segment,)),
+             Rule(rf"{src}\.{names['input_scale']}", param=None)]
+    if names["weight"] != "weight":
+        rules.append(Rule(rf"{src}\.{names['weight']}", weight, f"{dest}.weight", slot))
+    return rules
 
 
 def _spec_and_rows(part: Part, fmt: ModuleFormat, tp: int):

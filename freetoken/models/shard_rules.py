@@ -8,6 +8,7 @@ from freetoken.config import ModelConfig
 from freetoken.distributed import divide
 from freetoken.formats.nvfp4.checkpoint import COMPRESSED_TENSORS, tensor_suffixes
 from freetoken.formats.nvfp4.specs import PACKED, SCALE, GlobalScale, InputSplit, local_inputs
+from freetoken.formats.quant import NVFP4
 from freetoken.formats.specs import Heads, PaddedSplit, Replicate, Split
 from freetoken.layers.linear import local_kv_heads
 from freetoken.loading.plan import Rule, ShardPlan
@@ -132,3 +133,17 @@ def check_decoder_tp(cfg: ModelConfig, tp: int) -> None:
         divide(cfg.intermediate_size, tp, "intermediate_size")
     if cfg.num_experts:
         divide(cfg.moe_intermediate_size, tp, "moe_intermediate_size")
+    check_nvfp4_inputs(cfg, tp, {"self_attn.o_proj": (cfg.num_attention_heads * cfg.head_dim,
+                                                      "num_attention_heads x head_dim"),
+                                 "mlp.down_proj": (cfg.intermediate_size,
+                                                   "intermediate_size")})
+
+
+def check_nvfp4_inputs(cfg: ModelConfig, tp: int, row_parallel: dict) -> None:
+    """ShardError naming the dimension when a row-parallel NVFP4 linear (engine name ending
+    in a key of `row_parallel`: (full inputs, dimension name)) cannot split its inputs on
+    16-element groups across `tp` ranks; checked before any rank starts."""
+    for name, gemms in cfg.module_formats.items():
+        for suffix, (full, what) in row_parallel.items():
+            if name.endswith("." + suffix) and gemms[0].format.kind == NVFP4:
+                local_inputs(full, tp, f"{name} ({what})")

@@ -50,13 +50,13 @@ def test_family_parsers_set_what_differs_between_families(case, qk_norm, default
     assert (cfg.qk_norm, cfg.norm_topk_prob) == (qk_norm, default_topk), case
 
 
-def test_a_quantized_plain_decoder_is_refused_by_name():
-    """An NVFP4 quantization config on a Llama checkpoint is a ConfigError naming the first
-    module the engine does not run in that format, not a model that would load the packed
-    weights as floats."""
-    quant = {"quant_method": "modelopt", "quant_algo": "NVFP4", "exclude_modules": ["lm_head"]}
-    with pytest.raises(ConfigError, match=r"model\.layers\.0\.self_attn\.q_proj is NVFP4 "
-                                          r"\(modelopt\), which FreeToken does not support"):
+def test_a_quantized_module_the_engine_does_not_run_is_refused_by_name():
+    """An NVFP4 quantization config on a Llama checkpoint that leaves lm_head quantized is a
+    ConfigError naming lm_head and its format (NVFP4 lm_heads do not run yet), not a model
+    that would load the packed weights as floats."""
+    quant = {"quant_method": "modelopt", "quant_algo": "NVFP4"}
+    with pytest.raises(ConfigError, match=r"lm_head is NVFP4 \(modelopt\), which FreeToken "
+                                          r"does not support for lm_head"):
         config_from_hf(_make_hf("tiny-llama", quantization_config=quant))
 
 

@@ -93,9 +93,12 @@ def write_dequantized_twin(folder: str | Path, dst: str | Path, scheme,
     # A scheme answers for linear modules; an embedding or norm it would call quantized
     # still holds its plain weight, so only modules whose weight is in the format's dtype
     # are dequantized.
-    quantized = {name.rpartition(".")[0] for name, t in tensors.items()
-                 if name.endswith(".weight") and t.dtype in
-                 scheme.format_of(name.rpartition(".")[0]).weight_dtypes()}
+    quantized = set()
+    for name, t in tensors.items():
+        module, _, suffix = name.rpartition(".")
+        fmt = scheme.format_of(module)
+        if fmt.suffixes().get(suffix) == "weight" and t.dtype in fmt.weight_dtypes():
+            quantized.add(module)
     modules: dict[str, dict[str, torch.Tensor]] = {}
     out = {}
     for name, t in tensors.items():

@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 from freetoken.distributed import get_tp_info
 from freetoken.formats.fp8.specs import BlockScaleSplit
-from freetoken.formats.quant.format import FP8_BLOCK, FP8_TENSOR, MODELOPT, ModuleFormat
+from freetoken.formats.quant.format import FP8_BLOCK, FP8_TENSOR, MODELOPT, NVFP4, ModuleFormat
 from freetoken.layers.quantization.fp8.block_linear import BlockFP8Linear
 from freetoken.layers.quantization.fp8.tensor_linear import FP8TensorLinear
+from freetoken.layers.quantization.nvfp4.linear import NVFP4Linear
 
 
 @dataclass(frozen=True)
@@ -49,10 +50,12 @@ def linear_method(fmt: ModuleFormat | None, rows: list[Split], cols: Split):
     if fmt is None or not fmt.quantized:
         return None
     tp = get_tp_info()
+    groups = tuple(i if r.group is None else r.group for i, r in enumerate(rows))
+    local = tuple(r.local(tp.size) for r in rows)
     if fmt.kind == FP8_TENSOR:
-        groups = tuple(i if r.group is None else r.group for i, r in enumerate(rows))
-        return FP8TensorLinear(tuple(r.local(tp.size) for r in rows), groups,
-                               fmt.producer == MODELOPT)
+        return FP8TensorLinear(local, groups, fmt.producer == MODELOPT)
+    if fmt.kind == NVFP4:
+        return NVFP4Linear(local, groups, fmt.global_scale_is_reciprocal)
     if fmt.kind != FP8_BLOCK:
         raise ValueError(f"{fmt.describe()} linear layers are not supported yet")
     b_rows, b_cols = fmt.block

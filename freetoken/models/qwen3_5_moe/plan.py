@@ -23,7 +23,7 @@ from freetoken.layers.linear import local_kv_heads
 from freetoken.loading.plan import Rule, ShardPlan
 from freetoken.models.qwen3_5_moe.config import Qwen35MoeConfig
 from freetoken.models.scale_rules import block_scale_rules, fp8_expert_rules, qwen3_5_parts
-from freetoken.models.shard_rules import check_decoder_tp, expert_rules
+from freetoken.models.shard_rules import check_decoder_tp, check_nvfp4_inputs, expert_rules
 
 DEST = r"model.layers.\g<l>"
 
@@ -160,6 +160,8 @@ def check_qwen3_5_moe_tp(cfg: Qwen35MoeConfig, tp: int) -> None:
     divide(cfg.linear_num_key_heads, tp, "linear_num_key_heads")
     divide(cfg.linear_num_value_heads, tp, "linear_num_value_heads")
     divide(cfg.shared_expert_intermediate_size, tp, "shared_expert_intermediate_size")
+    check_nvfp4_inputs(cfg, tp, {"shared_expert.down_proj": (
+        cfg.shared_expert_intermediate_size, "shared_expert_intermediate_size")})
     if cfg.nvfp4_experts:
         if cfg.hidden_size % GROUP:
             raise ValueError(f"hidden_size={cfg.hidden_size} is not a multiple of the "

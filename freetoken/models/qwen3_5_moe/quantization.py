@@ -17,7 +17,9 @@ DEST = "model.layers"
 _PER_HEAD = "one row per value head; kept unquantized by every producer"
 _ROUTER = "a router; kept unquantized by every producer"
 BLOCK = frozenset({FP8_BLOCK, FP8_TENSOR})
-"""The quantized formats of attention, GDN and shared-expert linears."""
+"""The quantized formats of the GDN linears."""
+DENSE = BLOCK | {NVFP4}
+"""The quantized formats of attention and shared-expert linears."""
 
 
 def module_table(prefix: str, layer_types: tuple[str, ...], num_experts: int) -> ModuleTable:
@@ -37,8 +39,8 @@ def module_table(prefix: str, layer_types: tuple[str, ...], num_experts: int) ->
 
 def _attention(src: str, dest: str) -> list[Destination]:
     a, d = f"{src}.self_attn", f"{dest}.self_attn"
-    return [Destination(f"{d}.qkv_proj", tuple(f"{a}.{x}_proj" for x in "qkv"), BLOCK),
-            Destination(f"{d}.o_proj", (f"{a}.o_proj",), BLOCK)]
+    return [Destination(f"{d}.qkv_proj", tuple(f"{a}.{x}_proj" for x in "qkv"), DENSE),
+            Destination(f"{d}.o_proj", (f"{a}.o_proj",), DENSE)]
 
 
 def _gdn(src: str, dest: str) -> list[Destination]:
@@ -55,9 +57,9 @@ def _moe(src: str, dest: str, num_experts: int) -> list[Destination]:
     return [Destination(f"{d}.gate", (f"{m}.gate",), note=_ROUTER),
             Destination(f"{d}.shared_expert_gate", (f"{m}.shared_expert_gate",), note=_ROUTER),
             Destination(f"{d}.shared_expert.gate_up_proj",
-                        (f"{m}.shared_expert.gate_proj", f"{m}.shared_expert.up_proj"), BLOCK),
+                        (f"{m}.shared_expert.gate_proj", f"{m}.shared_expert.up_proj"), DENSE),
             Destination(f"{d}.shared_expert.down_proj", (f"{m}.shared_expert.down_proj",),
-                        BLOCK),
+                        DENSE),
             Destination(f"{d}.experts", experts, frozenset({NVFP4, FP8_BLOCK}), stacked=True)]
 
 
