@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from freetoken.distributed import get_communicator, get_tp_info
+from freetoken.layers.quantization import Split, linear_method
 
 
 def padded_vocab(vocab_size: int, tp_size: int) -> int:
@@ -38,18 +39,27 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(nn.Module):
-    """Rank-local logits over its vocab rows, gathered so every rank has the full logits."""
+    """Rank-local logits over its vocab rows, gathered so every rank has the full logits.
+    `fmt`: the head's module format (NVFP4: packed rows and block scales padded with zero
+    rows like the weight; padded logits are sliced off)."""
 
-    def __init__(self, vocab_size: int, hidden: int, tied: VocabParallelEmbedding | None = None):
+    def __init__(self, vocab_size: int, hidden: int, tied: VocabParallelEmbedding | None = None,
+                 fmt=None):
         super().__init__()
         tp = get_tp_info()
         self.vocab_size = vocab_size
         self.local_vocab = padded_vocab(vocab_size, tp.size) // tp.size
         self.tied = tied
-        if tied is None:
+        self.quant = linear_method(fmt, [Split(padded_vocab(vocab_size, tp.size))],
+                                   Split.whole(hidden))
+        if self.quant is not None:
+            self.quant.create_weights(self, hidden, self.local_vocab)
+        elif tied is None:
             self.weight = nn.Parameter(torch.empty(self.local_vocab, hidden), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.tied.weight if self.tied is not None else self.weight
+        if self.quant is not None:
+            weight = self.quant.dequantize(self, hidden.dtype)
         local = F.linear(hidden, weight)
         return get_communicator().all_gather(local, dim=-1)[..., : self.vocab_size]

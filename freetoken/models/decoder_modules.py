@@ -16,7 +16,7 @@ _ROUTER = "a router; kept unquantized by every producer"
 def decoder_module_table(cfg: ModelConfig) -> ModuleTable:
     """Every linear destination (engine names equal the checkpoint's here) and the other
     modules a quantization config may name."""
-    dests = [Destination("lm_head", ("lm_head",))]
+    dests = [Destination("lm_head", ("lm_head",), frozenset({NVFP4}))]
     others = ["model.embed_tokens", "model.norm", "model.rotary_emb"]
     for i in range(cfg.num_hidden_layers):
         a, m = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"

@@ -17,7 +17,7 @@ from freetoken.formats.fp8.specs import BlockScaleSegments, BlockScaleSplit
 from freetoken.formats.fp8.tensor import ScalarScale
 from freetoken.formats.nvfp4.specs import PACKED, SCALE, GlobalScale, InputSplit
 from freetoken.formats.quant.format import FP8_BLOCK, FP8_TENSOR, MODELOPT, NVFP4, ModuleFormat
-from freetoken.formats.specs import Heads, InterleavedHeads, Split
+from freetoken.formats.specs import Heads, InterleavedHeads, PaddedSplit, Split
 from freetoken.loading.plan import Rule
 
 
@@ -144,6 +144,23 @@ def decoder_parts(cfg) -> list[Part]:
             Part(f"{m}.gate_proj", f"{m}.gate_up_proj", (i, None), (h, 1), 0),
             Part(f"{m}.up_proj", f"{m}.gate_up_proj", (i, None), (h, 1), 1),
             Part(f"{m}.down_proj", f"{m}.down_proj", (h, 1), (i, None))]
+
+
+def lm_head_rules(cfg) -> list[Rule]:
+    """An NVFP4 lm_head's block scales padded with zero rows like its packed weight (which
+    `lm_head.weight` / CT's `weight_packed` fill), its global scale, input scale ignored."""
+    fmt = cfg.format_of("lm_head")
+    if fmt is None or fmt.kind != NVFP4:
+        return []
+    names = {f: s for s, f in fmt.suffixes().items()}
+    glob = GlobalScale((1,) if fmt.global_scale_is_reciprocal else ())
+    rules = [Rule(rf"lm_head\.{names['weight_scale']}", PaddedSplit(cfg.vocab_size)),
+             Rule(rf"lm_head\.{names['weight_scale_2']}", glob, "lm_head.weight_scale_2", (0,)),
+             Rule(rf"lm_head\.{names['input_scale']}", param=None)]
+    if names["weight"] != "weight":
+        rules.append(Rule(rf"lm_head\.{names['weight']}", PaddedSplit(cfg.vocab_size),
+                          "lm_head.weight"))
+    return rules
 
 
 def fp8_expert_rules(expert: str, dest: str, full_intermediate: int, tp: int,

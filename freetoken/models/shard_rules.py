@@ -12,7 +12,7 @@ from freetoken.formats.quant import NVFP4
 from freetoken.formats.specs import Heads, PaddedSplit, Replicate, Split
 from freetoken.layers.linear import local_kv_heads
 from freetoken.loading.plan import Rule, ShardPlan
-from freetoken.models.scale_rules import block_scale_rules, decoder_parts
+from freetoken.models.scale_rules import block_scale_rules, decoder_parts, lm_head_rules
 
 LAYER = r"(?P<p>model\.layers\.\d+)"
 
@@ -121,6 +121,7 @@ def decoder_plan(cfg: ModelConfig, tp: int) -> ShardPlan:
         rules += expert_rules(rf"{LAYER}\.mlp\.experts\.(?P<e>\d+)", r"\g<p>.mlp.experts",
                               cfg.moe_intermediate_size, tp)
     rules += block_scale_rules(cfg, range(cfg.num_hidden_layers), decoder_parts(cfg), tp)
+    rules += lm_head_rules(cfg)
     return ShardPlan(rules, tp)
 
 

@@ -1,8 +1,10 @@
 """FP8 per tensor (ModelOpt `FP8`: `weight` e4m3, 0-d `weight_scale` multiplier, 0-d
 `input_scale` read, checked and unused by the weight-only path), end to end on CPU in fp32:
 a Llama with every projection FP8, and NVIDIA's mixed Qwen3.5-MoE layout (NVFP4 routed
-experts from the bundled case, FP8 attention, GDN in_proj_qkv / in_proj_z / out_proj and
-shared expert; in_proj_b / in_proj_a, routers and lm_head bf16). Every module has its own
+experts from the bundled case and an NVFP4 lm_head with padded vocab rows at TP 2/4/8; FP8
+attention, GDN in_proj_qkv / in_proj_z / out_proj and shared expert, which NVIDIA makes
+NVFP4 but whose 48 rows do not split on 16-element groups past TP 1; in_proj_b / in_proj_a
+and routers bf16). Every module has its own
 scale, q / k / v and qkv / z included, and the fused destinations keep one per tensor. The
 reference is the dequantized twin at TP 1 (observed max abs 0.0 at TP 1, 4e-6 at TP 8)."""
 
@@ -18,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from freetoken import LLM, SamplingParams
 from freetoken.formats.fp8.convert import write_modelopt_fp8
+from freetoken.formats.nvfp4.convert import write_nvfp4
 from freetoken.formats.quant import read_quant_config
 from freetoken.formats.quant.twin import write_dequantized_twin
 from freetoken.formats.shard import ShardError
@@ -31,7 +34,7 @@ FP8 = {"quant_algo": "FP8"}
 def _mixed_layers() -> dict:
     """NVIDIA's Qwen3.6 recipe on the bundled NVFP4 case: its NVFP4 experts, the rest FP8."""
     text = json.loads((GOLDEN / "tiny-qwen3.5-moe-nvfp4" / "config.json").read_text())
-    layers = {}
+    layers = {"lm_head": {"quant_algo": "W4A16_NVFP4", "group_size": 16}}
     for i, kind in enumerate(text["text_config"]["layer_types"]):
         layers[f"{P}.{i}.mlp.experts"] = {"quant_algo": "NVFP4", "group_size": 16}
         layers[f"{P}.{i}.mlp.shared_expert"] = FP8
@@ -42,8 +45,14 @@ def _mixed_layers() -> dict:
 
 
 def _make_pair(tmp_path: Path, case: str) -> tuple[Path, Path]:
-    layers = _mixed_layers() if case == "tiny-qwen3.5-moe-nvfp4" else None
-    fp8 = write_modelopt_fp8(GOLDEN / case, tmp_path / "fp8", layers)
+    if case == "tiny-qwen3.5-moe-nvfp4":
+        layers = _mixed_layers()
+        doc = {"producer": {"name": "modelopt"},
+               "quantization": {"quant_algo": "MIXED_PRECISION", "quantized_layers": layers}}
+        fp8 = write_nvfp4(write_modelopt_fp8(GOLDEN / case, tmp_path / "fp8-only", layers),
+                          tmp_path / "fp8", doc, modules="lm_head")
+    else:
+        fp8 = write_modelopt_fp8(GOLDEN / case, tmp_path / "fp8")
     return fp8, write_dequantized_twin(fp8, tmp_path / "twin", read_quant_config(fp8))
 
 

@@ -66,7 +66,7 @@ def test_experts_only_layouts_resolve_every_module():
 
 def test_shipping_layouts_resolve_or_are_refused_naming_module_and_format():
     """RedHatAI's layout resolves (NVFP4 attention, its split-name ignore list keeping GDN
-    bf16); NVIDIA's NVFP4 lm_head (not run yet) is refused naming it and its format; a GDN
+    bf16); an FP8 lm_head (only NVFP4 ones run) is refused naming it and its format; a GDN
     with in_proj_qkv in block FP8 but in_proj_z not is refused naming the split."""
     hf = _make_hf()
     redhat = {"quant_method": "compressed-tensors", "ignore": _redhat_ignore(hf),
@@ -82,8 +82,9 @@ def test_shipping_layouts_resolve_or_are_refused_naming_module_and_format():
     formats = _parse(redhat).module_formats
     assert formats["model.layers.1.self_attn.qkv_proj"][0].format.kind == NVFP4
     assert formats["model.layers.0.linear_attn.in_proj"][0].format.kind == BF16
-    with pytest.raises(ConfigError, match=r"lm_head is NVFP4 \(modelopt\), which FreeToken "
-                                          "does not support"):
+    mixed["quantized_layers"]["lm_head"] = {"quant_algo": "FP8"}
+    with pytest.raises(ConfigError, match=r"lm_head is FP8 per-tensor \(modelopt\), which "
+                                          "FreeToken does not support"):
         _parse(mixed)
     with pytest.raises(ConfigError, match=r"model\.layers\.0\.linear_attn\.in_proj: the "
                                           r"quantization config splits it as \[in_proj_qkv\] "

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from freetoken.formats.quant.format import BF16, KINDS, ModuleFormat, QuantConfigError
+from freetoken.formats.quant.format import BF16, ModuleFormat, QuantConfigError
 from freetoken.formats.quant.scheme import (
     CT_STYLE,
     HF_STYLE,
@@ -99,12 +99,6 @@ def _foreign(entry: str) -> bool:
                for n in (entry, name, name.removeprefix("model.")))
 
 
-def _noted(dest: Destination, part: str) -> tuple[str, ...]:
-    """The kinds a destination's note explains: any quantized one for a bf16-only part or a
-    destination accepting none."""
-    return KINDS if part in dest.bf16_only or not dest.accepts - {BF16} else ()
-
-
 def _gemms(scheme: QuantScheme | None, dest: Destination) -> tuple[Gemm, ...]:
     formats = [scheme.format_of(p) if scheme is not None else ModuleFormat()
                for p in dest.parts]
@@ -124,7 +118,9 @@ def _gemms(scheme: QuantScheme | None, dest: Destination) -> tuple[Gemm, ...]:
     for part, fmt in zip(dest.parts, formats):
         if fmt.kind not in dest.accepted(part):
             accepted = ", ".join(sorted(dest.accepted(part)))
-            note = f" ({dest.note})" if dest.note and fmt.kind in _noted(dest, part) else ""
+            # The note says why a part takes no quantized format at all.
+            explained = part in dest.bf16_only or dest.accepts <= {BF16}
+            note = f" ({dest.note})" if dest.note and explained else ""
             raise QuantConfigError(f"{scheme.source}: {part} is {fmt.describe()}, which "
                                    f"FreeToken does not support for {dest.name}{note}; it "
                                    f"runs it as: {accepted}")

@@ -22,7 +22,12 @@ from freetoken.formats.specs import (
 from freetoken.layers.linear import local_kv_heads
 from freetoken.loading.plan import Rule, ShardPlan
 from freetoken.models.qwen3_5_moe.config import Qwen35MoeConfig
-from freetoken.models.scale_rules import block_scale_rules, fp8_expert_rules, qwen3_5_parts
+from freetoken.models.scale_rules import (
+    block_scale_rules,
+    fp8_expert_rules,
+    lm_head_rules,
+    qwen3_5_parts,
+)
 from freetoken.models.shard_rules import check_decoder_tp, check_nvfp4_inputs, expert_rules
 
 DEST = r"model.layers.\g<l>"
@@ -47,7 +52,7 @@ def qwen3_5_moe_plan(cfg: Qwen35MoeConfig, tp: int) -> ShardPlan:
     scales = block_scale_rules(cfg, range(cfg.num_hidden_layers),
                                qwen3_5_parts(cfg, cfg.checkpoint_prefix), tp)
     return ShardPlan(rules + attention_rules(cfg, tp, layer) + gdn_rules(cfg, tp, layer)
-                     + moe_rules(cfg, tp, layer) + scales, tp)
+                     + moe_rules(cfg, tp, layer) + scales + lm_head_rules(cfg), tp)
 
 
 def attention_rules(cfg: Qwen35MoeConfig, tp: int, layer: str) -> list[Rule]:

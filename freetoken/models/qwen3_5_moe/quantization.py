@@ -25,7 +25,7 @@ DENSE = BLOCK | {NVFP4}
 def module_table(prefix: str, layer_types: tuple[str, ...], num_experts: int) -> ModuleTable:
     """Every linear destination of the model (engine names, `model.layers.L...`) with its
     checkpoint parts (`prefix.layers.L...`), and the non-linear modules a config may name."""
-    dests = [Destination("lm_head", ("lm_head",))]
+    dests = [Destination("lm_head", ("lm_head",), frozenset({NVFP4}))]
     others = [f"{prefix}.embed_tokens", f"{prefix}.norm", f"{prefix}.rotary_emb"]
     for i, kind in enumerate(layer_types):
         src, dest = f"{prefix}.layers.{i}", f"{DEST}.{i}"
