@@ -6,7 +6,14 @@ projections into the stacked experts), with the formats the engine runs each in
 from __future__ import annotations
 
 from freetoken.config import ModelConfig
-from freetoken.formats.quant import FP8_BLOCK, FP8_TENSOR, NVFP4, Destination, ModuleTable
+from freetoken.formats.quant import (
+    FP8_BLOCK,
+    FP8_TENSOR,
+    NVFP4,
+    Destination,
+    ModuleFormat,
+    ModuleTable,
+)
 
 DENSE_FORMATS: frozenset[str] = frozenset({FP8_BLOCK, FP8_TENSOR, NVFP4})
 """Quantized formats of the attention and dense-MLP linears (bf16 is always accepted)."""
@@ -27,7 +34,8 @@ def decoder_module_table(cfg: ModelConfig) -> ModuleTable:
             experts = tuple(f"{m}.experts.{e}.{p}_proj" for e in range(cfg.num_experts)
                             for p in ("gate", "up", "down"))
             dests += [Destination(f"{m}.gate", (f"{m}.gate",), note=_ROUTER),
-                      Destination(f"{m}.experts", experts, stacked=True)]
+                      Destination(f"{m}.experts", experts, frozenset({NVFP4, FP8_BLOCK}),
+                                  stacked=True)]
         else:
             dests += [Destination(f"{m}.gate_up_proj", (f"{m}.gate_proj", f"{m}.up_proj"),
                                   DENSE_FORMATS),
@@ -36,3 +44,17 @@ def decoder_module_table(cfg: ModelConfig) -> ModuleTable:
                    f"model.layers.{i}.post_attention_layernorm",
                    f"{a}.q_norm", f"{a}.k_norm"]
     return ModuleTable(tuple(dests), tuple(others))
+
+
+def experts_format(cfg: ModelConfig) -> ModuleFormat | None:
+    """The routed experts' format (None: unquantized), the same in every MoE layer; a
+    ValueError naming two layers whose experts differ."""
+    found = {i: cfg.format_of(f"model.layers.{i}.mlp.experts")
+             for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)}
+    kinds = list(dict.fromkeys(found.values()))
+    if len(kinds) > 1:
+        a, b = (next(i for i, f in found.items() if f == k) for k in kinds[:2])
+        describe = [k.describe() if k is not None else "unquantized" for k in kinds[:2]]
+        raise ValueError(f"the routed experts of layer {a} are {describe[0]} but layer {b}'s "
+                         f"{describe[1]}; FreeToken needs every layer's experts in one format")
+    return kinds[0] if kinds else None

@@ -1,5 +1,6 @@
 """Block FP8 (Qwen's FP8 layout: `weight` e4m3, bf16 `weight_scale_inv` per block, HF
-`quant_method: fp8`) on Llama and Qwen3, weight-only, end to end on CPU in fp32.
+`quant_method: fp8`) on Llama, Qwen3 and Qwen3-MoE (routed experts included, as in
+Qwen3-30B-A3B-FP8), weight-only, end to end on CPU in fp32.
 
 The checkpoints are the bundled cases quantized with 24 x 40 blocks, so that every dimension
 ends in a partial block (64 = 40 + 24 inputs, 128 = 5 x 24 + 8 rows) and at TP 8 each rank's
@@ -29,11 +30,13 @@ from freetoken.models.registry import load_config, shard_plan
 BLOCK = (24, 40)
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]]
 NOT_CONVERT = ("lm_head", "model.embed_tokens")
+ROUTERS = ("mlp.gate",)
 
 
 def _make_pair(tmp_path: Path, case: str) -> tuple[Path, Path]:
     """(block-FP8 checkpoint of `case`, its dequantized twin)."""
-    fp8 = write_block_fp8(GOLDEN / case, tmp_path / f"{case}-fp8", BLOCK, NOT_CONVERT)
+    keep = NOT_CONVERT + (ROUTERS if "moe" in case else ())
+    fp8 = write_block_fp8(GOLDEN / case, tmp_path / f"{case}-fp8", BLOCK, keep)
     return fp8, write_dequantized_twin(fp8, tmp_path / f"{case}-twin", read_quant_config(fp8))
 
 
@@ -54,7 +57,8 @@ def _assert_same_outputs(got: list, want: list, label: str) -> None:
 
 
 @pytest.mark.parametrize("case,tp_sizes", [("tiny-llama", (1, 2, 4, 8)),
-                                           ("tiny-qwen3", (1, 8))])
+                                           ("tiny-qwen3", (1, 8)),
+                                           ("tiny-qwen3-moe", (1, 2, 4, 8))])
 def test_engine_matches_the_dequantized_twin(tmp_path, case, tp_sizes):
     """The block-FP8 checkpoint at every TP size gives the twin's TP 1 prompt and decode
     logits to float32 tolerance and the same greedy tokens: every segment (q, k, v, gate,

@@ -3,7 +3,8 @@ end to end on CPU in fp32: a ModelOpt NVFP4 Llama (`weight_scale_2` multiplies) 
 RedHatAI's compressed-tensors Qwen3.5-MoE layout (`weight_global_scale` divides; attention
 q|gate, k, v, o and the routed experts NVFP4; an expanded split-name ignore list over
 linear_attn, routers, shared-expert gates and lm_head; the shared expert left bf16 here,
-its 48 intermediate rows not splitting on 16-element groups past TP 1). The reference is the
+its 48 intermediate rows not splitting on 16-element groups past TP 1), and a Qwen3-MoE with
+NVFP4 attention, dense MLP and routed experts. The reference is the
 dequantized twin at TP 1 (observed max abs 1e-6 to 4e-6: float32 rounding of the
 dequantized weights and reduction order)."""
 
@@ -119,3 +120,19 @@ def test_an_nvfp4_split_off_its_groups_is_refused_before_any_rank(tmp_path):
                                          r"inputs cannot be split across tp_size=2"):
         check_tp(cfg, 2)
     _assert_same_outputs(_generate(quantized, 1), _generate(twin, 1), "shared expert tp=1")
+
+
+def test_qwen3_moe_nvfp4_experts_match_the_twin_and_refuse_off_group_splits(tmp_path):
+    """A Qwen3-MoE with every projection NVFP4 (ModelOpt; routers and lm_head excluded)
+    matches its twin at TP 1 and 2; at TP 4 its experts' 32 intermediate inputs give 8 per
+    rank, not a 16-element group, and check_tp refuses naming moe_intermediate_size."""
+    config = {"producer": {"name": "modelopt"}, "quantization": {
+        "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head", "*mlp.gate"]}}
+    quantized = write_nvfp4(GOLDEN / "tiny-qwen3-moe", tmp_path / "nvfp4", config)
+    twin = write_dequantized_twin(quantized, tmp_path / "twin", read_quant_config(quantized))
+    want = _generate(twin, 1)
+    for tp in (1, 2):
+        _assert_same_outputs(_generate(quantized, tp), want, f"qwen3-moe tp={tp}")
+    with pytest.raises(ValueError, match=r"moe_intermediate_size: 32 NVFP4 inputs cannot be "
+                                         r"split across tp_size=4"):
+        check_tp(load_config(quantized), 4)
