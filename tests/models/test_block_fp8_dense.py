@@ -25,7 +25,7 @@ from freetoken.formats.quant import read_quant_config
 from freetoken.formats.quant.twin import write_dequantized_twin
 from freetoken.formats.shard import write_pieces
 from freetoken.loading.loader import LoadError
-from freetoken.models.registry import load_config, shard_plan
+from freetoken.models.registry import check_tp, load_config, shard_plan
 
 BLOCK = (24, 40)
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]]
@@ -102,3 +102,20 @@ def test_a_weight_not_in_its_declared_format_is_refused(tmp_path):
     with pytest.raises(LoadError, match=rf"'{name}' is torch.float32, but the quantization "
                                         r"config makes parameter .* torch.float8_e4m3fn"):
         _generate(fp8, 1)
+
+
+def test_experts_in_different_formats_per_layer_are_refused(tmp_path):
+    """A Qwen3-MoE config leaving one MoE layer's experts unquantized (modules_to_not_convert
+    naming layer 2's experts; layer 1 is dense) is refused by the TP check, before any rank
+    starts, naming both layers and formats; naming layer 1's experts, which do not exist,
+    is refused naming the entry."""
+    keep = NOT_CONVERT + ROUTERS + ("model.layers.2.mlp.experts",)
+    fp8 = write_block_fp8(GOLDEN / "tiny-qwen3-moe", tmp_path / "mixed", BLOCK, keep)
+    with pytest.raises(ValueError, match=r"routed experts of layer 0 are FP8 block 24x40 "
+                                         r"\(fp8\) but layer 2's unquantized"):
+        check_tp(load_config(fp8), 1)
+    keep = NOT_CONVERT + ROUTERS + ("model.layers.1.mlp.experts",)
+    fp8 = write_block_fp8(GOLDEN / "tiny-qwen3-moe", tmp_path / "dense", BLOCK, keep)
+    with pytest.raises(ValueError, match=r"modules_to_not_convert names "
+                                         r"'model.layers.1.mlp.experts', which is none"):
+        load_config(fp8)
