@@ -56,3 +56,14 @@ def validate_checkpoint(folder: str | Path) -> int:
                                       f"{file.name}")
             seen[name] = file.name
     return len(seen)
+
+
+def tensor_dtypes(folder: str | Path) -> dict[str, str]:
+    """Every tensor's safetensors dtype string (`BF16`, `F8_E4M3`, `U8`...), from the
+    headers alone (call `validate_checkpoint` first: this assumes the files are sound)."""
+    folder = Path(folder)
+    files = sorted(folder.glob("model*.safetensors"))
+    if (folder / INDEX).is_file():
+        files = [folder / f for f in sorted(set(_index_map(folder).values()))]
+    return {name: entry["dtype"] for file in files
+            for name, entry in read_header(file).entries.items()}
