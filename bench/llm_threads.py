@@ -25,7 +25,7 @@ from pathlib import Path
 
 from freetoken import LLM, SamplingParams
 
-_BUNDLED = Path(__file__).resolve().parent.parent / "verify" / "golden" / "tiny-qwen3-moe"
+_BUNDLED = Path(__file__).resolve().parent.parent / "freetoken_verify" / "golden" / "tiny-qwen3-moe"
 
 
 def _prompts(n: int) -> list[list[int]]:

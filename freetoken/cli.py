@@ -15,7 +15,7 @@ USAGE_ERRORS = (ValueError, FileNotFoundError)
 # Exceptions a rank raises on bad input (a damaged or inconsistent checkpoint): exit 2 with
 # one line, like a usage error, instead of a rank traceback and exit 1.
 INPUT_FAULTS = ("NonFiniteError", "LoadError", "CheckpointError", "ShardError", "ConfigError",
-                "NVFP4ConfigError", "NVFP4FormatError")
+                "NVFP4ConfigError", "NVFP4FormatError", "QuantConfigError")
 
 
 class PositiveInt(click.ParamType):

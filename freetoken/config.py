@@ -13,10 +13,12 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from freetoken.formats.nvfp4.checkpoint import (
-    NVFP4ConfigError,
+from freetoken.formats.quant import (
+    ModuleTable,
+    QuantConfigError,
     parse_quant_config,
     read_quant_config,
+    resolve,
 )
 
 
@@ -73,8 +75,11 @@ class ModelConfig:
     dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()
     quantization: Any = None
-    """The checkpoint's `NVFP4Config` (which modules are NVFP4, in whose tensor naming), None
-    for an unquantized checkpoint; each model decides which of its modules may be quantized."""
+    """The checkpoint's `QuantScheme` (which module is in which format, in whose tensor
+    naming), None for an unquantized checkpoint."""
+    module_formats: dict = field(default_factory=dict, compare=False, repr=False)
+    """Engine module -> its GEMMs (`freetoken.formats.quant.Gemm`), resolved against the
+    family's module table (`resolve_formats`); empty for an unquantized checkpoint."""
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -86,6 +91,22 @@ class ModelConfig:
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ConfigError(f"num_experts_per_tok={self.num_experts_per_tok} must be in "
                               f"1..num_experts={self.num_experts}")
+
+    def format_of(self, module: str, gemm: int | None = None):
+        """The ModuleFormat engine module `module` (e.g. `model.layers.0.mlp.down_proj`), or
+        its GEMM number `gemm`, is stored in; None when unquantized. A module resolved into
+        several GEMMs has no single format: ValueError naming it unless `gemm` is given."""
+        gemms = self.module_formats.get(module)
+        if not gemms:
+            return None
+        if gemm is None and len(gemms) > 1:
+            raise ValueError(f"{module} is stored in {len(gemms)} formats; ask per GEMM")
+        fmt = gemms[gemm or 0].format
+        return fmt if fmt.quantized else None
+
+    def gemm_count(self, module: str) -> int:
+        """How many GEMMs engine module `module` resolved into (1 when unquantized)."""
+        return len(self.module_formats.get(module) or (None,))
 
     @property
     def rotary_dim(self) -> int:
@@ -106,7 +127,7 @@ class ModelConfig:
 
 
 def read_hf_config(folder: str | Path) -> tuple[dict, Any]:
-    """A checkpoint folder's `config.json` as a dict, and its NVFP4Config
+    """A checkpoint folder's `config.json` as a dict, and its QuantScheme
     (`hf_quant_config.json` first, else config.json's `quantization_config`; None when
     unquantized). ConfigError naming the file when either is missing or unreadable."""
     path = Path(folder) / "config.json"
@@ -120,14 +141,14 @@ def read_hf_config(folder: str | Path) -> tuple[dict, Any]:
         raise ConfigError(f"{path}: not a JSON object")
     try:
         return hf, read_quant_config(Path(folder))
-    except NVFP4ConfigError as e:
+    except QuantConfigError as e:
         raise ConfigError(str(e)) from None
 
 
 def parse_config(parser: Callable[[dict, Any], ModelConfig], hf: dict,
                  quantization: Any = None) -> ModelConfig:
     """`parser(hf, quantization)` (an architecture's config parser), with any malformed or
-    missing key reported as one ConfigError. `quantization`: the checkpoint's NVFP4Config
+    missing key reported as one ConfigError. `quantization`: the checkpoint's QuantScheme
     when read from its folder; else config.json's `quantization_config`, if any."""
     try:
         if quantization is None:
@@ -135,6 +156,8 @@ def parse_config(parser: Callable[[dict, Any], ModelConfig], hf: dict,
         return parser(hf, quantization)
     except ConfigError:
         raise
+    except QuantConfigError as e:
+        raise ConfigError(str(e)) from None
     except KeyError as e:
         raise ConfigError(f"missing key {e.args[0]!r}") from None
     except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
@@ -142,27 +165,44 @@ def parse_config(parser: Callable[[dict, Any], ModelConfig], hf: dict,
 
 
 def _parse_quantization(raw: dict | None):
-    """config.json's `quantization_config` as an NVFP4Config (None when absent)."""
+    """config.json's `quantization_config` as a QuantScheme (None when absent)."""
     try:
         return parse_quant_config(raw, "config.json quantization_config")
-    except NVFP4ConfigError as e:
+    except QuantConfigError as e:
         raise ConfigError(str(e)) from None
 
 
-def decoder_config(arch: str, qk_norm: bool = False, norm_topk_prob: bool = True
+def resolve_formats(quantization: Any, table: ModuleTable) -> dict:
+    """Every engine module's GEMMs under `quantization` (a QuantScheme or None), against a
+    family's module `table`; {} for an unquantized checkpoint. ConfigError naming the
+    module when the config does not fit the model (see `freetoken.formats.quant.resolve`)."""
+    if quantization is None:
+        return {}
+    try:
+        return resolve(quantization, table)
+    except QuantConfigError as e:
+        raise ConfigError(str(e)) from None
+
+
+def decoder_config(arch: str, qk_norm: bool = False, norm_topk_prob: bool = True,
+                   modules: Callable[[ModelConfig], ModuleTable] | None = None
                    ) -> Callable[[dict, Any], ModelConfig]:
     """The config parser of a plain decoder family (`arch`): the common fields, per-head q/k
-    RMSNorm when `qk_norm`, `norm_topk_prob` when the HF config leaves it out; no
-    quantization."""
+    RMSNorm when `qk_norm`, `norm_topk_prob` when the HF config leaves it out. A quantized
+    checkpoint is resolved against `modules(cfg)`, the family's module table (refused
+    when the family has none)."""
 
     def parse(hf: dict, quantization: Any) -> ModelConfig:
-        if quantization is not None:
-            raise ConfigError(f"{arch}: NVFP4 checkpoints are not supported for this "
+        if quantization is not None and modules is None:
+            raise ConfigError(f"{arch}: quantized checkpoints are not supported for this "
                               "architecture")
         fields = common_fields(hf, arch)
         fields.update(qk_norm=qk_norm,
                       norm_topk_prob=bool(hf.get("norm_topk_prob", norm_topk_prob)))
-        return ModelConfig(**fields)
+        cfg = ModelConfig(**fields, quantization=quantization)
+        if quantization is None:
+            return cfg
+        return replace(cfg, module_formats=resolve_formats(quantization, modules(cfg)))
 
     return parse
 

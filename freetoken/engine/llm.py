@@ -21,6 +21,7 @@ from freetoken.engine.options import engine_config
 from freetoken.engine.requests import Limits, check_request, split_prompts, token_ids
 from freetoken.engine.resolve import resolve_model
 from freetoken.engine.sequence import GenerationResult, Request, SamplingParams, default_seed
+from freetoken.loading.screen import screen_checkpoint
 from freetoken.loading.validate import validate_checkpoint
 from freetoken.models.registry import check_tp, load_config
 
@@ -45,6 +46,7 @@ class LLM:
                                     oversubscribe, engine_options)
         check_tp(self.model_config, tp)
         validate_checkpoint(self.folder)
+        screen_checkpoint(self.folder, self.model_config.quantization)
         self.placement = choose_placement(device, tp, oversubscribe)
         self.tokenizer = _load_tokenizer(self.folder)
         # Fast tokenizers refuse concurrent use from several threads ("Already borrowed").

@@ -9,6 +9,7 @@ from torch import nn
 
 from freetoken.distributed import get_communicator, get_tp_info
 from freetoken.layers import invariant
+from freetoken.layers.quantization import Split, linear_method
 
 
 def padded_vocab(vocab_size: int, tp_size: int) -> int:
@@ -39,20 +40,29 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(nn.Module):
-    """Rank-local logits over its vocab rows, gathered so every rank has the full logits."""
+    """Rank-local logits over its vocab rows, gathered so every rank has the full logits.
+    `fmt`: the head's module format (NVFP4: packed rows and block scales padded with zero
+    rows like the weight; padded logits are sliced off)."""
 
-    def __init__(self, vocab_size: int, hidden: int, tied: VocabParallelEmbedding | None = None):
+    def __init__(self, vocab_size: int, hidden: int, tied: VocabParallelEmbedding | None = None,
+                 fmt=None):
         super().__init__()
         tp = get_tp_info()
         self.vocab_size = vocab_size
         self.local_vocab = padded_vocab(vocab_size, tp.size) // tp.size
         self.tied = tied
         self.canonical = invariant.active_reductions()
-        if tied is None:
+        self.quant = linear_method(fmt, [Split(padded_vocab(vocab_size, tp.size))],
+                                   Split.whole(hidden))
+        if self.quant is not None:
+            self.quant.create_weights(self, hidden, self.local_vocab)
+        elif tied is None:
             self.weight = nn.Parameter(torch.empty(self.local_vocab, hidden), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.tied.weight if self.tied is not None else self.weight
+        if self.quant is not None:
+            weight = self.quant.dequantize(self, hidden.dtype)
         if self.canonical is not None:
             local = invariant.column_linear(hidden, weight, None, self.canonical.tile)
         else:

@@ -1,5 +1,8 @@
 """Linear layers that own their TP split. Weights hold the rank-local shard; what goes where is
-declared by each model's shard plan (`freetoken.loading.plan`)."""
+declared by each model's shard plan (`freetoken.loading.plan`). A layer built with a module
+format (`fmt`, from the quantization config) gets a quantization method that creates its
+parameters and dequantizes them for the GEMM (`freetoken.layers.quantization.linear_method`);
+the layer tells it how its rows and inputs are split."""
 
 from __future__ import annotations
 
@@ -12,45 +15,61 @@ from freetoken.distributed import divide, get_communicator, get_tp_info
 from freetoken.kernels import gemv
 from freetoken.layers import invariant
 from freetoken.layers.activation import silu_and_mul
+from freetoken.layers.quantization import Split, linear_method
+
+WHOLE = Split.whole
 
 
 class LinearBase(nn.Module):
-    """`y = x W^T (+ b)` with a rank-local weight of shape [local_out, local_in]. In the
-    tp_invariant mode (`canonical` set) the output is computed in canonical tiles."""
+    """`y = x W^T (+ b)` with a rank-local weight of shape [local_out, local_in]. `quant`: the
+    layer's quantization method (None: an unquantized `weight` in the model dtype). In the
+    tp_invariant mode (`canonical` set) the output is computed in canonical tiles; the fused
+    decode kernels (`gemv`) take unquantized weights only."""
 
-    def __init__(self, local_in: int, local_out: int, bias: bool = False):
+    def __init__(self, local_in: int, local_out: int, bias: bool = False, quant=None):
         super().__init__()
         self.local_in, self.local_out = local_in, local_out
-        self.weight = nn.Parameter(torch.empty(local_out, local_in), requires_grad=False)
+        self.quant = quant
+        if quant is None:
+            self.weight = nn.Parameter(torch.empty(local_out, local_in), requires_grad=False)
+        else:
+            quant.create_weights(self, local_in, local_out)
         self.bias = nn.Parameter(torch.empty(local_out), requires_grad=False) if bias else None
         self.canonical = invariant.active_reductions()
 
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The rank-local weight as a dense matrix: the parameter itself, or its quantization
+        method's dequantization to `dtype` (weight-only)."""
+        return self.weight if self.quant is None else self.quant.dequantize(self, dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.canonical is not None:
-            return invariant.column_linear(x, self.weight, self.bias, self.canonical.tile)
-        tiles = _gemv_tiles(x, self.weight)
+            return invariant.column_linear(x, self.dense_weight(x.dtype), self.bias,
+                                           self.canonical.tile)
+        tiles = _gemv_tiles(self, x)
         if tiles is not None:
             return gemv.linear(x, self.weight, self.bias, tiles=tiles)
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, self.dense_weight(x.dtype), self.bias)
 
     def forward_normed(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         """`self(norm(x))` for an RMSNorm `norm`; on the CUDA path for a decode batch the
         norm is applied as the projection loads x (one launch)."""
         if self.canonical is None:
             fused = dict(norm=_as_norm(norm))
-            tiles = _gemv_tiles(x, self.weight, **fused)
+            tiles = _gemv_tiles(self, x, **fused)
             if tiles is not None:
                 return gemv.linear(x, self.weight, self.bias, tiles=tiles, **fused)
         return self(norm(x))
 
 
-def _gemv_tiles(x: torch.Tensor, weight: torch.Tensor, **fused) -> gemv.GemvTiles | None:
+def _gemv_tiles(layer: LinearBase, x: torch.Tensor, **fused) -> gemv.GemvTiles | None:
     """The decode-step linear kernel's tiles for this call (`freetoken.kernels.gemv`), or
-    None where the unfused path runs: no kernels, a batch too large, or the measured tile
-    table found the GEMM and the separate small kernels faster."""
-    if not (uses_kernels() and gemv.enabled() and gemv.fits(x, weight)):
+    None where the unfused path runs: a quantized layer, no kernels, a batch too large, or
+    the measured tile table found the GEMM and the separate small kernels faster."""
+    if layer.quant is not None or not (uses_kernels() and gemv.enabled()
+                                       and gemv.fits(x, layer.weight)):
         return None
-    return gemv.tiles_for(x, weight, **fused)
+    return gemv.tiles_for(x, layer.weight, **fused)
 
 
 def _as_norm(norm: nn.Module) -> gemv.Norm:
@@ -60,15 +79,18 @@ def _as_norm(norm: nn.Module) -> gemv.Norm:
 class ReplicatedLinear(LinearBase):
     """The full weight on every rank."""
 
-    def __init__(self, full_in: int, full_out: int, bias: bool = False):
-        super().__init__(full_in, full_out, bias)
+    def __init__(self, full_in: int, full_out: int, bias: bool = False, fmt=None):
+        quant = linear_method(fmt, [WHOLE(full_out)], WHOLE(full_in))
+        super().__init__(full_in, full_out, bias, quant)
 
 
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; the output stays rank-local."""
 
-    def __init__(self, full_in: int, full_out: int, bias: bool = False, what: str = "out_features"):
-        super().__init__(full_in, divide(full_out, get_tp_info().size, what), bias)
+    def __init__(self, full_in: int, full_out: int, bias: bool = False, what: str = "out_features",
+                 fmt=None):
+        quant = linear_method(fmt, [Split(full_out)], WHOLE(full_in))
+        super().__init__(full_in, divide(full_out, get_tp_info().size, what), bias, quant)
 
 
 class MergedColumnParallelLinear(LinearBase):
@@ -76,10 +98,11 @@ class MergedColumnParallelLinear(LinearBase):
     split on its own, so rank r holds [seg0_r | seg1_r | ...]."""
 
     def __init__(self, full_in: int, full_sizes: list[int], bias: bool = False,
-                 what: str = "out_features"):
+                 what: str = "out_features", fmt=None):
         size = get_tp_info().size
         self.local_sizes = [divide(s, size, what) for s in full_sizes]
-        super().__init__(full_in, sum(self.local_sizes), bias)
+        quant = linear_method(fmt, [Split(s) for s in full_sizes], WHOLE(full_in))
+        super().__init__(full_in, sum(self.local_sizes), bias, quant)
 
     def forward_gated(self, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
         """`silu(gate) * up` of `self(norm(x))` for a [gate | up] pair of equal segments;
@@ -87,10 +110,10 @@ class MergedColumnParallelLinear(LinearBase):
         if len(self.local_sizes) != 2 or self.local_sizes[0] != self.local_sizes[1]:
             raise ValueError(f"forward_gated needs two equal segments, not {self.local_sizes}")
         fused = dict(gated=True, norm=None if norm is None else _as_norm(norm))
-        tiles = _gemv_tiles(x, self.weight, **fused)
+        tiles = _gemv_tiles(self, x, **fused)
         if tiles is not None:
             return gemv.linear(x, self.weight, self.bias, tiles=tiles, **fused)
-        return silu_and_mul(F.linear(x if norm is None else norm(x), self.weight, self.bias))
+        return silu_and_mul(self(x if norm is None else norm(x)), self.canonical)
 
 
 class QKVParallelLinear(LinearBase):
@@ -98,13 +121,15 @@ class QKVParallelLinear(LinearBase):
     KV heads are replicated: rank r holds KV head `r * total_kv_heads // tp_size`."""
 
     def __init__(self, hidden: int, head_dim: int, total_num_heads: int,
-                 total_num_kv_heads: int, bias: bool = False):
+                 total_num_kv_heads: int, bias: bool = False, fmt=None):
         size = get_tp_info().size
         self.num_heads = divide(total_num_heads, size, "num_attention_heads")
         self.num_kv_heads = local_kv_heads(total_num_kv_heads, size)
         self.head_dim = head_dim
         self.local_sizes = [self.num_heads * head_dim] + [self.num_kv_heads * head_dim] * 2
-        super().__init__(hidden, sum(self.local_sizes), bias)
+        kv = Split(total_num_kv_heads * head_dim, heads=total_num_kv_heads)
+        quant = linear_method(fmt, [Split(total_num_heads * head_dim), kv, kv], WHOLE(hidden))
+        super().__init__(hidden, sum(self.local_sizes), bias, quant)
 
 
 def local_kv_heads(total_num_kv_heads: int, tp_size: int) -> int:
@@ -124,16 +149,18 @@ class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial outputs are summed by one all-reduce."""
 
     def __init__(self, full_in: int, full_out: int, bias: bool = False, what: str = "in_features",
-                 reduce: bool = True):
-        super().__init__(divide(full_in, get_tp_info().size, what), full_out, bias)
+                 reduce: bool = True, fmt=None):
+        quant = linear_method(fmt, [WHOLE(full_out)], Split(full_in))
+        super().__init__(divide(full_in, get_tp_info().size, what), full_out, bias, quant)
         self.reduce = reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.canonical is not None:
-            return invariant.row_linear(x, self.weight, self.bias, self.canonical, self.reduce)
-        tiles = _gemv_tiles(x, self.weight)
+            return invariant.row_linear(x, self.dense_weight(x.dtype), self.bias, self.canonical,
+                                        self.reduce)
+        tiles = _gemv_tiles(self, x)
         y = (gemv.linear(x, self.weight, tiles=tiles) if tiles is not None
-             else F.linear(x, self.weight))
+             else F.linear(x, self.dense_weight(x.dtype)))
         return self._finish(y)
 
     def _finish(self, y: torch.Tensor) -> torch.Tensor:
@@ -144,14 +171,14 @@ class RowParallelLinear(LinearBase):
     def leaves(self, x: torch.Tensor) -> torch.Tensor:
         """tp_invariant mode: this rank's fp32 leaves [local chunks, .., out] (no bias), for a
         block that adds several row-parallel results before one canonical reduction."""
-        return invariant.chunk_leaves(x, self.weight, self.canonical.local_chunks)
+        return invariant.chunk_leaves(x, self.dense_weight(x.dtype), self.canonical.local_chunks)
 
     def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """`residual + self(x)`; on the CUDA path for a decode batch in one launch where no
         all-reduce comes between the projection and the add (TP 1, no bias)."""
         fusable = (not self.reduce or get_tp_info().size == 1) and self.bias is None
         if fusable and self.canonical is None:
-            tiles = _gemv_tiles(x, self.weight, residual=residual)
+            tiles = _gemv_tiles(self, x, residual=residual)
             if tiles is not None:
                 return gemv.linear(x, self.weight, residual=residual, tiles=tiles)
         return residual + self(x)

@@ -22,6 +22,7 @@ from torch import nn
 from tqdm import tqdm
 
 from freetoken.distributed import get_tp_info
+from freetoken.formats.quant.format import QUANTIZED_DTYPES
 from freetoken.formats.shard import ShardPieces, ShardSpec, write_pieces
 from freetoken.loading import staging
 from freetoken.loading.checkpoint import CheckpointReader
@@ -286,6 +287,15 @@ def _check_fit(name: str, shape: tuple, dtype: torch.dtype, dest: torch.Tensor,
     if dtype.is_floating_point != dest.dtype.is_floating_point:
         raise LoadError(f"checkpoint tensor {name!r}: dtype {dtype} cannot fill "
                         f"parameter {param!r} of dtype {dest.dtype}")
+    if dest.dtype in QUANTIZED_DTYPES and dtype != dest.dtype:
+        raise LoadError(f"checkpoint tensor {name!r} is {dtype}, but the quantization config "
+                        f"makes parameter {param!r} {dest.dtype}: the checkpoint does not hold "
+                        "the format its config declares")
+    if dtype in QUANTIZED_DTYPES and dtype != dest.dtype:
+        # A cast would drop the scales that give these values meaning: garbage, silently.
+        raise LoadError(f"checkpoint tensor {name!r} is {dtype}, quantized data, but "
+                        f"parameter {param!r} is an unquantized {dest.dtype}: the "
+                        "quantization config does not declare this module quantized")
 
 
 def _check_complete(params: dict, filled: dict) -> None:

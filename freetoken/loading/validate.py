@@ -16,7 +16,7 @@ INDEX = "model.safetensors.index.json"
 def _index_map(folder: Path) -> dict[str, str]:
     index = folder / INDEX
     try:
-        doc = json.loads(index.read_text())
+        doc = json.loads(index.read_text(), object_pairs_hook=_refuse_repeated(index))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{index}: invalid JSON ({e})") from None
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
@@ -26,6 +26,22 @@ def _index_map(folder: Path) -> dict[str, str]:
     if bad:
         raise CheckpointError(f"{index}: weight_map entry {bad[0]!r} does not name a file")
     return weight_map
+
+
+def _refuse_repeated(index: Path):
+    """A JSON object hook refusing a key given twice (json keeps the last silently: an index
+    listing a tensor twice, in two files, loaded whichever came last)."""
+
+    def pairs(items: list[tuple]) -> dict:
+        seen: dict = {}
+        for key, value in items:
+            if key in seen:
+                raise CheckpointError(f"{index}: tensor {key!r} is listed twice, in "
+                                      f"{seen[key]} and in {value}")
+            seen[key] = value
+        return seen
+
+    return pairs
 
 
 def validate_checkpoint(folder: str | Path) -> int:
@@ -44,6 +60,10 @@ def validate_checkpoint(folder: str | Path) -> int:
             if name not in headers[file]:
                 raise CheckpointError(f"{folder / INDEX} puts tensor {name!r} in {file}, "
                                       "which does not hold it")
+            others = [f for f in sorted(headers) if f != file and name in headers[f]]
+            if others:
+                raise CheckpointError(f"tensor {name!r} is in both {file} and {others[0]} "
+                                      f"({INDEX} names {file}): which one is meant?")
         return len(weight_map)
     files = sorted(folder.glob("model*.safetensors"))
     if not files:
@@ -56,3 +76,14 @@ def validate_checkpoint(folder: str | Path) -> int:
                                       f"{file.name}")
             seen[name] = file.name
     return len(seen)
+
+
+def tensor_dtypes(folder: str | Path) -> dict[str, str]:
+    """Every tensor's safetensors dtype string (`BF16`, `F8_E4M3`, `U8`...), from the
+    headers alone (call `validate_checkpoint` first: this assumes the files are sound)."""
+    folder = Path(folder)
+    files = sorted(folder.glob("model*.safetensors"))
+    if (folder / INDEX).is_file():
+        files = [folder / f for f in sorted(set(_index_map(folder).values()))]
+    return {name: entry["dtype"] for file in files
+            for name, entry in read_header(file).entries.items()}

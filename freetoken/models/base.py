@@ -43,7 +43,8 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.model = model
         tied = model.embed_tokens if cfg.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tied=tied)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tied=tied,
+                                      fmt=cfg.format_of("lm_head"))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

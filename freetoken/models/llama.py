@@ -22,14 +22,19 @@ from freetoken.models.base import CausalLM, DecoderModel
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """`prefix`: the module's name (`model.layers.L.self_attn`), which picks the formats of
+    its projections from the quantization config."""
+
+    def __init__(self, cfg: ModelConfig, prefix: str = ""):
         super().__init__()
         hd = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, hd, cfg.num_attention_heads,
-                                          cfg.num_key_value_heads, bias=cfg.attention_bias)
+                                          cfg.num_key_value_heads, bias=cfg.attention_bias,
+                                          fmt=cfg.format_of(f"{prefix}.qkv_proj"))
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * hd, cfg.hidden_size,
-                                        bias=cfg.attention_bias, what="num_attention_heads")
+                                        bias=cfg.attention_bias, what="num_attention_heads",
+                                        fmt=cfg.format_of(f"{prefix}.o_proj"))
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
@@ -54,11 +59,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int):
+    """`formats`: (gate_up_proj, down_proj) module formats, None for unquantized."""
+
+    def __init__(self, hidden: int, intermediate: int, formats: tuple = (None, None)):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2,
-                                                       what="intermediate_size")
-        self.down_proj = RowParallelLinear(intermediate, hidden, what="intermediate_size")
+                                                       what="intermediate_size", fmt=formats[0])
+        self.down_proj = RowParallelLinear(intermediate, hidden, what="intermediate_size",
+                                           fmt=formats[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.gate_up_proj.canonical))
@@ -68,16 +76,22 @@ class MLP(nn.Module):
         return self.down_proj.forward_residual(self.gate_up_proj.forward_gated(h, norm), h)
 
 
+def mlp_formats(cfg: ModelConfig, layer: int) -> tuple:
+    """The (gate_up_proj, down_proj) formats of dense layer `layer`'s MLP."""
+    mlp = f"model.layers.{layer}.mlp"
+    return cfg.format_of(f"{mlp}.gate_up_proj"), cfg.format_of(f"{mlp}.down_proj")
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, f"model.layers.{layer}.self_attn")
         self.mlp = self.make_mlp(cfg, layer)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def make_mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
-        return MLP(cfg.hidden_size, cfg.intermediate_size)
+        return MLP(cfg.hidden_size, cfg.intermediate_size, mlp_formats(cfg, layer))
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         if uses_kernels():

@@ -8,10 +8,12 @@ from torch import nn
 
 from freetoken.config import ModelConfig
 from freetoken.distributed import get_communicator
+from freetoken.formats.quant import NVFP4
 from freetoken.layers import invariant
 from freetoken.layers.linear import ReplicatedLinear
 from freetoken.layers.moe import FusedExperts, route
-from freetoken.models.llama import MLP, DecoderLayer, LlamaForCausalLM
+from freetoken.models.decoder_modules import experts_format
+from freetoken.models.llama import MLP, DecoderLayer, LlamaForCausalLM, mlp_formats
 
 
 class SparseMoeBlock(nn.Module):
@@ -19,7 +21,7 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.gate = ReplicatedLinear(cfg.hidden_size, cfg.num_experts)
-        self.experts = FusedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.experts = _routed_experts(cfg, experts_format(cfg))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize, x.dtype)
@@ -28,11 +30,25 @@ class SparseMoeBlock(nn.Module):
         return get_communicator().all_reduce(self.experts(x, weights, ids))
 
 
+def _routed_experts(cfg: ModelConfig, fmt) -> nn.Module:
+    """The experts in their checkpoint format: unquantized, NVFP4 or block FP8."""
+    sizes = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+    if fmt is None:
+        return FusedExperts(*sizes)
+    if fmt.kind == NVFP4:
+        from freetoken.layers.quantization.nvfp4 import NVFP4FusedExperts
+
+        return NVFP4FusedExperts(*sizes, global_scale_is_reciprocal=fmt.global_scale_is_reciprocal)
+    from freetoken.layers.quantization.fp8.moe import BlockFP8FusedExperts
+
+    return BlockFP8FusedExperts(*sizes, fmt.block)
+
+
 class MoeDecoderLayer(DecoderLayer):
     def make_mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
         if cfg.is_moe_layer(layer):
             return SparseMoeBlock(cfg)
-        return MLP(cfg.hidden_size, cfg.intermediate_size)
+        return MLP(cfg.hidden_size, cfg.intermediate_size, mlp_formats(cfg, layer))
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):

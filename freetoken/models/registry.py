@@ -15,6 +15,7 @@ from freetoken.config import ConfigError, ModelConfig, decoder_config, parse_con
 from freetoken.distributed import get_tp_info
 from freetoken.layers.invariant import CanonicalReductions, canonical_reductions
 from freetoken.loading.plan import ShardPlan
+from freetoken.models.decoder_modules import decoder_module_table
 from freetoken.models.llama import LlamaForCausalLM
 from freetoken.models.qwen3 import Qwen3ForCausalLM
 from freetoken.models.qwen3_5_moe.config import qwen3_5_moe_config
@@ -41,13 +42,15 @@ class Architecture:
 
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
-    Architecture("llama", ("LlamaForCausalLM",), ("llama",), decoder_config("llama"),
+    Architecture("llama", ("LlamaForCausalLM",), ("llama",),
+                 decoder_config("llama", modules=decoder_module_table),
                  LlamaForCausalLM, decoder_plan, check_decoder_tp),
     Architecture("qwen3", ("Qwen3ForCausalLM",), ("qwen3",),
-                 decoder_config("qwen3", qk_norm=True), Qwen3ForCausalLM, decoder_plan,
-                 check_decoder_tp),
+                 decoder_config("qwen3", qk_norm=True, modules=decoder_module_table),
+                 Qwen3ForCausalLM, decoder_plan, check_decoder_tp),
     Architecture("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",),
-                 decoder_config("qwen3_moe", qk_norm=True, norm_topk_prob=False),
+                 decoder_config("qwen3_moe", qk_norm=True, norm_topk_prob=False,
+                                modules=decoder_module_table),
                  Qwen3MoeForCausalLM, decoder_plan, check_decoder_tp),
     Architecture("qwen3_5_moe", ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
                  ("qwen3_5_moe", "qwen3_5_moe_text"), qwen3_5_moe_config, Qwen35MoeForCausalLM,
@@ -72,7 +75,7 @@ def architecture(hf: dict) -> Architecture:
 
 def config_from_hf(hf: dict, quantization: Any = None) -> ModelConfig:
     """The ModelConfig of an HF config dict, parsed by its family's parser. `quantization`:
-    the checkpoint's NVFP4Config, else config.json's `quantization_config` is read."""
+    the checkpoint's QuantScheme, else config.json's `quantization_config` is read."""
     return parse_config(architecture(hf).parse_config, hf, quantization)
 
 

@@ -8,9 +8,17 @@ from freetoken.config import ModelConfig
 from freetoken.distributed import divide
 from freetoken.formats.nvfp4.checkpoint import COMPRESSED_TENSORS, tensor_suffixes
 from freetoken.formats.nvfp4.specs import PACKED, SCALE, GlobalScale, InputSplit, local_inputs
+from freetoken.formats.quant import FP8_BLOCK, NVFP4
 from freetoken.formats.specs import Heads, PaddedSplit, Replicate, Split
 from freetoken.layers.linear import local_kv_heads
 from freetoken.loading.plan import Rule, ShardPlan
+from freetoken.models.decoder_modules import experts_format
+from freetoken.models.scale_rules import (
+    block_scale_rules,
+    decoder_parts,
+    fp8_expert_rules,
+    lm_head_rules,
+)
 
 LAYER = r"(?P<p>model\.layers\.\d+)"
 
@@ -116,8 +124,15 @@ def decoder_plan(cfg: ModelConfig, tp: int) -> ShardPlan:
         rules += dense_mlp_rules(cfg.intermediate_size, tp)
     if cfg.num_experts:
         rules.append(Rule(rf"{LAYER}\.mlp\.gate\.weight", Replicate()))
-        rules += expert_rules(rf"{LAYER}\.mlp\.experts\.(?P<e>\d+)", r"\g<p>.mlp.experts",
-                              cfg.moe_intermediate_size, tp)
+        expert, dest, fmt = rf"{LAYER}\.mlp\.experts\.(?P<e>\d+)", r"\g<p>.mlp.experts", \
+            experts_format(cfg)
+        if fmt is not None and fmt.kind == FP8_BLOCK:
+            rules += fp8_expert_rules(expert, dest, cfg.moe_intermediate_size, tp, fmt)
+        else:
+            rules += expert_rules(expert, dest, cfg.moe_intermediate_size, tp,
+                                  fmt.producer if fmt is not None else None)
+    rules += block_scale_rules(cfg, range(cfg.num_hidden_layers), decoder_parts(cfg), tp)
+    rules += lm_head_rules(cfg)
     return ShardPlan(rules, tp)
 
 
@@ -130,3 +145,20 @@ def check_decoder_tp(cfg: ModelConfig, tp: int) -> None:
         divide(cfg.intermediate_size, tp, "intermediate_size")
     if cfg.num_experts:
         divide(cfg.moe_intermediate_size, tp, "moe_intermediate_size")
+        fmt = experts_format(cfg)
+        if fmt is not None and fmt.kind == NVFP4:
+            local_inputs(cfg.moe_intermediate_size, tp, "moe_intermediate_size")
+    check_nvfp4_inputs(cfg, tp, {"self_attn.o_proj": (cfg.num_attention_heads * cfg.head_dim,
+                                                      "num_attention_heads x head_dim"),
+                                 "mlp.down_proj": (cfg.intermediate_size,
+                                                   "intermediate_size")})
+
+
+def check_nvfp4_inputs(cfg: ModelConfig, tp: int, row_parallel: dict) -> None:
+    """ShardError naming the dimension when a row-parallel NVFP4 linear (engine name ending
+    in a key of `row_parallel`: (full inputs, dimension name)) cannot split its inputs on
+    16-element groups across `tp` ranks; checked before any rank starts."""
+    for name, gemms in cfg.module_formats.items():
+        for suffix, (full, what) in row_parallel.items():
+            if name.endswith("." + suffix) and gemms[0].format.kind == NVFP4:
+                local_inputs(full, tp, f"{name} ({what})")

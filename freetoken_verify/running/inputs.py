@@ -14,6 +14,7 @@ from pathlib import Path
 from freetoken.distributed import choose_placement
 from freetoken.engine.core import resolve_dtype
 from freetoken.loading.checkpoint import CheckpointError
+from freetoken.loading.screen import screen_checkpoint
 from freetoken.loading.validate import validate_checkpoint
 from freetoken_verify.cases.catalogue import weights_sha256
 from freetoken_verify.errors import InputError, UsageError
@@ -82,10 +83,14 @@ def check_report_paths(report_json: str | None, junit_xml: str | None,
 
 
 def check_case_files(case) -> None:
-    """The case's checkpoint headers and index; for a bundled case, its weights' sha256
-    against meta.json (a modified bundled case is bad input, not an engine bug)."""
+    """The case's checkpoint headers and index, its tensors' dtypes against its quantization
+    config; for a bundled case, its weights' sha256 against meta.json (a modified bundled
+    case is bad input, not an engine bug)."""
     try:
         validate_checkpoint(case.folder)
+        # float8 / uint8 weights the quantization config does not declare (a float8
+        # checkpoint that lost its config otherwise loads and passes golden against HF).
+        screen_checkpoint(case.folder, case.model_config.quantization)
     except (CheckpointError, OSError) as e:
         raise InputError(f"{case.name}: {e}") from None
     if case.bundled:

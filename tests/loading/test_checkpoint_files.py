@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from freetoken.loading import CheckpointError, CheckpointReader
+from freetoken.loading.validate import validate_checkpoint
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -141,3 +142,23 @@ def _register_planned(mapped, reader, names):
     checkpoint.ahead_done()
     checkpoint._ahead.join()
     return checkpoint
+
+
+def test_a_tensor_in_two_files_is_refused_naming_both(tmp_path):
+    """An index listing one tensor twice (two files, different values; json keeps the last
+    silently, so the last won), and a tensor held by two shards of an indexed checkpoint, are
+    refused before loading, naming the tensor and both files."""
+    save_file({"a": torch.ones(2), "b": torch.ones(2)}, tmp_path / "model-1.safetensors")
+    save_file({"a": torch.zeros(2), "c": torch.ones(2)}, tmp_path / "model-2.safetensors")
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text('{"weight_map": {"a": "model-1.safetensors", "b": "model-1.safetensors", '
+                     '"c": "model-2.safetensors", "a": "model-2.safetensors"}}')
+    with pytest.raises(CheckpointError, match=r"tensor 'a' is listed twice, in "
+                                              r"model-1\.safetensors and in model-2"):
+        validate_checkpoint(tmp_path)
+    index.write_text(json.dumps({"weight_map": {"a": "model-1.safetensors",
+                                                "b": "model-1.safetensors",
+                                                "c": "model-2.safetensors"}}))
+    with pytest.raises(CheckpointError, match=r"tensor 'a' is in both model-1\.safetensors and "
+                                              r"model-2\.safetensors"):
+        validate_checkpoint(tmp_path)

@@ -20,7 +20,7 @@ from conftest import GOLDEN, case_differences
 
 from freetoken import LLM, SamplingParams
 from freetoken.config import ConfigError
-from freetoken.formats.nvfp4.checkpoint import parse_quant_config
+from freetoken.formats.quant import parse_quant_config
 from freetoken.models.registry import check_tp, config_from_hf, load_config
 from freetoken_verify.cases.catalogue import load_reference, write_pinned
 from freetoken_verify.cases.nvfp4 import to_compressed_tensors
@@ -115,15 +115,16 @@ def test_split_cutting_a_group_is_refused(capsys, tmp_path):
     assert "moe_intermediate_size" in out and "16-element group" in out, out
 
 
-def test_quantized_attention_is_refused_by_name():
-    """A quantization config that leaves a full-attention projection out of its exclude list
-    is refused naming the first such module (layer 1 is the first full-attention layer)."""
+def test_quantized_gated_delta_net_is_refused_by_name():
+    """A quantization config that leaves linear_attn out of its exclude list (NVFP4 GDN
+    projections do not run) is refused naming the first such module (layer 0 is
+    GatedDeltaNet)."""
     hf = json.loads((FOLDER / "config.json").read_text())
     raw = json.loads((FOLDER / "hf_quant_config.json").read_text())
     raw["quantization"]["exclude_modules"] = [
-        p for p in raw["quantization"]["exclude_modules"] if "self_attn" not in p]
-    with pytest.raises(ConfigError, match=r"model\.language_model\.layers\.1\.self_attn\.q_proj"
-                                          r" is NVFP4"):
+        p for p in raw["quantization"]["exclude_modules"] if "linear_attn" not in p]
+    with pytest.raises(ConfigError, match=r"model\.language_model\.layers\.0\.linear_attn\."
+                                          r"in_proj_qkv is NVFP4"):
         config_from_hf(hf, parse_quant_config(raw))
 
 

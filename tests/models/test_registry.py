@@ -50,11 +50,13 @@ def test_family_parsers_set_what_differs_between_families(case, qk_norm, default
     assert (cfg.qk_norm, cfg.norm_topk_prob) == (qk_norm, default_topk), case
 
 
-def test_a_quantized_plain_decoder_is_refused_by_name():
-    """An NVFP4 quantization config on a Llama checkpoint is a ConfigError naming the
-    architecture, not a model that would load the packed weights as floats."""
-    quant = {"quant_method": "modelopt", "quant_algo": "NVFP4"}
-    with pytest.raises(ConfigError, match="llama: NVFP4 checkpoints are not supported"):
+def test_a_quantized_module_the_engine_does_not_run_is_refused_by_name():
+    """An FP8 quantization config on a Llama checkpoint that leaves lm_head quantized is a
+    ConfigError naming lm_head and its format (only NVFP4 lm_heads run), not a model that
+    would load the fp8 weights as floats."""
+    quant = {"quant_method": "modelopt", "quant_algo": "FP8"}
+    with pytest.raises(ConfigError, match=r"lm_head is FP8 per-tensor \(modelopt\), which "
+                                          r"FreeToken does not support for lm_head"):
         config_from_hf(_make_hf("tiny-llama", quantization_config=quant))
 
 

@@ -1,11 +1,9 @@
 """NVFP4 checkpoints (freetoken.formats.nvfp4.checkpoint): ModelOpt and
 compressed-tensors forms of the same weights normalise to the same tensors and dequantize
-identically up to the one rounding of CT's reciprocal global scale; configs of both producers
-parse, and unsupported ones are refused with a message naming what is wrong."""
+identically up to the one rounding of CT's reciprocal global scale; a broken tensor is refused
+naming it. (Which modules are NVFP4 is `tests/quantization/test_quant_config.py`'s.)"""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 import torch
@@ -17,9 +15,7 @@ from freetoken.formats.nvfp4.checkpoint import (
     MODELOPT,
     NVFP4ConfigError,
     canonical_field,
-    parse_quant_config,
     read_nvfp4_weight,
-    read_quant_config,
     to_checkpoint,
 )
 from freetoken.formats.nvfp4.format import dequantize
@@ -86,53 +82,6 @@ def test_input_scale_is_normalised():
     assert input_scale.shape == () and float(input_scale) == 0.25
     assert canonical_field(f"{MODULE}.weight_packed", COMPRESSED_TENSORS) == (MODULE, "weight")
     assert canonical_field(f"{MODULE}.bias", MODELOPT) is None
-
-
-def test_hf_quant_config_and_config_json(tmp_path):
-    """hf_quant_config.json wins over config.json; exclude patterns cover children."""
-    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {
-        "quant_method": "compressed-tensors"}}))
-    (tmp_path / "hf_quant_config.json").write_text(json.dumps({
-        "producer": {"name": "modelopt"}, "quantization": {
-            "quant_algo": "NVFP4", "group_size": 16,
-            "exclude_modules": ["lm_head", "*mlp.gate", "model.layers.0.self_attn"]}}))
-    cfg = read_quant_config(tmp_path)
-    assert cfg.producer == MODELOPT and not cfg.global_scale_is_reciprocal
-    assert cfg.is_quantized("model.layers.2.mlp.experts.0.up_proj")
-    assert cfg.is_quantized("model.layers.2.mlp.gate_proj")
-    for excluded in ("lm_head", "model.layers.2.mlp.gate", "model.layers.0.self_attn.q_proj"):
-        assert not cfg.is_quantized(excluded), excluded
-    (tmp_path / "hf_quant_config.json").unlink()
-    with pytest.raises(NVFP4ConfigError, match="without config_groups is not NVFP4"):
-        read_quant_config(tmp_path)
-
-
-def test_compressed_tensors_and_mixed_precision_configs():
-    """CT nvfp4-pack-quantized groups with targets and `re:` ignores; ModelOpt
-    MIXED_PRECISION with only NVFP4 layers; anything else refused, naming it."""
-    ct = parse_quant_config({"quant_method": "compressed-tensors",
-                             "format": "nvfp4-pack-quantized", "ignore": ["re:.*mlp\\.gate$"],
-                             "config_groups": {"group_0": {"targets": ["re:.*experts.*"],
-                                                           "weights": {
-                                                               "num_bits": 4, "type": "float",
-                                                               "strategy": "tensor_group",
-                                                               "group_size": 16}}}})
-    assert ct.producer == COMPRESSED_TENSORS and ct.global_scale_is_reciprocal
-    assert ct.is_quantized("model.layers.1.mlp.experts.7.down_proj")
-    assert not ct.is_quantized("model.layers.1.self_attn.o_proj")
-    assert not ct.is_quantized("model.layers.1.mlp.gate")
-    mixed = parse_quant_config({"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION",
-                                "quantized_layers": {"model.layers.0.mlp.experts": {
-                                    "quant_algo": "NVFP4", "group_size": 16}}})
-    assert mixed.is_quantized("model.layers.0.mlp.experts.3.gate_proj")
-    assert not mixed.is_quantized("model.layers.0.self_attn.q_proj")
-    with pytest.raises(NVFP4ConfigError, match="model.layers.0.self_attn.*'FP8'"):
-        parse_quant_config({"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION",
-                            "quantized_layers": {"model.layers.0.self_attn": {
-                                "quant_algo": "FP8"}}})
-    with pytest.raises(NVFP4ConfigError, match="group_size 32"):
-        parse_quant_config({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 32})
-    assert parse_quant_config(None) is None
 
 
 @pytest.mark.parametrize("producer", [MODELOPT, COMPRESSED_TENSORS])

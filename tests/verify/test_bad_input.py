@@ -13,6 +13,7 @@ import struct
 from pathlib import Path
 
 import pytest
+import torch
 from cli_run import assert_refused
 from conftest import GOLDEN
 from safetensors.torch import load_file, save_file
@@ -239,3 +240,19 @@ def test_modified_bundled_case_is_bad_input(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(freetoken_verify.cases.catalogue, "GOLDEN", root)
     assert_refused(capsys, ["--model", "tiny-llama", "--tp", "1"], "model.safetensors",
                    "does not match the sha256")
+
+
+def test_float8_weights_without_a_quantization_config_are_refused(capsys, tmp_path):
+    """A float8 checkpoint that lost its quantization config (raw e4m3 weights, no scales):
+    refused before any rank starts, naming the tensor and its dtype. Before, it loaded and
+    golden passed against live HF, which reads the raw values the same way."""
+    folder = tmp_path / "raw-fp8"
+    shutil.copytree(GOLDEN / "tiny-llama", folder)
+    (folder / "meta.json").unlink()
+    (folder / "reference.safetensors").unlink()
+    tensors = load_file(folder / "model.safetensors")
+    name = "model.layers.0.mlp.down_proj.weight"
+    tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    assert_refused(capsys, ["--model", str(folder), "--tp", "1,2", "--checks", "golden"],
+                   name, "float8_e4m3fn", "no quantization config")

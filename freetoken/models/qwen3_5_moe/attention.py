@@ -12,31 +12,45 @@ from freetoken.layers.attention import PagedAttention
 from freetoken.layers.invariant import elementwise
 from freetoken.layers.linear import LinearBase, RowParallelLinear, local_kv_heads
 from freetoken.layers.norm import RMSNorm
+from freetoken.layers.quantization import Split, linear_method
 from freetoken.layers.rotary import RotaryEmbedding
 from freetoken.models.qwen3_5_moe.config import Qwen35MoeConfig
 
 
 class QGateKVParallelLinear(LinearBase):
     """Rank-local weight `[q | gate | k | v]`: q and gate rows of this rank's heads (grouped,
-    not interleaved as in the checkpoint), then its KV head(s)."""
+    not interleaved as in the checkpoint), then its KV head(s). In block FP8 the q and gate
+    scales are held one row per weight row (expanded at load, see
+    `freetoken.formats.fp8.interleaved`), so they move with their heads whatever head_dim."""
 
-    def __init__(self, cfg: Qwen35MoeConfig):
+    def __init__(self, cfg: Qwen35MoeConfig, fmt=None):
         size = get_tp_info().size
         self.num_heads = divide(cfg.num_attention_heads, size, "num_attention_heads")
         self.num_kv_heads = local_kv_heads(cfg.num_key_value_heads, size)
         q, kv = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.local_sizes = [q, q, kv, kv]
-        super().__init__(cfg.hidden_size, sum(self.local_sizes), bias=cfg.attention_bias)
+        full_q = cfg.num_attention_heads * cfg.head_dim
+        full_kv = Split(cfg.num_key_value_heads * cfg.head_dim, heads=cfg.num_key_value_heads,
+                        group=1)
+        q_rows = Split(full_q, per_row=True, group=0)
+        quant = linear_method(fmt, [q_rows, q_rows, full_kv,
+                                    Split(full_kv.full_size, full_kv.heads, group=2)],
+                              Split.whole(cfg.hidden_size))
+        super().__init__(cfg.hidden_size, sum(self.local_sizes), bias=cfg.attention_bias,
+                         quant=quant)
 
 
 class GatedAttention(nn.Module):
-    def __init__(self, cfg: Qwen35MoeConfig):
+    """`prefix`: the module's engine name, which picks its projections' formats."""
+
+    def __init__(self, cfg: Qwen35MoeConfig, prefix: str = ""):
         super().__init__()
         hd = cfg.head_dim
-        self.qkv_proj = QGateKVParallelLinear(cfg)
+        self.qkv_proj = QGateKVParallelLinear(cfg, cfg.format_of(f"{prefix}.qkv_proj"))
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * hd, cfg.hidden_size,
-                                        bias=cfg.attention_bias, what="num_attention_heads")
+                                        bias=cfg.attention_bias, what="num_attention_heads",
+                                        fmt=cfg.format_of(f"{prefix}.o_proj"))
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, offset=True)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, offset=True)
         # Text positions are the same on every mrope axis, so mrope is plain rotary here.

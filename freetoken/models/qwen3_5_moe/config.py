@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from freetoken.config import ConfigError, ModelConfig, common_fields
-from freetoken.models.qwen3_5_moe.quantization import nvfp4_experts
+from freetoken.config import ConfigError, ModelConfig, common_fields, resolve_formats
+from freetoken.models.qwen3_5_moe.quantization import module_table, nvfp4_experts
 
 LINEAR, FULL = "linear_attention", "full_attention"
 # HF's Qwen3_5MoeTextConfig defaults for keys a config.json may leave out.
@@ -42,7 +42,7 @@ class Qwen35MoeConfig(ModelConfig):
 
 def qwen3_5_moe_config(hf: dict, quantization=None) -> Qwen35MoeConfig:
     """Parse either layout; the multimodal wrapper's vision tower is not part of the engine.
-    `quantization`: the checkpoint's NVFP4Config, or None (see `freetoken.config.parse_config`)."""
+    `quantization`: the checkpoint's QuantScheme, or None (see `freetoken.config.parse_config`)."""
     multimodal = isinstance(hf.get("text_config"), dict)
     text = hf["text_config"] if multimodal else hf
     fields = common_fields(text, "qwen3_5_moe")
@@ -65,6 +65,8 @@ def qwen3_5_moe_config(hf: dict, quantization=None) -> Qwen35MoeConfig:
     )
     layer_types = _layer_types(text, num_layers)
     prefix = "model.language_model" if multimodal else "model"
+    formats = resolve_formats(quantization, module_table(prefix, layer_types,
+                                                         fields["num_experts"]))
     cfg = Qwen35MoeConfig(
         **fields,
         layer_types=layer_types,
@@ -75,7 +77,8 @@ def qwen3_5_moe_config(hf: dict, quantization=None) -> Qwen35MoeConfig:
         linear_conv_kernel_dim=text.get("linear_conv_kernel_dim", 4),
         shared_expert_intermediate_size=_required(text, "shared_expert_intermediate_size"),
         checkpoint_prefix=prefix,
-        nvfp4_experts=nvfp4_experts(quantization, prefix, layer_types, fields["num_experts"]),
+        module_formats=formats,
+        nvfp4_experts=nvfp4_experts(formats, layer_types),
     )
     _validate(cfg)
     return cfg

@@ -29,13 +29,14 @@ from freetoken.layers.delta_rule import (
 )
 from freetoken.layers.gated_norm import GatedRMSNorm
 from freetoken.layers.linear import LinearBase, RowParallelLinear
+from freetoken.layers.quantization import Split, linear_method
 from freetoken.models.qwen3_5_moe.config import Qwen35MoeConfig
 
 
 class GatedDeltaNet(nn.Module):
     """[T, hidden] -> [T, hidden] over the flat batch the forward context describes."""
 
-    def __init__(self, cfg: Qwen35MoeConfig):
+    def __init__(self, cfg: Qwen35MoeConfig, prefix: str = ""):
         super().__init__()
         size = get_tp_info().size
         self.num_k_heads = divide(cfg.linear_num_key_heads, size, "linear_num_key_heads")
@@ -46,13 +47,14 @@ class GatedDeltaNet(nn.Module):
         conv_dim = 2 * self.key_dim + self.value_dim
         # Rank-local [q | k | v | z | b | a].
         self.local_sizes = [conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads]
-        self.in_proj = LinearBase(cfg.hidden_size, sum(self.local_sizes))
+        self.in_proj, self.in_proj_ba = in_projections(cfg, prefix, self.local_sizes)
         self.conv1d = CausalConv1d(conv_dim, cfg.linear_conv_kernel_dim)
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
         self.out_proj = RowParallelLinear(cfg.linear_num_value_heads * self.head_v_dim,
-                                          cfg.hidden_size, what="linear_value_dim")
+                                          cfg.hidden_size, what="linear_value_dim",
+                                          fmt=cfg.format_of(f"{prefix}.out_proj"))
         self.conv_state = torch.empty(0)
         self.recurrent_state = torch.empty(0)
 
@@ -73,8 +75,7 @@ class GatedDeltaNet(nn.Module):
         if ctx.seq_slots is None:
             raise RuntimeError("GatedDeltaNet needs linear-state slots in the forward context")
         tokens = x.shape[0]
-        projected = self.in_proj(x) if norm is None else self.in_proj.forward_normed(x, norm)
-        qkv, z, b, a = projected.split(self.local_sizes, dim=-1)
+        qkv, z, b, a = self._project(x, norm)
         starts = [c - q for q, c in zip(ctx.query_lens, ctx.context_lens)]
         slots = (ctx.device.seq_slots if ctx.device is not None
                  else torch.tensor(ctx.seq_slots, dtype=torch.long, device=x.device))
@@ -100,6 +101,18 @@ class GatedDeltaNet(nn.Module):
                                        slots[i : i + 1], start == 0)[0]
                 offset += qlen
         return self._output(core, z, residual)
+
+    def _project(self, x: torch.Tensor, norm: nn.Module | None) -> tuple[torch.Tensor, ...]:
+        """qkv, z, b, a of `norm(x)` (x as is when `norm` is None): from one GEMM (the input
+        norm folded into it on the CUDA decode path), or from two where qkv|z is quantized
+        and b|a not."""
+        if self.in_proj_ba is None:
+            projected = self.in_proj(x) if norm is None else self.in_proj.forward_normed(x, norm)
+            return projected.split(self.local_sizes, dim=-1)
+        x = x if norm is None else norm(x)
+        qkv, z = self.in_proj(x).split(self.local_sizes[:2], dim=-1)
+        b, a = self.in_proj_ba(x).split(self.local_sizes[2:], dim=-1)
+        return qkv, z, b, a
 
     def _gates(self, a: torch.Tensor, b: torch.Tensor):
         """beta = sigmoid(b) and the log decay g = -exp(A_log) * softplus(a + dt_bias), fp32."""
@@ -162,3 +175,22 @@ class GatedDeltaNet(nn.Module):
         group = self.num_v_heads // self.num_k_heads
         v = v.reshape(batch, length, self.num_v_heads, self.head_v_dim)
         return q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2), v
+
+
+def in_projections(cfg: Qwen35MoeConfig, prefix: str, local_sizes: list[int]):
+    """(in_proj, in_proj_ba): one unquantized GEMM over [qkv | z | b | a] (in_proj_ba None),
+    or, where the config quantizes in_proj_qkv and in_proj_z (b and a never are), in_proj
+    over [qkv | z] in that format, each of q, k, v and z with its own scale rows, and an
+    unquantized in_proj_ba over [b | a]."""
+    fmt = cfg.format_of(f"{prefix}.in_proj", 0)
+    if fmt is None:
+        return LinearBase(cfg.hidden_size, sum(local_sizes)), None
+    key = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+    value = cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    total = 2 * key + value
+    rows = [Split(key, start=0, total=total, group=0),
+            Split(key, start=key, total=total, group=0),
+            Split(value, start=2 * key, total=total, group=0), Split(value, group=1)]
+    quant = linear_method(fmt, rows, Split.whole(cfg.hidden_size))
+    return (LinearBase(cfg.hidden_size, sum(local_sizes[:2]), quant=quant),
+            LinearBase(cfg.hidden_size, sum(local_sizes[2:])))

@@ -20,10 +20,10 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.is_linear = cfg.is_linear_layer(layer)
         if self.is_linear:
-            self.linear_attn = GatedDeltaNet(cfg)
+            self.linear_attn = GatedDeltaNet(cfg, f"model.layers.{layer}.linear_attn")
         else:
-            self.self_attn = GatedAttention(cfg)
-        self.mlp = SparseMoeBlock(cfg)
+            self.self_attn = GatedAttention(cfg, f"model.layers.{layer}.self_attn")
+        self.mlp = SparseMoeBlock(cfg, f"model.layers.{layer}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=True)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=True)
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from freetoken.context import uses_kernels
 from freetoken.distributed import get_communicator
+from freetoken.formats.quant import FP8_BLOCK
 from freetoken.kernels import gemv
 from freetoken.layers import invariant
 from freetoken.layers.activation import silu_and_mul
@@ -21,11 +22,13 @@ from freetoken.models.qwen3_5_moe.config import Qwen35MoeConfig
 class SharedExpert(nn.Module):
     """A SiLU-gated MLP whose result is this rank's partial sum (no all-reduce)."""
 
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, formats: tuple = (None, None)):
         super().__init__()
         what = "shared_expert_intermediate_size"
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, what=what)
-        self.down_proj = RowParallelLinear(intermediate, hidden, what=what, reduce=False)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, what=what,
+                                                       fmt=formats[0])
+        self.down_proj = RowParallelLinear(intermediate, hidden, what=what, reduce=False,
+                                           fmt=formats[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if uses_kernels():
@@ -38,9 +41,15 @@ class SharedExpert(nn.Module):
                                                   self.gate_up_proj.canonical))
 
 
-def _routed_experts(cfg: Qwen35MoeConfig) -> nn.Module:
+def _routed_experts(cfg: Qwen35MoeConfig, fmt) -> nn.Module:
     """`NVFP4FusedExperts` (backend auto: torch on CPU, triton on CUDA) when the checkpoint
-    stores the experts in NVFP4, else `FusedExperts`; both split on the intermediate dim."""
+    stores the experts in NVFP4, `BlockFP8FusedExperts` in block FP8, else `FusedExperts`;
+    all split on the intermediate dim."""
+    if fmt is not None and fmt.kind == FP8_BLOCK:
+        from freetoken.layers.quantization.fp8.moe import BlockFP8FusedExperts
+
+        return BlockFP8FusedExperts(cfg.num_experts, cfg.hidden_size,
+                                    cfg.moe_intermediate_size, fmt.block)
     if not cfg.nvfp4_experts:
         return FusedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
     from freetoken.layers.quantization.nvfp4 import NVFP4FusedExperts
@@ -51,12 +60,18 @@ def _routed_experts(cfg: Qwen35MoeConfig) -> nn.Module:
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, cfg: Qwen35MoeConfig):
+    """`prefix`: the block's engine name (`model.layers.L.mlp`), which picks the formats of
+    its experts and shared expert."""
+
+    def __init__(self, cfg: Qwen35MoeConfig, prefix: str = ""):
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
         self.gate = ReplicatedLinear(cfg.hidden_size, cfg.num_experts)
-        self.experts = _routed_experts(cfg)
-        self.shared_expert = SharedExpert(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+        self.experts = _routed_experts(cfg, cfg.format_of(f"{prefix}.experts"))
+        shared = f"{prefix}.shared_expert"
+        self.shared_expert = SharedExpert(cfg.hidden_size, cfg.shared_expert_intermediate_size,
+                                          (cfg.format_of(f"{shared}.gate_up_proj"),
+                                           cfg.format_of(f"{shared}.down_proj")))
         self.shared_expert_gate = ReplicatedLinear(cfg.hidden_size, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

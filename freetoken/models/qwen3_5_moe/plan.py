@@ -10,6 +10,7 @@ import re
 from freetoken.distributed import divide
 from freetoken.formats.nvfp4.format import GROUP
 from freetoken.formats.nvfp4.specs import local_inputs
+from freetoken.formats.quant import FP8_BLOCK
 from freetoken.formats.specs import (
     Heads,
     InterleavedHeads,
@@ -21,7 +22,13 @@ from freetoken.formats.specs import (
 from freetoken.layers.linear import local_kv_heads
 from freetoken.loading.plan import Rule, ShardPlan
 from freetoken.models.qwen3_5_moe.config import Qwen35MoeConfig
-from freetoken.models.shard_rules import check_decoder_tp, expert_rules
+from freetoken.models.scale_rules import (
+    block_scale_rules,
+    fp8_expert_rules,
+    lm_head_rules,
+    qwen3_5_parts,
+)
+from freetoken.models.shard_rules import check_decoder_tp, check_nvfp4_inputs, expert_rules
 
 DEST = r"model.layers.\g<l>"
 
@@ -42,8 +49,10 @@ def qwen3_5_moe_plan(cfg: Qwen35MoeConfig, tp: int) -> ShardPlan:
         Rule(r"model\.visual\..+", param=None),
         Rule(r"mtp\..+", param=None),
     ]
+    scales = block_scale_rules(cfg, range(cfg.num_hidden_layers),
+                               qwen3_5_parts(cfg, cfg.checkpoint_prefix), tp)
     return ShardPlan(rules + attention_rules(cfg, tp, layer) + gdn_rules(cfg, tp, layer)
-                     + moe_rules(cfg, tp, layer), tp)
+                     + moe_rules(cfg, tp, layer) + scales + lm_head_rules(cfg), tp)
 
 
 def attention_rules(cfg: Qwen35MoeConfig, tp: int, layer: str) -> list[Rule]:
@@ -89,13 +98,35 @@ def gdn_rules(cfg: Qwen35MoeConfig, tp: int, layer: str) -> list[Rule]:
     packed = gdn_packed_spec(cfg)
     return [
         Rule(rf"{src}\.in_proj_qkv\.weight", packed, f"{dest}.in_proj.weight", slots["qkv"]),
-        *(Rule(rf"{src}\.in_proj_{x}\.weight", Split(0), f"{dest}.in_proj.weight", slots[x])
-          for x in "zba"),
+        Rule(rf"{src}\.in_proj_z\.weight", Split(0), f"{dest}.in_proj.weight", slots["z"]),
+        *_ba_rules(cfg, slots, dest),
         Rule(rf"{src}\.conv1d\.weight", packed, f"{dest}.conv1d.weight"),
         Rule(rf"{src}\.(?P<n>A_log|dt_bias)", Split(0), rf"{dest}.\g<n>"),
         Rule(rf"{src}\.norm\.weight", Replicate(), f"{dest}.norm.weight"),
         Rule(rf"{src}\.out_proj\.weight", Split(1), f"{dest}.out_proj.weight"),
     ]
+
+
+def _ba_rules(cfg: Qwen35MoeConfig, slots: dict, dest: str) -> list[Rule]:
+    """in_proj_b and in_proj_a by value head: into the fused in_proj after q|k|v|z, or, in
+    layers whose qkv|z is quantized, into the unquantized in_proj_ba of their own."""
+    split = [i for i in range(cfg.num_hidden_layers)
+             if cfg.gemm_count(f"model.layers.{i}.linear_attn.in_proj") > 1]
+    fused = [i for i in range(cfg.num_hidden_layers)
+             if cfg.is_linear_layer(i) and i not in split]
+    heads = slots["b"][0].stop - slots["b"][0].start
+    rules = []
+    for layers, param, base in ((fused, "in_proj", slots["b"][0].start),
+                                (split, "in_proj_ba", 0)):
+        if not layers:
+            continue
+        pattern = (rf"{re.escape(cfg.checkpoint_prefix)}\.layers\."
+                   rf"(?P<l>{'|'.join(map(str, layers))})\.linear_attn")
+        rules += [Rule(rf"{pattern}\.in_proj_{x}\.weight", Split(0),
+                       f"{dest}.{param}.weight",
+                       (slice(base + k * heads, base + (k + 1) * heads),))
+                  for k, x in enumerate("ba")]
+    return rules
 
 
 def moe_rules(cfg: Qwen35MoeConfig, tp: int, layer: str) -> list[Rule]:
@@ -114,8 +145,16 @@ def moe_rules(cfg: Qwen35MoeConfig, tp: int, layer: str) -> list[Rule]:
              f"{dest}.shared_expert.gate_up_proj.weight", (slice(s, 2 * s),)),
         Rule(rf"{src}\.shared_expert\.down_proj\.weight", Split(1),
              f"{dest}.shared_expert.down_proj.weight"),
-    ] + expert_rules(expert, f"{dest}.experts", cfg.moe_intermediate_size, tp,
-                     cfg.quantization.producer if cfg.nvfp4_experts else None)
+    ] + _experts(cfg, expert, f"{dest}.experts", tp)
+
+
+def _experts(cfg: Qwen35MoeConfig, expert: str, dest: str, tp: int) -> list[Rule]:
+    """Routed-expert rules: unquantized, NVFP4 or block FP8 (one format in every layer)."""
+    fmt = cfg.format_of("model.layers.0.mlp.experts")
+    if fmt is not None and fmt.kind == FP8_BLOCK:
+        return fp8_expert_rules(expert, dest, cfg.moe_intermediate_size, tp, fmt)
+    return expert_rules(expert, dest, cfg.moe_intermediate_size, tp,
+                        cfg.quantization.producer if cfg.nvfp4_experts else None)
 
 
 def check_qwen3_5_moe_tp(cfg: Qwen35MoeConfig, tp: int) -> None:
@@ -126,6 +165,8 @@ def check_qwen3_5_moe_tp(cfg: Qwen35MoeConfig, tp: int) -> None:
     divide(cfg.linear_num_key_heads, tp, "linear_num_key_heads")
     divide(cfg.linear_num_value_heads, tp, "linear_num_value_heads")
     divide(cfg.shared_expert_intermediate_size, tp, "shared_expert_intermediate_size")
+    check_nvfp4_inputs(cfg, tp, {"shared_expert.down_proj": (
+        cfg.shared_expert_intermediate_size, "shared_expert_intermediate_size")})
     if cfg.nvfp4_experts:
         if cfg.hidden_size % GROUP:
             raise ValueError(f"hidden_size={cfg.hidden_size} is not a multiple of the "

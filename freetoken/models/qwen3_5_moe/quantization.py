@@ -1,52 +1,95 @@
-"""Which Qwen3.5-MoE modules a quantized checkpoint may store in NVFP4: the routed experts
-only. Attention, GatedDeltaNet, router, shared expert and LM head stay unquantized, as in
-NVIDIA's NVFP4 releases; a config that lists one of them as quantized is refused by name."""
+"""Qwen3.5-MoE's modules as a checkpoint names them, mapped onto the engine's destinations
+(`module_table`), and which formats the engine runs each in: the routed experts in NVFP4
+(either producer) or block FP8; attention, GatedDeltaNet in_proj_qkv / in_proj_z / out_proj
+and the shared expert in block FP8; everything else unquantized. GDN `in_proj` fuses
+in_proj_qkv, in_proj_z, in_proj_b and in_proj_a: quantized, it splits into a [qkv | z] GEMM
+in that format and an unquantized [b | a] one; in_proj_b and in_proj_a (one row per value
+head: 32 rows at 35B, a few per rank) and the routers are never quantized by any producer
+and are refused in a quantized format."""
 
 from __future__ import annotations
 
 from freetoken.config import ConfigError
+from freetoken.formats.quant import BF16, FP8_BLOCK, FP8_TENSOR, NVFP4, Destination, ModuleTable
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-_UNQUANTIZED = {
-    "full_attention": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                       "self_attn.o_proj"),
-    "linear_attention": ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z",
-                         "linear_attn.in_proj_b", "linear_attn.in_proj_a",
-                         "linear_attn.out_proj"),
-    "mlp": ("mlp.gate", "mlp.shared_expert_gate", "mlp.shared_expert.gate_proj",
-            "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj"),
-}
+DEST = "model.layers"
+_PER_HEAD = "one row per value head; kept unquantized by every producer"
+_ROUTER = "a router; kept unquantized by every producer"
+BLOCK = frozenset({FP8_BLOCK, FP8_TENSOR})
+"""The quantized formats of the GDN linears."""
+DENSE = BLOCK | {NVFP4}
+"""The quantized formats of attention and shared-expert linears."""
 
 
-def nvfp4_experts(quantization, prefix: str, layer_types: tuple[str, ...],
-                  num_experts: int) -> bool:
-    """Whether the routed experts are NVFP4 under `quantization` (an NVFP4Config or None).
-
-    ConfigError naming the module when a module the engine runs unquantized is listed as
-    quantized, or when experts are quantized in some layers (or projections) and not in
-    others. Experts are checked at the first and the last index of each layer: exclusion
-    lists name whole expert groups, not single experts."""
-    if quantization is None:
-        return False
-    for module in _unquantized_modules(prefix, layer_types):
-        if quantization.is_quantized(module):
-            raise ConfigError(f"{module} is NVFP4 in the checkpoint's quantization config, "
-                              "but FreeToken runs only the routed experts of Qwen3.5-MoE in "
-                              "NVFP4 (attention, GatedDeltaNet, router, shared expert and "
-                              "lm_head must be unquantized)")
-    experts = [f"{prefix}.layers.{i}.mlp.experts.{e}.{p}" for i in range(len(layer_types))
-               for e in sorted({0, num_experts - 1}) for p in PROJECTIONS]
-    quantized = {m: quantization.is_quantized(m) for m in experts}
-    if len(set(quantized.values())) > 1:
-        on = next(m for m, q in quantized.items() if q)
-        off = next(m for m, q in quantized.items() if not q)
-        raise ConfigError(f"the quantization config makes {on} NVFP4 but excludes {off}; "
-                          "FreeToken needs every routed expert in NVFP4 or none")
-    return all(quantized.values())
-
-
-def _unquantized_modules(prefix: str, layer_types: tuple[str, ...]) -> list[str]:
-    modules = ["lm_head"]
+def module_table(prefix: str, layer_types: tuple[str, ...], num_experts: int) -> ModuleTable:
+    """Every linear destination of the model (engine names, `model.layers.L...`) with its
+    checkpoint parts (`prefix.layers.L...`), and the non-linear modules a config may name."""
+    dests = [Destination("lm_head", ("lm_head",), frozenset({NVFP4}))]
+    others = [f"{prefix}.embed_tokens", f"{prefix}.norm", f"{prefix}.rotary_emb"]
     for i, kind in enumerate(layer_types):
-        modules += [f"{prefix}.layers.{i}.{m}" for m in _UNQUANTIZED[kind] + _UNQUANTIZED["mlp"]]
-    return modules
+        src, dest = f"{prefix}.layers.{i}", f"{DEST}.{i}"
+        dests += _attention(src, dest) if kind == "full_attention" else _gdn(src, dest)
+        dests += _moe(src, dest, num_experts)
+        others += [f"{src}.input_layernorm", f"{src}.post_attention_layernorm",
+                   f"{src}.self_attn.q_norm", f"{src}.self_attn.k_norm",
+                   f"{src}.linear_attn.conv1d", f"{src}.linear_attn.norm"]
+    return ModuleTable(tuple(dests), tuple(others))
+
+
+def _attention(src: str, dest: str) -> list[Destination]:
+    a, d = f"{src}.self_attn", f"{dest}.self_attn"
+    return [Destination(f"{d}.qkv_proj", tuple(f"{a}.{x}_proj" for x in "qkv"), DENSE),
+            Destination(f"{d}.o_proj", (f"{a}.o_proj",), DENSE)]
+
+
+def _gdn(src: str, dest: str) -> list[Destination]:
+    a, d = f"{src}.linear_attn", f"{dest}.linear_attn"
+    parts = tuple(f"{a}.in_proj_{x}" for x in ("qkv", "z", "b", "a"))
+    return [Destination(f"{d}.in_proj", parts, BLOCK, splittable=True, bf16_only=parts[2:],
+                        note=_PER_HEAD),
+            Destination(f"{d}.out_proj", (f"{a}.out_proj",), BLOCK)]
+
+
+def _moe(src: str, dest: str, num_experts: int) -> list[Destination]:
+    m, d = f"{src}.mlp", f"{dest}.mlp"
+    experts = tuple(f"{m}.experts.{e}.{p}" for e in range(num_experts) for p in PROJECTIONS)
+    return [Destination(f"{d}.gate", (f"{m}.gate",), note=_ROUTER),
+            Destination(f"{d}.shared_expert_gate", (f"{m}.shared_expert_gate",), note=_ROUTER),
+            Destination(f"{d}.shared_expert.gate_up_proj",
+                        (f"{m}.shared_expert.gate_proj", f"{m}.shared_expert.up_proj"), DENSE),
+            Destination(f"{d}.shared_expert.down_proj", (f"{m}.shared_expert.down_proj",),
+                        DENSE),
+            Destination(f"{d}.experts", experts, frozenset({NVFP4, FP8_BLOCK}), stacked=True)]
+
+
+def nvfp4_experts(module_formats: dict, layer_types: tuple[str, ...]) -> bool:
+    """Whether the routed experts are NVFP4 under the resolved `module_formats` (engine
+    module -> GEMMs; empty for an unquantized checkpoint). ConfigError naming the layers
+    when the layers' experts differ in format, or a GDN in_proj is not split as
+    [qkv | z] quantized and [b | a] unquantized."""
+    if not module_formats:
+        return False
+    kinds = {i: module_formats[f"{DEST}.{i}.mlp.experts"][0].format for i in
+             range(len(layer_types))}
+    if len(set(kinds.values())) > 1:
+        (a, fa), (b, fb) = [next((i, f) for i, f in kinds.items() if f == x)
+                            for x in list(dict.fromkeys(kinds.values()))[:2]]
+        raise ConfigError(f"the quantization config makes the routed experts of layer {a} "
+                          f"{fa.describe()} but layer {b}'s {fb.describe()}; FreeToken needs "
+                          "every layer's routed experts in one format")
+    for i, kind in enumerate(layer_types):
+        if kind == "linear_attention":
+            _check_in_proj(f"{DEST}.{i}.linear_attn.in_proj", module_formats)
+    return kinds[0].kind == NVFP4
+
+
+def _check_in_proj(name: str, module_formats: dict) -> None:
+    gemms = module_formats[name]
+    if len(gemms) == 1 or (len(gemms) == 2 and len(gemms[0].parts) == 2
+                           and gemms[1].format.kind == BF16):
+        return
+    split = " | ".join(f"[{', '.join(p.rpartition('.')[2] for p in g.parts)}] "
+                       f"{g.format.describe()}" for g in gemms)
+    raise ConfigError(f"{name}: the quantization config splits it as {split}; FreeToken runs "
+                      "in_proj_qkv and in_proj_z in one format")

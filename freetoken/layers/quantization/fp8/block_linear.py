@@ -1,0 +1,67 @@
+"""Weight-only block FP8 for the parallel linear layers: the e4m3 weight is dequantized to the
+activation dtype in the GEMM's place and multiplied with unquantized activations (how an
+engine without FP8 activations serves Qwen's FP8 releases; the checkpoint's dynamic
+activation scheme stores no activation scales).
+
+Parameters of a layer with this method (TP-local): `weight` float8_e4m3fn [local_out,
+local_in] and `weight_scale` float32 [scale rows, scale columns], the checkpoint's
+`weight_scale_inv` (a multiplier; bf16 values are exact in float32). A fused layer keeps each
+segment's own scale rows (q | k | v, gate | up), never one scale for all; each segment's
+shard may share its first and last block with the neighbouring rank (see
+`freetoken.formats.fp8.specs.BlockScaleSplit`), so each segment records its offset inside
+its first block and dequantizes exactly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from freetoken.formats.fp8.block import FP8, dequantize
+from freetoken.formats.fp8.specs import BlockScaleSplit
+
+
+@dataclass(frozen=True)
+class BlockFP8Linear:
+    """How one linear layer's rank holds a block-FP8 weight: `rows` the scale split of each
+    output segment (its own row block: the format's, or 1 for a scale expanded to one row
+    per weight row at load), `cols` of the input dim (`heads=1`: not split), `block` (rows,
+    inputs), `tp_rank` / `tp_size` the rank it was built for."""
+
+    block: tuple[int, int]
+    rows: tuple[BlockScaleSplit, ...]
+    cols: BlockScaleSplit
+    tp_rank: int
+    tp_size: int
+
+    def scale_shape(self) -> tuple[int, int]:
+        """The rank-local `weight_scale` shape: every segment's scale rows, stacked."""
+        return (sum(r.blocks(self.tp_size) for r in self.rows), self.cols.blocks(self.tp_size))
+
+    def create_weights(self, layer: nn.Module, local_in: int, local_out: int) -> None:
+        """Register the layer's fp8 `weight` and float32 `weight_scale`."""
+        layer.weight = nn.Parameter(torch.empty(local_out, local_in, dtype=FP8),
+                                    requires_grad=False)
+        layer.weight_scale = nn.Parameter(torch.empty(self.scale_shape(), dtype=torch.float32),
+                                          requires_grad=False)
+
+    def dequantize(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+        """The layer's rank-local weight [local_out, local_in] in `dtype`, segment by
+        segment, each with its own scale rows and block offsets."""
+        col_offset = self.cols.offset(self.tp_rank, self.tp_size)
+        parts, row, scale_row = [], 0, 0
+        for seg in self.rows:
+            rows = seg.full_size // _parts(seg, self.tp_size)
+            blocks = seg.blocks(self.tp_size)
+            parts.append(dequantize(layer.weight[row:row + rows],
+                                    layer.weight_scale[scale_row:scale_row + blocks],
+                                    (seg.block, self.block[1]),
+                                    (seg.offset(self.tp_rank, self.tp_size), col_offset)))
+            row, scale_row = row + rows, scale_row + blocks
+        return torch.cat(parts).to(dtype)
+
+
+def _parts(split: BlockScaleSplit, size: int) -> int:
+    """How many chunks the weight dim is cut into (fewer than ranks when replicated)."""
+    return split.heads if split.heads is not None and split.heads < size else size

@@ -1,0 +1,87 @@
+"""Routed experts in block FP8, weight-only, beside the NVFP4 ones: each expert a token routes
+to has its gate|up and down weights dequantized to the activation dtype, then the same
+SiLU-gated MLP and fp32 accumulation as `FusedExperts` (the torch path; the GPU kernels for
+it belong with the other GPU work).
+
+Parameters (I = TP-local intermediate size, B the block): `w13_weight` e4m3 [E, 2I, H] (gate
+rows, then up rows), `w13_weight_scale` float32 [E, gate blocks + up blocks, ceil(H / B1)],
+each of gate and up with its own scale rows; `w2_weight` e4m3 [E, H, I], `w2_weight_scale`
+float32 [E, ceil(H / B0), blocks of I]. At TP 8 on Qwen3.5-35B (I = 64 < 128) ranks share a
+block; each dequantizes from its offset inside it."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from freetoken.distributed import divide, get_tp_info
+from freetoken.formats.fp8.block import FP8, dequantize
+from freetoken.formats.fp8.specs import BlockScaleSplit
+from freetoken.layers import invariant
+from freetoken.layers.activation import silu_and_mul
+
+
+def _param(*shape, dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class BlockFP8FusedExperts(nn.Module):
+    """All experts of one layer in block FP8; `forward(x, topk_weights, topk_ids)` returns
+    this rank's partial sum."""
+
+    def __init__(self, num_experts: int, hidden: int, full_intermediate: int,
+                 block: tuple[int, int]):
+        super().__init__()
+        tp = get_tp_info()
+        self.num_experts, self.block, self.tp = num_experts, block, tp
+        i = self.local_intermediate = divide(full_intermediate, tp.size,
+                                             "moe_intermediate_size")
+        self.rows = BlockScaleSplit(0, block[0], full_intermediate)
+        self.cols = BlockScaleSplit(1, block[1], full_intermediate)
+        h_rows, h_cols = -(-hidden // block[0]), -(-hidden // block[1])
+        e = num_experts
+        self.w13_weight = _param(e, 2 * i, hidden, dtype=FP8)
+        self.w13_weight_scale = _param(e, 2 * self.rows.blocks(tp.size), h_cols,
+                                       dtype=torch.float32)
+        self.w2_weight = _param(e, hidden, i, dtype=FP8)
+        self.w2_weight_scale = _param(e, h_rows, self.cols.blocks(tp.size),
+                                      dtype=torch.float32)
+        self.canonical = invariant.active_reductions()
+
+    def dequantize_w13(self, e: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert `e`'s gate|up rows on this rank [2I, H] in `dtype`."""
+        i, blocks = self.local_intermediate, self.rows.blocks(self.tp.size)
+        offset = (self.rows.offset(self.tp.rank, self.tp.size), 0)
+        w, s = self.w13_weight[e], self.w13_weight_scale[e]
+        return torch.cat([dequantize(w[:i], s[:blocks], self.block, offset, dtype),
+                          dequantize(w[i:], s[blocks:], self.block, offset, dtype)])
+
+    def dequantize_w2(self, e: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert `e`'s down weight on this rank [H, I] in `dtype`."""
+        offset = (0, self.cols.offset(self.tp.rank, self.tp.size))
+        return dequantize(self.w2_weight[e], self.w2_weight_scale[e], self.block, offset, dtype)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        hit = torch.bincount(ids.flatten(), minlength=self.num_experts).nonzero().flatten()
+        for e in hit.tolist():
+            token, slot = torch.where(ids == e)
+            h = silu_and_mul(F.linear(x[token], self.dequantize_w13(e, x.dtype)))
+            h = F.linear(h, self.dequantize_w2(e, x.dtype)) * weights[token, slot, None]
+            out.index_add_(0, token, h.float())
+        return out.to(x.dtype)
+
+    def leaves(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """tp_invariant mode: this rank's fp32 leaves [local chunks, T, H] of the weighted
+        expert sum, on the dequantized weights (`invariant.expert_leaves`)."""
+        canonical = self.canonical
+
+        def expert_mlp(e: int, rows: torch.Tensor) -> torch.Tensor:
+            w13 = self.dequantize_w13(e, rows.dtype)
+            h = silu_and_mul(invariant.column_linear(rows, w13, None, canonical.tile), canonical)
+            return invariant.chunk_leaves(h, self.dequantize_w2(e, rows.dtype),
+                                          canonical.local_chunks)
+
+        return invariant.expert_leaves(x, weights, ids, self.num_experts, expert_mlp, canonical)
+

@@ -1,0 +1,45 @@
+"""Weight-only FP8 per tensor for the parallel linear layers: each checkpoint tensor's rows
+are dequantized with that tensor's own 0-d scale, so a fused layer (q | k | v, gate | up,
+GDN in_proj_qkv | in_proj_z, Qwen3.5's q|gate from one q_proj) keeps one `weight_scale`
+entry per checkpoint tensor. The static `input_scale`s are loaded and checked (finite,
+above 0) but unused: activations stay unquantized.
+
+Parameters (TP-local): `weight` float8_e4m3fn [local_out, local_in], `weight_scale` and
+`input_scale` float32 [tensors]."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from freetoken.formats.fp8.block import FP8
+
+
+@dataclass(frozen=True)
+class FP8TensorLinear:
+    """`rows`: the rank-local rows of each output segment; `groups`: the checkpoint tensor
+    (index into `weight_scale`) each segment comes from."""
+
+    rows: tuple[int, ...]
+    groups: tuple[int, ...]
+    input_scales: bool = True
+    """Whether the checkpoint stores static input scales (ModelOpt does, always)."""
+
+    def create_weights(self, layer: nn.Module, local_in: int, local_out: int) -> None:
+        """Register the fp8 `weight` and one `weight_scale` / `input_scale` per tensor."""
+        count = max(self.groups) + 1
+        layer.weight = nn.Parameter(torch.empty(local_out, local_in, dtype=FP8),
+                                    requires_grad=False)
+        layer.weight_scale = nn.Parameter(torch.empty(count, dtype=torch.float32),
+                                          requires_grad=False)
+        if self.input_scales:
+            layer.input_scale = nn.Parameter(torch.empty(count, dtype=torch.float32),
+                                             requires_grad=False)
+
+    def dequantize(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+        """The rank-local weight in `dtype`, each segment times its tensor's scale."""
+        per_row = torch.repeat_interleave(layer.weight_scale[list(self.groups)],
+                                          torch.tensor(self.rows, device=layer.weight.device))
+        return (layer.weight.float() * per_row[:, None]).to(dtype)

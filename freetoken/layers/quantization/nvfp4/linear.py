@@ -1,0 +1,54 @@
+"""Weight-only NVFP4 for the parallel linear layers (attention, shared expert): the packed
+weight is dequantized to the activation dtype and multiplied with unquantized activations,
+as Hopper serves NVFP4 checkpoints. Both producers' conventions: ModelOpt's
+`weight_scale_2` multiplies, compressed-tensors' `weight_global_scale` divides (inverted
+here, per forward, so the shard specs stay bitwise invertible). A fused layer keeps one
+global scale per checkpoint tensor (q | k | v, gate | up): producers usually make them
+equal, nothing here assumes it.
+
+Parameters (TP-local): `weight` uint8 [local_out, local_in / 2], `weight_scale` e4m3
+[local_out, local_in / 16], `weight_scale_2` float32 [tensors]. A row-parallel split must
+fall on a 16-input group (checked when the layer is built)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from freetoken.formats.nvfp4.format import GROUP, dequantize
+
+
+@dataclass(frozen=True)
+class NVFP4Linear:
+    """`rows`: rank-local rows of each output segment; `groups`: the checkpoint tensor each
+    comes from (index into `weight_scale_2`); `reciprocal`: the stored globals divide."""
+
+    rows: tuple[int, ...]
+    groups: tuple[int, ...]
+    reciprocal: bool = False
+
+    def create_weights(self, layer: nn.Module, local_in: int, local_out: int) -> None:
+        """Register the packed `weight`, its block `weight_scale` and the globals."""
+        if local_in % GROUP:
+            raise ValueError(f"{local_in} NVFP4 inputs per rank are not a whole number of "
+                             f"{GROUP}-element groups")
+        layer.weight = nn.Parameter(torch.empty(local_out, local_in // 2, dtype=torch.uint8),
+                                    requires_grad=False)
+        layer.weight_scale = nn.Parameter(
+            torch.empty(local_out, local_in // GROUP, dtype=torch.float8_e4m3fn),
+            requires_grad=False)
+        layer.weight_scale_2 = nn.Parameter(torch.empty(max(self.groups) + 1,
+                                                        dtype=torch.float32),
+                                            requires_grad=False)
+
+    def dequantize(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+        """The rank-local weight in `dtype`, each segment with its tensor's global."""
+        g = layer.weight_scale_2.float()
+        g = 1.0 / g if self.reciprocal else g
+        per_row = torch.repeat_interleave(g[list(self.groups)],
+                                          torch.tensor(self.rows, device=g.device))
+        ones = torch.ones((), dtype=torch.float32, device=g.device)
+        values = dequantize(layer.weight, layer.weight_scale, ones, "weight")
+        return (values * per_row[:, None]).to(dtype)
