@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -103,7 +104,7 @@ def load_weights(model: nn.Module, reader: CheckpointReader, plan: ShardPlan,
         _check_complete(params, filled)
         threads = threads or default_threads(tp.size, mapped is not None)
         bar = tqdm(total=len(jobs), desc="loading", unit="tensor",
-                   disable=not (progress and tp.is_first), leave=False)
+                   disable=not (progress and tp.is_first and _on_a_terminal()), leave=False)
         spans = _spans(jobs, threads)
         with ThreadPoolExecutor(max_workers=len(spans) or 1, thread_name_prefix="load") as pool:
             for done in [pool.submit(_copy_span, span, reader, tp.rank, tp.size, bar, mapped)
@@ -306,3 +307,10 @@ def _check_complete(params: dict, filled: dict) -> None:
             for n in missing[:5])
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise LoadError(f"parameters not filled by the checkpoint: {shown}{more}")
+
+
+def _on_a_terminal() -> bool:
+    """The loading bar redraws itself with carriage returns: drawn only for a person at a
+    terminal, never into a log or a captured stream."""
+    return sys.stderr.isatty()
+

@@ -120,3 +120,12 @@ def test_nan_weight_names_the_tensor_from_a_rank(tmp_path):
         LLM(folder, tp=2, device="cpu")
     assert info.value.summary.startswith("NonFiniteError:") and tensor in info.value.summary, \
         info.value.summary
+
+
+def test_the_loading_bar_is_drawn_only_on_a_terminal(capfd):
+    """An `LLM` built with its default progress setting draws no `loading:` bar into a stream
+    that is not a terminal (a log, a captured stderr): bars redraw with carriage returns."""
+    with LLM(GOLDEN / "tiny-llama", tp=1, device="cpu"):
+        pass
+    err = capfd.readouterr().err
+    assert "loading" not in err and "\r" not in err, err[-500:]
