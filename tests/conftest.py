@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -124,5 +126,16 @@ def make_broken_checkpoint(golden: Path, tmp_path: Path) -> Path:
     tensors = load_file(folder / "model.safetensors")
     tensors["model.layers.1.self_attn.k_proj.weight"] = torch.zeros(48, 64)
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def short_tmpdir(tmp_path: Path) -> Path:
+    """A TMPDIR for a subprocess that starts rank groups, created empty: under the system's
+    temp folder with a short name derived from `tmp_path`. multiprocessing puts its unix
+    sockets there, and a socket path is limited to 107 bytes, which pytest's own paths under
+    xdist (`.../popen-gw1/test_<long id>_0/tmp/pymp-*/listener-*`) exceed."""
+    digest = hashlib.sha1(str(tmp_path).encode()).hexdigest()[:10]
+    folder = Path(tempfile.gettempdir()) / f"ft-{digest}"
+    folder.mkdir(exist_ok=True)
     return folder
 

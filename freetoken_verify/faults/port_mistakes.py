@@ -62,8 +62,9 @@ def gdn_value_dim_from_key_dim() -> None:
 
     original = gdn.GatedDeltaNet.__init__
 
-    def init(self, cfg):
-        original(self, dataclasses.replace(cfg, linear_value_head_dim=cfg.linear_key_head_dim))
+    def init(self, cfg, *args, **kwargs):
+        original(self, dataclasses.replace(cfg, linear_value_head_dim=cfg.linear_key_head_dim),
+                 *args, **kwargs)
 
     gdn.GatedDeltaNet.__init__ = init
 
@@ -128,8 +129,8 @@ def gdn_out_proj_unreduced() -> None:
 
     original = gdn.GatedDeltaNet.__init__
 
-    def init(self, cfg):
-        original(self, cfg)
+    def init(self, cfg, *args, **kwargs):
+        original(self, cfg, *args, **kwargs)
         self.out_proj.reduce = False
 
     gdn.GatedDeltaNet.__init__ = init

@@ -7,6 +7,7 @@ temp directory is gone)."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import short_tmpdir
 
 from freetoken.distributed.deferred import signals_deferred
 
@@ -25,8 +27,7 @@ _GONE_WITHIN_S = 20.0
 def _make_driver(tmp_path: Path, point: str, *flags: str) -> tuple[subprocess.Popen, list[int]]:
     """The driver at `point`, with its TMPDIR in `tmp_path`; returns it and the pids it
     printed (its ranks and their fork server) once it says `ready`."""
-    tmpdir = tmp_path / "tmp"
-    tmpdir.mkdir()
+    tmpdir = short_tmpdir(tmp_path)
     # stderr goes to a file: orphaned ranks would keep a pipe open after the driver died.
     err = open(tmp_path / "stderr.txt", "w")  # noqa: SIM115 - closed right below
     with err:
@@ -61,7 +62,7 @@ def _alive(pids: list[int]) -> list[int]:
 
 def _assert_nothing_left(tmp_path: Path, pids: list[int], what: str) -> None:
     """Within a bounded wait: every pid gone and the driver's TMPDIR empty."""
-    tmpdir = tmp_path / "tmp"
+    tmpdir = short_tmpdir(tmp_path)
     deadline = time.monotonic() + _GONE_WITHIN_S
     while time.monotonic() < deadline and (_alive(pids) or any(tmpdir.iterdir())):
         time.sleep(0.1)
@@ -71,6 +72,7 @@ def _assert_nothing_left(tmp_path: Path, pids: list[int], what: str) -> None:
     assert not alive, f"{what}: processes {alive} still running {_GONE_WITHIN_S:.0f}s later"
     left = sorted(p.name for p in tmpdir.iterdir())
     assert not left, f"{what}: left in TMPDIR: {left}"
+    tmpdir.rmdir()
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 60) -> int:
@@ -129,9 +131,10 @@ def test_ranks_ignore_sigint_while_they_still_start(tmp_path):
     """A rank ignores SIGINT from its first instruction on, while it imports the parent's
     main module included: a Ctrl-C reaching the terminal's process group while ranks start
     cannot print a KeyboardInterrupt traceback from a rank."""
-    (tmp_path / "tmp").mkdir()
+    tmpdir = short_tmpdir(tmp_path)
     run = subprocess.run([sys.executable, str(_DRIVER), "imported"], capture_output=True,
-                         text=True, timeout=120, env=dict(os.environ, TMPDIR=str(tmp_path / "tmp")))
+                         text=True, timeout=120, env=dict(os.environ, TMPDIR=str(tmpdir)))
+    shutil.rmtree(tmpdir, ignore_errors=True)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip().splitlines()[-1] == "sigint ignored ignored", run.stdout
 

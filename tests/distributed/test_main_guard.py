@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import GOLDEN
+from conftest import GOLDEN, short_tmpdir
 
 _GUARD = 'if __name__ == "__main__":'
 _UNGUARDED = {
@@ -50,8 +50,7 @@ def _make_script(tmp_path: Path, body: str) -> Path:
 
 
 def _run(tmp_path: Path, script: Path) -> subprocess.CompletedProcess:
-    tmpdir = tmp_path / "tmp"
-    tmpdir.mkdir()
+    tmpdir = short_tmpdir(tmp_path)
     return subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
                           text=True, timeout=300, env=dict(os.environ, TMPDIR=str(tmpdir)))
 
@@ -70,7 +69,7 @@ def _processes_using(tmpdir: Path) -> list[int]:
 
 
 def _assert_nothing_left(tmp_path: Path) -> None:
-    tmpdir = tmp_path / "tmp"
+    tmpdir = short_tmpdir(tmp_path)
     deadline = time.monotonic() + 20.0
     while time.monotonic() < deadline and (_processes_using(tmpdir) or any(tmpdir.iterdir())):
         time.sleep(0.2)
@@ -79,6 +78,7 @@ def _assert_nothing_left(tmp_path: Path) -> None:
         psutil.Process(pid).kill()
     assert not left, f"processes left running: {left}"
     assert not list(tmpdir.iterdir()), f"left in TMPDIR: {sorted(tmpdir.iterdir())}"
+    tmpdir.rmdir()
 
 
 def _assert_one_error(run: subprocess.CompletedProcess, *needles: str) -> str:

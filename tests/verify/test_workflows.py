@@ -17,7 +17,7 @@ import yaml  # a dependency of transformers
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = ROOT / ".github" / "workflows"
-_MAKE_CALL = re.compile(r"\bmake\s+((?:[^\s;&|]+\s*)+)")
+_MAKE_CALL = re.compile(r"\bmake[ \t]+((?:[^\s;&|]+[ \t]*)+)")
 _SCRIPT = re.compile(r"(?<![\w/$.{-])((?:\./)?(?:\.?[\w-]+/)+[\w.-]+\.?\w*)")
 _GATE_RUNS = ("bundled-fp32", "bundled-bf16", "bundled-nvfp4-bf16", "realdims-bf16",
               "realdims-fp32")
