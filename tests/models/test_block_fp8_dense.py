@@ -18,8 +18,8 @@ import pytest
 import torch
 from conftest import GOLDEN
 from safetensors.torch import load_file, save_file
+from twin_outputs import assert_same_outputs, generate
 
-from freetoken import LLM, SamplingParams
 from freetoken.formats.fp8.convert import write_block_fp8
 from freetoken.formats.quant import read_quant_config
 from freetoken.formats.quant.twin import write_dequantized_twin
@@ -28,7 +28,6 @@ from freetoken.loading.loader import LoadError
 from freetoken.models.registry import check_tp, load_config, shard_plan
 
 BLOCK = (24, 40)
-PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]]
 NOT_CONVERT = ("lm_head", "model.embed_tokens")
 ROUTERS = ("mlp.gate",)
 
@@ -38,22 +37,6 @@ def _make_pair(tmp_path: Path, case: str) -> tuple[Path, Path]:
     keep = NOT_CONVERT + (ROUTERS if "moe" in case else ())
     fp8 = write_block_fp8(GOLDEN / case, tmp_path / f"{case}-fp8", BLOCK, keep)
     return fp8, write_dequantized_twin(fp8, tmp_path / f"{case}-twin", read_quant_config(fp8))
-
-
-def _generate(folder: Path, tp: int) -> list:
-    params = SamplingParams(max_tokens=3, ignore_eos=True, return_logits=True,
-                            return_prompt_logits=True)
-    with LLM(folder, tp=tp, device="cpu", dtype="float32", progress=False) as llm:
-        return llm.generate(PROMPTS, params)
-
-
-def _assert_same_outputs(got: list, want: list, label: str) -> None:
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert a.token_ids == b.token_ids, f"{label} prompt {i}: {a.token_ids} != {b.token_ids}"
-        for what in ("prompt_logits", "logits"):
-            torch.testing.assert_close(getattr(a, what), getattr(b, what), rtol=1e-5,
-                                       atol=1e-5,
-                                       msg=lambda m, w=what, i=i: f"{label} {i} {w}: {m}")
 
 
 @pytest.mark.parametrize("case,tp_sizes", [("tiny-llama", (1, 2, 4, 8)),
@@ -67,9 +50,9 @@ def test_engine_matches_the_dequantized_twin(tmp_path, case, tp_sizes):
     cfg = load_config(fp8)
     kinds = {g.format.kind for gemms in cfg.module_formats.values() for g in gemms}
     assert kinds == {"bf16", "fp8-block"}, kinds
-    want = _generate(twin, 1)
+    want = generate(twin, 1)
     for tp in tp_sizes:
-        _assert_same_outputs(_generate(fp8, tp), want, f"{case} tp={tp}")
+        assert_same_outputs(generate(fp8, tp), want, f"{case} tp={tp}")
 
 
 def test_shards_of_every_tensor_round_trip_bitwise(tmp_path):
@@ -101,7 +84,7 @@ def test_a_weight_not_in_its_declared_format_is_refused(tmp_path):
     save_file(tensors, fp8 / "model.safetensors")
     with pytest.raises(LoadError, match=rf"'{name}' is torch.float32, but the quantization "
                                         r"config makes parameter .* torch.float8_e4m3fn"):
-        _generate(fp8, 1)
+        generate(fp8, 1)
 
 
 def test_experts_in_different_formats_per_layer_are_refused(tmp_path):

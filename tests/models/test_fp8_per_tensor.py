@@ -17,8 +17,8 @@ import pytest
 import torch
 from conftest import GOLDEN
 from safetensors.torch import load_file, save_file
+from twin_outputs import assert_same_outputs, generate
 
-from freetoken import LLM, SamplingParams
 from freetoken.formats.fp8.convert import write_modelopt_fp8
 from freetoken.formats.nvfp4.convert import write_nvfp4
 from freetoken.formats.quant import read_quant_config
@@ -27,7 +27,6 @@ from freetoken.formats.shard import ShardError
 from freetoken.models.registry import load_config, shard_plan
 
 P = "model.language_model.layers"
-PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]]
 FP8 = {"quant_algo": "FP8"}
 
 
@@ -56,22 +55,6 @@ def _make_pair(tmp_path: Path, case: str) -> tuple[Path, Path]:
     return fp8, write_dequantized_twin(fp8, tmp_path / "twin", read_quant_config(fp8))
 
 
-def _generate(folder: Path, tp: int) -> list:
-    params = SamplingParams(max_tokens=3, ignore_eos=True, return_logits=True,
-                            return_prompt_logits=True)
-    with LLM(folder, tp=tp, device="cpu", dtype="float32", progress=False) as llm:
-        return llm.generate(PROMPTS, params)
-
-
-def _assert_same_outputs(got: list, want: list, label: str) -> None:
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert a.token_ids == b.token_ids, f"{label} prompt {i}: {a.token_ids} != {b.token_ids}"
-        for what in ("prompt_logits", "logits"):
-            torch.testing.assert_close(getattr(a, what), getattr(b, what), rtol=1e-5,
-                                       atol=1e-5,
-                                       msg=lambda m, w=what, i=i: f"{label} {i} {w}: {m}")
-
-
 @pytest.mark.parametrize("case", ["tiny-llama", "tiny-qwen3.5-moe-nvfp4"])
 def test_engine_matches_the_dequantized_twin_at_every_tp(tmp_path, case):
     """At TP 1, 2, 4 and 8 the FP8 checkpoint gives the twin's prompt and decode logits to
@@ -82,9 +65,9 @@ def test_engine_matches_the_dequantized_twin_at_every_tp(tmp_path, case):
     prefix = "model.layers.0" if case == "tiny-llama" else f"{P}.1"
     scales = {x: float(tensors[f"{prefix}.self_attn.{x}_proj.weight_scale"]) for x in "qkv"}
     assert len(set(scales.values())) == 3, f"segment scales not distinct: {scales}"
-    want = _generate(twin, 1)
+    want = generate(twin, 1)
     for tp in (1, 2, 4, 8):
-        _assert_same_outputs(_generate(fp8, tp), want, f"{case} tp={tp}")
+        assert_same_outputs(generate(fp8, tp), want, f"{case} tp={tp}")
 
 
 def test_shards_round_trip_and_scales_land_in_their_segment(tmp_path):
@@ -119,4 +102,4 @@ def test_a_zero_input_scale_is_refused_naming_the_tensor(tmp_path):
     save_file(tensors, fp8 / "model.safetensors")
     with pytest.raises(ShardError, match=rf"{name}: per-tensor FP8 scale 0.0 is not finite "
                                          "and above 0"):
-        _generate(fp8, 1)
+        generate(fp8, 1)

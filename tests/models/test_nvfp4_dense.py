@@ -17,8 +17,8 @@ import pytest
 import torch
 from conftest import GOLDEN
 from safetensors.torch import load_file
+from twin_outputs import assert_same_outputs, generate
 
-from freetoken import LLM, SamplingParams
 from freetoken.formats.nvfp4.convert import write_nvfp4
 from freetoken.formats.quant import read_quant_config
 from freetoken.formats.quant.twin import write_dequantized_twin
@@ -26,7 +26,6 @@ from freetoken.models.registry import check_tp, load_config, shard_plan
 
 P = "model.language_model.layers"
 NVFP4_CASE = GOLDEN / "tiny-qwen3.5-moe-nvfp4"
-PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]]
 WEIGHTS = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}
 
 
@@ -61,22 +60,6 @@ def _make_pair(tmp_path: Path, case: str, shared_expert: bool = False) -> tuple[
                                              read_quant_config(quantized))
 
 
-def _generate(folder: Path, tp: int) -> list:
-    params = SamplingParams(max_tokens=3, ignore_eos=True, return_logits=True,
-                            return_prompt_logits=True)
-    with LLM(folder, tp=tp, device="cpu", dtype="float32", progress=False) as llm:
-        return llm.generate(PROMPTS, params)
-
-
-def _assert_same_outputs(got: list, want: list, label: str) -> None:
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert a.token_ids == b.token_ids, f"{label} prompt {i}: {a.token_ids} != {b.token_ids}"
-        for what in ("prompt_logits", "logits"):
-            torch.testing.assert_close(getattr(a, what), getattr(b, what), rtol=1e-5,
-                                       atol=2e-5,
-                                       msg=lambda m, w=what, i=i: f"{label} {i} {w}: {m}")
-
-
 @pytest.mark.parametrize("case", ["tiny-llama", "redhat"])
 def test_engine_matches_the_dequantized_twin_at_every_tp(tmp_path, case):
     """At TP 1, 2, 4 and 8 the NVFP4 checkpoint gives the twin's prompt and decode logits
@@ -89,9 +72,9 @@ def test_engine_matches_the_dequantized_twin_at_every_tp(tmp_path, case):
     globals_ = {x: float(tensors[f"{prefix}.self_attn.{x}_proj.{suffix}"].reshape(()))
                 for x in "qkv"}
     assert len(set(globals_.values())) == 3, f"segment globals not distinct: {globals_}"
-    want = _generate(twin, 1)
+    want = generate(twin, 1)
     for tp in (1, 2, 4, 8):
-        _assert_same_outputs(_generate(quantized, tp), want, f"{case} tp={tp}")
+        assert_same_outputs(generate(quantized, tp), want, f"{case} tp={tp}", atol=2e-5)
 
 
 def test_shards_round_trip_bitwise(tmp_path):
@@ -119,7 +102,7 @@ def test_an_nvfp4_split_off_its_groups_is_refused_before_any_rank(tmp_path):
                                          r"\(shared_expert_intermediate_size\): 48 NVFP4 "
                                          r"inputs cannot be split across tp_size=2"):
         check_tp(cfg, 2)
-    _assert_same_outputs(_generate(quantized, 1), _generate(twin, 1), "shared expert tp=1")
+    assert_same_outputs(generate(quantized, 1), generate(twin, 1), "shared expert tp=1", atol=2e-5)
 
 
 def test_qwen3_moe_nvfp4_experts_match_the_twin_and_refuse_off_group_splits(tmp_path):
@@ -130,9 +113,9 @@ def test_qwen3_moe_nvfp4_experts_match_the_twin_and_refuse_off_group_splits(tmp_
         "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head", "*mlp.gate"]}}
     quantized = write_nvfp4(GOLDEN / "tiny-qwen3-moe", tmp_path / "nvfp4", config)
     twin = write_dequantized_twin(quantized, tmp_path / "twin", read_quant_config(quantized))
-    want = _generate(twin, 1)
+    want = generate(twin, 1)
     for tp in (1, 2):
-        _assert_same_outputs(_generate(quantized, tp), want, f"qwen3-moe tp={tp}")
+        assert_same_outputs(generate(quantized, tp), want, f"qwen3-moe tp={tp}", atol=2e-5)
     with pytest.raises(ValueError, match=r"moe_intermediate_size: 32 NVFP4 inputs cannot be "
                                          r"split across tp_size=4"):
         check_tp(load_config(quantized), 4)

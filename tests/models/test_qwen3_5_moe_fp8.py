@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from conftest import GOLDEN
 from safetensors.torch import load_file
+from twin_outputs import assert_same_outputs, generate
 
-from freetoken import LLM, SamplingParams
 from freetoken.formats.fp8.convert import write_block_fp8
 from freetoken.formats.quant import read_quant_config
 from freetoken.formats.quant.twin import write_dequantized_twin
@@ -26,28 +26,11 @@ from freetoken.models.registry import load_config, shard_plan
 BLOCK = (24, 40)
 NOT_CONVERT = ("lm_head", "embed_tokens", "mlp.gate", "shared_expert_gate", "in_proj_b",
                "in_proj_a")
-PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]]
 
 
 def _make_pair(tmp_path: Path) -> tuple[Path, Path]:
     fp8 = write_block_fp8(GOLDEN / "tiny-qwen3.5-moe", tmp_path / "fp8", BLOCK, NOT_CONVERT)
     return fp8, write_dequantized_twin(fp8, tmp_path / "twin", read_quant_config(fp8))
-
-
-def _generate(folder: Path, tp: int) -> list:
-    params = SamplingParams(max_tokens=3, ignore_eos=True, return_logits=True,
-                            return_prompt_logits=True)
-    with LLM(folder, tp=tp, device="cpu", dtype="float32", progress=False) as llm:
-        return llm.generate(PROMPTS, params)
-
-
-def _assert_same_outputs(got: list, want: list, label: str) -> None:
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert a.token_ids == b.token_ids, f"{label} prompt {i}: {a.token_ids} != {b.token_ids}"
-        for what in ("prompt_logits", "logits"):
-            torch.testing.assert_close(getattr(a, what), getattr(b, what), rtol=1e-5,
-                                       atol=1e-5,
-                                       msg=lambda m, w=what, i=i: f"{label} {i} {w}: {m}")
 
 
 def test_modules_resolve_to_qwens_fp8_layout(tmp_path):
@@ -69,9 +52,9 @@ def test_engine_matches_the_dequantized_twin_at_every_tp(tmp_path):
     """At TP 1, 2, 4 and 8 the block-FP8 checkpoint gives the twin's prompt and decode
     logits to float32 tolerance and the same greedy tokens."""
     fp8, twin = _make_pair(tmp_path)
-    want = _generate(twin, 1)
+    want = generate(twin, 1)
     for tp in (1, 2, 4, 8):
-        _assert_same_outputs(_generate(fp8, tp), want, f"tp={tp}")
+        assert_same_outputs(generate(fp8, tp), want, f"tp={tp}")
 
 
 def test_shards_of_every_tensor_round_trip_bitwise(tmp_path):
