@@ -100,7 +100,7 @@ lint: $(SETUP)
 .venv/.installed: pyproject.toml $(CONSTRAINTS)
 	test -x .venv/bin/python || python3 -m venv .venv
 	@echo "installing FreeToken with the CPU pins of $(CONSTRAINTS) into .venv (a few minutes the first time)"
-	.venv/bin/python -m pip install -q -c $(CONSTRAINTS) -e '.[test]'
+	.venv/bin/python -m pip install -q -c $(CONSTRAINTS) -e '.[dev]'
 	touch $@
 
 # An interpreter given as PYTHON=...: it must have its own torch (the GPU build of its machine:

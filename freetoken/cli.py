@@ -40,25 +40,39 @@ def _parse_ids(text: str) -> list[int]:
                                  param_hint="--prompt-ids") from None
 
 
+def _print_version(ctx: click.Context, _param, value: bool) -> None:
+    if value and not ctx.resilient_parsing:
+        from freetoken.version import describe
+
+        click.echo(describe("freetoken"))
+        ctx.exit(0)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True,
+              callback=_print_version, help="print the version (and commit) and exit")
 def main() -> None:
     """FreeToken: a tensor-parallel LLM inference engine."""
 
 
 @main.command()
 @click.option("--model", required=True,
-              help="checkpoint folder, or hub id Org/Name[@revision] in the local HF cache")
+              help="checkpoint folder, bundled case name (tiny-llama, ...), or hub id "
+                   "Org/Name[@revision] in the local HF cache")
 @click.option("--tp", type=PositiveInt(), default=1, show_default=True,
               help="tensor-parallel size")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
               show_default=True)
-@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
-              default="auto", show_default=True)
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16", "fp32",
+                                            "bf16", "fp16"]),
+              default="auto", show_default=True, help="bf16, fp32, fp16 are aliases")
 @click.option("--oversubscribe", is_flag=True, help="let gloo ranks share GPUs")
 @click.option("--prompt", "prompts", multiple=True, help="a text prompt (repeatable)")
 @click.option("--prompt-ids", "prompt_ids", multiple=True,
               help="a prompt as token ids, e.g. '1,2,3' (repeatable)")
-@click.option("--max-tokens", type=PositiveInt(), default=32, show_default=True)
+@click.option("--max-new-tokens", "--max-tokens", "max_tokens", type=PositiveInt(), default=32,
+              show_default=True,
+              help="tokens to generate per prompt (--max-tokens: the old name)")
 @click.option("--temperature", default=0.0, show_default=True)
 @click.option("--top-k", default=0, show_default=True)
 @click.option("--top-p", default=1.0, show_default=True)
@@ -71,7 +85,9 @@ def generate(model, tp, device, dtype, oversubscribe, prompts, prompt_ids, max_t
              temperature, top_k, top_p, seed, ignore_eos, enforce_eager, tp_invariant) -> None:
     """Generate a continuation for each prompt."""
     from freetoken.distributed import stop_on_signals
+    from freetoken.engine.core import canonical_dtype
 
+    dtype = canonical_dtype(dtype)
     all_prompts = list(prompts) + [_parse_ids(p) for p in prompt_ids]
     if not all_prompts:
         raise click.UsageError("give at least one --prompt or --prompt-ids")
@@ -122,7 +138,8 @@ def _generate(prompts, model, tp, device, dtype, oversubscribe, sampling: dict, 
 
 @main.command()
 @click.option("--model", required=True,
-              help="checkpoint folder, or hub id Org/Name[@revision] in the local HF cache")
+              help="checkpoint folder, bundled case name, or hub id Org/Name[@revision] in "
+                   "the local HF cache")
 @click.option("--tp", type=PositiveInt(), required=True, help="tensor-parallel size")
 @click.option("--tensor", "pattern", default=None,
               help="only checkpoint tensors whose name matches this regex (re.search)")

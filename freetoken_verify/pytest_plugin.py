@@ -1,12 +1,12 @@
 """The pytest plugin of FreeToken (entry point `pytest11`, or `-p freetoken_verify.pytest_plugin`).
 
-- fixture `freetoken_verify`: `freetoken_verify(model=..., tp=[...], checks=[...], **options)`
+- fixture `freetoken_verify`: `freetoken_verify(models=..., tp=[...], checks=[...], **options)`
   runs `verify.run` and returns its `Report`; `report.assert_ok()` fails the test with the
   failing rows.
 - marker `gpu`: skip the test without a CUDA device.
 - marker `multi_gpu(n)`: skip the test with fewer than n CUDA devices.
 
-Nothing here imports torch until a marked test is set up, so installing FreeToken costs other
+Nothing here imports torch until a marked test is collected, so installing FreeToken costs other
 projects' test sessions nothing."""
 
 from __future__ import annotations
@@ -42,27 +42,38 @@ def _required_gpus(marker: pytest.Mark) -> int:
     return n
 
 
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Skip `gpu` and `multi_gpu(n)` tests, with the reason, where the GPUs are missing."""
-    needs = [1] if item.get_closest_marker("gpu") else []
-    needs += [_required_gpus(m) for m in item.iter_markers("multi_gpu")]
-    if not needs:
-        return
-    have, want = cuda_device_count(), max(needs)
-    if have < want:
-        pytest.skip(f"needs {want} CUDA device(s), found {have or 'no'} CUDA device(s)")
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark `gpu` and `multi_gpu(n)` tests skipped, with the reason, where the GPUs are
+    missing: a skip marker set at collection is reported at the test's own file and line (a
+    skip raised from a setup hook is reported at the hook)."""
+    for item in items:
+        needs = [1] if item.get_closest_marker("gpu") else []
+        needs += [_required_gpus(m) for m in item.iter_markers("multi_gpu")]
+        if not needs:
+            continue
+        have, want = cuda_device_count(), max(needs)
+        if have < want:
+            item.add_marker(pytest.mark.skip(
+                reason=f"needs {want} CUDA device(s), found {have or 'no'} CUDA device(s)"))
 
 
 @pytest.fixture
 def freetoken_verify() -> Callable[..., Report]:
-    """A callable `(model=None, tp=[1, 2], checks=(), **options) -> Report` running
-    `verify.run` on one model (a bundled case name, checkpoint folder or cached hub id; every
-    bundled case when None). Options are `verify.run`'s keywords; progress goes to stderr,
-    which pytest shows for a failing test."""
+    """A callable `(models=(), tp=[1, 2], checks=(), **options) -> Report` running
+    `freetoken_verify.run` with the same keywords: `models` bundled case names, checkpoint
+    folders or cached hub ids (a string is one model; every bundled case when empty);
+    `model=` is the old spelling of one model. Progress goes to stderr, which pytest shows
+    for a failing test."""
 
-    def verify_model(model: str | None = None, tp: Sequence[int] | int = DEFAULT_TP,
-                     checks: Sequence[str] = (), **options) -> Report:
+    def verify_models(models: Sequence[str] | str = (), tp: Sequence[int] | int = DEFAULT_TP,
+                      checks: Sequence[str] = (), *, model: str | None = None,
+                      **options) -> Report:
+        if model is not None:
+            if models:
+                raise TypeError("give models= or the old model=, not both")
+            models = [model]
         options.setdefault("progress", True)
-        return run(models=[] if model is None else [model], tp=tp, checks=checks, **options)
+        return run(models=[models] if isinstance(models, str) else models, tp=tp,
+                   checks=checks, **options)
 
-    return verify_model
+    return verify_models

@@ -26,11 +26,20 @@ from freetoken.loading import CheckpointReader, load_weights
 from freetoken.models.registry import build_model, load_config, shard_plan
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+"""The short names reports and other tools use; each means its dtype everywhere a dtype is
+taken (`LLM(dtype=)`, `freetoken generate --dtype`, `freetoken-verify --dtype`)."""
+
+
+def canonical_dtype(name: str) -> str:
+    """`name` with an alias (`bf16`) replaced by its dtype's name (`bfloat16`); `auto` and
+    unknown names unchanged (the caller's check names them)."""
+    return DTYPE_ALIASES.get(name, name) if isinstance(name, str) else name
 
 
 def resolve_dtype(dtype: str, cfg: ModelConfig) -> torch.dtype:
     """`auto` takes the checkpoint's dtype."""
-    name = cfg.dtype if dtype == "auto" else dtype
+    name = cfg.dtype if dtype == "auto" else canonical_dtype(dtype)
     if name not in DTYPES:
         raise ValueError(f"unsupported dtype {name!r}; expected one of {', '.join(DTYPES)}")
     return DTYPES[name]

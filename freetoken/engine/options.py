@@ -9,7 +9,7 @@ from dataclasses import fields
 from typing import Any
 
 from freetoken.config import EngineConfig, ModelConfig
-from freetoken.engine.core import DTYPES
+from freetoken.engine.core import DTYPE_ALIASES, DTYPES, canonical_dtype
 
 _POSITIVE = ("block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens")
 _OPTIONAL_POSITIVE = ("num_kv_blocks", "num_layers")
@@ -26,8 +26,10 @@ def engine_config(folder: str, model_config: ModelConfig, tp: int, device: str, 
         raise ValueError(f"unknown engine option {unknown[0]!r}; expected one of "
                          f"{', '.join(sorted(known))}")
     _check_int("tp", tp)
+    dtype = canonical_dtype(dtype)
     if dtype != "auto" and dtype not in DTYPES:
-        raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {dtype!r}")
+        raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)} (or "
+                         f"{', '.join(DTYPE_ALIASES)}), got {dtype!r}")
     cfg = EngineConfig(folder, tp=tp, device=device, dtype=dtype, oversubscribe=oversubscribe,
                        **options)
     for name in _POSITIVE:

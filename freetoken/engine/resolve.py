@@ -11,7 +11,13 @@ from __future__ import annotations
 
 import os
 import re
+from importlib import metadata
 from pathlib import Path
+
+NAMED_CHECKPOINTS = "freetoken.checkpoints"
+"""Entry-point group of checkpoints known by name: each entry is a callable taking a name and
+returning its folder, or None. The harness registers its bundled cases (`tiny-llama`, ...),
+so every command that takes `--model` takes their names without the engine importing it."""
 
 
 class ModelNotFound(ValueError):
@@ -49,9 +55,25 @@ def resolve_checkpoint(arg: str, download: bool = False, hint: str = "") -> tupl
     path = Path(arg)
     if path.is_dir():
         return path, {"path": str(path.resolve())}
+    named = named_checkpoint(arg)
+    if named is not None:
+        return named, {"path": str(named.resolve())}
     if is_hub_id(arg) and not Path(split_revision(arg)[0]).parent.is_dir():
         return resolve_hub_id(arg, download, hint)
     raise ModelNotFound(f"{arg}: no such checkpoint folder")
+
+
+def named_checkpoint(name: str) -> Path | None:
+    """The folder a `freetoken.checkpoints` entry point gives `name`, or None (also when an
+    entry cannot be loaded: a broken plugin must not hide a folder or hub id)."""
+    for entry in metadata.entry_points(group=NAMED_CHECKPOINTS):
+        try:
+            folder = entry.load()(name)
+        except Exception:  # noqa: BLE001 - a third-party plugin's failure is not the user's
+            continue
+        if folder is not None:
+            return Path(folder)
+    return None
 
 
 def resolve_hub_id(arg: str, download: bool = False, hint: str = "") -> tuple[Path, dict]:

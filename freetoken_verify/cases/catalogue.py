@@ -311,6 +311,14 @@ class Case:
                 "num_layers": options.num_layers}
 
 
+def bundled_folder(name: str) -> Path | None:
+    """The folder of bundled case `name` when it is present, else None: how `freetoken
+    generate`, `freetoken plan` and `LLM(...)` take case names (the `freetoken.checkpoints`
+    entry point)."""
+    folder = GOLDEN / name
+    return folder if name in CASES and (folder / "config.json").is_file() else None
+
+
 def resolve_case(arg: str, download: bool = False) -> Case:
     """A bundled case name, a local checkpoint folder, or a hub id `Org/Name[@revision]` from
     the local HF cache (fetched only when `download` is set: `freetoken.engine.resolve`)."""

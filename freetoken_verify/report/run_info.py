@@ -9,22 +9,20 @@ import os
 import platform
 import re
 import shutil
-import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
 
 import torch.distributed
 
 from freetoken.distributed import choose_placement
+from freetoken.version import code_state, command_output, package_version
 from freetoken_verify.reference.sources import reference_source
 
 # A folder of the Hugging Face hub cache: `.../models--Org--Name/snapshots/<commit hash>`.
 _HUB_SNAPSHOT = re.compile(r"^models--(?P<repo>.+)$")
 _DTYPE_LABELS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-_PROBE_TIMEOUT = 5.0
 
 
 @dataclass(frozen=True)
@@ -47,38 +45,6 @@ def dtype_label(dtype: str) -> str:
     return _DTYPE_LABELS.get(dtype, dtype)
 
 
-def package_version(name: str) -> str | None:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def _command_output(args: list[str], cwd: Path | None = None) -> str | None:
-    """stdout of a short command, stripped; None if it is missing, fails or hangs."""
-    try:
-        proc = subprocess.run(args, cwd=cwd, capture_output=True, text=True,
-                              timeout=_PROBE_TIMEOUT, check=True)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return proc.stdout.strip()
-
-
-def git_state(root: Path | None = None) -> tuple[str | None, bool | None]:
-    """(HEAD commit, whether tracked files differ from it) of the checkout the `verify`
-    package was imported from; (None, None) for an installed package (no `.git` next to the
-    package: a virtual environment inside some other repository must not report that
-    repository's commit) or when git is missing or fails."""
-    root = root or Path(__file__).resolve().parent.parent
-    if not (root / ".git").exists() or shutil.which("git") is None:
-        return None, None
-    commit = _command_output(["git", "rev-parse", "HEAD"], cwd=root)
-    if not commit:
-        return None, None
-    status = _command_output(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root)
-    return commit, None if status is None else bool(status)
-
-
 def _cpu_model() -> str | None:
     try:
         text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
@@ -93,7 +59,7 @@ def _cpu_model() -> str | None:
 def _driver_version() -> str | None:
     if shutil.which("nvidia-smi") is None:
         return None
-    out = _command_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+    out = command_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
     return out.splitlines()[0].strip() if out else None
 
 
@@ -173,7 +139,7 @@ def run_identity(plan, started: str) -> dict:
     options = {k: _plain(v) for k, v in asdict(plan.options).items()}
     arguments = {"models": [c.name for c in plan.cases], "tp": list(plan.tp_sizes),
                  "checks": list(plan.checks), "faults": list(plan.faults), **options}
-    commit, dirty = git_state()
+    commit, dirty = code_state()
     return {"arguments": arguments, "argv": list(sys.argv), "dtype": plan.options.dtype,
             "device": plan.options.device, "reference": plan.options.reference,
             "faults": list(plan.faults), "seed": options.get("seed"), "started": started,

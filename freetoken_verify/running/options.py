@@ -16,6 +16,9 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The engine's short names (freetoken.engine.core.DTYPE_ALIASES; a test keeps the two equal),
+# kept as a literal so this module imports no torch.
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 REFERENCES = ("auto", "golden", "hf")
 DEFAULT_TP = (1, 2)
 DEFAULT_TIMEOUT = 600.0
@@ -52,6 +55,17 @@ def check_choice(option: str, value, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise UsageError(f"{option}: {value!r} is not one of {', '.join(choices)}")
     return value
+
+
+def check_dtype(option: str, value) -> str:
+    """`value` as a dtype name (`auto`, `float32`, ...; an alias such as `bf16` becomes its
+    dtype's name), else a usage error listing them."""
+    name = DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
+    if name not in DTYPES:
+        aliases = ", ".join(f"{a} ({n})" for a, n in DTYPE_ALIASES.items())
+        raise UsageError(f"{option}: {value!r} is not one of {', '.join(DTYPES)} or the "
+                         f"aliases {aliases}")
+    return name
 
 
 def check_count(option: str, value) -> int:

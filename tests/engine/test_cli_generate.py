@@ -43,6 +43,27 @@ def test_generate_prints_text_and_ids():
     assert "\r" not in result.stderr and "loading:" not in result.stderr, result.stderr[-300:]
 
 
+def test_one_vocabulary_with_the_harness():
+    """`generate` takes a bundled case by name, `--max-new-tokens` (the harness's name; the old
+    `--max-tokens` still works and gives the same ids) and the dtype aliases `fp32` / `bf16`;
+    `plan` takes case names too; `freetoken --version` names the version and commit."""
+    new = _run_cli("--model", "tiny-llama", "--prompt-ids", "1,2,3", "--max-new-tokens", "3",
+                   "--dtype", "fp32")
+    old = _run_cli("--model", str(GOLDEN / "tiny-llama"), "--prompt-ids", "1,2,3",
+                   "--max-tokens", "3", "--dtype", "float32")
+    assert new.returncode == 0 and old.returncode == 0, new.stderr + old.stderr
+    ids = [line for line in new.stdout.splitlines() if line.startswith("ids:")]
+    assert len(ids) == 1 and ids[0].count(",") == 2 and new.stdout == old.stdout, new.stdout
+    plan = subprocess.run([sys.executable, "-m", "freetoken.cli", "plan", "--model",
+                           "tiny-llama", "--tp", "2", "--tensor", "embed"],
+                          capture_output=True, text=True, timeout=120)
+    assert plan.returncode == 0 and "rank 1: rows 151:301" in plan.stdout, plan.stdout
+    version = subprocess.run([sys.executable, "-m", "freetoken.cli", "--version"],
+                             capture_output=True, text=True, timeout=120)
+    assert version.returncode == 0 and version.stdout.startswith("freetoken "), version
+    assert "(commit " in version.stdout, "run from a checkout: the commit is named"
+
+
 def test_unsplittable_tp_is_a_one_line_usage_error():
     """tp=3 cannot split 8 attention heads: exit 2 with one line naming the dimension, before
     any rank starts."""

@@ -156,7 +156,7 @@ def test_tiny_llama_shards(freetoken_verify):
 
 
 def test_injected_fault_fails(freetoken_verify):
-    report = freetoken_verify(model="tiny-llama", tp=[1], checks=["shards"], device="cpu",
+    report = freetoken_verify(models="tiny-llama", tp=[1], checks=["shards"], device="cpu",
                               faults=["shard-views"])
     report.assert_ok()
 
@@ -170,6 +170,13 @@ def test_on_a_gpu():
 def test_on_many_gpus():
     pass
 '''
+
+
+def _line_of(function: str) -> int:
+    """The 1-based line of `def function` in the user's test file (pytest reports a skip
+    marker at the line of the decorator: the one above)."""
+    lines = textwrap.dedent(_USER_TESTS).splitlines()
+    return next(i for i, line in enumerate(lines, 1) if line.startswith(f"def {function}("))
 
 
 def _make_user_project(tmp_path: Path) -> Path:
@@ -196,9 +203,13 @@ def test_plugin_from_a_user_test_file(tmp_path):
     counts = "1 failed, 2 passed, 1 skipped" if gpus else "1 failed, 1 passed, 2 skipped"
     assert counts in out, out
     assert "tiny-llama shards tp=1 FAIL" in out, "the failing row must be in the report"
-    assert f"needs 1024 CUDA device(s), found {gpus or 'no'} CUDA device(s)" in out, out
+    # Skips are reported at the test's own line, not at the plugin.
+    assert (f"test_model.py:{_line_of('test_on_many_gpus') - 1}: needs 1024 CUDA device(s), "
+            f"found {gpus or 'no'} CUDA device(s)") in out, out
+    assert "pytest_plugin.py" not in out, out
     if not gpus:
-        assert "needs 1 CUDA device(s), found no CUDA device(s)" in out, out
+        assert (f"test_model.py:{_line_of('test_on_a_gpu') - 1}: needs 1 CUDA device(s), "
+                "found no CUDA device(s)") in out, out
 
 
 def test_a_project_with_its_own_verify_module_runs_pytest(tmp_path):

@@ -9,18 +9,27 @@ import json
 import xml.etree.ElementTree as ET
 from importlib import resources
 
+import jsonschema
 import pytest
 from conftest import make_broken_checkpoint
-from json_schema import schema_errors
 from test_report import _make_info, _make_result
 
 from freetoken_verify.cli import main
 from freetoken_verify.report import writer as report_writer
+from freetoken_verify.report.formats import junit_name
 from freetoken_verify.report.writer import STEP_SUMMARY, ReportPaths, ReportWriter
 
 
 def _schema() -> dict:
     return json.loads((resources.files("freetoken_verify") / "report" / "schema.json").read_text())
+
+
+def schema_errors(report: dict, schema: dict) -> list[str]:
+    """Every way `report` breaks `schema` (a JSON Schema 2020-12 validator; the schema itself
+    is checked first), as `path: message` lines."""
+    jsonschema.Draft202012Validator.check_schema(schema)
+    validator = jsonschema.Draft202012Validator(schema)
+    return [f"{e.json_path}: {e.message}" for e in validator.iter_errors(report)]
 
 
 def _make_paths(tmp_path) -> ReportPaths:
@@ -102,7 +111,7 @@ def test_step_summary_is_appended_once_at_the_end(tmp_path, monkeypatch):
     writer.finish()
     text = step.read_text()
     assert text.startswith("earlier step\n### freetoken-verify: 1 passed, 0 failed, 0 skipped")
-    assert text.count("### freetoken-verify") == 1 and "| tiny-llama | fp32 |" in text
+    assert text.count("### freetoken-verify") == 1 and "Passed: golden 1 (1 models" in text
 
 
 
@@ -133,7 +142,10 @@ def test_real_run_reports_error_traceback_and_match_schema(capsys, golden, tmp_p
     assert "model.layers.1.self_attn.k_proj.weight" in row["detail"]
     error = junit.find("testsuite/testcase/error")
     assert error.text.startswith(row["message"]) and "Traceback" in error.text
-    assert junit.find("testsuite/testcase").get("classname") == f"{folder}.fp32.tp1"
+    case = junit.find("testsuite/testcase")
+    assert case.get("classname") == f"{junit_name(str(folder))}.fp32.tp1.cpu-gloo-0gpu"
+    assert {p.get("name"): p.get("value") for p in case.iter("property")}["model"] == \
+        str(folder)
     assert "**ERROR**" in markdown and step.read_text() == markdown + "\n"
 
 
@@ -149,8 +161,9 @@ def test_schema_rejects_what_the_contract_forbids():
     report["env"]["extra"] = True
     report["results"][0]["status"] = "ok"
     errors = "\n".join(schema_errors(report, _schema()))
-    for needle in ("$.version: 1 != 2", "$.run: missing 'started'", "unexpected key 'extra'",
-                   "$.results[0].status: 'ok' not in"):
+    for needle in ("$.version: 2 was expected", "$.run: 'started' is a required property",
+                   "$.env: Additional properties are not allowed ('extra' was unexpected)",
+                   "$.results[0].status: 'ok' is not one of"):
         assert needle in errors, errors
 
 

@@ -6,18 +6,21 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
+import types
 from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from freetoken import version
+from freetoken.version import ROOT, git_state
 from freetoken_verify.cases.catalogue import resolve_case
 from freetoken_verify.checks import VerifyOptions
 from freetoken_verify.report import run_info
 from freetoken_verify.report.run_info import (
     environment,
-    git_state,
     hub_source,
     model_entry,
     run_identity,
@@ -61,14 +64,14 @@ def _make_hub_snapshot(tmp_path: Path, ref: str | None) -> Path:
 def test_environment_names_software_and_hardware(monkeypatch):
     """Every env key is present with its type; a missing package is None; on a machine
     without a visible GPU the CUDA facts are None and the GPU list empty."""
-    real_version = run_info.metadata.version
+    real_version = version.metadata.version
 
     def fake_version(name):
         if name == "triton":
-            raise run_info.metadata.PackageNotFoundError(name)
+            raise version.metadata.PackageNotFoundError(name)
         return real_version(name)
 
-    monkeypatch.setattr(run_info.metadata, "version", fake_version)
+    monkeypatch.setattr(version.metadata, "version", fake_version)
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     env = environment("cpu")
     assert set(env) == _ENV_KEYS, env.keys()
@@ -96,7 +99,7 @@ def test_environment_on_a_gpu_machine(monkeypatch):
         calls.append(args)
         return "550.54.15\n550.54.15"
 
-    monkeypatch.setattr(run_info, "_command_output", nvidia_smi)
+    monkeypatch.setattr(run_info, "command_output", nvidia_smi)
     env = environment("cuda")
     assert env["gpus"] == 2 and env["gpu_names"] == ["NVIDIA H200 #0", "NVIDIA H200 #1"]
     assert (env["nccl"], env["driver"]) == ("2.21.5", "550.54.15")
@@ -114,7 +117,7 @@ def test_git_state_of_a_checkout_and_of_an_installed_package(tmp_path, monkeypat
     (repo / "verify" / "x.py").write_text("x = 2\n")
     assert git_state(repo) == (head, True)
     assert git_state(repo / "verify") == (None, None), "a subfolder is not the checkout root"
-    monkeypatch.setattr(run_info.shutil, "which", lambda name: None)
+    monkeypatch.setattr(version.shutil, "which", lambda name: None)
     assert git_state(repo) == (None, None)
 
 
@@ -165,5 +168,21 @@ def test_run_identity_records_request_and_code():
     assert (run["dtype"], run["reference"], run["faults"]) == ("bfloat16", "hf",
                                                               ["drop-allreduce"])
     assert _ISO_UTC.match(run["started"]) and run["finished"] is None
-    assert (run["git_commit"], run["git_dirty"]) == git_state()
-    assert run["version"] == run_info.package_version("freetoken")
+    # This test runs from the checkout: the report names its HEAD (not None: the package
+    # finds the checkout root above itself).
+    head = _git(ROOT, "rev-parse", "HEAD")
+    assert run["git_commit"] == head and isinstance(run["git_dirty"], bool), run
+    assert run["version"] == version.package_version("freetoken")
+
+
+def test_an_installed_build_reports_the_commit_it_was_built_from(monkeypatch):
+    """Outside a checkout the commit comes from what setup.py baked into the build
+    (`freetoken._build_info`); with neither, None; `--version` says the commit."""
+    monkeypatch.setattr(version, "git_state", lambda root=None: (None, None))
+    monkeypatch.setitem(sys.modules, "freetoken._build_info", None)  # import fails
+    assert version.code_state() == (None, None)
+    built = types.ModuleType("freetoken._build_info")
+    built.COMMIT, built.DIRTY = "ab" * 20, True
+    monkeypatch.setitem(sys.modules, "freetoken._build_info", built)
+    assert version.code_state() == ("ab" * 20, True)
+    assert version.describe("freetoken").endswith("(commit abababababab, modified)")

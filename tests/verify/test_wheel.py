@@ -18,7 +18,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 # What a wheel is built from; copied so the build leaves nothing behind in the checkout.
-_SOURCES = ("pyproject.toml", "README.md", "MANIFEST.in", "freetoken", "freetoken_verify")
+_SOURCES = ("pyproject.toml", "setup.py", "README.md", "LICENSE", "MANIFEST.in", "freetoken",
+            "freetoken_verify")
 
 
 def _make_wheel(tmp_path: Path) -> Path:
@@ -30,8 +31,10 @@ def _make_wheel(tmp_path: Path) -> Path:
                             ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         else:
             shutil.copy2(ROOT / name, source / name)
+    # The copy is built as the checkout would be: setup.py reads the commit through git.
+    git = {"GIT_DIR": str(ROOT / ".git"), "GIT_WORK_TREE": str(source)}
     _check([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-            "--no-index", "-q", "-w", str(out), str(source)], "pip wheel")
+            "--no-index", "-q", "-w", str(out), str(source)], "pip wheel", git)
     wheels = list(out.glob("freetoken-*.whl"))
     assert len(wheels) == 1, f"pip wheel wrote {wheels}"
     return wheels[0]
@@ -61,8 +64,9 @@ def _run(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.Completed
                           timeout=timeout)
 
 
-def _check(args: list[str], label: str) -> None:
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
+def _check(args: list[str], label: str, env: dict[str, str] | None = None) -> None:
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})
     assert proc.returncode == 0, f"{label} failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
 
 
@@ -83,7 +87,7 @@ def test_wheel_verifies_bundled_case_outside_the_checkout(tmp_path):
     """The wheel carries the bundled cases: installed into a fresh venv, `freetoken-verify
     --reference golden --tp 1,2 --checks golden,shards` on tiny-llama, run from an unrelated
     directory with the checkout off sys.path, exits 0 and reports the installed package (its
-    version, no git commit, the case read from the venv)."""
+    version, the commit it was built from, the case read from the venv)."""
     wheel = _make_wheel(tmp_path)
     wheel_version = wheel.name.split("-")[1]
     venv = _make_venv(tmp_path, wheel)
@@ -97,8 +101,12 @@ def test_wheel_verifies_bundled_case_outside_the_checkout(tmp_path):
     assert proc.stdout.strip().splitlines()[-1] == "4 passed, 0 failed, 0 skipped", proc.stdout
     report = json.loads((work / "report.json").read_text())
     assert report["complete"] is True and report["summary"]["passed"] == 4, report["summary"]
-    assert report["run"]["version"] == wheel_version and report["run"]["git_commit"] is None, (
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True, check=True).stdout.strip()
+    assert report["run"]["version"] == wheel_version and report["run"]["git_commit"] == head, (
         report["run"])
+    version = _run([str(venv / "bin" / "freetoken"), "--version"], work)
+    assert version.returncode == 0 and f"(commit {head[:12]}" in version.stdout, version
     (model,) = report["models"]
     assert Path(model["source"]["path"]).resolve().is_relative_to(venv.resolve()), model
     assert model["reference"] == "golden", model
