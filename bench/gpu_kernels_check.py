@@ -2,7 +2,7 @@
 machine, no rank group needed.
 
     python bench/gpu_kernels_check.py [--dtype bfloat16|float16|float32] [--quick] [--faults]
-        [--inject NAME] [--json FILE]
+        [--fault NAME] [--json FILE]
 
 Runs `freetoken_verify.checks.kernels.check.gpu_matrix()` (tokens {1, 7, 64, 300} x experts {8, 64}
 x top-k {1, 2, 8} x H {2048, 1040} x TP-local I = 512 / tp for tp {1, 2, 4, 8}, plus dense linears)
@@ -102,7 +102,7 @@ def _run_faults(dtype: str) -> bool:
     caught_all = True
     for name in NVFP4_FAULTS:
         proc = subprocess.run([sys.executable, __file__, "--quick", "--dtype", dtype,
-                               "--inject", name], capture_output=True, text=True)
+                               "--fault", name], capture_output=True, text=True)
         failing = [line for line in proc.stdout.splitlines() if line.startswith("first failure")]
         caught = proc.returncode == 1 and bool(failing)
         caught_all &= caught
@@ -117,7 +117,7 @@ def main() -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--quick", action="store_true", help="every 8th case only")
     p.add_argument("--faults", action="store_true", help="also prove each NVFP4 fault fails")
-    p.add_argument("--inject", choices=NVFP4_FAULTS, default=None)
+    p.add_argument("--fault", choices=NVFP4_FAULTS, default=None)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():

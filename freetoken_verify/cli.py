@@ -7,17 +7,19 @@ from __future__ import annotations
 
 import math
 import sys
-from importlib import metadata
 
 import click
 
 from freetoken.distributed import MainModuleError, stop_on_signals
+from freetoken.version import describe
 from freetoken_verify.checks.base import CHECK_NAMES
 from freetoken_verify.errors import VerifyError
+from freetoken_verify.report.diff import print_diff
 from freetoken_verify.running.listing import print_listing
 from freetoken_verify.running.options import (
     DEFAULT_TIMEOUT,
     DEVICES,
+    DTYPE_ALIASES,
     DTYPES,
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -30,13 +32,14 @@ from freetoken_verify.running.options import (
     split_values,
 )
 from freetoken_verify.running.plan import execute
+from freetoken_verify.running.select import read_failed_rows
 
 _EPILOG = f"""\b
 Examples:
   freetoken-verify --tp 1,2                     every bundled case, every check
   freetoken-verify --model tiny-llama --tp 2 --checks golden,shards
   freetoken-verify --model ./my-checkpoint --tp 4 --dtype bfloat16 --reference hf
-  freetoken-verify --model tiny-llama --tp 2 --inject drop-allreduce   (must fail)
+  freetoken-verify --model tiny-llama --tp 2 --fault drop-allreduce     (must fail)
   freetoken-verify --list                       cases, checks and faults
 
 \b
@@ -77,19 +80,9 @@ class PositiveSeconds(click.ParamType):
         return seconds
 
 
-def package_version() -> str:
-    """The installed package's version; from a checkout that was never installed there is no
-    metadata, and saying so beats guessing."""
-
-    try:
-        return metadata.version("freetoken")
-    except metadata.PackageNotFoundError:
-        return "unknown (not installed; run `pip install -e .`)"
-
-
 def _print_version(ctx: click.Context, _param, value: bool) -> None:
     if value and not ctx.resilient_parsing:
-        click.echo(f"freetoken-verify {package_version()}")
+        click.echo(describe("freetoken-verify"))
         ctx.exit(EXIT_OK)
 
 
@@ -112,8 +105,9 @@ def _print_list(ctx: click.Context, _param, value: bool) -> None:
               help="where ranks run; auto: cuda when a GPU is present, else cpu")
 @click.option("--oversubscribe", is_flag=True,
               help="with fewer GPUs than ranks, let gloo ranks share GPUs round-robin")
-@click.option("--dtype", type=click.Choice(DTYPES), default="auto", show_default=True,
-              help="engine dtype; auto: the checkpoint's")
+@click.option("--dtype", type=click.Choice(DTYPES + tuple(DTYPE_ALIASES)), default="auto",
+              show_default=True, help="engine dtype (bf16, fp32, fp16 are aliases); auto: the "
+                                      "checkpoint's")
 @click.option("--reference", default="auto", show_default=True, metavar="REF",
               help=f"{', '.join(REFERENCES)}, or a folder written by --save-reference; auto: "
                    "stored golden for bundled cases with the default prompts, live HF otherwise")
@@ -130,9 +124,9 @@ def _print_list(ctx: click.Context, _param, value: bool) -> None:
                    "$GITHUB_STEP_SUMMARY when that is set)")
 @click.option("--timeout", type=PositiveSeconds(), default=DEFAULT_TIMEOUT, show_default=True,
               help="seconds a rank group may take for one call")
-@click.option("--inject", "faults", multiple=True, metavar="FAULT",
+@click.option("--fault", "--inject", "faults", multiple=True, metavar="FAULT",
               help="inject a known TP bug by name, to prove the checks catch it; repeatable "
-                   "(names: --list)")
+                   "(names: --list; --inject: the old name)")
 @click.option("--save-reference", type=click.Path(file_okay=False), default=None, metavar="DIR",
               help="compute HF's reference for the one --model once, store it in DIR with the "
                    "weights' fingerprints, and run against it (reuse with --reference DIR)")
@@ -153,26 +147,80 @@ def _print_list(ctx: click.Context, _param, value: bool) -> None:
 @click.option("--allow-skips", is_flag=True,
               help="exit 0 when every row was skipped (by default a run that verified nothing "
                    "exits 1)")
+@click.option("-k", "keyword", default=None, metavar="EXPR",
+              help="only rows whose model, check, tpN or dtype match EXPR (pytest style: "
+                   "words match substrings; and, or, not, parentheses)")
+@click.option("-x", "--exitfirst", is_flag=True, help="stop after the first failed row")
+@click.option("--maxfail", type=PositiveInt(), default=None, metavar="N",
+              help="stop after N failed rows")
+@click.option("--rerun-failed", type=click.Path(dir_okay=False), default=None,
+              metavar="REPORT",
+              help="run only the rows REPORT (a --report-json file) failed or errored, with its "
+                   "dtype, device, depth, faults and prompts unless given here")
+@click.option("--dry-run", "--collect-only", "dry_run", is_flag=True,
+              help="print the rows the run would make and exit; no rank starts")
 @click.option("-v", "--verbose", is_flag=True, help="print rank tracebacks of errors")
 @click.option("--list", "list_", is_flag=True, expose_value=False, is_eager=True,
               callback=_print_list, help="list bundled cases, checks and faults, then exit")
 @click.option("--version", is_flag=True, expose_value=False, is_eager=True,
               callback=_print_version, help="print the version and exit")
-def verify(models, tp, checks, faults, report_json, junit_xml, summary_md, verbose, allow_skips,
-           **options) -> int:
+@click.pass_context
+def verify(ctx, models, tp, checks, faults, report_json, junit_xml, summary_md, verbose,
+           allow_skips, keyword, exitfirst, maxfail, rerun_failed, dry_run, **options) -> int:
     """Verify the engine's tensor-parallel path against references at several TP sizes."""
 
     plan_args = dict(models=split_values(models, "--model"), tp=parse_tp(tp),
                      checks=split_values(checks, "--checks"),
-                     faults=split_values(faults, "--inject"), **options)
+                     faults=split_values(faults, "--fault"), keyword=keyword,
+                     maxfail=1 if exitfirst else maxfail, **options)
+    if rerun_failed:
+        given = {name for name in ctx.params
+                 if ctx.get_parameter_source(name) != click.core.ParameterSource.DEFAULT}
+        plan_args = rerun_arguments(read_failed_rows(rerun_failed), plan_args, given)
     with stop_on_signals():
-        return execute(plan_args, report_json, junit_xml, verbose, summary_md, allow_skips)
+        return execute(plan_args, report_json, junit_xml, verbose, summary_md, allow_skips,
+                       dry_run)
+
+
+RERUN_OPTIONS = ("dtype", "device", "num_layers", "faults", "seed", "max_new_tokens",
+                 "prompts_file", "reference", "bitwise", "oversubscribe")
+"""What `--rerun-failed` takes from the earlier report's arguments unless given again."""
+
+
+def rerun_arguments(failed, plan_args: dict, given: set[str]) -> dict:
+    """`plan_args` for rerunning `failed` (`read_failed_rows`): only its rows; its models,
+    TP sizes and checks, and the `RERUN_OPTIONS` of its run, where the command line left
+    them at their defaults."""
+    args = dict(plan_args, only=failed.rows)
+    for name, value in (("models", failed.models), ("tp", failed.tp_sizes),
+                        ("checks", failed.checks)):
+        if name not in given:
+            args[name] = value
+    for name in RERUN_OPTIONS:
+        if name not in given and name in failed.arguments and name in args:
+            args[name] = failed.arguments[name]
+    return args
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("old", type=click.Path(dir_okay=False))
+@click.argument("new", type=click.Path(dir_okay=False))
+def diff(old, new) -> int:
+    """Show which rows changed between two --report-json files: status, presence, or a
+    metric moved by more than 10x. Exit 1 when a row that passed in OLD fails in NEW."""
+    return print_diff(old, new, click.echo)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """The `freetoken-verify` entry point: exits with the run's status."""
+    """The `freetoken-verify` entry point: exits with the run's status. `freetoken-verify diff
+    OLD.json NEW.json` compares two reports instead (`freetoken_verify.report.diff`)."""
+    args = sys.argv[1:] if argv is None else list(argv)
     try:
-        code = verify.main(args=argv, prog_name="freetoken-verify", standalone_mode=False)
+        if args[:1] == ["diff"]:
+            code = diff.main(args=args[1:], prog_name="freetoken-verify diff",
+                             standalone_mode=False)
+        else:
+            code = verify.main(args=args, prog_name="freetoken-verify", standalone_mode=False)
     except click.exceptions.Exit as e:
         code = e.exit_code
     except click.UsageError as e:

@@ -1,4 +1,4 @@
-"""Canonical TP bugs, injectable into the engine with `freetoken-verify --inject NAME`.
+"""Canonical TP bugs, injectable into the engine with `freetoken-verify --fault NAME`.
 
 Each fault monkeypatches the engine inside the process that calls it (every rank, before
 the checks run). They exist to show that the checks catch the bugs they are meant for: a

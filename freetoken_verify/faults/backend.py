@@ -1,5 +1,5 @@
 """Bugs in the engine's torch NVFP4 backend (the CPU path and the kernels' former reference),
-for `--inject` (registered in `freetoken_verify.faults.FAULTS`): the `kernels` check must blame the
+for `--fault` (registered in `freetoken_verify.faults.FAULTS`): the `kernels` check must blame the
 backend for them, not the Triton kernels."""
 
 from __future__ import annotations

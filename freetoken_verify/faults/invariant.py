@@ -1,5 +1,5 @@
 """Faults only a zero-tolerance comparison sees, in the engine's tp_invariant reductions
-(`freetoken.layers.invariant`), for `--inject`: each moves TP=N's logits off TP=1's bits by far
+(`freetoken.layers.invariant`), for `--fault`: each moves TP=N's logits off TP=1's bits by far
 less than any tolerance (fp32: about 1e-6 absolute), so only `--bitwise` golden catches them."""
 
 from __future__ import annotations

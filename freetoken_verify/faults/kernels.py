@@ -1,4 +1,4 @@
-"""Bugs in the engine's CUDA fast paths, for `--inject` (registered in
+"""Bugs in the engine's CUDA fast paths, for `--fault` (registered in
 `freetoken_verify.faults.FAULTS`):
 each wraps a launcher of `freetoken.kernels` and hands its kernel what a launcher with the bug
 would (a block table read with the wrong row stride, expert ids one off, the wrong state slot),

@@ -1,4 +1,4 @@
-"""Wrong-layout TP bugs for `--inject` (registered in `freetoken_verify.faults.FAULTS`): rows of a
+"""Wrong-layout TP bugs for `--fault` (registered in `freetoken_verify.faults.FAULTS`): rows of a
 packed or per-head tensor put in the wrong slot by the plan or the loader, shapes intact."""
 
 from __future__ import annotations

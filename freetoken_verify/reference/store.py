@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
 import time
 from pathlib import Path
@@ -43,6 +44,14 @@ BISECT = "bisect.safetensors"
 FULL_HASH_LIMIT = 1 << 30
 SAMPLES = 256
 SAMPLE_BYTES = 1 << 16
+
+
+def umask_mode(path: Path) -> None:
+    """Give `path` the mode a plain open() would (0666 less the umask): safetensors writes
+    0600, so a saved reference shared on a team's disk was readable by its writer only."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
 
 
 class StoreError(ValueError):
@@ -258,11 +267,13 @@ def save_reference(ref: Reference, case, options, device, folder: str | Path) ->
     }
     folder.mkdir(parents=True, exist_ok=True)
     save_file({k: v.cpu().contiguous() for k, v in tensors.items()}, folder / TENSORS)
+    umask_mode(folder / TENSORS)
     (folder / BISECT).unlink(missing_ok=True)
     if ref.bisect is not None:
         acts = ref.bisect.by_dtype
         save_file({f"{d}/{name}": t.contiguous() for d, by_name in acts.items()
                    for name, t in by_name.items()}, folder / BISECT)
+        umask_mode(folder / BISECT)
         meta["bisect"] = {"prompt": ref.bisect.prompt, "token": ref.bisect.token,
                           "dtypes": sorted(acts)}
     (folder / META).write_text(json.dumps(meta, indent=1) + "\n")

@@ -51,7 +51,7 @@ def listing() -> dict[str, list[tuple[str, str]]]:
 
     return {"bundled cases": [(n, case_description(n)) for n in sorted(CASES)],
             "checks (in run order)": [(c.name, c.description) for c in CHECKS],
-            "faults (--inject)": [(n, _first_sentence(f.__doc__)) for n, f in FAULTS.items()]}
+            "faults (--fault)": [(n, _first_sentence(f.__doc__)) for n, f in FAULTS.items()]}
 
 
 def print_listing(echo: Callable[[str], None]) -> None:

@@ -6,6 +6,7 @@ the Python API (`freetoken_verify.api`) passes them through."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -18,8 +19,9 @@ from freetoken_verify.cases.catalogue import CASES, CaseError, resolve_case
 from freetoken_verify.checks.base import CHECK_NAMES, VerifyOptions, available_checks
 from freetoken_verify.errors import InputError, UsageError
 from freetoken_verify.faults import FAULTS
+from freetoken_verify.faults.catalogue import CATALOGUE
 from freetoken_verify.reference.sources import reference_source
-from freetoken_verify.report.formats import count_line, render_table
+from freetoken_verify.report.formats import count_line, render_failures, render_table
 from freetoken_verify.report.run_info import describe_run
 from freetoken_verify.report.writer import ReportPaths, ReportWriter
 from freetoken_verify.running.inputs import (
@@ -32,7 +34,6 @@ from freetoken_verify.running.options import (
     DEFAULT_TIMEOUT,
     DEFAULT_TP,
     DEVICES,
-    DTYPES,
     EXIT_FAILED,
     EXIT_OK,
     EXIT_USAGE,
@@ -40,11 +41,13 @@ from freetoken_verify.running.options import (
     REFERENCES,
     check_choice,
     check_count,
+    check_dtype,
     check_names,
     check_seconds,
 )
 from freetoken_verify.running.progress import Progress
 from freetoken_verify.running.runner import Plan, run_plan
+from freetoken_verify.running.select import Selection
 
 
 def _validate(cases, tp_sizes, options, selected: dict) -> None:
@@ -94,7 +97,7 @@ def _options(device, dtype, reference, num_layers, oversubscribe, timeout, promp
         raise UsageError(f"seed: {seed!r} is not an integer in [0, 2**63 - 4096)")
     return VerifyOptions(
         device=check_choice("device", device, DEVICES),
-        dtype=check_choice("dtype", dtype, DTYPES),
+        dtype=check_dtype("dtype", dtype),
         reference=_reference(reference),
         num_layers=None if num_layers is None else check_count("num_layers", num_layers),
         oversubscribe=bool(oversubscribe),
@@ -123,7 +126,9 @@ def build_plan(models: Sequence[str] = (), tp: Sequence[int] | int = DEFAULT_TP,
                timeout: float = DEFAULT_TIMEOUT, faults: Sequence[str] = (),
                prompts_file: str | None = None, seed: int | None = None,
                max_new_tokens: int | None = None, save_reference: str | None = None,
-               download: bool = False, bitwise: bool | None = None) -> Plan:
+               download: bool = False, bitwise: bool | None = None,
+               keyword: str | None = None, only: frozenset | None = None,
+               maxfail: int | None = None) -> Plan:
     """A validated plan: models (bundled case names, checkpoint folders or cached hub ids; all
     bundled cases when empty) x TP sizes x checks (all when empty), in run order. Raises
     `UsageError` for a malformed or unknown value and `InputError` for a model that cannot be
@@ -131,7 +136,14 @@ def build_plan(models: Sequence[str] = (), tp: Sequence[int] | int = DEFAULT_TP,
     `save_reference`; `prompts_file`, `seed` and `max_new_tokens` choose the reference prompts
     and continuation (see `freetoken-verify --help`). `bitwise`: golden runs the engine's
     tp_invariant mode and requires TP=N to equal TP=1 bit for bit; None (default) turns it on
-    where that mode runs (CPU ranks, TP sizes dividing each model's canonical chunk count)."""
+    where that mode runs (CPU ranks, TP sizes dividing each model's canonical chunk count).
+    `keyword` (`-k`) and `only` ((model, check, tp) rows, `--rerun-failed`) select rows;
+    `maxfail` stops the run after that many failed rows.
+
+    The kernels check runs when it is named, or when something it covers is in play: GPU
+    ranks (the engine's Triton kernels) or an injected fault the catalogue says it catches.
+    Otherwise (CPU ranks, which run the engine's torch path and no Triton kernel) a default
+    run leaves it out and says so in `Plan.notes`."""
 
     sizes = [tp] if isinstance(tp, int) else list(tp)
     if not sizes:
@@ -142,10 +154,46 @@ def build_plan(models: Sequence[str] = (), tp: Sequence[int] | int = DEFAULT_TP,
     wanted = check_names("checks", "check", checks, CHECK_NAMES)
     selected = {n: f for n, f in available_checks().items() if not wanted or n in wanted}
     fault_names = tuple(check_names("faults", "fault", faults, tuple(FAULTS), False))
+    if maxfail is not None:
+        maxfail = check_count("maxfail", maxfail)
+    selection = Selection(None if keyword is None else str(keyword), only)
+    notes = ()
+    if not wanted and "kernels" in selected and not _kernels_in_play(tp_sizes, options,
+                                                                     fault_names):
+        del selected["kernels"]
+        notes = ("kernels: left out (CPU ranks run no Triton kernel and no injected fault "
+                 "touches one); --checks kernels runs it",)
     cases = _cases(models, options.download)
     _validate(cases, tp_sizes, options, selected)
     options = replace(options, bitwise=resolve_bitwise(bitwise, cases, tp_sizes, options))
-    return Plan(cases, tp_sizes, selected, options, fault_names)
+    plan = Plan(cases, tp_sizes, selected, options, fault_names, selection, maxfail, notes)
+    if not plan.rows():
+        raise UsageError("no row is selected: "
+                         f"{'-k ' + repr(keyword) if keyword else 'the selection'} matches none "
+                         "of the planned model x check x TP rows (--dry-run lists them)")
+    return plan
+
+
+def _kernels_in_play(tp_sizes: list[int], options: VerifyOptions, faults: tuple[str, ...]
+                     ) -> bool:
+    """GPU ranks at some TP size, or a fault the kernels check is catalogued to catch."""
+    if any(choose_placement(options.device, tp, options.oversubscribe).is_cuda
+           for tp in tp_sizes):
+        return True
+    return any(e.fault in faults and "kernels" in e.checks for e in CATALOGUE)
+
+
+def print_dry_run(plan: Plan, echo=click.echo) -> int:
+    """`--dry-run`: the rows the plan would run, one per line, and their count; no rank
+    starts."""
+    for note in plan.notes:
+        echo(f"note: {note}")
+    rows = plan.rows()
+    for tp, case, name in rows:
+        placement = choose_placement(plan.options.device, tp, plan.options.oversubscribe)
+        echo(f"{case.name} {name} tp={tp} {plan.dtype_of(case)} {placement.name}")
+    echo(f"{len(rows)} row(s) planned")
+    return EXIT_OK
 
 
 def resolve_bitwise(asked: bool | None, cases, tp_sizes: list[int],
@@ -175,13 +223,17 @@ def resolve_bitwise(asked: bool | None, cases, tp_sizes: list[int],
 
 def execute(plan_args: dict, report_json: str | None = None, junit_xml: str | None = None,
             verbose: bool = False, summary_md: str | None = None,
-            allow_skips: bool = False) -> int:
+            allow_skips: bool = False, dry_run: bool = False) -> int:
     """The command line's run: check the report paths, build the plan from `plan_args`
     (`build_plan`'s keywords), run it with progress on stderr, writing the reports as rows
     finish (`freetoken_verify.report.writer`), print the table and the count line. Returns the
     exit status (`exit_status`)."""
     check_report_paths(report_json, junit_xml, summary_md)
     plan = build_plan(**plan_args)
+    if dry_run:
+        return print_dry_run(plan)
+    for note in plan.notes:
+        click.echo(f"note: {note}", err=True)
     save_references(plan.cases, plan.tp_sizes, plan.options)
     if plan.faults:
         click.echo(f"injected faults: {', '.join(plan.faults)}", err=True)
@@ -189,11 +241,10 @@ def execute(plan_args: dict, report_json: str | None = None, junit_xml: str | No
                            ReportPaths(report_json, junit_xml, summary_md)).start()
     results = run_plan(plan, Progress(), on_result=reports.add)
     reports.finish()
-    click.echo(render_table(results))
-    if verbose:
-        for r in results:
-            if r.detail:
-                click.echo(f"\n=== {r.model} {r.check} tp={r.tp} ===\n{r.detail}")
+    click.echo(render_table(results, width=console_width()))
+    failures = render_failures(results, verbose)
+    if failures:
+        click.echo(failures)
     for line in reports.errors:
         click.echo(f"error: {line}", err=True)
     code = exit_status(results, allow_skips)
@@ -202,6 +253,12 @@ def execute(plan_args: dict, report_json: str | None = None, junit_xml: str | No
                    "when that is expected)", err=True)
     click.echo(count_line(results))
     return EXIT_USAGE if reports.errors else code
+
+
+def console_width() -> int:
+    """The terminal's columns (`COLUMNS` when set; 160 when stdout is not a terminal, so a CI
+    log keeps a readable table while the FAILURES section carries the full messages)."""
+    return shutil.get_terminal_size(fallback=(160, 24)).columns
 
 
 def exit_status(results: list, allow_skips: bool = False) -> int:

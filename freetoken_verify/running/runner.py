@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 from freetoken.distributed import MainModuleError, choose_placement
@@ -15,6 +15,7 @@ from freetoken_verify.checks.ranks import RankFailure, RankRunner
 from freetoken_verify.faults import inject
 from freetoken_verify.report.formats import CheckResult
 from freetoken_verify.running.progress import Progress
+from freetoken_verify.running.select import Selection
 
 
 @dataclass
@@ -26,33 +27,53 @@ class Plan:
     checks: dict[str, Callable[[CheckContext], CheckResult]]
     options: VerifyOptions
     faults: tuple[str, ...] = ()
+    selection: Selection = field(default_factory=Selection)
+    """Which model x check x TP rows run (`-k`, `--rerun-failed`); every row by default."""
+    maxfail: int | None = None
+    """Stop after this many failed or errored rows (`-x`: 1); None runs every row."""
+    notes: tuple[str, ...] = ()
+    """What the plan left out and why, said before the run starts."""
+
+    def dtype_of(self, case: Case) -> str:
+        """The dtype the engine runs `case` at (the checkpoint's for `auto`)."""
+        return self.options.dtype if self.options.dtype != "auto" else case.model_config.dtype
+
+    def rows(self) -> list[tuple[int, Case, str]]:
+        """(tp, case, check name) of every row that runs, in run order."""
+        return list(self.selection.rows(self))
 
 
 def run_plan(plan: Plan, progress: Progress | Callable[[str], None] | None = None,
              on_result: Callable[[CheckResult], None] | None = None) -> list[CheckResult]:
-    """Every check on every model at every TP size, in that nesting (TP outermost so each
-    rank group starts once). `progress` gets a line per step (a callable: plain lines; None:
+    """Every selected row (`Plan.rows`: checks on models at TP sizes, TP outermost so each
+    rank group starts once, and only for a TP size with rows), stopping after `plan.maxfail`
+    failed or errored rows. `progress` gets a line per step (a callable: plain lines; None:
     stderr, updating in place on a terminal); `on_result` sees each result as it finishes."""
     progress = progress if isinstance(progress, Progress) else Progress(progress)
     say = progress.line
     results: list[CheckResult] = []
     cache: dict = {}
-    total = len(plan.cases) * len(plan.tp_sizes) * len(plan.checks)
-    for tp in plan.tp_sizes:
+    rows = plan.rows()
+    failed = 0
+    for tp in sorted({tp for tp, _, _ in rows}):
         placement = choose_placement(plan.options.device, tp, plan.options.oversubscribe)
         setup = partial(inject, plan.faults) if plan.faults else None
         say(f"tp={tp}: starting {tp} rank(s), {placement.name}")
         with RankRunner(tp, placement, plan.options.timeout, setup=setup) as runner:
-            for case in plan.cases:
-                for name, check in plan.checks.items():
-                    ctx = CheckContext(case, tp, runner, plan.options, cache)
-                    with progress.step(f"[tp={tp}] {case.name} {name}"):
-                        result = _run_one(name, check, ctx)
-                    results.append(result)
-                    if on_result is not None:
-                        on_result(result)
-                    say(f"[{len(results)}/{total}] {case.name} {name} tp={tp}: "
-                        f"{result.status.upper()} ({result.seconds:.1f}s)")
+            for _, case, name in (row for row in rows if row[0] == tp):
+                ctx = CheckContext(case, tp, runner, plan.options, cache)
+                with progress.step(f"[tp={tp}] {case.name} {name}"):
+                    result = _run_one(name, plan.checks[name], ctx)
+                results.append(result)
+                if on_result is not None:
+                    on_result(result)
+                say(f"[{len(results)}/{len(rows)}] {case.name} {name} tp={tp}: "
+                    f"{result.status.upper()} ({result.seconds:.1f}s)")
+                failed += result.status in ("fail", "error")
+                if plan.maxfail is not None and failed >= plan.maxfail:
+                    say(f"stopping after {failed} failed row(s) (--maxfail {plan.maxfail}); "
+                        f"{len(rows) - len(results)} row(s) not run")
+                    return results
     return results
 
 

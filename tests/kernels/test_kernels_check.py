@@ -23,18 +23,24 @@ def _run(capsys, *args: str) -> tuple[int, str]:
     return exit_info.value.code, out
 
 
-def test_kernels_check_passes_once_per_tp_size(capsys, tmp_path):
-    """The matrix passes for the first model and is skipped for the second, with a reason."""
+def test_kernels_check_runs_once_per_run(capsys, tmp_path):
+    """The matrix (every TP size's shapes) passes on the first row and is skipped, with the
+    reason, for the other model and the other TP size; a run that does not name the check
+    leaves it out on CPU ranks and says why."""
     report = tmp_path / "r.json"
-    code, out = _run(capsys, "--checks", "kernels", "--tp", "1", "--model", "tiny-llama",
+    code, out = _run(capsys, "--checks", "kernels", "--tp", "1,2", "--model", "tiny-llama",
                      "--model", "tiny-qwen3", "--report-json", str(report))
     assert code == 0, out
-    first, second = json.loads(report.read_text())["results"]
+    first, *others = json.loads(report.read_text())["results"]
     assert first["status"] == "pass" and first["metrics"]["failed_cases"] == 0, first
     assert first["metrics"]["cases"] >= 20 and first["metrics"]["pct_within_tol"] == 100.0
-    assert second["status"] == "skip"
-    assert second["message"] == "kernel matrix already run at tp=1 (with tiny-llama)"
-    assert out.strip().splitlines()[-1] == "1 passed, 0 failed, 1 skipped"
+    assert [r["status"] for r in others] == ["skip"] * 3, others
+    assert others[-1]["message"] == ("kernel matrix (every TP size's shapes) already run in "
+                                     "this run, at tp=1 with tiny-llama"), others[-1]
+    assert out.strip().splitlines()[-1] == "1 passed, 0 failed, 3 skipped"
+    code, out = _run(capsys, "--tp", "1", "--model", "tiny-llama", "--dry-run")
+    assert code == 0 and "tiny-llama kernels" not in out, out
+    assert "note: kernels: left out (CPU ranks run no Triton kernel" in out, out
 
 
 @pytest.mark.parametrize("fault", ["nvfp4-nibble-swap", "nvfp4-drop-global-scale",

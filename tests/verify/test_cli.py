@@ -11,6 +11,8 @@ import pytest
 from cli_run import assert_refused, run_cli
 from conftest import GOLDEN, make_broken_checkpoint
 
+from freetoken_verify.errors import UsageError
+
 
 def _rows(out: str, model: str) -> list[str]:
     return [line for line in out.splitlines() if line.startswith(model + " ")]
@@ -79,7 +81,7 @@ def test_injected_tp_bug_fails_naming_case_tp_and_module(capsys, tmp_path, fault
     it bites (TP=1 stays green): exit 1, the row names the case, the TP size and the first
     divergent module; the JSON message keeps the symptom (the prefill logits)."""
     report = tmp_path / "r.json"
-    code, out, _ = run_cli(capsys, "--model", model, "--tp", f"1,{tp}", "--inject", fault,
+    code, out, _ = run_cli(capsys, "--model", model, "--tp", f"1,{tp}", "--fault", fault,
                         "--checks", "golden", "--report-json", str(report))
     _assert_fails_naming(out, code, model, tp, f"first divergence: {module} ")
     results = {r["tp"]: r for r in json.loads(report.read_text())["results"]}
@@ -171,11 +173,33 @@ def test_live_hf_reference_refused_for_quantized_checkpoints(capsys):
 
 
 def test_version_prints_the_package_version(capsys):
-    """`--version` prints the installed package's version (from its metadata) and exits 0."""
+    """`--version` prints the installed package's version (from its metadata) and the commit
+    of the code (this checkout's HEAD), and exits 0."""
     from importlib import metadata
 
+    from freetoken.version import git_state
+
     code, out, _ = run_cli(capsys, "--version")
-    assert code == 0 and out.strip() == f"freetoken-verify {metadata.version('freetoken')}", out
+    head = git_state()[0]
+    assert code == 0 and out.startswith(f"freetoken-verify {metadata.version('freetoken')} "
+                                        f"(commit {head[:12]}"), out
+
+
+def test_dtype_aliases_are_the_names_reports_use(capsys):
+    """`--dtype bf16` is bfloat16 (reports label it bf16), `fp32` float32; the engine's and
+    the harness's alias tables agree; an unknown dtype lists the names and aliases."""
+    from freetoken.engine.core import DTYPE_ALIASES as ENGINE
+    from freetoken_verify.running.options import DTYPE_ALIASES as HARNESS
+    from freetoken_verify.running.plan import build_plan
+
+    assert ENGINE == HARNESS
+    assert build_plan(models=["tiny-llama"], tp=[1], dtype="bf16").options.dtype == "bfloat16"
+    code, out, _ = run_cli(capsys, "--model", "tiny-llama", "--tp", "1", "--dtype", "fp32",
+                           "--dry-run")
+    assert code == 0 and "tiny-llama golden tp=1 float32" in out, out
+    with pytest.raises(UsageError, match=r"dtype: 'f8' is not one of auto, float32, bfloat16, "
+                                         r"float16 or the aliases fp32 \(float32\)"):
+        build_plan(models=["tiny-llama"], tp=[1], dtype="f8")
 
 
 def test_list_names_every_case_check_and_fault_with_a_description(capsys):

@@ -6,6 +6,7 @@ for prompts, continuation length, depth or dtype it does not cover."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -229,6 +230,11 @@ def test_save_reference_from_the_command_line(capsys, tmp_path):
     assert meta["weights"] == {"model.safetensors": {
         "size": (folder / "model.safetensors").stat().st_size, "method": "sha256",
         "digest": sha256_file(folder / "model.safetensors")}}
+    # Every file of the store has the mode the umask gives (safetensors alone writes 0600).
+    mask = os.umask(0)
+    os.umask(mask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in store.iterdir()}
+    assert set(modes.values()) == {0o666 & ~mask}, modes
 
 
 def test_low_precision_baseline_is_saved_per_dtype(capsys, tmp_path):

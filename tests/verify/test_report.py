@@ -14,6 +14,7 @@ from freetoken_verify.report.formats import (
     count_line,
     junit_tree,
     markdown_summary,
+    render_failures,
     render_table,
     report_dict,
     summarize,
@@ -123,12 +124,32 @@ def test_table_metrics_are_compact_and_ordered():
 
 
 def test_table_truncates_long_messages():
-    """A long multi-line message becomes one line of at most 160 characters."""
-    message = "first line\n" + "x" * 300
+    """A long multi-line message becomes one line of at most 160 characters, without the
+    `model tp=N:` prefix the row already says."""
+    message = "tiny-llama tp=2: first line\n" + "x" * 300
     table = render_table([_make_result("fail", message=message)])
     shown = table.splitlines()[-1].split("FAIL")[1]
     assert "first line xxx" in shown and shown.rstrip().endswith("...")
+    assert "tiny-llama tp=2" not in shown
     assert len(shown.split("first line", 1)[1]) + len("first line") <= 160
+
+
+@pytest.mark.parametrize("width", [100, 120])
+def test_table_fits_the_terminal_and_failures_follow_in_full(width):
+    """Fitted to a terminal's width no table line is wider (the message, then the metrics
+    cells shortened); the FAILURES section after it holds each failed or errored row's full
+    message, and with verbose the failing rank's traceback."""
+    results = _make_results()
+    results[1].message = "tiny-llama tp=2: " + "a long explanation " * 20
+    table = render_table(results, width=width)
+    assert max(len(line) for line in table.splitlines()) <= width, table
+    failures = render_failures(results)
+    assert "FAILURES" in failures and ("a long explanation " * 20).strip() in failures
+    assert "--- tiny-llama shards tp=2 FAIL (cpu-gloo) ---" in failures
+    assert "--- tiny-llama memory tp=4 ERROR (cpu-gloo) ---" in failures
+    assert _TRACEBACK not in failures and "run with -v" in failures
+    assert _TRACEBACK in render_failures(results, verbose=True)
+    assert render_failures([results[0], results[2]]) == ""
 
 
 def test_json_v2_carries_identity_rows_and_tracebacks():
@@ -164,18 +185,38 @@ def _properties(element: ET.Element) -> dict:
 
 def test_junit_ids_carry_dtype_and_reference():
     """The same check on the same model and TP size gets a different id (suite, classname,
-    name) at another dtype or against another reference: classname `model.dtype.tpN`, the
-    check as name, one suite per reference."""
+    name) at another dtype or against another reference: classname
+    `model.dtype.tpN.placement-Ggpu`, the check as name, one suite per reference."""
     ids = {}
     for dtype, reference in (("float32", "golden"), ("bfloat16", "golden"), ("bfloat16", "hf")):
         root = junit_tree([_make_result()], _make_info(dtype, reference))
         (suite,) = root.findall("testsuite")
         (case,) = suite.findall("testcase")
         ids[dtype, reference] = (suite.get("name"), case.get("classname"), case.get("name"))
-    assert ids["bfloat16", "hf"] == ("freetoken-verify.hf", "tiny-llama.bf16.tp2", "golden")
-    assert ids["float32", "golden"] == ("freetoken-verify.golden", "tiny-llama.fp32.tp2",
-                                        "golden")
+    assert ids["bfloat16", "hf"] == ("freetoken-verify.hf",
+                                      "tiny-llama.bf16.tp2.cpu-gloo-0gpu", "golden")
+    assert ids["float32", "golden"] == ("freetoken-verify.golden",
+                                        "tiny-llama.fp32.tp2.cpu-gloo-0gpu", "golden")
     assert len(set(ids.values())) == 3, ids
+
+
+def test_junit_names_survive_dots_and_slashes_and_merge_across_machines():
+    """A model path or a dotted case name is one classname segment (its dots and slashes
+    sanitised, the real name in a property); the same row on a machine with another GPU
+    count or placement gets another id; each suite has the run's timestamp and hostname."""
+    result = _make_result(model="/models/Qwen3.5-35B-A3B")
+    info = _make_info()
+    info.models[0]["name"] = result.model
+    root = junit_tree([result], info)
+    (suite,) = root.findall("testsuite")
+    (case,) = suite.findall("testcase")
+    assert case.get("classname") == "models_Qwen3_5-35B-A3B.fp32.tp2.cpu-gloo-0gpu"
+    assert _properties(case)["model"] == "/models/Qwen3.5-35B-A3B"
+    assert suite.get("timestamp") == "2026-12-01T10:00:00" and suite.get("hostname")
+    info.env["gpus"] = 4
+    result.placement = "cuda-nccl"
+    other = junit_tree([result], info).find("testsuite/testcase").get("classname")
+    assert other == "models_Qwen3_5-35B-A3B.fp32.tp2.cuda-nccl-4gpu"
 
 
 def test_junit_counts_properties_and_bodies():
@@ -187,12 +228,12 @@ def test_junit_counts_properties_and_bodies():
     assert counts == {"tests": "4", "failures": "1", "errors": "1", "skipped": "1"}
     assert root.find("testsuite").get("tests") == "4"
     cases = _cases(root)
-    assert [c.get("classname") for c in cases] == ["tiny-llama.bf16.tp2"] * 3 + [
-        "tiny-llama.bf16.tp4"]
+    assert [c.get("classname") for c in cases] == ["tiny-llama.bf16.tp2.cpu-gloo-0gpu"] * 3 + [
+        "tiny-llama.bf16.tp4.cpu-gloo-0gpu"]
     assert [c.get("name") for c in cases] == ["golden", "shards", "kernels", "memory"]
-    assert _properties(cases[0]) == {"placement": "cpu-gloo", "seconds": "1.250",
-                                     "dtype": "bfloat16", "reference": "hf",
-                                     "faults": "drop-allreduce"}
+    assert _properties(cases[0]) == {"model": "tiny-llama", "tp": "2", "placement": "cpu-gloo",
+                                     "gpus": "0", "seconds": "1.250", "dtype": "bfloat16",
+                                     "reference": "hf", "faults": "drop-allreduce"}
     assert [child.tag for child in cases[0]] == ["properties"]
     failure = cases[1].find("failure")
     assert failure.get("message").startswith("layers.0.mlp.gate_up_proj")
@@ -214,19 +255,21 @@ def test_junit_survives_control_characters():
 
 
 def test_markdown_summary_rows_and_escaping():
-    """The summary heads with the count line and what ran, then one table row per result:
-    model, dtype label, reference, TP, check, status (failures in bold); a `|` in a message
-    cannot break the table."""
+    """The summary heads with the count line and what ran, collapses the passing rows into
+    counts per check, then a table row per result that needs attention: model, dtype label,
+    reference, TP, check, status (failures in bold); a `|` in a message cannot break the
+    table; every failure's message follows in full."""
     results = _make_results()
-    results[1].message = "a | b"
+    results[1].message = "a | b " + "long " * 60
     text = markdown_summary(results, _make_info("bfloat16", "hf"), complete=False)
     lines = text.splitlines()
     assert lines[0] == "### freetoken-verify: 1 passed, 2 failed, 1 skipped (incomplete)"
     assert "dtype bfloat16" in lines[2] and "faults none" in lines[2]
+    assert "Passed: golden 1 (1 models, TP 2)" in lines
     rows = [line for line in lines if line.startswith("| tiny-llama")]
-    assert len(rows) == 4 and all(row.count(" | ") == 9 for row in rows), rows
+    assert len(rows) == 3 and all(row.count(" | ") == 9 for row in rows), rows
     cells = [row.split(" | ") for row in rows]
-    assert [c[1:6] for c in cells[:2]] == [["bf16", "hf", "2", "golden", "PASS"],
-                                           ["bf16", "hf", "2", "shards", "**FAIL**"]]
-    assert cells[3][5] == "**ERROR**" and "a \\| b" in rows[1]
+    assert cells[0][1:6] == ["bf16", "hf", "2", "shards", "**FAIL**"]
+    assert cells[1][5] == "SKIP" and cells[2][5] == "**ERROR**" and "a \\| b" in rows[0]
+    assert "a | b " + "long " * 59 + "long" in text, "the failure's full message"
     assert markdown_summary(results, _make_info()).splitlines()[0].endswith("1 skipped")

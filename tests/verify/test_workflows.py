@@ -202,3 +202,25 @@ def test_the_gate_checks_for_cuda_before_writing_anything(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "sees no CUDA device" in proc.stderr, proc.stderr
     assert not (tmp_path / "realdims").exists() and not (tmp_path / "r").exists()
+
+
+def test_actionlint_knows_every_custom_runner_label():
+    """Every label a job's `runs-on` names beyond `self-hosted` and `linux` (with the matrix
+    expanded) matches a pattern of `.github/actionlint.yaml`, so actionlint does not flag the
+    GPU runners' labels."""
+    from fnmatch import fnmatch
+
+    declared = yaml.safe_load((ROOT / ".github" / "actionlint.yaml").read_text())
+    patterns = declared["self-hosted-runner"]["labels"]
+    for name in ("ci.yml", "nightly-gpu.yml"):
+        for job in _load(name)["jobs"].values():
+            runs_on = job["runs-on"]
+            labels = [runs_on] if isinstance(runs_on, str) else list(runs_on)
+            if "self-hosted" not in labels:
+                continue
+            for gpus in job.get("strategy", {}).get("matrix", {}).get("gpus", [None]):
+                for label in labels:
+                    label = label.replace("${{ matrix.gpus }}", str(gpus))
+                    if label in ("self-hosted", "linux"):
+                        continue
+                    assert any(fnmatch(label, p) for p in patterns), (name, label, patterns)
