@@ -156,3 +156,24 @@ def describe_run(plan) -> RunInfo:
     device = "cuda" if any(p.is_cuda for p in placements) else "cpu"
     return RunInfo(environment(device), run_identity(plan, started),
                    [model_entry(case, plan.options) for case in plan.cases])
+
+
+def describe_refused_run(plan_args: dict, error: Exception) -> RunInfo:
+    """The identity of a run refused before it could start (`plan_args`: `build_plan`'s
+    keywords as given; `error`: why): what was asked, on which code and machine, and no
+    models (none was resolved), so that its reports still say what happened."""
+    started = utc_now()
+    device = plan_args.get("device")
+    env = environment(device if device in ("cpu", "cuda") else
+                      ("cuda" if torch.cuda.is_available() else "cpu"))
+    arguments = {k: _plain(v) for k, v in plan_args.items() if k != "only"}
+    commit, dirty = code_state()
+    run = {"arguments": arguments, "argv": list(sys.argv),
+           "dtype": _plain(plan_args.get("dtype", "auto")),
+           "device": _plain(device or "auto"), "reference": _plain(plan_args.get("reference",
+                                                                              "auto")),
+           "faults": _plain(list(plan_args.get("faults") or ())),
+           "seed": plan_args.get("seed") if isinstance(plan_args.get("seed"), int) else None,
+           "started": started, "finished": started, "version": package_version("freetoken"),
+           "git_commit": commit, "git_dirty": dirty}
+    return RunInfo(env, run, [])

@@ -17,12 +17,17 @@ from freetoken.distributed import PlacementError, choose_placement
 from freetoken.models.registry import canonical_chunks, check_tp
 from freetoken_verify.cases.catalogue import CASES, CaseError, resolve_case
 from freetoken_verify.checks.base import CHECK_NAMES, VerifyOptions, available_checks
-from freetoken_verify.errors import InputError, UsageError
+from freetoken_verify.errors import InputError, UsageError, VerifyError
 from freetoken_verify.faults import FAULTS
 from freetoken_verify.faults.catalogue import CATALOGUE
 from freetoken_verify.reference.sources import reference_source
-from freetoken_verify.report.formats import count_line, render_failures, render_table
-from freetoken_verify.report.run_info import describe_run
+from freetoken_verify.report.formats import (
+    CheckResult,
+    count_line,
+    render_failures,
+    render_table,
+)
+from freetoken_verify.report.run_info import describe_refused_run, describe_run
 from freetoken_verify.report.writer import ReportPaths, ReportWriter
 from freetoken_verify.running.inputs import (
     check_case_files,
@@ -229,7 +234,13 @@ def execute(plan_args: dict, report_json: str | None = None, junit_xml: str | No
     finish (`freetoken_verify.report.writer`), print the table and the count line. Returns the
     exit status (`exit_status`)."""
     check_report_paths(report_json, junit_xml, summary_md)
-    plan = build_plan(**plan_args)
+    paths = ReportPaths(report_json, junit_xml, summary_md)
+    try:
+        plan = build_plan(**plan_args)
+    except VerifyError as e:
+        if not dry_run:
+            write_refused(plan_args, e, paths)
+        raise
     if dry_run:
         return print_dry_run(plan)
     for note in plan.notes:
@@ -237,8 +248,7 @@ def execute(plan_args: dict, report_json: str | None = None, junit_xml: str | No
     save_references(plan.cases, plan.tp_sizes, plan.options)
     if plan.faults:
         click.echo(f"injected faults: {', '.join(plan.faults)}", err=True)
-    reports = ReportWriter(describe_run(plan),
-                           ReportPaths(report_json, junit_xml, summary_md)).start()
+    reports = ReportWriter(describe_run(plan), paths).start()
     results = run_plan(plan, Progress(), on_result=reports.add)
     reports.finish()
     click.echo(render_table(results, width=console_width()))
@@ -253,6 +263,24 @@ def execute(plan_args: dict, report_json: str | None = None, junit_xml: str | No
                    "when that is expected)", err=True)
     click.echo(count_line(results))
     return EXIT_USAGE if reports.errors else code
+
+
+def write_refused(plan_args: dict, error: Exception, paths: ReportPaths) -> None:
+    """Reports for a run refused before any rank started: one `error` row (check `setup`,
+    placement `none`) carrying the refusal, so a CI job that reads the reports shows a failure
+    instead of a missing file. A report that cannot be written is left out silently: the
+    refusal itself is what the user sees."""
+    if not (paths.json or paths.junit or paths.summary_md):
+        return
+    models = plan_args.get("models") or ()
+    model = ", ".join(models if not isinstance(models, str) else [models]) or "bundled cases"
+    sizes = [t for t in (plan_args.get("tp") or ()) if isinstance(t, int) and t >= 1] \
+        if not isinstance(plan_args.get("tp"), int) else [plan_args["tp"]]
+    row = CheckResult("setup", model, min(sizes, default=1), "error", placement="none",
+                      message=f"refused before any rank started: {error}")
+    reports = ReportWriter(describe_refused_run(plan_args, error), paths).start()
+    reports.add(row)
+    reports.finish()
 
 
 def console_width() -> int:

@@ -179,3 +179,25 @@ def test_summary_path_is_checked_before_the_run(capsys, tmp_path):
         err = capsys.readouterr().err
         assert exit_info.value.code == 2 and needle in err, err
     assert not (tmp_path / "r.json").exists()
+
+
+def test_a_refused_run_still_writes_its_reports(capsys, tmp_path):
+    """A run refused before any rank starts (an unknown model) exits 2 with its one error
+    line, and the reports it was asked for still come out: one `setup` error row carrying the
+    refusal (a CI job reading the JUnit file shows a failure, not a missing file), valid
+    against the schema, complete."""
+    paths = _make_paths(tmp_path / "reports")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", str(tmp_path / "nowhere"), "--tp", "1,2", "--report-json", paths.json,
+              "--junit-xml", paths.junit, "--summary-md", paths.summary_md])
+    _, err = capsys.readouterr()
+    assert exit_info.value.code == 2 and err.startswith("error: ") and "nowhere" in err, err
+    report, junit, markdown = _read(paths)
+    _assert_valid(report)
+    (row,) = report["results"]
+    assert (row["check"], row["status"], row["placement"], row["tp"]) == (
+        "setup", "error", "none", 1), row
+    assert "refused before any rank started" in row["message"] and "nowhere" in row["message"]
+    assert report["complete"] is True and report["models"] == []
+    assert junit.get("errors") == "1" and junit.find("testsuite/testcase/error") is not None
+    assert "**ERROR**" in markdown and "nowhere" in markdown
