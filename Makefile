@@ -63,7 +63,7 @@ endif
 	@mkdir -p $(REPORTS) && rm -f $(REPORTS)/failed
 ifeq ($(DEVICE)-$(filter $(PART),all kernels),cuda-$(PART))
 	@echo "=== kernels-gpu: pytest -m gpu tests/gpu"; \
-	    $(PYTHON) -m pytest -q -m gpu tests/gpu --junit-xml $(REPORTS)/kernels-gpu.xml || \
+	    $(PYTHON) -m pytest -q -m gpu tests/gpu --require-gpus --junit-xml $(REPORTS)/kernels-gpu.xml || \
 	    echo kernels-gpu >> $(REPORTS)/failed
 endif
 ifneq ($(filter $(PART),all bundled),)

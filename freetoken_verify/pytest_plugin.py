@@ -5,6 +5,7 @@
   failing rows.
 - marker `gpu`: skip the test without a CUDA device.
 - marker `multi_gpu(n)`: skip the test with fewer than n CUDA devices.
+- option `--require-gpus`: such a test fails instead (a GPU gate must not pass on skips).
 
 Nothing here imports torch until a marked test is collected, so installing FreeToken costs other
 projects' test sessions nothing."""
@@ -20,10 +21,17 @@ from freetoken_verify.api import Report, run
 from freetoken_verify.running.options import DEFAULT_TP
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--require-gpus", action="store_true", default=False,
+                     help="freetoken: a `gpu` / `multi_gpu(n)` test without its GPUs fails "
+                          "instead of skipping (a GPU gate on a runner whose GPUs vanished)")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
     config.addinivalue_line("markers",
                             "multi_gpu(n): needs at least n CUDA devices (skipped with fewer)")
+    config.addinivalue_line("markers", "freetoken_missing_gpus(reason): set by the plugin")
 
 
 @lru_cache(maxsize=1)
@@ -53,8 +61,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             continue
         have, want = cuda_device_count(), max(needs)
         if have < want:
-            item.add_marker(pytest.mark.skip(
-                reason=f"needs {want} CUDA device(s), found {have or 'no'} CUDA device(s)"))
+            reason = f"needs {want} CUDA device(s), found {have or 'no'} CUDA device(s)"
+            if config.getoption("require_gpus"):
+                item.add_marker(pytest.mark.freetoken_missing_gpus(reason))
+            else:
+                item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """With --require-gpus, a test whose GPUs are missing fails (at its own line)."""
+    marker = item.get_closest_marker("freetoken_missing_gpus")
+    if marker is not None:
+        pytest.fail(f"--require-gpus: {marker.args[0]}", pytrace=False)
 
 
 @pytest.fixture

@@ -212,6 +212,24 @@ def test_plugin_from_a_user_test_file(tmp_path):
                 "found no CUDA device(s)") in out, out
 
 
+def test_require_gpus_turns_missing_gpus_into_failures(tmp_path):
+    """With --require-gpus (what the GPU gate passes), the user's `gpu` and
+    `multi_gpu(1024)` tests fail, each at its own line, instead of skipping: a gate whose
+    runner lost its GPUs must not record a green kernel run."""
+    project = _make_user_project(tmp_path)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+        str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "freetoken_verify.pytest_plugin",
+                           "-q", "-p", "no:cacheprovider", "--require-gpus", "-k",
+                           "test_on_", "test_model.py"],
+                          cwd=project, env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    gpus = cuda_device_count()
+    assert proc.returncode == 1 and ("1 passed, 1 error" if gpus else "2 errors") in out, out
+    assert "ERROR at setup of test_on_many_gpus" in out, out
+    assert "--require-gpus: needs 1024 CUDA device(s)" in out, out
+
+
 def test_a_project_with_its_own_verify_module_runs_pytest(tmp_path):
     """With FreeToken installed its pytest plugin loads in every pytest session (the `pytest11`
     entry point); a user project that has its own `verify.py` still runs its tests. Under the
