@@ -5,7 +5,7 @@ last blocks are partial; NVIDIA's ModelOpt mixed layout (NVFP4 routed experts, s
 and lm_head; FP8 per tensor attention and GatedDeltaNet qkv / z / out; b / a bf16);
 RedHatAI's compressed-tensors NVFP4 (attention, shared expert, routed experts; an expanded
 split-name ignore list over linear_attn, routers, shared-expert gates and lm_head); a
-ModelOpt FP8 per-tensor Llama.
+ModelOpt FP8 per-tensor Llama and a ModelOpt NVFP4 Llama.
 
 The NVFP4 layouts start from the bundled NVFP4 case's weights with the shared expert widened
 from 48 to 128 intermediate rows (new rows random, seeded), so that its down_proj splits on
@@ -73,6 +73,13 @@ def modelopt_fp8_llama(dst: Path) -> Path:
     return write_modelopt_fp8(GOLDEN / "tiny-llama", dst)
 
 
+def modelopt_nvfp4_llama(dst: Path) -> Path:
+    """ModelOpt NVFP4 on every Llama projection but lm_head (`weight_scale_2` multiplies)."""
+    config = {"producer": {"name": "modelopt"}, "quantization": {
+        "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}}
+    return write_nvfp4(GOLDEN / "tiny-llama", dst, config)
+
+
 def modelopt_mixed_config() -> dict:
     """NVIDIA's Qwen3.6 layout (`hf_quant_config.json`): NVFP4 experts, shared expert and
     lm_head; FP8 per tensor attention and GDN in_proj_qkv / in_proj_z / out_proj."""
@@ -129,5 +136,6 @@ def make_all(root: Path) -> dict[str, Path]:
                                                      root / "block-fp8-qwen3-moe"),
             "block-fp8-llama": block_fp8_decoder("tiny-llama", root / "block-fp8-llama"),
             "modelopt-fp8-llama": modelopt_fp8_llama(root / "modelopt-fp8-llama"),
+            "modelopt-nvfp4-llama": modelopt_nvfp4_llama(root / "modelopt-nvfp4-llama"),
             "modelopt-mixed": modelopt_mixed(base, root / "modelopt-mixed"),
             "ct-nvfp4": compressed_tensors_nvfp4(base, root / "ct-nvfp4")}

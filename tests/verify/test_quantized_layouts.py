@@ -122,6 +122,24 @@ def test_per_tensor_and_global_scales_one_entry_per_segment():
     assert ct.state(f"{L}.3.self_attn.v_proj.input_global_scale").ignored
 
 
+def test_compressed_tensors_fp8_names_its_block_and_tensor_scales_weight_scale():
+    """compressed-tensors FP8 names its scale `weight_scale` for both strategies: with
+    `block` a block grid (k_proj's 24-row blocks after q's 128 per-row scale rows at TP 4),
+    with `tensor` a 0-d scale into k's entry, its input scale not loaded."""
+    weights = {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [24, 40]}
+    block = {"quant_method": "compressed-tensors", "ignore": ["re:.*in_proj_[ab]$"],
+             "config_groups": {"g": {"targets": ["re:.*self_attn.*"], "weights": weights}}}
+    k = _book(4, block).state(f"{L}.3.self_attn.k_proj.weight_scale", torch.bfloat16)
+    assert (k.block, k.slot, k.shapes) == (24, (slice(128, 130),), ((3, 2),))
+    tensor = {**block, "config_groups": {"g": {"targets": ["re:.*self_attn.*"], "weights": {
+        "num_bits": 8, "type": "float", "strategy": "tensor"}}}}
+    book = _book(4, tensor)
+    k = book.state(f"{L}.3.self_attn.k_proj.weight_scale", torch.float32)
+    assert (k.param, k.slot, k.replicated) == ("model.layers.3.self_attn.qkv_proj.weight_scale",
+                                               (1,), True)
+    assert book.state(f"{L}.3.self_attn.k_proj.input_scale").ignored
+
+
 def test_nvfp4_inputs_by_16_groups_and_lm_head_vocab_rows_padded():
     """NVFP4 o_proj (256 inputs, 16 groups): at TP 4 rank 1 holds groups 4..7, packed bytes
     32..63 and scale columns 4..7; the shared expert's up rows after gate's (64 each at TP

@@ -64,7 +64,8 @@ def _audit(folder, tp: int, rank: int = 0, loaded: bool = False) -> list[str]:
 def test_every_format_matches_its_layout_at_every_tp_size(capsys, tmp_path, folders):
     """memory loads each engine, then shards: every tensor stated, every rank's planned and
     loaded shard as stated, at TP 1, 2, 4 and 8, for block FP8 (Qwen3.5-MoE, Qwen3,
-    Qwen3-MoE, Llama), ModelOpt FP8 (Llama), ModelOpt mixed and compressed-tensors NVFP4."""
+    Qwen3-MoE, Llama), ModelOpt FP8 and NVFP4 (Llama), ModelOpt mixed and compressed-tensors
+    NVFP4 (Qwen3.5-MoE)."""
     report = tmp_path / "r.json"
     with pytest.raises(SystemExit) as exit_info:
         main([*[a for f in folders.values() for a in ("--model", str(f))], "--tp", "1,2,4,8",

@@ -18,6 +18,7 @@ The per-model statements are in `freetoken_verify.checks.shards.layout_book`."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -141,11 +142,8 @@ class Statement:
         most blocks any rank's indices of `seg` touch."""
         if self.per_row:
             return seg.rows(rank, tp, self.name) // self.block
-        touched = [torch.unique_consecutive(seg.rows(r, tp, self.name) // self.block)
-                   for r in range(tp)]
-        width = max(len(t) for t in touched)
-        mine = touched[rank]
-        return torch.cat([mine, torch.full((width - len(mine),), PAD, dtype=mine.dtype)])
+        seg.owned(rank, tp, self.name)  # a split that cannot be made names this tensor
+        return torch.tensor(_padded_blocks(seg, self.block, tp)[rank])
 
     def describe(self, index: int) -> str:
         """What global index `index` is: `k keys, key head 2`, `vocab row 7`, `padding`; for
@@ -204,6 +202,17 @@ def heads(label: str, count: int, size: int, unit_name: str = "head", start: int
           replicate: bool = False) -> Segment:
     """`count` contiguous heads of `size` indices each."""
     return Segment(label, start, count, size, unit_name, replicate=replicate)
+
+
+@functools.lru_cache(maxsize=4096)
+def _padded_blocks(seg: Segment, block: int, tp: int) -> tuple[tuple[int, ...], ...]:
+    """Per rank, the blocks of `block` indices its indices of `seg` touch, in order, then PAD
+    up to the most any rank touches (cached: a checkpoint has thousands of experts of one
+    geometry)."""
+    touched = [torch.unique_consecutive(seg.rows(r, tp, seg.label) // block).tolist()
+               for r in range(tp)]
+    width = max(len(t) for t in touched)
+    return tuple(tuple(t + [PAD] * (width - len(t))) for t in touched)
 
 
 def contiguous(parts: list[tuple[str, int, int, str]]) -> tuple[Segment, ...]:
