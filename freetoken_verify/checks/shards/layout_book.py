@@ -160,10 +160,12 @@ class LayoutBook:
             return ignored(name)  # a tied checkpoint may still carry lm_head; HF ignores it
         fmt = self._format("lm_head")
         field = fmt.suffixes().get(suffix)
-        if field is None or fmt.kind not in (BF16, NVFP4):
+        if fmt.kind not in (BF16, NVFP4):
             raise LayoutError(f"{name}: {self._declared} {fmt.describe()}; the engine runs "
-                              "lm_head in bf16 or NVFP4, whose tensors are "
-                              f"{', '.join(fmt.suffixes())}")
+                              "lm_head only in bf16 or NVFP4")
+        if field is None:
+            raise LayoutError(f"{name}: {self._declared} {fmt.describe()}, whose tensors are "
+                              f"{', '.join(fmt.suffixes())}; {suffix!r} is none of them")
         check_dtype(name, fmt, field, dtype, self._declared)
         if field == "input_scale":
             return ignored(name)
