@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from freetoken.formats.quant import parse_quant_config
 from freetoken_verify.checks.shards import check as shards
 from freetoken_verify.checks.shards.layout_book import LayoutBook
 from freetoken_verify.checks.shards.layout_compare import mismatch
@@ -114,7 +115,7 @@ def _audit(tp: int, rank: int = 0) -> dict:
 def test_a_tensor_the_plan_splits_without_a_statement_fails(monkeypatch):
     """Without a statement for conv1d, the audit names it and the plan's spec."""
     original = LayoutBook.state
-    monkeypatch.setattr(LayoutBook, "state", lambda self, name, dtype: None
+    monkeypatch.setattr(LayoutBook, "state", lambda self, name, dtype=None: None
                         if name.endswith("conv1d.weight") else original(self, name, dtype))
     failures = _audit(2)["failures"]
     assert failures and failures[0].startswith(
@@ -125,18 +126,18 @@ def test_a_tensor_the_plan_splits_without_a_statement_fails(monkeypatch):
 def test_a_plan_slot_other_than_the_stated_one_fails(monkeypatch):
     """A statement that puts in_proj_b into in_proj_a's rows of the fused in_proj disagrees
     with the plan's slot, and the audit says both."""
-    original = LayoutBook._gdn
+    original = LayoutBook.state
 
-    def moved(self, name, m, dtype):
-        st = original(self, name, m, dtype)
+    def moved(self, name, dtype=None):
+        st = original(self, name, dtype)
         b = name.endswith("in_proj_b.weight")
         return dataclasses.replace(st, slot=(slice(328, 336),)) if b else st
 
-    monkeypatch.setattr(LayoutBook, "_gdn", moved)
+    monkeypatch.setattr(LayoutBook, "state", moved)
     failures = _audit(2)["failures"]
     assert f"{LAYER}.0.linear_attn.in_proj_b.weight: the plan writes it to model.layers.0." \
-        "linear_attn.in_proj.weight slot ((320, 328),), the layout says model.layers.0." \
-        "linear_attn.in_proj.weight slot ((328, 336),)" in failures, failures
+        "linear_attn.in_proj.weight[320:328], the layout says model.layers.0." \
+        "linear_attn.in_proj.weight[328:336]" in failures, failures
 
 
 def test_bundled_case_audits_clean_in_process():
@@ -152,6 +153,9 @@ LARGE = {"model_type": "qwen3_5_moe", "vocab_size": 248320, "tie_word_embeddings
          "head_dim": 256, "moe_intermediate_size": 1024, "shared_expert_intermediate_size": 1024,
          "linear_num_key_heads": 16, "linear_num_value_heads": 64, "linear_key_head_dim": 128,
          "linear_value_head_dim": 128}
+LARGE_NVFP4_EXPERTS = parse_quant_config({
+    "quant_algo": "MIXED_PRECISION", "quantized_layers": {
+        "model.language_model.layers.0.mlp.experts": {"quant_algo": "NVFP4", "group_size": 16}}})
 LARGE_TENSORS = [
     ("model.language_model.layers.3.self_attn.q_proj.weight", torch.bfloat16, 1),
     ("model.language_model.layers.3.self_attn.k_proj.weight", torch.bfloat16, "kv"),
@@ -172,7 +176,7 @@ def test_large_statements_give_every_global_row_to_the_right_number_of_ranks(tp)
     """At large sizes, across all ranks every global row (column) of each stated tensor is
     held exactly once (KV heads: tp / kv times when fewer than ranks), no rank holds a row
     outside the tensor, and only vocab padding is beyond it."""
-    book = LayoutBook(LARGE, tp)
+    book = LayoutBook(LARGE, tp, LARGE_NVFP4_EXPERTS)
     for name, dtype, copies in LARGE_TENSORS:
         st = book.state(name, dtype)
         held = torch.cat([st.index(r, tp) for r in range(tp)])

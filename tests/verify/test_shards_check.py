@@ -45,27 +45,32 @@ def _assert_caught(code: int, rows: list[dict], fault: str, tp: int, words: str)
 # Faults in the shard plan (or its specs): the check sees them without loading the engine.
 PLAN_FAULTS = [
     ("plain-chunk-gdn-conv1d", QWEN35, 2,
-     f"{L0}.linear_attn.conv1d.weight rank 0: local row 64 holds global row 64 (q keys, key "
-     "head 4), expected global row 128 (k keys, key head 0); 160 / 224 rows wrong"),
+     f"{L0}.linear_attn.conv1d.weight rank 0 (planned for model.layers.0.linear_attn.conv1d"
+     ".weight): local row 64 holds global row 64 (q keys, key head 4), expected global row 128 "
+     "(k keys, key head 0); 160 / 224 rows wrong"),
     ("plain-chunk-gdn-qkv", QWEN35, 2,
-     f"{L0}.linear_attn.in_proj_qkv.weight rank 0: local row 64 holds global row 64 (q keys, "
-     "key head 4), expected global row 128 (k keys, key head 0)"),
+     f"{L0}.linear_attn.in_proj_qkv.weight rank 0 (planned for model.layers.0.linear_attn"
+     ".in_proj.weight[0:224]): local row 64 holds global row 64 (q keys, key head 4), expected "
+     "global row 128 (k keys, key head 0)"),
     ("plain-chunk-q-gate", QWEN35, 2,
-     "model.language_model.layers.1.self_attn.q_proj.weight rank 0: local row 32 holds "
-     "global row 32 (gate, head 0), expected global row 64 (q, head 1)"),
+     "model.language_model.layers.1.self_attn.q_proj.weight rank 0 (planned for model.layers.1"
+     ".self_attn.qkv_proj.weight[0:256]): local row 32 holds global row 32 (gate, head 0), "
+     "expected global row 64 (q, head 1)"),
     ("gdn-heads-from-first", QWEN35, 2,
-     f"{L0}.linear_attn.A_log rank 1: local row 0 holds global row 0 (A_log, value head 0), "
-     "expected global row 8 (A_log, value head 8); 8 / 8 rows wrong; its shard is identical "
-     "to rank 0's, whose layout rows differ"),
+     f"{L0}.linear_attn.A_log rank 1 (planned for model.layers.0.linear_attn.A_log): local row "
+     "0 holds global row 0 (A_log, value head 0), expected global row 8 (A_log, value head 8); "
+     "8 / 8 rows wrong; its shard is identical to rank 0's, whose layout rows differ"),
     ("block-scale-group-shifted", "tiny-qwen3.5-moe-nvfp4", 2,
-     f"{L0}.mlp.experts.0.down_proj.weight_scale rank 1: local column 0 holds global column "
-     "5 (intermediate, 16-input group 5), expected global column 4 (intermediate, 16-input "
-     "group 4)"),
+     f"{L0}.mlp.experts.0.down_proj.weight_scale rank 1 (planned for model.layers.0.mlp.experts"
+     ".w2_weight_scale[0]): local column 0 holds global column 5 (intermediate, 16-input group "
+     "5), expected global column 4 (intermediate, 16-input group 4)"),
     ("kv-head-wrong-rank", "tiny-qwen3-moe", 4,
-     "model.layers.0.self_attn.k_proj.weight rank 0: local row 0 holds global row 16 (k, KV "
-     "head 1), expected global row 0 (k, KV head 0)"),
+     "model.layers.0.self_attn.k_proj.weight rank 0 (planned for model.layers.0.self_attn"
+     ".qkv_proj.weight[32:48]): local row 0 holds global row 16 (k, KV head 1), expected global "
+     "row 0 (k, KV head 0)"),
     ("vocab-pad-dropped", "tiny-qwen3-moe", 4,
-     "lm_head.weight rank 3: holds shape (73, 64) torch.float32, the layout gives (76, 64)"),
+     "lm_head.weight rank 3 (planned for lm_head.weight): holds shape (73, 64) torch.float32, "
+     "the layout gives (76, 64)"),
     ("shard-views", "tiny-qwen3-moe", 2, "view pinning"),
     ("split-replicated", "tiny-qwen3-moe", 2, "input_layernorm.weight"),
 ]
@@ -75,20 +80,20 @@ PLAN_FAULTS = [
 LOADER_FAULTS = [
     ("plain-chunk-gate-up", "tiny-qwen3-moe", 2,
      "model.layers.1.mlp.up_proj.weight rank 0 (loaded model.layers.1.mlp.gate_up_proj"
-     ".weight): local row 0 holds model.layers.1.mlp.gate_proj.weight global row 64 (gate, "
-     "row 64), expected global row 0 (up, row 0)"),
+     ".weight[64:128]): local row 0 holds model.layers.1.mlp.gate_proj.weight global row 64 "
+     "(gate, row 64), expected global row 0 (up, row 0)"),
     ("plain-chunk-expert-gate-up", QWEN35, 2,
-     f"{L0}.mlp.experts.0.up_proj.weight rank 0 (loaded model.layers.0.mlp.experts.w13): "
-     f"local row 0 holds {L0}.mlp.experts.0.gate_proj.weight global row 16 (gate, row 16), "
-     "expected global row 0 (up, row 0)"),
+     f"{L0}.mlp.experts.0.up_proj.weight rank 0 (loaded model.layers.0.mlp.experts.w13[0, "
+     f"16:32]): local row 0 holds {L0}.mlp.experts.0.gate_proj.weight global row 16 (gate, row "
+     "16), expected global row 0 (up, row 0)"),
     ("plain-chunk-shared-gate-up", QWEN35, 2,
      f"{L0}.mlp.shared_expert.up_proj.weight rank 0 (loaded model.layers.0.mlp.shared_expert"
-     f".gate_up_proj.weight): local row 0 holds {L0}.mlp.shared_expert.gate_proj.weight "
+     f".gate_up_proj.weight[24:48]): local row 0 holds {L0}.mlp.shared_expert.gate_proj.weight "
      "global row 24 (gate, row 24), expected global row 0 (up, row 0)"),
     ("plain-chunk-gdn-zba", QWEN35, 2,
      f"{L0}.linear_attn.in_proj_a.weight rank 0 (loaded model.layers.0.linear_attn.in_proj"
-     f".weight): local row 0 holds {L0}.linear_attn.in_proj_z.weight global row 104 (z, value "
-     "head 8), expected global row 0 (a, value head 0)"),
+     f".weight[328:336]): local row 0 holds {L0}.linear_attn.in_proj_z.weight global row 104 "
+     "(z, value head 8), expected global row 0 (a, value head 0)"),
 ]
 
 

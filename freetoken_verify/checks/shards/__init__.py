@@ -1,2 +1,2 @@
 """shards: what every rank holds against layout statements written from the config alone
-(`check.py`, `layouts.py`, `layout_book.py`, `layout_compare.py`)."""
+(`check.py`, `layouts.py`, `layout_book.py`, `linears.py`, `layout_compare.py`)."""

@@ -2,8 +2,10 @@
 tensor at a time and without building the model, and against the model's layout as stated
 independently of the plan (`freetoken_verify.checks.shards.layout_book`).
 
-Per tensor: exactly one rule matches; a layout statement covers it, names the same engine
-parameter and slot as the plan, and agrees on whether the engine loads it; each rank's shard
+Per tensor: its dtype and shape are what its module's declared format stores (the format is
+the quantization config's answer, never guessed from the dtype); exactly one rule matches; a
+layout statement covers it, names the same engine parameter and slot as the plan, and agrees
+on whether the engine loads it; each rank's shard
 is a fresh tensor (a view would pin the whole checkpoint tensor); it fits the rank's parameter
 slot (shapes from a model built on the meta device); every rank's shard holds exactly the
 global rows (columns) the statement gives that rank, in the stated local order, bit for bit
@@ -29,14 +31,13 @@ from freetoken.models.registry import build_model, load_config, shard_plan
 from freetoken_verify.checks.base import CheckContext, make_result
 from freetoken_verify.checks.engine_cache import resident_engine
 from freetoken_verify.checks.shards.layout_book import LayoutBook
-from freetoken_verify.checks.shards.layout_compare import identical_to, mismatch
+from freetoken_verify.checks.shards.layout_compare import bits, identical_to, mismatch
 from freetoken_verify.checks.shards.layouts import LayoutError
 from freetoken_verify.report.formats import CheckResult
 
 MAX_REPORTED = 20
-# Statements depend on a tensor's dtype only to tell NVFP4 packed weights and block scales
-# from unquantized ones.
-_STORED_DTYPES = {"U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn}
+_UNSTATED = object()
+"""Stands for a tensor whose statement failed (already reported)."""
 
 
 def run(ctx: CheckContext) -> CheckResult:
@@ -102,10 +103,17 @@ class _Audit:
             self.fail(message)
 
     def tensor(self, name: str, full: torch.Tensor) -> None:
-        target = self.plan.resolve(name)
         self.tensors += 1
         self.bytes_read += full.numel() * full.element_size()
-        statement = self._statement(name, full, target)
+        try:
+            stated = self.book.state(name, full.dtype)
+            if stated is not None:
+                stated.check_shape(tuple(full.shape))
+        except LayoutError as e:
+            self.fail_once(str(e))
+            stated = _UNSTATED
+        target = self.plan.resolve(name)
+        statement = self._statement(name, stated, target)
         if target.param is None:
             self.ignored += 1
             return
@@ -125,27 +133,23 @@ class _Audit:
         slot = self.params[target.param][target.slot]
         if tuple(slot.shape) != tuple(mine.shape):
             self.fail(f"{name}: rank {self.rank}'s shard has shape {tuple(mine.shape)}, "
-                      f"parameter {target.param} slot {slot_key(target.slot)} has "
+                      f"parameter {destination(target.param, target.slot)} has "
                       f"{tuple(slot.shape)}")
             return
         key = slot_key(target.slot)
         if key in self.filled[target.param]:
-            self.fail(f"{name}: parameter {target.param} slot {key} is written twice")
+            self.fail(f"{name}: parameter {destination(target.param, target.slot)} is written "
+                      "twice")
         self.filled[target.param][key] = mine.numel()
         if self.rank == 0:
             self._across_ranks(name, full, spec, shards)
         self._loaded(name, target, mine, statement, full)
 
-    def _statement(self, name, full, target):
-        """The tensor's layout statement, after checking that it covers what the plan does
-        with the tensor and names the same destination; None when nothing can be compared."""
-
-        try:
-            st = self.book.state(name, full.dtype)
-            if st is not None:
-                st.check_shape(tuple(full.shape))
-        except LayoutError as e:
-            self.fail_once(str(e))
+    def _statement(self, name, st, target):
+        """The tensor's layout statement `st`, after checking that it covers what the plan
+        does with the tensor and names the same destination; None when nothing can be
+        compared."""
+        if st is _UNSTATED:
             return None
         if st is None:
             if target.param is not None:
@@ -159,11 +163,22 @@ class _Audit:
                                f"{'ignores' if st.ignored else 'loads'} it, the plan {plan}")
             return None
         self.stated += 1
-        if (st.param, slot_key(st.slot)) != (target.param, slot_key(target.slot)):
-            self.fail_once(f"{name}: the plan writes it to {target.param} slot "
-                           f"{slot_key(target.slot)}, the layout says {st.param} slot "
-                           f"{slot_key(st.slot)}")
+        if (st.param, self._slot(st.param, st.slot)) != \
+                (target.param, self._slot(target.param, target.slot)):
+            self.fail_once(f"{name}: the plan writes it to "
+                           f"{destination(target.param, target.slot)}, the layout says "
+                           f"{destination(st.param, st.slot)}")
         return st
+
+    def _slot(self, param: str, slot: tuple) -> str:
+        """`slot` with trailing slices spanning their whole dim of `param` dropped (`[0:3]`
+        of a 3-row parameter is the whole of it), for comparison."""
+        shape = self.params[param].shape if param in self.params else None
+        slot = list(slot)
+        while shape is not None and slot and isinstance(slot[-1], slice) and \
+                (slot[-1].start or 0, slot[-1].stop) == (0, shape[len(slot) - 1]):
+            slot.pop()
+        return slot_key(tuple(slot))
 
     def _planned_layout(self, name, full, st, shards) -> None:
         """Every rank's planned shard against the statement; the first wrong rank is named,
@@ -180,7 +195,8 @@ class _Audit:
             if wrong:
                 also = "" if same is None else (f"; its shard is identical to rank {same}'s, "
                                                 "whose layout rows differ")
-                self.fail(f"{name} rank {r}: {wrong}{also}")
+                self.fail(f"{name} rank {r} (planned for {destination(st.param, st.slot)}): "
+                          f"{wrong}{also}")
                 return
 
     def _across_ranks(self, name, full, spec, shards) -> None:
@@ -189,11 +205,11 @@ class _Audit:
         if back.numel() == 1 == full.numel():
             # A scalar (a global scale) is read as () or (1,) alike; the value must come back.
             back = back.reshape(full.shape)
-        if back.dtype != full.dtype or back.shape != full.shape or not torch.equal(back, full):
+        if back.dtype != full.dtype or back.shape != full.shape or not _same_bits(back, full):
             self.fail(f"{name}: reassembling the {self.size} shards does not give the "
                       f"checkpoint tensor back ({_diff(back, full)})")
         if isinstance(spec, Replicate):
-            bad = [r for r in range(1, self.size) if not torch.equal(parts[r], parts[0])]
+            bad = [r for r in range(1, self.size) if not _same_bits(parts[r], parts[0])]
             if bad:
                 self.fail(f"{name}: replicated tensor differs on rank(s) {bad}")
 
@@ -212,23 +228,29 @@ class _Audit:
             except LayoutError as e:
                 wrong = str(e)
             if wrong:
-                self.fail(f"{name} rank {self.rank} (loaded {st.param}): {wrong}")
+                self.fail(f"{name} rank {self.rank} (loaded "
+                          f"{destination(st.param, st.slot)}): {wrong}")
             return
         param = self.loaded[target.param].data
         held = param[target.slot] if target.slot else param
-        if not torch.equal(held.cpu(), mine.to(held.dtype)):
+        if not _same_bits(held.cpu(), mine.to(held.dtype)):
             self.fail(f"{name}: rank {self.rank}'s loaded {target.param} differs from its "
                       f"planned shard ({_diff(held.cpu(), mine.to(held.dtype))})")
 
     def _sharing(self, st, dtype):
-        """The other checkpoint tensors loaded into `st`'s parameter at the same expert index,
-        with statements (read only to name what a wrong row holds, so only when one is
-        wrong)."""
+        """The other checkpoint tensors loaded into `st`'s parameter at the same expert index
+        (per-tensor scales: of the same destination), with statements (read only to name
+        what a wrong row or value holds, so only when one is wrong)."""
         for name in self.reader.names():
-            stored = _STORED_DTYPES.get(self.reader.meta(name)[1], torch.float32)
-            other = self.book.state(name, stored) if name != st.name else None
-            if other is not None and other.param == st.param and not other.replicated and \
-                    _indices(other.slot) == _indices(st.slot):
+            try:
+                other = self.book.state(name) if name != st.name else None
+            except LayoutError:
+                continue
+            if other is None or other.param != st.param or other.replicated != st.replicated:
+                continue
+            same = (other.slot[:-1] == st.slot[:-1] if st.replicated else
+                    _indices(other.slot) == _indices(st.slot))
+            if same:
                 tensor = self.reader.get(name)
                 yield other, tensor if tensor.dtype == dtype else tensor.to(dtype)
 
@@ -245,9 +267,22 @@ class _Audit:
                 "loaded_compared": self.loaded_compared, "stated": self.stated}
 
 
+def destination(param: str, slot: tuple) -> str:
+    """`param[slot]` as a person reads it: `...qkv_proj.weight[0:64]`, `...w13[3, 8:16]`."""
+    if not slot:
+        return param
+    parts = [f"{s.start}:{s.stop}" if isinstance(s, slice) else str(s) for s in slot]
+    return f"{param}[{', '.join(parts)}]"
+
+
 def _indices(slot: tuple) -> tuple:
     """The integer (expert) part of a parameter slot."""
     return tuple(s for s in slot if isinstance(s, int))
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit equal (float8 too, which CPU torch cannot compare; NaN and -0.0 exactly)."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor) -> str:
@@ -255,5 +290,4 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> str:
         return f"shape {tuple(a.shape)} vs {tuple(b.shape)}"
     if a.dtype != b.dtype:
         return f"dtype {a.dtype} vs {b.dtype}"
-    differ = (a != b) & ~(torch.isnan(a) & torch.isnan(b)) if a.is_floating_point() else a != b
-    return f"{int(differ.sum())} / {a.numel()} elements differ"
+    return f"{int((bits(a) != bits(b)).sum())} / {a.numel()} elements differ"

@@ -37,12 +37,17 @@ def expected_local(st: Statement, full: torch.Tensor, rank: int, tp: int) -> tor
 
 
 def _where(st: Statement, index: int) -> str:
-    what = "padding (zeros)" if index == PAD else f"global {_word(st)} {index}"
+    what = "padding (zeros)" if index == PAD else f"global {_global_word(st)} {index}"
     return what if index == PAD else f"{what} ({st.describe(index)})"
 
 
 def _word(st: Statement) -> str:
     return "row" if st.dim == 0 else "column"
+
+
+def _global_word(st: Statement) -> str:
+    """What one global index of the tensor is: a row, or a block scale's block row."""
+    return f"block {_word(st)}" if st.block else _word(st)
 
 
 def _find(st: Statement, full_bits: torch.Tensor, line: torch.Tensor) -> int | None:
@@ -89,8 +94,7 @@ def mismatch(st: Statement, full: torch.Tensor, held: torch.Tensor, rank: int, t
     if not bool(wrong.any()):
         return None
     if st.dim is None:
-        return (f"replicated tensor differs from the checkpoint tensor "
-                f"({int(wrong.sum())} / {wrong.numel()} elements)")
+        return _whole_mismatch(st, full, held, wrong, others)
     per_line = wrong.movedim(st.dim, 0).flatten(1).any(1) if wrong.dim() > 1 else wrong
     local = int(per_line.nonzero()[0])
     expected = int(st.index(rank, tp)[local])
@@ -98,6 +102,25 @@ def mismatch(st: Statement, full: torch.Tensor, held: torch.Tensor, rank: int, t
     return (f"local {_word(st)} {local} holds {_held(st, bits(full), line, others)}, expected "
             f"{_where(st, expected)}; {int(per_line.sum())} / {per_line.numel()} "
             f"{_word(st)}s wrong")
+
+
+def _values(t: torch.Tensor) -> str:
+    return ", ".join(f"{v:.6g}" for v in t.double().flatten().tolist())
+
+
+def _whole_mismatch(st: Statement, full: torch.Tensor, held: torch.Tensor,
+                    wrong: torch.Tensor, others) -> str:
+    """A replicated tensor that is not the checkpoint's: for a scale (a few elements) the
+    values held and expected, and which tensor of the same destination the held value is."""
+    if full.numel() > 4:
+        return (f"replicated tensor differs from the checkpoint tensor "
+                f"({int(wrong.sum())} / {wrong.numel()} elements)")
+    got = bits(held).reshape(-1)
+    owner = next((other.name for other, tensor in others() if other.dim is None and
+                  tensor.numel() == held.numel() and tensor.dtype == held.dtype and
+                  torch.equal(bits(tensor).reshape(-1), got)), None)
+    what = f" ({owner}'s value)" if owner else ""
+    return f"holds {_values(held)}{what}, expected {_values(full)} (the checkpoint's)"
 
 
 def identical_to(st: Statement, full: torch.Tensor, shards: dict[int, torch.Tensor],

@@ -6,6 +6,10 @@ shard specs or plans.
 A statement lists the tensor's segments along its split dim (`[q keys | k keys | v]` of a
 GatedDeltaNet conv1d, `[q_h | gate_h]` interleaved per head of a gated q_proj, one segment for a
 plain head split) and splits each on its own by whole units (a head, a row, a 16-input NVFP4 group).
+A block-FP8 scale is stated over its weight's segments (`Statement.block`): rank r holds, per
+segment, the scale blocks covering the weight indices it holds, padded with zero entries to the
+most any rank holds of that segment (two ranks whose indices share a block both hold it), or,
+expanded at load, one scale entry per weight index (`per_row`).
 `Statement.index(rank, tp)` is then the list of global indices rank r holds, in its local order;
 `freetoken_verify.checks.shards.layout_compare` builds the expected local tensor from it by indexing
 the full checkpoint tensor and compares what a rank holds with it, row by row.
@@ -14,6 +18,7 @@ The per-model statements are in `freetoken_verify.checks.shards.layout_book`."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -93,6 +98,14 @@ class Statement:
     dim: int | None = None
     segments: tuple[Segment, ...] = ()
     vocab: int = 0
+    block: int = 0
+    """> 0: the tensor is a block scale, one entry per `block` consecutive indices of the
+    weight dim the segments describe (the last block may be partial)."""
+    per_row: bool = False
+    """With `block`: the rank holds one scale entry per weight index it holds (the scale
+    expanded at load, as for q_proj's interleaved heads), not one per block."""
+    shapes: tuple[tuple[int, ...], ...] = ()
+    """The full shapes the config and the format allow (empty: only `dim` is checked)."""
 
     @property
     def ignored(self) -> bool:
@@ -103,23 +116,61 @@ class Statement:
         return self.param is not None and self.dim is None
 
     @property
+    def weight_extent(self) -> int:
+        """The global size of the dim the segments describe (the weight's, for a scale)."""
+        return self.vocab or sum(s.extent for s in self.segments)
+
+    @property
     def extent(self) -> int:
         """The global size of `dim` the statement expects."""
-        return self.vocab or sum(s.extent for s in self.segments)
+        return -(-self.weight_extent // self.block) if self.block else self.weight_extent
 
     def index(self, rank: int, tp: int) -> torch.Tensor:
         """Global indices along `dim` that rank `rank` of `tp` holds, in local order;
-        `PAD` where it must hold a zero padding row."""
+        `PAD` where it must hold a zero padding row (entry)."""
         if self.vocab:
             step = -(-self.vocab // tp)
             rows = torch.arange(rank * step, (rank + 1) * step)
             return torch.where(rows < self.vocab, rows, PAD)
-        return torch.cat([s.rows(rank, tp, self.name) for s in self.segments])
+        if not self.block:
+            return torch.cat([s.rows(rank, tp, self.name) for s in self.segments])
+        return torch.cat([self._blocks(s, rank, tp) for s in self.segments])
+
+    def _blocks(self, seg: Segment, rank: int, tp: int) -> torch.Tensor:
+        """The scale entries of segment `seg` rank `rank` holds: the block of each weight
+        index (`per_row`), or the blocks its indices touch, in order, then PAD up to the
+        most blocks any rank's indices of `seg` touch."""
+        if self.per_row:
+            return seg.rows(rank, tp, self.name) // self.block
+        seg.owned(rank, tp, self.name)  # a split that cannot be made names this tensor
+        return torch.tensor(_padded_blocks(seg, self.block, tp)[rank])
 
     def describe(self, index: int) -> str:
-        """What global index `index` is: `k keys, key head 2`, `vocab row 7`, `padding`."""
+        """What global index `index` is: `k keys, key head 2`, `vocab row 7`, `padding`; for
+        a block scale, the weight indices of the block: `rows 96..119: q keys, key heads
+        6..7`."""
         if index == PAD:
             return "padding"
+        if not self.block:
+            return self._weight_index(index)
+        first = index * self.block
+        last = min(first + self.block, self.weight_extent) - 1
+        word = "rows" if self.dim == 0 else "columns"
+        return f"{word} {first}..{last}: {self._weight_span(first, last)}"
+
+    def _weight_span(self, first: int, last: int) -> str:
+        """Weight indices `first..last`: `q keys, key heads 6..7`, or where each end is."""
+        for s in self.segments:
+            a, b = s.unit_of(first), s.unit_of(last)
+            if a is not None and b is not None:
+                if s.unit == 1:
+                    return s.label  # units of one index: the span says it already
+                return f"{s.label}, {s.unit_name} {a}" if a == b else \
+                    f"{s.label}, {s.unit_name}s {a}..{b}"
+        a, b = self._weight_index(first), self._weight_index(last)
+        return a if a == b else f"{a} to {b}"
+
+    def _weight_index(self, index: int) -> str:
         if self.vocab:
             return "vocab row" if index < self.vocab else "past the vocab"
         for s in self.segments:
@@ -129,12 +180,20 @@ class Statement:
         return "outside every segment"
 
     def check_shape(self, shape: tuple[int, ...]) -> None:
-        """LayoutError when the checkpoint tensor's split dim disagrees with the config."""
-        if self.dim is None or self.ignored:
+        """LayoutError when the checkpoint tensor's shape (or its split dim) disagrees with
+        the config and the format."""
+        if self.ignored:
+            return
+        if self.shapes and tuple(shape) not in self.shapes:
+            allowed = " or ".join(str(s) for s in self.shapes)
+            raise LayoutError(f"{self.name}: shape {tuple(shape)}, the config and its format "
+                              f"give {allowed}")
+        if self.dim is None:
             return
         have = shape[self.dim] if len(shape) > self.dim else None
         if have != self.extent:
             parts = " + ".join(f"{s.label} {s.extent}" for s in self.segments) or "vocab"
+            parts += f", in blocks of {self.block}" if self.block else ""
             raise LayoutError(f"{self.name}: dim {self.dim} is {have}, the config gives "
                               f"{self.extent} ({parts})")
 
@@ -145,14 +204,30 @@ def heads(label: str, count: int, size: int, unit_name: str = "head", start: int
     return Segment(label, start, count, size, unit_name, replicate=replicate)
 
 
-def packed(name: str, param: str, parts: list[tuple[str, int, int, str]], slot: tuple = (),
-           dim: int = 0) -> Statement:
-    """A tensor of contiguous segments `(label, units, unit, unit_name)`, in order."""
+@functools.lru_cache(maxsize=4096)
+def _padded_blocks(seg: Segment, block: int, tp: int) -> tuple[tuple[int, ...], ...]:
+    """Per rank, the blocks of `block` indices its indices of `seg` touch, in order, then PAD
+    up to the most any rank touches (cached: a checkpoint has thousands of experts of one
+    geometry)."""
+    touched = [torch.unique_consecutive(seg.rows(r, tp, seg.label) // block).tolist()
+               for r in range(tp)]
+    width = max(len(t) for t in touched)
+    return tuple(tuple(t + [PAD] * (width - len(t))) for t in touched)
+
+
+def contiguous(parts: list[tuple[str, int, int, str]]) -> tuple[Segment, ...]:
+    """Contiguous segments `(label, units, unit, unit_name)`, in order."""
     segments, start = [], 0
     for label, units, unit, unit_name in parts:
         segments.append(Segment(label, start, units, unit, unit_name))
         start += units * unit
-    return Statement(name, param, slot, dim, tuple(segments))
+    return tuple(segments)
+
+
+def packed(name: str, param: str, parts: list[tuple[str, int, int, str]], slot: tuple = (),
+           dim: int = 0) -> Statement:
+    """A tensor of contiguous segments `(label, units, unit, unit_name)`, in order."""
+    return Statement(name, param, slot, dim, contiguous(parts))
 
 
 def replicated(name: str, param: str, slot: tuple = ()) -> Statement:
