@@ -1,4 +1,4 @@
-"""Wrong-layout TP bugs in the scales of quantized checkpoints, for `--inject` (registered in
+"""Wrong-layout TP bugs in the scales of quantized checkpoints, for `--fault` (registered in
 `freetoken_verify.faults.FAULTS`): the bugs other engines shipped when loading block-FP8,
 per-tensor FP8 and NVFP4 checkpoints (vLLM #38517, #52915), each applied by replacing the
 engine's own shard rule or spec in the process, shapes intact."""
