@@ -275,7 +275,7 @@ def _tensor_layer(case: _Case, rank: int, size: int, fmt: str):
     quantized = [quantize_nvfp4(t) for t in case.tensors]
     layer = _Layer(method, cols, sum(r.shape[0] for r in rows))
     parts = []
-    for i, seg in enumerate(case.segments):
+    for seg in case.segments:
         q = quantized[seg.group or 0]
         split = Split.whole(q.packed.shape[0]) if case.row_parallel else seg
         packed, block_scale = _chunk(q.packed, split, rank, size), _chunk(q.block_scale, split,
