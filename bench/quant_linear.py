@@ -17,7 +17,9 @@ against the device-to-device copy bandwidth (read + write) measured in the same 
 `bf16_us` is cuBLAS on the same weights dequantized to bf16 (twice FP8's bytes), and for
 NVFP4 layers of one global `mma_us` the routed-expert kernels' dense path
 (`freetoken.kernels.nvfp4_linear`). `rel_l2` is against float32 on the torch path's
-dequantized weights. `--sweep` also times other tiles per decode row and keeps the fastest.
+dequantized weights. `--sweep` also times other tiles per decode row and keeps the fastest
+(`--write`: as a tile table). The NVFP4 LM head at one token runs `nvfp4_linear`
+(`quant_gemm.MMA_MIN_ROWS`), whatever its `tiles` column says.
 `--check`: TP 1/2/4/8, 1, 5, 16 and 64 tokens, errors and graph equality only; exit 1 when
 any relative L2 error passes 1e-2 or a replay differs."""
 
