@@ -9,7 +9,13 @@ from pathlib import Path
 import torch
 
 from freetoken import SamplingParams
-from freetoken.layers.moe import FusedExperts
+
+
+def _expert_modules(model) -> list:
+    """The routed-expert modules (16-bit, NVFP4 or block FP8): each has `num_experts` and
+    stacks its parameters on a leading expert dim."""
+    return [m for m in model.modules() if hasattr(m, "num_experts") and
+            any(p.dim() and p.shape[0] == m.num_experts for p in m.parameters(recurse=False))]
 
 
 def write_qwen_realdims(folder: Path, num_layers: int, device: str) -> Path:
@@ -33,7 +39,7 @@ def write_qwen_realdims(folder: Path, num_layers: int, device: str) -> Path:
             model = _conditional_generation(text, eos=1).eval()
     finally:
         torch.set_default_dtype(previous)
-    model.save_pretrained(folder)
+    model.save_pretrained(folder, max_shard_size="1000GB")   # one file (the format writers')
     config = json.loads((folder / "config.json").read_text())
     config["dtype"] = "bfloat16"
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -44,8 +50,7 @@ def experts_hit(llm, prompts: list[list[int]], new_tokens: int) -> float | None:
     """Mean distinct routed experts per MoE layer and decode step, counted by hooks in one
     eager run of the same prompts (in-process engine only; None without routed experts)."""
     core = llm._core
-    experts = [] if core is None else [m for m in core.model.modules()
-                                       if isinstance(m, FusedExperts)]
+    experts = [] if core is None else _expert_modules(core.model)
     if not experts:
         return None
     counts: list[int] = []
@@ -73,8 +78,8 @@ def step_bytes(llm, batch: int, context_len: int, hit: float | None) -> float | 
     if core is None:
         return None
     model, total = core.model, 0.0
-    expert_params = {id(p): m for m in model.modules() if isinstance(m, FusedExperts)
-                     for p in (m.w13, m.w2)}
+    expert_params = {id(p): m for m in _expert_modules(model)
+                     for p in m.parameters(recurse=False) if p.shape[0] == m.num_experts}
     for name, p in model.named_parameters():
         size = p.numel() * p.element_size()
         if "embed_tokens" in name:

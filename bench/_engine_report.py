@@ -67,6 +67,8 @@ def table(args, hf, engine, copy_gbs) -> list[list]:
                                                          args.new_tokens) ** -1)
             rows.append(["engine", tp, graphs, invariant, batch, args.prompt_len,
                          args.new_tokens, e["ttft"] * 1e3, speed,
-                         match(e["tokens"], h["tokens"]), ratio(speed, hf_speed),
+                         match(e["tokens"], h["tokens"])
+                         if getattr(args, "format", "bf16") == "bf16" else "-",
+                         ratio(speed, hf_speed),
                          step_s * 1e6, slower, mb, gbs, pct])
     return rows

@@ -3,15 +3,19 @@
     .venv/bin/python bench/engine_decode.py [--device cpu|cuda] [--dtype float32|bfloat16]
         [--tp 1,2] [--batches 1,8] [--prompt-len 32] [--new-tokens 32] [--graphs on,off]
         [--tp-invariant on,off]
-        [--size small|medium|qwen3.5-moe-realdims [--layers N] | --model FOLDER]
+        [--size small|medium|qwen3.5-moe-realdims [--layers N] [--format F] | --model FOLDER]
         [--repeats 3] [--threads N]
 
 Without `--model` a checkpoint is generated with HF transformers itself (random init under a
 fixed seed, `save_pretrained` into a temporary folder): a Llama (`small` or `medium`, its
 preset's depth or `--layers` layers) or `qwen3.5-moe-realdims` (Qwen3.6-35B-A3B's text
 dimensions, `--layers` layers, default 2, bf16, built on the device;
-`_engine_bytes.write_qwen_realdims`). Two runs at two depths give the per-layer cost (their
-step times' difference over the layers' difference) without the LM head.
+`_engine_bytes.write_qwen_realdims`), in bf16 or, with `--format`, converted to a shipping
+quantized layout (`fp8-block`, `nvfp4-ct`, `modelopt-mixed`:
+`freetoken_verify.cases.realdims`, quantized on the device); HF then runs on the bf16
+master (a speed reference: its greedy tokens are not expected to match, so `match` is `-`).
+Two runs at two depths give the per-layer cost (their step times' difference over the
+layers' difference) without the LM head.
 
 On CUDA the engine runs with decode CUDA graphs (`graphs on`) and without (`off`, the
 `enforce_eager` engine option), each as its own rows; the graph capture time and memory of
@@ -78,6 +82,8 @@ from _engine_bytes import experts_hit, step_bytes, write_qwen_realdims  # noqa: 
 from _engine_report import machine, table  # noqa: E402
 
 from freetoken import LLM, SamplingParams  # noqa: E402
+from freetoken_verify.cases.realdims import FORMATS as REALDIMS_FORMATS  # noqa: E402
+from freetoken_verify.cases.realdims import quantize_checkpoint  # noqa: E402
 
 PRESETS = {
     "small": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
@@ -107,6 +113,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None,
                    help=f"decoder layers of the generated checkpoint (default: {REALDIMS} 2, "
                         "the Llama presets their own)")
+    p.add_argument("--format", choices=REALDIMS_FORMATS, default="bf16",
+                   help=f"layout of the generated {REALDIMS} checkpoint (default bf16)")
     p.add_argument("--graphs", type=lambda t: [v.strip() for v in t.split(",")], default=None,
                    help="engine decode CUDA graphs: on, off or on,off (default on,off on "
                         "cuda, off on cpu)")
@@ -134,6 +142,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--graphs takes on, off or on,off")
     if "on" in args.invariant and args.device != "cpu":
         p.error("--tp-invariant on runs on --device cpu only")
+    if args.format != "bf16" and (args.size != REALDIMS or args.model is not None):
+        p.error(f"--format converts the generated {REALDIMS} checkpoint only")
     return args
 
 
@@ -252,18 +262,25 @@ def bench_engine(folder: Path, tp: int, graphs: str, invariant: str, args,
     return results, capture
 
 
-def checkpoint(args, tmp: str) -> tuple[Path, str]:
-    """The checkpoint folder and its label: --model, else generated (into --keep-model when
-    given, reused from there when it already holds one)."""
+def checkpoint(args, tmp: str) -> tuple[Path, str, Path]:
+    """The checkpoint folder, its label and the folder HF runs: --model, else generated (into
+    --keep-model when given, reused from there when it already holds one); with --format,
+    the bf16 master converted next to it, HF running the master."""
     if args.model is not None:
-        return args.model, str(args.model)
+        return args.model, str(args.model), args.model
     folder = args.keep_model or Path(tmp) / args.size
-    if not (folder / "config.json").is_file():
-        make_checkpoint(args.size, folder, args)
+    # Beside the folder, named by size and depth, so runs of several formats share it.
+    master = folder if args.format == "bf16" else \
+        folder.parent / f"{args.size}-{args.layers or 2}-layers.bf16"
+    if not (master / "config.json").is_file():
+        make_checkpoint(args.size, master, args)
+    if args.format != "bf16" and not (folder / "config.json").is_file():
+        quantize_checkpoint(master, folder, args.format, device=args.device)
     if args.size == REALDIMS:
-        return folder, f"generated {REALDIMS} ({args.layers or 2} layers, HF init, bfloat16)"
+        return folder, (f"generated {REALDIMS} ({args.layers or 2} layers, HF init, "
+                        f"{args.format})"), master
     return folder, f"generated Llama ({args.size}: " + ", ".join(
-        f"{k}={v}" for k, v in llama_preset(args.size, args.layers).items()) + ")"
+        f"{k}={v}" for k, v in llama_preset(args.size, args.layers).items()) + ")", folder
 
 
 def llama_preset(size: str, layers: int | None) -> dict:
@@ -283,13 +300,13 @@ def main(argv: list[str] | None = None) -> int:
               "processes are running, timings will be noisy", file=sys.stderr)
     copy_gbs = copy_bandwidth() if args.device == "cuda" else None
     with tempfile.TemporaryDirectory(prefix="freetoken-bench-") as tmp:
-        folder, label = checkpoint(args, tmp)
+        folder, label, hf_folder = checkpoint(args, tmp)
         from freetoken.models.registry import load_config
 
         vocab = load_config(folder).vocab_size
         prompts = {b: make_prompts(b, args.prompt_len, vocab) for b in args.batches}
 
-        hf = bench_hf(folder, args, prompts)
+        hf = bench_hf(hf_folder, args, prompts)
         engine = {(tp, g, inv): bench_engine(folder, tp, g, inv, args, prompts)
                   for tp in args.tp for g in args.graphs for inv in args.invariant}
 

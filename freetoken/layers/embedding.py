@@ -60,11 +60,12 @@ class ParallelLMHead(nn.Module):
             self.weight = nn.Parameter(torch.empty(self.local_vocab, hidden), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.tied.weight if self.tied is not None else self.weight
-        if self.quant is not None:
-            weight = self.quant.dequantize(self, hidden.dtype)
-        if self.canonical is not None:
-            local = invariant.column_linear(hidden, weight, None, self.canonical.tile)
+        if self.quant is not None and self.canonical is None:
+            local = self.quant.apply(self, hidden)
         else:
-            local = F.linear(hidden, weight)
+            weight = self.tied.weight if self.tied is not None else self.weight
+            if self.quant is not None:
+                weight = self.quant.dequantize(self, hidden.dtype)
+            local = (invariant.column_linear(hidden, weight, None, self.canonical.tile)
+                     if self.canonical is not None else F.linear(hidden, weight))
         return get_communicator().all_gather(local, dim=-1)[..., : self.vocab_size]

@@ -1,8 +1,9 @@
 """Linear layers that own their TP split. Weights hold the rank-local shard; what goes where is
 declared by each model's shard plan (`freetoken.loading.plan`). A layer built with a module
 format (`fmt`, from the quantization config) gets a quantization method that creates its
-parameters and dequantizes them for the GEMM (`freetoken.layers.quantization.linear_method`);
-the layer tells it how its rows and inputs are split."""
+parameters and computes the GEMM (`freetoken.layers.quantization.linear_method`: on CUDA a
+weight-only Triton GEMM, elsewhere its dequantized weight and F.linear); the layer tells it
+how its rows and inputs are split."""
 
 from __future__ import annotations
 
@@ -46,10 +47,12 @@ class LinearBase(nn.Module):
         if self.canonical is not None:
             return invariant.column_linear(x, self.dense_weight(x.dtype), self.bias,
                                            self.canonical.tile)
+        if self.quant is not None:
+            return self.quant.apply(self, x, self.bias)
         tiles = _gemv_tiles(self, x)
         if tiles is not None:
             return gemv.linear(x, self.weight, self.bias, tiles=tiles)
-        return F.linear(x, self.dense_weight(x.dtype), self.bias)
+        return F.linear(x, self.weight, self.bias)
 
     def forward_normed(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         """`self(norm(x))` for an RMSNorm `norm`; on the CUDA path for a decode batch the
@@ -158,9 +161,11 @@ class RowParallelLinear(LinearBase):
         if self.canonical is not None:
             return invariant.row_linear(x, self.dense_weight(x.dtype), self.bias, self.canonical,
                                         self.reduce)
+        if self.quant is not None:
+            return self._finish(self.quant.apply(self, x))
         tiles = _gemv_tiles(self, x)
         y = (gemv.linear(x, self.weight, tiles=tiles) if tiles is not None
-             else F.linear(x, self.dense_weight(x.dtype)))
+             else F.linear(x, self.weight))
         return self._finish(y)
 
     def _finish(self, y: torch.Tensor) -> torch.Tensor:

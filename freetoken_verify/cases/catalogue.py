@@ -36,6 +36,7 @@ from freetoken_verify.cases.qwen3_5_moe import (
     write_realdims,
 )
 from freetoken_verify.cases.randomise import rerandomise
+from freetoken_verify.cases.realdims import FORMATS as REALDIMS_FORMATS
 from freetoken_verify.cases.tokenizer import write_tokenizer
 from freetoken_verify.compare import logit_metrics
 
@@ -350,9 +351,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="instead, write qwen3.5-moe-realdims (not bundled) into FOLDER")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                         help="weight dtype of --realdims")
+    parser.add_argument("--format", choices=REALDIMS_FORMATS, default="bf16",
+                        help="layout of --realdims: bf16 or a shipping quantized one")
+    parser.add_argument("--num-layers", type=int, default=2, help="layers of --realdims")
+    parser.add_argument("--quantize-on", default="cpu", help="device the --format quantizer "
+                        "runs on (cpu, cuda)")
     args = parser.parse_args(argv)
     if args.realdims is not None:
-        print(f"writing {write_realdims(args.realdims, args.dtype)}")
+        written = write_realdims(args.realdims, args.dtype, args.format, args.num_layers,
+                                 args.quantize_on)
+        print(f"wrote {written}")
         return
     torch.set_num_threads(1)
     unpinned = check_pinned(torch)

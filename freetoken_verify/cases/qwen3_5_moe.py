@@ -6,11 +6,13 @@ expert), built and saved by HF transformers itself.
 - `qwen3_5_moe_tiny`: the bundled `tiny-qwen3.5-moe` case (dimensions valid at TP 1, 2, 4, 8).
 - `qwen3_5_moe_tiny_nvfp4`: the same with NVFP4-splittable experts (`tiny-qwen3.5-moe-nvfp4`).
 - `write_realdims`: `qwen3.5-moe-realdims`, the real model's text dimensions with 2 layers
-  (one GatedDeltaNet, one full attention), written on demand for GPU runs, never bundled."""
+  (one GatedDeltaNet, one full attention) or any number, in bf16 or a shipping quantized
+  layout (`realdims`), written on demand for GPU runs, never bundled."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -81,25 +83,47 @@ def qwen3_5_moe_tiny_nvfp4(eos: int):
     return _conditional_generation(dict(TINY_TEXT, moe_intermediate_size=128), eos)
 
 
-def write_realdims(folder: str | Path, dtype: str = "bfloat16") -> Path:
+def realdims_text(num_layers: int = 2) -> dict:
+    """REAL_TEXT with `num_layers` layers: the 2-layer preset's GatedDeltaNet + full attention,
+    or (more layers) the real model's pattern of 3 GatedDeltaNet layers then one attention."""
+    if num_layers == 2:
+        return dict(REAL_TEXT)
+    pattern = ["linear_attention"] * 3 + ["full_attention"]
+    return dict(REAL_TEXT, num_hidden_layers=num_layers,
+                layer_types=[pattern[i % 4] for i in range(num_layers)])
+
+
+def write_realdims(folder: str | Path, dtype: str = "bfloat16", fmt: str = "bf16",
+                   num_layers: int = 2, device: str = "cpu") -> Path:
     """Write `qwen3.5-moe-realdims` into `folder`: weights (re-randomised like the bundled
-    cases), config.json and the bundled cases' tokenizer. No reference outputs: verify it with
-    `freetoken-verify --model FOLDER` (HF is run live). About 2.7e9 parameters: 5.4 GB in
-    bfloat16; building it needs roughly twice that in host memory."""
+    cases), config.json and the bundled cases' tokenizer, in `fmt` (`realdims.FORMATS`: bf16,
+    or a shipping quantized layout converted from it, quantized on `device`). No reference
+    outputs: verify it with `freetoken-verify --model FOLDER` (HF is run live on bf16, on the
+    dequantized twin otherwise). About 2.7e9 parameters at 2 layers: 5.4 GB in bfloat16;
+    building it needs roughly twice that in host memory."""
+    from freetoken_verify.cases.realdims import quantize_checkpoint
 
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    eos = write_tokenizer(folder)
+    master = folder if fmt == "bf16" else folder.with_name(folder.name + ".bf16")
+    master.mkdir(parents=True, exist_ok=True)
+    eos = write_tokenizer(master)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(getattr(torch, dtype))
     try:
         torch.manual_seed(REAL_SEED)
-        model = _conditional_generation(REAL_TEXT, eos).eval()
+        model = _conditional_generation(realdims_text(num_layers), eos).eval()
     finally:
         torch.set_default_dtype(previous)
     rerandomise(model, REAL_SEED)
-    model.save_pretrained(folder)
-    config = json.loads((folder / "config.json").read_text())
+    # One file: the format writers read one model.safetensors.
+    model.save_pretrained(master, max_shard_size="1000GB")
+    del model
+    config = json.loads((master / "config.json").read_text())
     config["dtype"] = dtype
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return folder
+    (master / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if fmt == "bf16":
+        return folder
+    try:
+        return quantize_checkpoint(master, folder, fmt, device=device)
+    finally:
+        shutil.rmtree(master, ignore_errors=True)

@@ -25,12 +25,13 @@ included), never embeddings, norms or the LM head."""
 
 def write_block_fp8(src: str | Path, dst: str | Path, block: tuple[int, int],
                     not_convert: tuple[str, ...] = ("lm_head",), modules: str = LINEAR,
-                    scale_dtype: torch.dtype = torch.bfloat16) -> Path:
+                    scale_dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> Path:
     """Copy the checkpoint folder `src` (one `model.safetensors`) to `dst` with every 2-D
     `weight` of a module fully matching `modules` that the written config quantizes stored
     as block FP8. config.json gets `quantization_config` with `weight_block_size` `block`
     and `modules_to_not_convert` `not_convert` (transformers' matching: an entry matches a
-    module from the start up to a boundary, or as a suffix). Returns `dst`."""
+    module from the start up to a boundary, or as a suffix). `device`: where the quantizer
+    runs (a GPU for real-dimension checkpoints). Returns `dst`."""
     src, dst = Path(src), Path(dst)
     quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
              "weight_block_size": list(block), "modules_to_not_convert": list(not_convert)}
@@ -42,7 +43,8 @@ def write_block_fp8(src: str | Path, dst: str | Path, block: tuple[int, int],
         module, _, suffix = name.rpartition(".")
         if (suffix == "weight" and t.dim() == 2 and re.fullmatch(modules, module)
                 and scheme.is_quantized(module)):
-            out[name], out[f"{module}.weight_scale_inv"] = quantize(t, block, scale_dtype)
+            codes, scale = quantize(t.to(device), block, scale_dtype)
+            out[name], out[f"{module}.weight_scale_inv"] = codes.cpu(), scale.cpu()
         else:
             out[name] = t
     save_file(out, dst / "model.safetensors")
@@ -53,14 +55,15 @@ def write_block_fp8(src: str | Path, dst: str | Path, block: tuple[int, int],
 
 
 def write_modelopt_fp8(src: str | Path, dst: str | Path, layers: dict | None = None,
-                       exclude: tuple[str, ...] = ("lm_head",), modules: str = LINEAR) -> Path:
+                       exclude: tuple[str, ...] = ("lm_head",), modules: str = LINEAR,
+                       device: str = "cpu") -> Path:
     """Copy checkpoint `src` to `dst` with ModelOpt's FP8-per-tensor layout (`weight` e4m3,
     0-d float32 `weight_scale` = amax / 448 and `input_scale`, each module its own) and an
     `hf_quant_config.json`: `MIXED_PRECISION` with `layers` (module -> its entry, e.g.
     `{"quant_algo": "FP8"}`; entries in other formats must already be stored so in `src`)
     as `quantized_layers` when given, else `quant_algo: FP8` over every module not in
     `exclude`. The input scales are stand-ins (no calibration): positive, different per
-    module. Returns `dst`."""
+    module. `device`: where the quantizer runs. Returns `dst`."""
     src, dst = Path(src), Path(dst)
     if layers is None:
         quant = {"quant_algo": "FP8", "exclude_modules": list(exclude)}
@@ -75,7 +78,8 @@ def write_modelopt_fp8(src: str | Path, dst: str | Path, layers: dict | None = N
         if (suffix == "weight" and t.dim() == 2 and t.is_floating_point()
                 and re.fullmatch(modules, module)
                 and scheme.format_of(module).kind == FP8_TENSOR):
-            out[name], out[f"{module}.weight_scale"] = quantize_per_tensor(t)
+            codes, scale = quantize_per_tensor(t.to(device))
+            out[name], out[f"{module}.weight_scale"] = codes.cpu(), scale.cpu()
             out[f"{module}.input_scale"] = torch.tensor(0.01 * (1 + len(out) % 7))
         else:
             out[name] = t

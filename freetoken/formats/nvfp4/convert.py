@@ -20,11 +20,13 @@ from freetoken.formats.quant.producers import parse_quant_config
 LINEAR = r".*_proj(_qkv|_z)?"
 
 
-def write_nvfp4(src: str | Path, dst: str | Path, config: dict, modules: str = LINEAR) -> Path:
+def write_nvfp4(src: str | Path, dst: str | Path, config: dict, modules: str = LINEAR,
+                device: str = "cpu") -> Path:
     """Copy checkpoint `src` (one `model.safetensors`) to `dst` with every 2-D float `weight`
     of a module fully matching `modules` that `config` (a compressed-tensors
     `quantization_config`, or a ModelOpt `hf_quant_config.json` document) makes NVFP4 stored
-    in NVFP4, and the config written where its producer puts it. Returns `dst`."""
+    in NVFP4, and the config written where its producer puts it. `device`: where the
+    quantizer runs (a GPU for real-dimension checkpoints). Returns `dst`."""
     src, dst = Path(src), Path(dst)
     scheme = parse_quant_config(config, "quantization config")
     shutil.copytree(src, dst)
@@ -34,7 +36,8 @@ def write_nvfp4(src: str | Path, dst: str | Path, config: dict, modules: str = L
         fmt = scheme.format_of(module)
         if (suffix == "weight" and t.dim() == 2 and t.is_floating_point()
                 and re.fullmatch(modules, module) and fmt.kind == NVFP4):
-            out.update(to_checkpoint(quantize(t.float()), module, fmt.producer))
+            tensors = to_checkpoint(quantize(t.to(device).float()), module, fmt.producer)
+            out.update({k: v.cpu() for k, v in tensors.items()})
         else:
             out[name] = t
     save_file(out, dst / "model.safetensors")

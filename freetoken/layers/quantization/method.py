@@ -46,12 +46,19 @@ class Split:
 
 def linear_method(fmt: ModuleFormat | None, rows: list[Split], cols: Split):
     """The method for a layer whose output segments split as `rows` and whose input splits as
-    `cols`, in format `fmt` (None or bf16: no method)."""
+    `cols`, in format `fmt` (None or bf16: no method), for this process's rank."""
+    tp = get_tp_info()
+    return method_for(fmt, rows, cols, tp.rank, tp.size)
+
+
+def method_for(fmt: ModuleFormat | None, rows: list[Split], cols: Split, tp_rank: int,
+               tp_size: int):
+    """`linear_method` for rank `tp_rank` of `tp_size` (tests and benchmarks build any
+    rank's layer in one process)."""
     if fmt is None or not fmt.quantized:
         return None
-    tp = get_tp_info()
     groups = tuple(i if r.group is None else r.group for i, r in enumerate(rows))
-    local = tuple(r.local(tp.size) for r in rows)
+    local = tuple(r.local(tp_size) for r in rows)
     if fmt.kind == FP8_TENSOR:
         return FP8TensorLinear(local, groups, fmt.producer == MODELOPT)
     if fmt.kind == NVFP4:
@@ -63,4 +70,4 @@ def linear_method(fmt: ModuleFormat | None, rows: list[Split], cols: Split):
                           tuple(BlockScaleSplit(0, 1 if r.per_row else b_rows, r.full_size,
                                                 r.heads, r.start, r.total) for r in rows),
                           BlockScaleSplit(1, b_cols, cols.full_size, cols.heads),
-                          tp.rank, tp.size)
+                          tp_rank, tp_size)

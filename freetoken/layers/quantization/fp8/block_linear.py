@@ -9,7 +9,12 @@ local_in] and `weight_scale` float32 [scale rows, scale columns], the checkpoint
 segment's own scale rows (q | k | v, gate | up), never one scale for all; each segment's
 shard may share its first and last block with the neighbouring rank (see
 `freetoken.formats.fp8.specs.BlockScaleSplit`), so each segment records its offset inside
-its first block and dequantizes exactly."""
+its first block and dequantizes exactly.
+
+On CUDA the GEMM dequantizes in registers (`freetoken.kernels.quant_gemm.fp8_gemm`): the
+buffer `weight_scale_row` (int32 [local_out], derived at construction) names each weight
+row's scale row, segments and offsets included, and the input split's offset inside its
+first column block is the launch's `col_offset`."""
 
 from __future__ import annotations
 
@@ -20,10 +25,12 @@ from torch import nn
 
 from freetoken.formats.fp8.block import FP8, dequantize
 from freetoken.formats.fp8.specs import BlockScaleSplit
+from freetoken.kernels import quant_gemm
+from freetoken.layers.quantization.weight_only import WeightOnlyMethod, row_index
 
 
 @dataclass(frozen=True)
-class BlockFP8Linear:
+class BlockFP8Linear(WeightOnlyMethod):
     """How one linear layer's rank holds a block-FP8 weight: `rows` the scale split of each
     output segment (its own row block: the format's, or 1 for a scale expanded to one row
     per weight row at load), `cols` of the input dim (`heads=1`: not split), `block` (rows,
@@ -40,11 +47,31 @@ class BlockFP8Linear:
         return (sum(r.blocks(self.tp_size) for r in self.rows), self.cols.blocks(self.tp_size))
 
     def create_weights(self, layer: nn.Module, local_in: int, local_out: int) -> None:
-        """Register the layer's fp8 `weight` and float32 `weight_scale`."""
+        """Register the layer's fp8 `weight`, float32 `weight_scale` and the derived
+        `weight_scale_row` buffer."""
         layer.weight = nn.Parameter(torch.empty(local_out, local_in, dtype=FP8),
                                     requires_grad=False)
         layer.weight_scale = nn.Parameter(torch.empty(self.scale_shape(), dtype=torch.float32),
                                           requires_grad=False)
+        row_index(layer, "weight_scale_row", self.scale_rows())
+
+    def scale_rows(self) -> torch.Tensor:
+        """The scale row of each rank-local weight row: segment by segment, its first
+        scale row plus (its offset inside its first block + row) // its row block."""
+        parts, first = [], 0
+        for seg in self.rows:
+            rows = seg.full_size // _parts(seg, self.tp_size)
+            offset = seg.offset(self.tp_rank, self.tp_size)
+            parts.append(first + (offset + torch.arange(rows, device="cpu")) // seg.block)
+            first += seg.blocks(self.tp_size)
+        return torch.cat(parts)
+
+    def kernel(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+               ) -> torch.Tensor:
+        """x [T, local_in] times the weight through `quant_gemm.fp8_gemm`."""
+        return quant_gemm.fp8_gemm(x, layer.weight, layer.weight_scale, layer.weight_scale_row,
+                                   self.block[1], self.cols.offset(self.tp_rank, self.tp_size),
+                                   bias)
 
     def dequantize(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
         """The layer's rank-local weight [local_out, local_in] in `dtype`, segment by

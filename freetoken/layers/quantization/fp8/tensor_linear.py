@@ -5,7 +5,9 @@ entry per checkpoint tensor. The static `input_scale`s are loaded and checked (f
 above 0) but unused: activations stay unquantized.
 
 Parameters (TP-local): `weight` float8_e4m3fn [local_out, local_in], `weight_scale` and
-`input_scale` float32 [tensors]."""
+`input_scale` float32 [tensors]; the derived buffer `weight_scale_group` (int32 [local_out])
+names each row's tensor for the CUDA GEMM (`freetoken.kernels.quant_gemm.fp8_gemm`, the
+scale applied once per output)."""
 
 from __future__ import annotations
 
@@ -15,10 +17,12 @@ import torch
 from torch import nn
 
 from freetoken.formats.fp8.block import FP8
+from freetoken.kernels import quant_gemm
+from freetoken.layers.quantization.weight_only import WeightOnlyMethod, row_index
 
 
 @dataclass(frozen=True)
-class FP8TensorLinear:
+class FP8TensorLinear(WeightOnlyMethod):
     """`rows`: the rank-local rows of each output segment; `groups`: the checkpoint tensor
     (index into `weight_scale`) each segment comes from."""
 
@@ -37,9 +41,18 @@ class FP8TensorLinear:
         if self.input_scales:
             layer.input_scale = nn.Parameter(torch.empty(count, dtype=torch.float32),
                                              requires_grad=False)
+        row_index(layer, "weight_scale_group", torch.repeat_interleave(
+            torch.tensor(self.groups, device="cpu"), torch.tensor(self.rows, device="cpu")))
 
     def dequantize(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
         """The rank-local weight in `dtype`, each segment times its tensor's scale."""
         per_row = torch.repeat_interleave(layer.weight_scale[list(self.groups)],
                                           torch.tensor(self.rows, device=layer.weight.device))
         return (layer.weight.float() * per_row[:, None]).to(dtype)
+
+    def kernel(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+               ) -> torch.Tensor:
+        """x [T, local_in] times the weight through `quant_gemm.fp8_gemm`: the scales as a
+        one-column block scale, one block spanning every input."""
+        return quant_gemm.fp8_gemm(x, layer.weight, layer.weight_scale.view(-1, 1),
+                                   layer.weight_scale_group, layer.weight.shape[1], 0, bias)

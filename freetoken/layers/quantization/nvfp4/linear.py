@@ -7,8 +7,11 @@ global scale per checkpoint tensor (q | k | v, gate | up): producers usually mak
 equal, nothing here assumes it.
 
 Parameters (TP-local): `weight` uint8 [local_out, local_in / 2], `weight_scale` e4m3
-[local_out, local_in / 16], `weight_scale_2` float32 [tensors]. A row-parallel split must
-fall on a 16-input group (checked when the layer is built)."""
+[local_out, local_in / 16], `weight_scale_2` float32 [tensors]; the derived buffer
+`weight_scale_2_group` (int32 [local_out]) names each row's global for the CUDA GEMM
+(`freetoken.kernels.quant_gemm.nvfp4_gemm`, the global applied once per output, divided
+in-kernel for compressed-tensors). A row-parallel split must fall on a 16-input group
+(checked when the layer is built)."""
 
 from __future__ import annotations
 
@@ -18,10 +21,12 @@ import torch
 from torch import nn
 
 from freetoken.formats.nvfp4.format import GROUP, dequantize
+from freetoken.kernels import quant_gemm
+from freetoken.layers.quantization.weight_only import WeightOnlyMethod, row_index
 
 
 @dataclass(frozen=True)
-class NVFP4Linear:
+class NVFP4Linear(WeightOnlyMethod):
     """`rows`: rank-local rows of each output segment; `groups`: the checkpoint tensor each
     comes from (index into `weight_scale_2`); `reciprocal`: the stored globals divide."""
 
@@ -42,6 +47,8 @@ class NVFP4Linear:
         layer.weight_scale_2 = nn.Parameter(torch.empty(max(self.groups) + 1,
                                                         dtype=torch.float32),
                                             requires_grad=False)
+        row_index(layer, "weight_scale_2_group", torch.repeat_interleave(
+            torch.tensor(self.groups, device="cpu"), torch.tensor(self.rows, device="cpu")))
 
     def dequantize(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
         """The rank-local weight in `dtype`, each segment with its tensor's global."""
@@ -52,3 +59,9 @@ class NVFP4Linear:
         ones = torch.ones((), dtype=torch.float32, device=g.device)
         values = dequantize(layer.weight, layer.weight_scale, ones, "weight")
         return (values * per_row[:, None]).to(dtype)
+
+    def kernel(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+               ) -> torch.Tensor:
+        """x [T, local_in] times the weight through `quant_gemm.nvfp4_gemm`."""
+        return quant_gemm.nvfp4_gemm(x, layer.weight, layer.weight_scale, layer.weight_scale_2,
+                                     layer.weight_scale_2_group, self.reciprocal, bias)

@@ -1,0 +1,236 @@
+"""The weight-only quantized GEMMs (`freetoken.kernels.quant_gemm`) on a GPU at Qwen3.5-35B-A3B's
+projections: per format (block FP8 128x128, FP8 per tensor, NVFP4 in both producers'
+conventions), TP-local shape and token count, the kernel's time, the bytes it reads and
+their share of the copy bandwidth, its error against the torch path, and graph replay
+against eager.
+
+    python3 bench/quant_linear.py [--tp 1,8] [--tokens 1,16] [--formats ...] [--only ...]
+        [--sweep] [--json FILE]
+    python3 bench/quant_linear.py --check [--tp 1,2,4,8] [--json FILE]
+
+Each layer is rank tp-1's of its TP size (the last rank: offsets inside shared blocks),
+built as the model builds it (`bench/_quant_layers.py`), with random contents. Times are
+per call from CUDA graphs of many calls, each on its own copy of the layer (the copies
+filling more than twice the L2), so no call finds its weights cached. `MB` counts every
+tensor the call reads (weights, scales, the per-row index); `% copy` is that over the time
+against the device-to-device copy bandwidth (read + write) measured in the same run.
+`bf16_us` is cuBLAS on the same weights dequantized to bf16 (twice FP8's bytes), and for
+NVFP4 layers of one global `mma_us` the routed-expert kernels' dense path
+(`freetoken.kernels.nvfp4_linear`). `rel_l2` is against float32 on the torch path's
+dequantized weights. `--sweep` also times other tiles per decode row and keeps the fastest
+(`--write`: as a tile table). The NVFP4 LM head at one token runs `nvfp4_linear`
+(`quant_gemm.MMA_MIN_ROWS`), whatever its `tiles` column says.
+`--check`: TP 1/2/4/8, 1, 5, 16 and 64 tokens, errors and graph equality only; exit 1 when
+any relative L2 error passes 1e-2 or a replay differs."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from _common import capture_graph, copy_bandwidth, int_list
+from _quant_layers import FORMATS, SHAPES, make_layer, weight_bytes
+from tabulate import tabulate
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from freetoken.kernels import next_pow2, nvfp4_linear, quant_gemm  # noqa: E402
+
+SWEEP = dict(block_n=(16, 32, 64), num_warps=(4, 8), split=(1, 2, 4, 8, 16))
+SWEEP_K = {"fp8": (128, 256, 512), "nvfp4": (64, 128, 256)}
+TOLERANCE = 1e-2
+
+
+def graph_us(calls: list, replays: int = 5) -> float:
+    """Microseconds per call of `calls` captured once each into one CUDA graph."""
+    graph = capture_graph(calls)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (replays * len(calls))
+
+
+def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30))
+
+
+def reference(layer, x: torch.Tensor) -> torch.Tensor:
+    """float32 x times the torch path's weight, dequantized in float32, without TF32."""
+    w = layer.quant.dequantize(layer, torch.float32)
+    return x.float() @ w.T
+
+
+def graph_equals_eager(fn) -> bool:
+    eager = fn()
+    graph = capture_graph([fn])
+    graph.replay()
+    torch.cuda.synchronize()
+    return torch.equal(fn(), eager) and torch.equal(_replayed(fn), eager)
+
+
+def _replayed(fn) -> torch.Tensor:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return out
+
+
+def copies_of(layer, l2: int) -> list:
+    """`layer` and enough copies (own storage, same values) that a cycle through them
+    reads more than twice the L2."""
+    count = min(512, max(2, -(-2 * l2 // weight_bytes(layer))))
+    return [layer] + [copy.deepcopy(layer) for _ in range(count - 1)]
+
+
+def kernel_call(layer, x, tiles):
+    method = layer.quant
+    if tiles is None:
+        return lambda: method.kernel(layer, x, None)
+    return lambda: _with_tiles(method, layer, x, tiles)
+
+
+def _with_tiles(method, layer, x, tiles):
+    """The method's kernel call with `tiles` instead of the default."""
+    if hasattr(layer, "weight_scale_2_group"):
+        return quant_gemm.nvfp4_gemm(x, layer.weight, layer.weight_scale, layer.weight_scale_2,
+                                     layer.weight_scale_2_group, method.reciprocal, None, tiles)
+    if hasattr(layer, "weight_scale_group"):
+        return quant_gemm.fp8_gemm(x, layer.weight, layer.weight_scale.view(-1, 1),
+                                   layer.weight_scale_group, layer.weight.shape[1], 0, None,
+                                   tiles)
+    return quant_gemm.fp8_gemm(x, layer.weight, layer.weight_scale, layer.weight_scale_row,
+                               method.block[1], method.cols.offset(method.tp_rank,
+                                                                   method.tp_size),
+                               None, tiles)
+
+
+def sweep_tiles(layer, fmt):
+    """Every decode tile choice of SWEEP and SWEEP_K that fits the layer's inputs."""
+    kind = "nvfp4" if fmt.startswith("nvfp4") else "fp8"
+    k = layer.weight.shape[1] * (2 if kind == "nvfp4" else 1)
+    for block_k, (block_n, warps, split) in itertools.product(
+            SWEEP_K[kind], itertools.product(*SWEEP.values())):
+        if (block_k > max(16, next_pow2(k)) or
+                (split > 1 and block_k * split > k)):
+            continue
+        yield quant_gemm.QuantTiles(16, block_n, block_k, num_warps=warps, split=split)
+
+
+def bench_row(name, fmt, tp, tokens, copy_gbs, gen, sweep, l2, timing=True,
+              deadline=float('inf')):
+    shape = SHAPES[name]
+    layer = make_layer(shape, fmt, tp - 1, tp, gen)
+    local_in = layer.weight.shape[1] * (2 if fmt.startswith("nvfp4") else 1)
+    x = torch.randn(tokens, local_in, device="cuda", dtype=torch.bfloat16, generator=gen)
+    want = reference(layer, x)
+    got = layer.quant.kernel(layer, x, None)
+    row = dict(format=fmt, shape=name, tp=tp, tokens=tokens,
+               rows_x_in=f"{layer.weight.shape[0]}x{local_in}",
+               MB=weight_bytes(layer) / 1e6, rel_l2=rel_l2(got, want),
+               graph_eq=graph_equals_eager(lambda: layer.quant.kernel(layer, x, None)))
+    if not timing:
+        return row
+    copies = copies_of(layer, l2)
+    tiles = quant_gemm.tiles_for(tokens, layer.weight.shape[0], local_in,
+                                    "nvfp4" if fmt.startswith("nvfp4") else "fp8")
+    best, best_us = tiles, graph_us([kernel_call(c, x, None) for c in copies])
+    row["default_us"] = best_us
+    if sweep and tokens <= quant_gemm.DECODE_MAX_TOKENS and time.time() < deadline:
+        for t in sweep_tiles(layer, fmt):
+            try:
+                us = graph_us([kernel_call(c, x, t) for c in copies], replays=3)
+            except Exception as err:  # a tile choice the compiler or the GPU refuses
+                print(f"{name} {fmt} T={tokens} {t.key()}: {type(err).__name__}",
+                      file=sys.stderr)
+                continue
+            if us < best_us:
+                best, best_us = t, us
+        row["sweep_rel_l2"] = rel_l2(_with_tiles(layer.quant, layer, x, best), want)
+    if sweep and tokens <= quant_gemm.DECODE_MAX_TOKENS:
+        row["key"] = quant_gemm.table_key("nvfp4" if fmt.startswith("nvfp4") else "fp8",
+                                          layer.weight.shape[0], local_in, tokens)
+    row.update(us=best_us, tiles=best.key(),
+               pct_copy=100 * weight_bytes(layer) / (best_us * 1e-6) / (copy_gbs * 1e9))
+    dense = [c.quant.dequantize(c, torch.bfloat16) for c in copies[:max(2, len(copies) // 2)]]
+    row["bf16_us"] = graph_us([lambda w=w: F.linear(x, w) for w in dense])
+    del dense
+    if fmt == "nvfp4" and layer.weight_scale_2.numel() == 1:
+        row["mma_us"] = graph_us([lambda c=c: nvfp4_linear.nvfp4_linear(
+            x, c.weight, c.weight_scale, c.weight_scale_2[0]) for c in copies])
+    return row
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tp", type=int_list, default=None)
+    p.add_argument("--tokens", type=int_list, default=None)
+    p.add_argument("--formats", type=lambda t: t.split(","), default=list(FORMATS))
+    p.add_argument("--only", type=lambda t: t.split(","), default=None)
+    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--sweep-seconds", type=float, default=float("inf"),
+                   help="stop sweeping (default tiles only) after this many seconds")
+    p.add_argument("--write", type=Path, default=None,
+                   help="with --sweep: write the fastest tiles per decode row as a JSON "
+                        "tile table (`quant_gemm.table_key` keys)")
+    p.add_argument("--check", action="store_true", help="errors and graph equality only")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA device")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    tps = args.tp or ([1, 2, 4, 8] if args.check else [1, 8])
+    token_counts = args.tokens or ([1, 5, 16, 64] if args.check else [1, 16])
+    copy_gbs = 0.0 if args.check else copy_bandwidth()
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows, deadline = [], time.time() + args.sweep_seconds
+    for name in args.only or SHAPES:
+        for fmt in [f for f in args.formats if f in SHAPES[name].formats]:
+            for tp in tps:
+                for tokens in token_counts:
+                    rows.append(bench_row(name, fmt, tp, tokens, copy_gbs, gen, args.sweep,
+                                          l2, timing=not args.check, deadline=deadline))
+                    print(json.dumps(rows[-1]), flush=True)
+                    torch.cuda.empty_cache()
+    head = (f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
+            f"{__import__('triton').__version__}")
+    if not args.check:
+        head += (f", copy bandwidth {copy_gbs:.0f} GB/s; times per call in CUDA graphs, "
+                 "weights not in L2")
+    print("\n" + head)
+    print(tabulate(rows, headers="keys", floatfmt=".3g"))
+    bad = [f"{r['format']} {r['shape']} tp={r['tp']} T={r['tokens']}" for r in rows
+           if not r["rel_l2"] <= TOLERANCE or not r["graph_eq"]
+           or not r.get("sweep_rel_l2", 0) <= TOLERANCE]
+    if args.json:
+        args.json.write_text(json.dumps({"device": head, "copy_GBps": copy_gbs, "rows": rows,
+                                         "failures": bad}, indent=1))
+    if args.write:
+        table = {r["key"]: r["tiles"] for r in rows if "key" in r}
+        args.write.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+        print(f"tile table ({len(table)} entries) written to {args.write}")
+    if bad:
+        print(f"FAILED (rel L2 > {TOLERANCE} or graph != eager): {'; '.join(bad)}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

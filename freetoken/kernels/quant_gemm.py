@@ -1,0 +1,253 @@
+"""Launchers of `quant_gemm_jit`: weight-only GEMMs `x W^T (+ b)` over block-FP8, per-tensor
+FP8 and NVFP4 weights, for the quantized linear methods' CUDA path
+(`freetoken.layers.quantization`). One kernel per format serves every token count: decode
+tiles (up to DECODE_MAX_TOKENS tokens: 16 tokens per program, the inputs split over
+programs while the weight gives too few of them) and prefill tiles (64 tokens per program,
+each dequantized weight tile used for all of them). Nothing synchronises with the host, so
+the calls can be captured in CUDA graphs.
+
+The scale layout the kernels take is the linear methods' (per-row index buffers built at
+layer construction): see `fp8_gemm` and `nvfp4_gemm`."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from freetoken.kernels import interpreting, jit_module, next_pow2, nvfp4_linear
+
+DECODE_MAX_TOKENS = 16
+MMA_MIN_ROWS = 16384
+"""A one-token call over an NVFP4 weight with one global and at least this many rows (an LM
+head) takes the routed-expert kernels' tensor-core decode (`nvfp4_linear`): on an H200 it
+ran 1.7x (31040 rows) and 2.4x (248320 rows) faster than `nvfp4_gemm_kernel`, and slower at
+2048 rows and at 16 tokens (it streams the weight once per token)."""
+SM_PROGRAMS = 264
+"""About two programs per SM of an H200 (132 SMs): the decode split's target."""
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class QuantTiles:
+    """Tokens, output rows and inputs per program step, warps, pipeline stages, and into
+    how many parts the inputs are split (more than 1: a second launch adds them)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 4
+    split: int = 1
+
+    def key(self) -> str:
+        return (f"{self.block_m}/{self.block_n}/{self.block_k}/{self.num_warps}/"
+                f"{self.num_stages}/{self.split}")
+
+
+@functools.cache
+def enabled() -> bool:
+    """Whether the quantized linear methods take these kernels on CUDA: yes unless the
+    environment sets FREETOKEN_QUANT_KERNELS=0 (then they dequantize and call F.linear, the
+    CPU path), read once per process."""
+    return os.environ.get("FREETOKEN_QUANT_KERNELS", "1") != "0"
+
+
+def serves(x: torch.Tensor) -> bool:
+    """Whether a quantized linear method runs `x` through these kernels: a CUDA tensor of a
+    floating dtype they take, with the kernels enabled."""
+    return x.is_cuda and x.dtype in _DTYPES and enabled()
+
+
+def table_key(fmt: str, rows: int, in_features: int, tokens: int) -> str:
+    """The measured table's key of a call: format kind, weight shape, token bucket (1, or
+    2..DECODE_MAX_TOKENS)."""
+    return f"{fmt}/{rows}x{in_features}/{1 if tokens == 1 else DECODE_MAX_TOKENS}"
+
+
+@functools.cache
+def _table() -> dict:
+    """The tile table: FREETOKEN_QUANT_TABLE (a JSON file `bench/quant_linear.py --write`
+    wrote) when set, else `quant_tiles.H200`."""
+    path = os.environ.get("FREETOKEN_QUANT_TABLE")
+    if not path:
+        from freetoken.kernels.quant_tiles import H200
+
+        return H200
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"FREETOKEN_QUANT_TABLE={path}: not a readable JSON tile table "
+                         f"({err})") from err
+
+
+def tiles_for(tokens: int, rows: int, in_features: int, fmt: str) -> QuantTiles:
+    """The tiles of a call: the measured table's entry for a decode call on a GPU, else
+    `choose_tiles`."""
+    if 0 < tokens <= DECODE_MAX_TOKENS and not interpreting():
+        entry = _table().get(table_key(fmt, rows, in_features, tokens))
+        if entry is not None:
+            return QuantTiles(*(int(v) for v in entry.split("/")))
+    return choose_tiles(tokens, rows, in_features, fmt)
+
+
+def choose_tiles(tokens: int, rows: int, in_features: int, fmt: str) -> QuantTiles:
+    """Tiles for `tokens` tokens over a [rows, in_features] weight in `fmt` ("fp8" or
+    "nvfp4"). Decode: 16 tokens, 32 rows per program (16 where that leaves less than two
+    programs per SM), 256 inputs per step for FP8 and 128 for NVFP4 (the same bytes), the
+    inputs split (up to 16 ways, each part at least one step) until about SM_PROGRAMS
+    programs. Prefill: 64 tokens x 64 rows. The interpreter takes larger tiles (its
+    programs run one after another)."""
+    if interpreting():
+        return QuantTiles(16 if tokens <= DECODE_MAX_TOKENS else 64, 64,
+                          max(16, min(256, next_pow2(in_features))))
+    if tokens > DECODE_MAX_TOKENS:
+        return QuantTiles(64, 64, 128 if fmt == "nvfp4" else 64, num_warps=4, num_stages=3)
+    block_k = max(16, min(256 if fmt == "fp8" else 128, next_pow2(in_features)))
+    block_n = 32 if _cdiv(rows, 32) >= SM_PROGRAMS else 16
+    programs, split = _cdiv(rows, block_n), 1
+    while split < 16 and programs * split * 2 <= SM_PROGRAMS and \
+            in_features >= 2 * split * block_k:
+        split *= 2
+    return QuantTiles(16, block_n, block_k, split=split)
+
+
+def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+             scale_row: torch.Tensor, block_cols: int, col_offset: int = 0,
+             bias: torch.Tensor | None = None, tiles: QuantTiles | None = None
+             ) -> torch.Tensor:
+    """`x` [T, K] times an e4m3 weight [N, K] whose element (n, k) is scaled by
+    `scale[scale_row[n], (k + col_offset) // block_cols]` (scale float32 [R, C], scale_row
+    int32 [N]); FP8 per tensor is `scale` [G, 1] with `block_cols` >= K. Plus `bias`,
+    float32 accumulation, one rounding to x's dtype."""
+    tokens, in_features = _check(x, weight.shape[1], "fp8_gemm", weight)
+    if weight.dtype != torch.float8_e4m3fn or scale.dtype != torch.float32:
+        raise ValueError(f"fp8_gemm: weight must be float8_e4m3fn and scale float32, got "
+                         f"{weight.dtype} and {scale.dtype}")
+    _check_rows(scale_row, weight.shape[0], "fp8_gemm")
+    rows = weight.shape[0]
+    tiles = tiles or tiles_for(tokens, rows, in_features, "fp8")
+    mode, block_k = _fp8_scale_mode(in_features, block_cols, col_offset, tiles.block_k)
+    return _launch(jit_module("quant_gemm_jit").fp8_gemm_kernel, x, rows, in_features, bias,
+                   tiles, block_k, dict(
+                       weight_ptr=weight, scale_ptr=scale, scale_row_ptr=scale_row,
+                       col_offset=col_offset, stride_weight_row=weight.stride(0),
+                       stride_scale_row=scale.stride(0), SCALE=mode, BLOCK_COLS=block_cols,
+                       EVEN_K=in_features % block_k == 0, BLOCK_K=block_k))
+
+
+def nvfp4_gemm(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tensor,
+               global_scale: torch.Tensor, group: torch.Tensor, reciprocal: bool = False,
+               bias: torch.Tensor | None = None, tiles: QuantTiles | None = None
+               ) -> torch.Tensor:
+    """`x` [T, K] times an NVFP4 weight (packed uint8 [N, K / 2], block_scale e4m3
+    [N, K / 16]) whose row n takes the global `global_scale[group[n]]` (float32 [G], group
+    int32 [N]; `reciprocal`: the stored global divides). Plus `bias`, float32
+    accumulation, one rounding to x's dtype."""
+    tokens, in_features = _check(x, packed.shape[1] * 2, "nvfp4_gemm", packed)
+    rows = packed.shape[0]
+    if packed.dtype != torch.uint8 or block_scale.dtype != torch.float8_e4m3fn or \
+            tuple(block_scale.shape) != (rows, in_features // 16) or in_features % 16:
+        raise ValueError(f"nvfp4_gemm: packed {packed.dtype} {tuple(packed.shape)} and block "
+                         f"scale {block_scale.dtype} {tuple(block_scale.shape)} are not an "
+                         "NVFP4 weight (uint8 [N, K / 2], e4m3 [N, K / 16], K a multiple "
+                         "of 16)")
+    if global_scale.dtype != torch.float32:
+        raise ValueError(f"nvfp4_gemm: global scales must be float32, got "
+                         f"{global_scale.dtype}")
+    _check_rows(group, rows, "nvfp4_gemm")
+    if tiles is None and _takes_mma(x, rows, global_scale):
+        g = 1.0 / global_scale if reciprocal else global_scale
+        return nvfp4_linear.nvfp4_linear(x, packed, block_scale, g.reshape(()), bias)
+    tiles = tiles or tiles_for(tokens, rows, in_features, "nvfp4")
+    words = packed.view(torch.int32)
+    asm = int(x.is_cuda and not interpreting()
+              and os.environ.get("FREETOKEN_NVFP4_PTX", "1") != "0")
+    kw = max(2, tiles.block_k // 8)
+    return _launch(jit_module("quant_gemm_jit").nvfp4_gemm_kernel, x, rows, in_features, bias,
+                   tiles, 8 * kw, dict(
+                       weight_ptr=words, scale_ptr=block_scale.view(torch.uint8),
+                       global_ptr=global_scale, group_ptr=group, zero=0,
+                       stride_weight_row=words.stride(0),
+                       stride_scale_row=block_scale.stride(0), RECIPROCAL=reciprocal,
+                       ASM=asm, KW=kw))
+
+
+def _takes_mma(x: torch.Tensor, rows: int, global_scale: torch.Tensor) -> bool:
+    """Whether an NVFP4 call goes to `nvfp4_linear` (see MMA_MIN_ROWS): one 16-bit token on a
+    GPU, one global, an LM head's rows."""
+    return (x.shape[0] == 1 and rows >= MMA_MIN_ROWS and global_scale.numel() == 1
+            and x.is_cuda and not interpreting() and x.dtype in (torch.bfloat16, torch.float16))
+
+
+def _fp8_scale_mode(in_features: int, block_cols: int, col_offset: int, block_k: int
+                    ) -> tuple[int, int]:
+    """(SCALE, BLOCK_K) of an FP8 launch: 0 when one column block covers every input (per
+    tensor), 1 with the largest step of at least 16 inputs (at most `block_k`) that divides
+    the column block and the offset, else 2 with `block_k`."""
+    if col_offset + in_features <= block_cols:
+        return 0, block_k
+    step = block_k
+    while step >= 16:
+        if block_cols % step == 0 and col_offset % step == 0:
+            return 1, step
+        step //= 2
+    return 2, block_k
+
+
+def _launch(kernel, x, rows, in_features, bias, tiles, block_k, args) -> torch.Tensor:
+    """Run `kernel` over x [T, in_features] for `rows` outputs with `tiles` (the K step
+    `block_k`); a split launch is finished by `gemv_jit.gemv_reduce_kernel`."""
+    tokens = x.shape[0]
+    out = torch.empty(tokens, rows, dtype=x.dtype, device=x.device)
+    if tokens == 0:
+        return out
+    step = _cdiv(_cdiv(in_features, tiles.split), block_k) * block_k
+    splits = _cdiv(in_features, step)
+    partial = (torch.empty(splits, tokens, rows, dtype=torch.float32, device=x.device)
+               if splits > 1 else out)
+    block_n = tiles.block_n
+    kernel[(_cdiv(rows, block_n), _cdiv(tokens, tiles.block_m), splits)](
+        x_ptr=x, bias_ptr=bias if bias is not None else out, partial_ptr=partial, out_ptr=out,
+        tokens=tokens, out_features=rows, in_features=in_features, split_features=step,
+        stride_x_token=x.stride(0), stride_partial_split=tokens * rows,
+        stride_out_token=out.stride(0), HAS_BIAS=bias is not None and splits == 1,
+        SPLIT=splits > 1, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=tiles.block_m, BLOCK_N=block_n, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages, **args)
+    if splits > 1:
+        reduce_m = min(16, next_pow2(tokens))
+        jit_module("gemv_jit").gemv_reduce_kernel[(_cdiv(rows, 256), _cdiv(tokens, reduce_m))](
+            partial_ptr=partial, bias_ptr=bias if bias is not None else out, residual_ptr=out,
+            out_ptr=out, tokens=tokens, out_features=rows, splits=splits,
+            stride_partial_split=tokens * rows, stride_residual_token=0,
+            stride_out_token=out.stride(0), GATED=False, HAS_BIAS=bias is not None,
+            HAS_RESIDUAL=False, BLOCK_M=reduce_m, BLOCK_N=256, num_warps=4)
+    return out
+
+
+def _check(x: torch.Tensor, in_features: int, what: str, weight: torch.Tensor
+           ) -> tuple[int, int]:
+    if x.dim() != 2 or x.shape[1] != in_features:
+        raise ValueError(f"{what}: x {tuple(x.shape)} does not fit the weight "
+                         f"{tuple(weight.shape)} ({in_features} inputs)")
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"{what}: activations of dtype {x.dtype} (supported: bfloat16, "
+                         "float16, float32)")
+    if x.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError(f"{what}: x and the weight need contiguous rows")
+    return x.shape[0], in_features
+
+
+def _check_rows(index: torch.Tensor, rows: int, what: str) -> None:
+    if index.dtype != torch.int32 or tuple(index.shape) != (rows,):
+        raise ValueError(f"{what}: the per-row index must be int32 [{rows}], got "
+                         f"{index.dtype} {tuple(index.shape)}")
+
+
+def _cdiv(n: int, d: int) -> int:
+    return -(-n // d)

@@ -1,0 +1,44 @@
+"""What the weight-only linear methods share: `apply`, the layer's `x W^T + b` through the
+method's Triton GEMM on CUDA (`freetoken.kernels.quant_gemm`; FREETOKEN_QUANT_KERNELS=0
+turns it off), else through the method's dequantized weight and `F.linear` (the CPU path,
+and the reference the kernels are checked against)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from freetoken.kernels import quant_gemm
+
+
+class WeightOnlyMethod:
+    """A quantization method whose `dequantize(layer, dtype)` gives the rank-local weight
+    and whose `kernel(layer, x, bias)` computes the GEMM from the stored tensors (x 2-D,
+    contiguous rows)."""
+
+    def dequantize(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    def kernel(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+               ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+              ) -> torch.Tensor:
+        """`F.linear(x, W, bias)` for x [..., local_in] with the layer's quantized W."""
+        if not quant_gemm.serves(x):
+            return F.linear(x, self.dequantize(layer, x.dtype), bias)
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        return self.kernel(layer, x2, bias).reshape(*lead, -1)
+
+
+def row_index(layer: nn.Module, name: str, values: torch.Tensor) -> None:
+    """Register `values` (one per local weight row) as the layer's int32 buffer `name`: which
+    scale row or global each row reads, derived from the method, never loaded (so not a
+    parameter, and not in the state dict)."""
+    layer.register_buffer(name, values.to(device=torch.get_default_device(),
+                                          dtype=torch.int32), persistent=False)
