@@ -45,6 +45,7 @@ from freetoken_verify.faults.memory import (
     kv_cache_global_heads,
 )
 from freetoken_verify.faults.port_mistakes import BUGS
+from freetoken_verify.faults.quant_kernels import QUANT_KERNEL_FAULTS
 
 
 def plain_chunk_gate_up() -> None:
@@ -293,6 +294,7 @@ FAULTS: dict[str, Callable[[], None]] = {
     "torch-nvfp4-nibble-swap": torch_nvfp4_nibble_swap,
     "torch-nvfp4-drop-w13-global": torch_nvfp4_drop_w13_global,
     **KERNEL_FAULTS,
+    **QUANT_KERNEL_FAULTS,
     **GRAPH_FAULTS,
     **INVARIANT_FAULTS,
 }
