@@ -168,7 +168,7 @@ def run_matrix(cases: list[QuantCase], device, dtype: torch.dtype) -> list[dict]
 
 
 def family_metrics(rows: list[dict]) -> dict:
-    """The quantized family's metrics, and per format."""
+    """The quantized family's metrics (with the seconds its cases took), and per format."""
     def summary(mine):
         numel = sum(r["numel"] for r in mine)
         return {"max_abs": max(r["max_abs"] for r in mine),
@@ -179,6 +179,7 @@ def family_metrics(rows: list[dict]) -> dict:
     if not rows:
         return {}
     out = summary(rows)
+    out["seconds"] = round(sum(r["seconds"] for r in rows), 3)
     out["formats"] = {f: summary([r for r in rows if r["format"] == f])
                       for f in dict.fromkeys(r["format"] for r in rows)}
     return {FAMILY: out}
