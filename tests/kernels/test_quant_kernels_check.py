@@ -76,6 +76,27 @@ def test_layout_arithmetic_follows_the_tp_conventions():
     assert held_blocks(Split.whole(112), 8, 40) == 3, "a whole dim: every block on every rank"
 
 
+def test_real_models_are_bounded_and_unknown_destinations_named():
+    """At Qwen3.5-35B-A3B's dimensions a case keeps every rank's GEMM shape but at most 16 of
+    the 256 experts and an LM head of 8192 rows (248320 % 8 = 0: no padding at any TP size, as
+    the real one); a quantized destination without a layout (the router) is refused by
+    name."""
+    from freetoken.models.qwen3_5_moe.config import qwen3_5_moe_config
+    from freetoken_verify.cases.qwen3_5_moe import REAL_TEXT
+    from freetoken_verify.checks.kernels.quant_cases import _bounded
+    from freetoken_verify.checks.quant_layout import LayoutError, destination_layout
+
+    cfg = qwen3_5_moe_config({"text_config": dict(REAL_TEXT)})
+    experts = _bounded(destination_layout(cfg, "model.layers.0.mlp.experts", 8), cfg, 8)
+    assert (experts.experts, experts.top_k, experts.intermediate) == (16, 8, 512), experts
+    head = _bounded(destination_layout(cfg, "lm_head", 8), cfg, 8)
+    assert head.rows == (Split(8192),) and head.cols == Split.whole(2048), head
+    attn = _bounded(destination_layout(cfg, "model.layers.3.self_attn.qkv_proj", 8), cfg, 8)
+    assert [rows_on(s, 7, 8)[1] for s in attn.rows] == [512, 512, 256, 256], attn
+    with pytest.raises(LayoutError, match=r"model\.layers\.0\.mlp\.gate: no quantized layout"):
+        destination_layout(cfg, "model.layers.0.mlp.gate", 1)
+
+
 def test_fixed_matrix_agrees_with_the_oracle(restore_quant):
     """56 cases: four formats x three layouts and two expert formats at every TP size, each
     within the float32 tolerance of the float64 oracle."""

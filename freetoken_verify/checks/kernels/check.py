@@ -95,11 +95,10 @@ def _on_rank(rank_ctx, dtype_name: str, model_cases: list, shared: bool) -> dict
     else:
         use_interpreter()
         dtype, nvfp4, cases = torch.float32, cpu_matrix(), engine_kernel_cases.cpu_matrix()
-    quantized = with_tokens(model_cases, device.type)
+    quantized = (fixed_matrix(device.type) if shared else []) + with_tokens(model_cases,
+                                                                            device.type)
     if not shared:
         nvfp4, cases = [], []
-    else:
-        quantized = fixed_matrix(device.type) + quantized
     return {"rows": run_matrix(nvfp4, device, dtype),
             "engine_rows": engine.run_matrix(cases, device, dtype),
             "quant_rows": quant.run_matrix(quantized, device, dtype),

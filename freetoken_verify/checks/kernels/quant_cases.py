@@ -12,7 +12,8 @@ Two sources of layouts (`freetoken_verify.checks.quant_layout`):
   blocks chosen so that every dim ends in a partial block and at TP 8 ranks share blocks;
   on a GPU also Qwen3.5-35B-A3B's real dimensions with 128 x 128 blocks;
 - the model under verification: each quantized destination of its config (one case per
-  destination kind and format), at every TP size the model can run.
+  destination kind and format), at every TP size the model can run (a real model's experts
+  and LM head bounded: `_bounded`).
 
 Each case takes the LAST rank of its TP size: it holds the partial last block, and where a
 rank's slice is smaller than a block it starts inside one (rank 0 always starts at 0)."""
@@ -156,9 +157,26 @@ def model_matrix(cfg, name: str) -> list[QuantCase]:
             if not gemm.format.quantized:
                 continue
             for tp in sizes:
-                layout = destination_layout(cfg, dest, tp)
+                layout = _bounded(destination_layout(cfg, dest, tp), cfg, tp)
                 key = (type(layout).__name__, getattr(layout, "label", ""), gemm.format, tp)
                 if key not in seen:
                     seen.add(key)
                     cases.append(QuantCase(gemm.format, layout, tp, tp - 1, 0, name))
     return sorted(cases, key=lambda c: c.tp)
+
+
+MAX_EXPERTS, MAX_VOCAB = 16, 8192
+
+
+def _bounded(layout: Layout | Experts, cfg, tp: int) -> Layout | Experts:
+    """A real model's layout with what does not change a rank's GEMM bounded: at most 16
+    experts (top-k at most that; routing, not shapes, depends on the count), and an LM head
+    of more than 8192 rows cut to 8192 + vocab mod 8 (the same padding at every TP size up
+    to 8), so a 248k vocabulary does not cost gigabytes of test weights."""
+    if isinstance(layout, Experts):
+        experts = min(layout.experts, MAX_EXPERTS)
+        return replace(layout, experts=experts, top_k=min(layout.top_k, experts))
+    if layout.label == "lm_head" and cfg.vocab_size > MAX_VOCAB:
+        rows = MAX_VOCAB + cfg.vocab_size % 8
+        return replace(layout, rows=(Split(-(-rows // tp) * tp),))
+    return layout
