@@ -16,6 +16,7 @@ import torch
 from conftest import GOLDEN
 from quant_folders import make_quantized_folders
 
+from freetoken.layers.quantization import Split
 from freetoken.layers.quantization.fp8 import block_linear
 from freetoken.layers.quantization.fp8 import moe as fp8_moe
 from freetoken.layers.quantization.fp8.block_linear import BlockFP8Linear
@@ -31,7 +32,7 @@ from freetoken_verify.checks.kernels.quant_cases import (
     model_matrix,
     with_tokens,
 )
-from freetoken_verify.checks.quant_layout import Split, blocks_on, held_blocks, rows_on
+from freetoken_verify.checks.quant_layout import blocks_on, held_blocks, rows_on
 from freetoken_verify.cli import main
 from freetoken_verify.faults import FAULTS
 

@@ -24,11 +24,14 @@ from contextlib import contextmanager
 
 import torch
 
+from freetoken import context
 from freetoken.distributed import TPInfo, acting_as
 from freetoken.formats.quant.format import FP8_BLOCK
 from freetoken.layers.linear import LinearBase
 from freetoken.layers.moe import route
 from freetoken.layers.quantization import linear_method
+from freetoken.layers.quantization.fp8.moe import BlockFP8FusedExperts
+from freetoken.layers.quantization.nvfp4.moe import NVFP4FusedExperts
 from freetoken_verify.checks.kernels.judge import compare_output
 from freetoken_verify.checks.kernels.nvfp4_oracle import moe as oracle_moe
 from freetoken_verify.checks.kernels.quant_cases import QuantCase
@@ -48,8 +51,6 @@ class LayoutMismatch(ValueError):
 def engine_step(device: torch.device, tokens: int):
     """A forward context as the model runner sets for a prefill of `tokens` tokens: with
     device tensors on CUDA (where the engine takes its Triton paths), none on CPU."""
-    from freetoken import context
-
     batch = None
     if device.type == "cuda":
         batch = context.device_batch([tokens], [tokens], [[0]], [0], device)
@@ -71,11 +72,7 @@ def _build(case: QuantCase):
     if isinstance(case.layout, Experts):
         e = case.layout
         if case.fmt.kind == FP8_BLOCK:
-            from freetoken.layers.quantization.fp8.moe import BlockFP8FusedExperts
-
             return BlockFP8FusedExperts(e.experts, e.hidden, e.intermediate, case.fmt.block)
-        from freetoken.layers.quantization.nvfp4.moe import NVFP4FusedExperts
-
         return NVFP4FusedExperts(e.experts, e.hidden, e.intermediate,
                                  global_scale_is_reciprocal=case.fmt.global_scale_is_reciprocal)
     layout = case.layout

@@ -32,6 +32,7 @@ from freetoken.formats.quant.format import (
     ModuleFormat,
 )
 from freetoken.layers.quantization import Split
+from freetoken.models.registry import check_tp
 from freetoken_verify.checks.quant_layout import Experts, Layout, destination_layout, rows_on
 
 TP_SIZES = (1, 2, 4, 8)
@@ -142,8 +143,6 @@ def model_matrix(cfg, name: str) -> list[QuantCase]:
     TP size it can run, tokens to be set (`with_tokens`); none for an unquantized model. A
     quantized destination the harness has no layout for raises
     (`freetoken_verify.checks.quant_layout.LayoutError`)."""
-    from freetoken.models.registry import check_tp
-
     sizes = []
     for tp in TP_SIZES:
         try:
