@@ -6,12 +6,19 @@ from freetoken.distributed.failures import RankError, RankTimeout
 from freetoken.distributed.launch import RankGroup, close_all_groups
 from freetoken.distributed.placement import Placement, PlacementError, choose_placement
 from freetoken.distributed.signals import Terminated, stop_on_signals
-from freetoken.distributed.tpinfo import TPInfo, divide, get_tp_info, reset_tp_info, set_tp_info
+from freetoken.distributed.tpinfo import (
+    TPInfo,
+    acting_as,
+    divide,
+    get_tp_info,
+    reset_tp_info,
+    set_tp_info,
+)
 from freetoken.distributed.worker import RankContext
 
 __all__ = [
     "Communicator", "get_communicator", "set_communicator", "RankContext", "RankError",
     "RankGroup", "RankTimeout", "Placement", "PlacementError", "choose_placement", "TPInfo",
-    "divide", "get_tp_info", "reset_tp_info", "set_tp_info", "close_all_groups", "Terminated",
-    "stop_on_signals", "MainModuleError",
+    "acting_as", "divide", "get_tp_info", "reset_tp_info", "set_tp_info", "close_all_groups",
+    "Terminated", "stop_on_signals", "MainModuleError",
 ]

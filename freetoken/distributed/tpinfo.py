@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 
@@ -48,3 +50,17 @@ def divide(total: int, size: int, what: str) -> int:
     if total % size:
         raise ValueError(f"{what}={total} cannot be split across tp_size={size}")
     return total // size
+
+
+@contextmanager
+def acting_as(info: TPInfo) -> Iterator[TPInfo]:
+    """Run a block with `info` as this process's TP identity, then put back exactly what was
+    there (unset included). For building one rank's layers of another TP size in a process
+    that holds its own (the harness's kernels check builds every TP size's layers on rank 0);
+    nothing in the block may talk to the rank group, whose size is still the real one."""
+    global _TP_INFO
+    saved, _TP_INFO = _TP_INFO, info
+    try:
+        yield info
+    finally:
+        _TP_INFO = saved

@@ -29,6 +29,9 @@ class VerifyOptions:
     save_reference: str | None = None
     download: bool = False
     bitwise: bool = False
+    kernel_matrices: bool = True
+    """Whether `kernels` runs its Triton kernel matrices (False: only the quantized GEMMs,
+    where nothing in the run can affect the Triton kernels; see `build_plan`)."""
 
 
 @dataclass
@@ -81,8 +84,8 @@ CHECKS: tuple[CheckSpec, ...] = (
     CheckSpec("shards", "shards",
               "every loaded parameter equals its shard of the checkpoint tensor, owning storage"),
     CheckSpec("kernels", "kernels",
-              "NVFP4 kernels against the format oracle, engine kernels against their torch "
-              "paths, at TP-local shapes (once per TP size)"),
+              "NVFP4 kernels and every quantized GEMM against format oracles, engine kernels "
+              "against their torch paths, at TP-local shapes (once per TP size)"),
     CheckSpec("collectives", "collectives",
               "every collective runs at its named place, with the expected shape and dtype"),
 )

@@ -39,12 +39,15 @@ from freetoken_verify.faults.layout import (
     plain_chunk_shared_gate_up,
 )
 from freetoken_verify.faults.memory import (
+    dequantize_at_load,
     double_copy_load,
     gdn_state_global_heads,
     keep_shard_copies,
     kv_cache_global_heads,
+    quantized_shard_views,
 )
 from freetoken_verify.faults.port_mistakes import BUGS
+from freetoken_verify.faults.quant_kernels import QUANT_KERNEL_FAULTS
 from freetoken_verify.faults.scales import SCALE_FAULTS
 
 
@@ -277,6 +280,8 @@ FAULTS: dict[str, Callable[[], None]] = {
     "double-copy-load": double_copy_load,
     "kv-cache-global-heads": kv_cache_global_heads,
     "gdn-state-global-heads": gdn_state_global_heads,
+    "dequantize-at-load": dequantize_at_load,
+    "quantized-shard-views": quantized_shard_views,
     "nvfp4-load-globals-swapped": nvfp4_load_globals_swapped,
     "nvfp4-nibble-swap": nvfp4_nibble_swap,
     "nvfp4-drop-global-scale": nvfp4_drop_global_scale,
@@ -295,6 +300,7 @@ FAULTS: dict[str, Callable[[], None]] = {
     "torch-nvfp4-drop-w13-global": torch_nvfp4_drop_w13_global,
     **SCALE_FAULTS,
     **KERNEL_FAULTS,
+    **QUANT_KERNEL_FAULTS,
     **GRAPH_FAULTS,
     **INVARIANT_FAULTS,
 }

@@ -120,4 +120,23 @@ CATALOGUE: tuple[Entry, ...] = (
     Entry("invariant reduction summed left to right on one rank",
           "invariant-leaves-left-to-right", "tiny-qwen3-moe", (2,), ("golden",),
           r"tp=1: .*differ bit for bit"),
+    Entry("one fused segment's per-tensor FP8 scale used for every segment",
+          "fp8-tensor-first-scale-for-all", "tiny-llama", (1,), ("kernels",),
+          r"quantized GEMMs in float32: 8 / \d+ .*first: FP8 per-tensor \(modelopt\) "
+          r"qkv_proj \(q \| gate \| k \| v\) tp=1 rank 0", tp1_green=False),
+    Entry("one fused segment's NVFP4 global used for every segment",
+          "nvfp4-linear-first-global-for-all", "tiny-llama", (1,), ("kernels",),
+          r"quantized GEMMs in float32: 16 / \d+ .*first: NVFP4 \(modelopt\) qkv_proj",
+          tp1_green=False),
+    Entry("compressed-tensors NVFP4 divisor global used as a multiplier",
+          "nvfp4-divisor-as-multiplier", "tiny-llama", (1,), ("kernels",),
+          r"quantized GEMMs in float32: .*first: NVFP4 \(compressed-tensors\) ",
+          tp1_green=False),
+    Entry("block-FP8 partial block's scale read one block early",
+          "fp8-block-partial-off-by-one", "tiny-llama", (1,), ("kernels",),
+          r"quantized GEMMs in float32: .*first: FP8 block 24x40 \(fp8\) ", tp1_green=False),
+    Entry("block-FP8 routed experts scaled by the next expert's block scales",
+          "fp8-moe-scale-wrong-expert", "tiny-llama", (1,), ("kernels",),
+          r"quantized GEMMs in float32: 4 / \d+ .*first: FP8 block 24x40 \(fp8\) routed "
+          r"experts tp=1 rank 0", tp1_green=False),
 )

@@ -73,3 +73,53 @@ def gdn_state_global_heads() -> None:
                                            dtype=torch.float32, device=device)
 
     GatedDeltaNet.allocate_state = allocate_state
+
+
+QUANTIZED_FIELDS = ("weight", "weight_scale", "weight_scale_2", "input_scale")
+
+
+def _quantized_layers(model):
+    """Every layer of `model` that computes through a quantization method."""
+    return [m for m in model.modules() if getattr(m, "quant", None) is not None]
+
+
+def dequantize_at_load() -> None:
+    """The quantized linear layers dequantize their weights once, after loading, and keep the
+    dense weight in the model dtype in place of the packed weight and its scales: the
+    outputs do not change, the weights take 2x (FP8) to 8x (NVFP4) the memory in bf16."""
+
+    original = core.load_weights
+
+    def load(model, reader, plan, progress=True):
+        out = original(model, reader, plan, progress)
+        dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point
+                     and p.dtype.itemsize > 1)
+        for layer in _quantized_layers(model):
+            dense = layer.quant.dequantize(layer, dtype)
+            for name in QUANTIZED_FIELDS:
+                if name in layer._parameters:
+                    delattr(layer, name)
+            layer.weight = torch.nn.Parameter(dense, requires_grad=False)
+            layer.quant = None
+        return out
+
+    core.load_weights = load
+
+
+def quantized_shard_views() -> None:
+    """The quantized layers keep their packed / e4m3 weight as a `narrow()` view of a
+    full-size (tp x) buffer, as a loader slicing the whole checkpoint tensor in memory
+    would: every rank pins tp times its share of those weights."""
+
+    original = core.load_weights
+
+    def load(model, reader, plan, progress=True):
+        out = original(model, reader, plan, progress)
+        tp = get_tp_info()
+        for layer in _quantized_layers(model):
+            rows = layer.weight.shape[0]
+            full = torch.cat([layer.weight.data] * tp.size)
+            layer.weight.data = full.narrow(0, tp.rank * rows, rows)
+        return out
+
+    core.load_weights = load

@@ -145,10 +145,12 @@ def build_plan(models: Sequence[str] = (), tp: Sequence[int] | int = DEFAULT_TP,
     `keyword` (`-k`) and `only` ((model, check, tp) rows, `--rerun-failed`) select rows;
     `maxfail` stops the run after that many failed rows.
 
-    The kernels check runs when it is named, or when something it covers is in play: GPU
-    ranks (the engine's Triton kernels) or an injected fault the catalogue says it catches.
-    Otherwise (CPU ranks, which run the engine's torch path and no Triton kernel) a default
-    run leaves it out and says so in `Plan.notes`."""
+    The kernels check runs in full when it is named, or when something its Triton matrices
+    cover is in play: GPU ranks (the engine's Triton kernels) or an injected fault the
+    catalogue says it catches. Otherwise (CPU ranks, which run the engine's torch path and no
+    Triton kernel) a default run keeps only its quantized GEMMs (the engine's CPU path of a
+    quantized model) or, without a quantized model, leaves it out, and says so in
+    `Plan.notes`."""
 
     sizes = [tp] if isinstance(tp, int) else list(tp)
     if not sizes:
@@ -163,12 +165,18 @@ def build_plan(models: Sequence[str] = (), tp: Sequence[int] | int = DEFAULT_TP,
         maxfail = check_count("maxfail", maxfail)
     selection = Selection(None if keyword is None else str(keyword), only)
     notes = ()
+    cases = _cases(models, options.download)
     if not wanted and "kernels" in selected and not _kernels_in_play(tp_sizes, options,
                                                                      fault_names):
-        del selected["kernels"]
-        notes = ("kernels: left out (CPU ranks run no Triton kernel and no injected fault "
-                 "touches one); --checks kernels runs it",)
-    cases = _cases(models, options.download)
+        options = replace(options, kernel_matrices=False)
+        if any(c.model_config.quantization is not None for c in cases):
+            notes = ("kernels: the quantized GEMMs only (CPU ranks run no Triton kernel and no "
+                     "injected fault touches one); --checks kernels runs the kernel matrices "
+                     "too",)
+        else:
+            del selected["kernels"]
+            notes = ("kernels: left out (CPU ranks run no Triton kernel, no model is quantized "
+                     "and no injected fault touches one); --checks kernels runs it",)
     _validate(cases, tp_sizes, options, selected)
     options = replace(options, bitwise=resolve_bitwise(bitwise, cases, tp_sizes, options))
     plan = Plan(cases, tp_sizes, selected, options, fault_names, selection, maxfail, notes)

@@ -19,10 +19,13 @@ from freetoken.distributed import (
     RankGroup,
     RankTimeout,
     TPInfo,
+    acting_as,
     choose_placement,
     divide,
     get_communicator,
     get_tp_info,
+    reset_tp_info,
+    set_tp_info,
 )
 
 _EXIT_WAIT_S = 5.0
@@ -370,3 +373,21 @@ def test_tpinfo_is_frozen_and_validated():
         with pytest.raises(ValueError, match="invalid TP rank"):
             TPInfo(rank, size)
     assert TPInfo().size == 1 and TPInfo().is_first, "default is TP=1, rank 0"
+
+
+def test_acting_as_restores_the_identity_it_found():
+    """`acting_as` gives the block its TP identity and puts back exactly what was there:
+    unset stays unset (a later set_tp_info of another size still works), a set identity
+    comes back, also when the block raises."""
+    reset_tp_info()
+    with acting_as(TPInfo(3, 8)):
+        assert get_tp_info() == TPInfo(3, 8)
+    assert get_tp_info() == TPInfo(), "unset identity reads as TP=1"
+    set_tp_info(TPInfo(0, 2))
+    try:
+        with pytest.raises(RuntimeError, match="inside"), acting_as(TPInfo(1, 4)):
+            assert get_tp_info() == TPInfo(1, 4)
+            raise RuntimeError("inside")
+        assert get_tp_info() == TPInfo(0, 2), "the set identity comes back"
+    finally:
+        reset_tp_info()

@@ -2,7 +2,8 @@
 matrix): it passes, runs once per TP size (the next model is skipped, saying so), and fails on
 each injected NVFP4 kernel bug, naming a case and blaming the kernels; a bug injected into the
 engine's torch NVFP4 backend instead is blamed on the backend, naming the quantity it gets
-wrong, while the kernels are reported to agree with the format oracle."""
+wrong, while the kernels are reported to agree with the format oracle (the quantized GEMMs'
+part is `tests/kernels/test_quant_kernels_check.py`)."""
 
 from __future__ import annotations
 
@@ -65,20 +66,24 @@ def test_kernels_check_fails_on_injected_fault(capsys, tmp_path, fault):
 def test_kernels_check_blames_the_torch_backend(capsys, tmp_path):
     """The torch backend reading nibbles in the wrong order fails the row, which says the
     backend disagrees with the format oracle on w13 dequantization and that the kernels agree
-    with the oracle."""
+    with the oracle; the quantized GEMMs' NVFP4 cases, which run on that backend on CPU, fail
+    too, and only they."""
     report = tmp_path / "r.json"
     code, out = _run(capsys, "--checks", "kernels", "--tp", "1", "--model", "tiny-llama",
                      "--inject", "torch-nvfp4-nibble-swap", "--report-json", str(report))
     assert code == 1, out
     (result,) = json.loads(report.read_text())["results"]
-    assert result["status"] == "fail" and result["metrics"]["failed_cases"] == 0, result
-    nvfp4_cases = result["metrics"]["families"]["nvfp4"]["cases"]
+    families = result["metrics"]["families"]
+    assert result["status"] == "fail" and families["nvfp4"]["failed_cases"] == 0, result
+    nvfp4_cases = families["nvfp4"]["cases"]
     assert result["metrics"]["backend_failed_cases"] == nvfp4_cases, result
+    failed = {f for f, m in families["quantized"]["formats"].items() if m["failed_cases"]}
+    assert failed == {"NVFP4 (modelopt)", "NVFP4 (compressed-tensors)"}, families["quantized"]
     message = result["message"]
     assert message.startswith("tiny-llama tp=1: torch NVFP4 backend disagrees with the format "
                               "oracle on w13 dequantization (expert 0): "), message
-    assert message.endswith(f"; the kernels agree with the oracle in all {nvfp4_cases} cases"), \
-        message
+    assert f"; the kernels agree with the oracle in all {nvfp4_cases} cases; quantized GEMMs " \
+           "in float32: " in message, message
 
 
 SMALL = [kernels.KernelCase("moe", 7, 8, 2, 48, 64, 2),

@@ -136,3 +136,81 @@ def test_split_part_compared_with_tp1_over_n():
     assert "2.00x TP=1's x 1/2" in failures[1], failures[1]
     padded = Part("parameters", 1100, "formula", 1010, 2000)
     assert _expectation_failures({"parameters": 1100}, {"parameters": padded}, 0, 2) == []
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    from quant_folders import make_quantized_folders
+
+    return make_quantized_folders(tmp_path_factory.mktemp("quantized"))
+
+
+def test_quantized_bytes_follow_the_format_rules(quantized):
+    """Bytes from the config alone, counted by hand for block FP8 (24 x 40 blocks) at TP 8 on
+    rank 2: q_proj's scale one float32 row per weight row (64 rows x 2 column blocks);
+    in_proj_qkv's q, k, v scale rows counted per segment, blocks shared with a neighbour
+    rank counted (q 2, k 2, v 2), every rank holding the most any needs; the e4m3 weight one
+    byte an element; the ModelOpt NVFP4 lm_head packed two to a byte with one e4m3 scale per
+    16 inputs and a float32 global."""
+    from freetoken.models.registry import load_config
+    from freetoken_verify.checks.memory.quantized import owners, tensor_bytes
+
+    p = "model.language_model.layers"
+    cfg = load_config(quantized["block-fp8"])
+    owner = owners(cfg)
+
+    def size(module: str, suffix: str, cfg=cfg, owner=owner, rank=2, tp=8) -> int:
+        return tensor_bytes(cfg, owner[module], f"{module}.{suffix}", rank, tp)[0]
+
+    assert size(f"{p}.1.self_attn.q_proj", "weight_scale_inv") == 64 * 2 * 4
+    assert size(f"{p}.1.self_attn.q_proj", "weight") == 64 * 64
+    assert size(f"{p}.0.linear_attn.in_proj_qkv", "weight_scale_inv") == (2 + 2 + 2) * 2 * 4
+    assert size(f"{p}.0.linear_attn.in_proj_z", "weight_scale_inv") == 1 * 2 * 4
+    assert size(f"{p}.0.mlp.experts.3.down_proj", "weight_scale_inv") == 3 * 1 * 4
+    mixed = load_config(quantized["modelopt-mixed"])
+    head = owners(mixed)["lm_head"]
+    assert tensor_bytes(mixed, head, "lm_head.weight", 7, 8)[0] == 38 * 64 // 2
+    assert tensor_bytes(mixed, head, "lm_head.weight_scale", 7, 8)[0] == 38 * 4
+    assert tensor_bytes(mixed, head, "lm_head.weight_scale_2", 7, 8)[0] == 4
+
+
+def test_quantized_folders_within_budget_at_every_tp(capsys, tmp_path, quantized):
+    """Block FP8 (Qwen3.5-MoE and Llama), ModelOpt mixed NVFP4 + FP8, compressed-tensors
+    NVFP4 and ModelOpt FP8 Llama load at TP 1, 2, 4 and 8 in bf16 holding exactly the bytes
+    their formats give every parameter (scales float32 while the rest is bf16), within
+    budget; each rank reports its parameter bytes per format."""
+    code, results = _memory_results(capsys, tmp_path, "--model",
+                                    ",".join(str(f) for f in quantized.values()),
+                                    "--tp", "1,2,4,8", "--dtype", "bfloat16")
+    assert code == 0, [r["message"] for r in results if r["status"] != "pass"]
+    assert len(results) == 4 * len(quantized)
+    formats = {f for r in results for rank in r["metrics"]["per_rank"]
+               for f in rank["parameter_formats"]}
+    assert {"FP8 block 24x40 (fp8)", "FP8 per-tensor (modelopt)", "NVFP4 (modelopt)",
+            "NVFP4 (compressed-tensors)", "bf16 (unquantized)"} <= formats, formats
+
+
+def test_dequantize_at_load_fails_naming_the_parameter(capsys, tmp_path, quantized):
+    """Quantized layers that dequantize at load (outputs unchanged, weights 4x to 8x larger
+    in fp32) fail memory at TP 1 and 2 in every format, naming a parameter of a quantized
+    layer with its dtype, shape and the bytes its format gives it."""
+    models = [quantized[n] for n in ("block-fp8", "modelopt-mixed", "ct-nvfp4")]
+    code, results = _memory_results(capsys, tmp_path, "--model",
+                                    ",".join(map(str, models)), "--tp", "1,2",
+                                    "--inject", "dequantize-at-load")
+    assert code == 1 and all(r["status"] == "fail" for r in results), results
+    for r in results:
+        message = r["message"]
+        assert "rank 0: parameter " in message and "(float32 [" in message, message
+        assert "expected" in message and "from the config: " in message, message
+        assert any(f in message for f in ("FP8 block", "NVFP4")), message
+
+
+def test_quantized_shard_views_fail_ownership(capsys, tmp_path, quantized):
+    """Quantized weights kept as narrow() views of a full-size buffer fail (a) at TP 2,
+    naming the parameter and the bytes its view pins."""
+    code, results = _memory_results(capsys, tmp_path, "--model", str(quantized["block-fp8"]),
+                                    "--tp", "2", "--inject", "quantized-shard-views")
+    assert code == 1 and results[0]["status"] == "fail", results
+    message = results[0]["message"]
+    assert "does not own its storage" in message and ".weight" in message, message

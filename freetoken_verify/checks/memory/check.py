@@ -32,6 +32,7 @@ from freetoken_verify.checks.memory.expected import (
     KV_CACHE,
     PARAMETERS,
     RECURRENT_STATE,
+    Part,
     expected_parts,
 )
 from freetoken_verify.checks.memory.sampler import PeakSampler
@@ -83,6 +84,7 @@ def _measure(rank_ctx, engine_args: dict) -> dict:
                               rank_ctx.size, graphs=graphs_allowed(core.cfg, core.device))
     failures = (_ownership_failures(core, rank_ctx.rank) + _mmap_failures(core, rank_ctx.rank))
     not_owned = len(failures)
+    failures += _parameter_failures(core, expected[PARAMETERS], rank_ctx.rank)
     failures += _expectation_failures(actual, expected, rank_ctx.rank, rank_ctx.size)
     weights = expected[PARAMETERS].nbytes + actual["buffers"]
     own = weights + sum(p.nbytes for n, p in expected.items() if n != PARAMETERS)
@@ -97,6 +99,7 @@ def _measure(rank_ctx, engine_args: dict) -> dict:
                                   budget_device, own, 0))
     return {"rank": rank_ctx.rank, "expected": own, "transient": transient,
             "expected_parts": {n: p.nbytes for n, p in expected.items()}, "actual_parts": actual,
+            "parameter_formats": expected[PARAMETERS].by_format,
             **measured, "peak_device": peak_device, "budget_device": budget_device,
             "not_owned": not_owned, "failures": failures}
 
@@ -154,6 +157,28 @@ def _actual_parts(core) -> dict[str, int]:
         parts[CONV_STATE] = _nbytes(layer.conv_state for layer in linear)
         parts[RECURRENT_STATE] = _nbytes(layer.recurrent_state for layer in linear)
     return parts
+
+
+def _parameter_failures(core, expected: Part, rank: int, shown: int = 3) -> list[str]:
+    """Each engine parameter against the bytes the config gives it (a quantized layer that
+    dequantized at load, or holds a scale of another shape, is named here): the first
+    `shown` mismatches, and how many more."""
+    params = dict(core.model.named_parameters())
+    failures = []
+    for name in sorted(set(params) | set(expected.by_param)):
+        want, how = expected.by_param.get(name, (0, "no checkpoint tensor fills it"))
+        p = params.get(name)
+        got = 0 if p is None else p.numel() * p.element_size()
+        if got == want:
+            continue
+        held = "no such parameter" if p is None else \
+            f"{str(p.dtype).removeprefix('torch.')} {list(p.shape)}"
+        failures.append(f"rank {rank}: parameter {name} is {got} bytes ({held}), expected "
+                        f"{want} bytes from the config: {how}")
+    if len(failures) > shown:
+        failures = failures[:shown] + [f"rank {rank}: {len(failures) - shown} more parameters "
+                                       "differ from the config's bytes"]
+    return failures
 
 
 def _expectation_failures(actual: dict, expected: dict, rank: int, size: int) -> list[str]:

@@ -2,9 +2,12 @@
 headers and the engine's settings alone, never from what the engine allocated: a cache sized
 from a global count (all KV heads, all value heads) on every rank then disagrees with it.
 
-* parameters: each checkpoint tensor's rank-local shape (its shard spec applied to a meta
-  tensor of the header's shape), in the engine's dtype for floating tensors, NVFP4 packed
-  weights and fp8 block scales as stored, NVFP4 global scales float32;
+* parameters, per engine parameter: the tensors of quantized modules by their format's
+  rule (`freetoken_verify.checks.memory.quantized`: packed NVFP4 bytes, e4m3 group scales and
+  float32 globals; e4m3 FP8 weights and their float32 per-tensor or per-block scales, blocks
+  two ranks share counted on both), every other tensor by its rank-local shape (its shard
+  spec applied to a meta tensor of the header's shape) in the engine's dtype when floating,
+  as stored otherwise;
 * KV cache: 2 (k, v) x attention layers x blocks x block size x LOCAL KV heads (global / tp,
   or one when there are fewer heads than ranks) x head_dim x dtype bytes;
 * GatedDeltaNet state, per linear-attention layer and sequence slot: conv state over the local
@@ -16,14 +19,17 @@ from a global count (all KV heads, all value heads) on every rank then disagrees
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections import defaultdict
+from dataclasses import dataclass, field
 
 import torch
 
 from freetoken.config import EngineConfig, ModelConfig
 from freetoken.formats.nvfp4.specs import GlobalScale
+from freetoken.formats.quant.format import UNQUANTIZED
 from freetoken.loading import CheckpointReader
 from freetoken.models.registry import load_config, shard_plan
+from freetoken_verify.checks.memory.quantized import owners, tensor_bytes
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
@@ -39,13 +45,17 @@ PARAMETERS = "parameters"
 @dataclass(frozen=True)
 class Part:
     """Bytes one rank should hold for one kind of memory and how they were computed;
-    `split_bytes` of them are split across ranks, and TP=1 holds `split_tp1` of those."""
+    `split_bytes` of them are split across ranks, and TP=1 holds `split_tp1` of those.
+    Parameters also by engine parameter (`by_param`: name -> (bytes, how)) and by format
+    (`by_format`: `bf16 (unquantized)`, `FP8 block 128x128 (fp8)`, ... -> bytes)."""
 
     name: str
     nbytes: int
     formula: str
     split_bytes: int
     split_tp1: int
+    by_param: dict = field(default_factory=dict, compare=False)
+    by_format: dict = field(default_factory=dict, compare=False)
 
 
 def expected_parts(folder: str, cfg: EngineConfig, dtype: torch.dtype, rank: int,
@@ -114,29 +124,51 @@ def gdn_state_parts(model: ModelConfig, cfg: EngineConfig, dtype: torch.dtype, s
 
 def parameter_part(folder: str, model: ModelConfig, num_layers: int | None,
                    dtype: torch.dtype, rank: int, size: int) -> Part:
-    """Rank-dependent: the sum of this rank's shard shapes (and, padding aside, 1/size of
-    the split tensors)."""
+    """Rank-dependent: the bytes of this rank's share of every checkpoint tensor the plan
+    loads, summed per engine parameter (and, padding aside, 1/size of the split tensors)."""
 
     reader = CheckpointReader(folder, num_layers)
     plan = shard_plan(model, size)
+    quantized = owners(model)
     total = split = split_tp1 = 0
+    by_param: dict[str, list] = defaultdict(lambda: [0, []])
+    by_format: dict[str, int] = defaultdict(int)
     for name in reader.names():
         target = plan.resolve(name)
         if target.param is None:
             continue
-        rule = target.rule
-        shape, stored = reader.meta(name)
-        full = torch.empty(shape, dtype=SAFETENSORS_DTYPES[stored], device="meta")
-        local = math.prod(rule.spec.pieces(full, rank, size, name).shape)
-        item = _param_dtype(full.dtype, isinstance(rule.spec, GlobalScale), dtype).itemsize
-        total += local * item
+        owner = quantized.get(name.rpartition(".")[0])
+        counted = owner and tensor_bytes(model, owner, name, rank, size)
+        if counted:
+            (local, how), tp1 = counted, tensor_bytes(model, owner, name, 0, 1)[0]
+        else:
+            local, how, tp1 = _stored_bytes(reader, target, name, dtype, rank, size)
+        total += local
+        by_param[target.param][0] += local
+        by_param[target.param][1].append(how)
+        by_format[(owner.fmt if counted else UNQUANTIZED).describe()] += local
         # Split: every rank holds 1/size of it, give or take padding smaller than a shard.
-        if size > 1 and 0 <= local * size - full.numel() < local:
-            split, split_tp1 = split + local * item, split_tp1 + full.numel() * item
+        if size > 1 and 0 <= local * size - tp1 < local:
+            split, split_tp1 = split + local, split_tp1 + tp1
     reader.close()
-    return Part(PARAMETERS, total, "the checkpoint's tensors through the shard plan at "
-                f"tp={size}, floating tensors in {str(dtype).removeprefix('torch.')}", split,
-                split_tp1)
+    return Part(PARAMETERS, total, "the checkpoint's tensors at "
+                f"tp={size}: quantized modules by their format, the others through the shard "
+                f"plan, floating ones in {str(dtype).removeprefix('torch.')}", split,
+                split_tp1, {k: (v[0], "; ".join(v[1])) for k, v in by_param.items()},
+                dict(by_format))
+
+
+def _stored_bytes(reader, target, name: str, dtype, rank: int, size: int
+                  ) -> tuple[int, str, int]:
+    """(bytes on this rank, how, bytes of the whole tensor) of an unquantized tensor: its
+    shard spec's rank-local shape, floating in the engine dtype."""
+    shape, stored = reader.meta(name)
+    full = torch.empty(shape, dtype=SAFETENSORS_DTYPES[stored], device="meta")
+    local = tuple(target.rule.spec.pieces(full, rank, size, name).shape)
+    item = _param_dtype(full.dtype, isinstance(target.rule.spec, GlobalScale), dtype).itemsize
+    dims = " x ".join(map(str, local)) or "1"
+    return (math.prod(local) * item, f"{name}: {dims} x {item} B",
+            full.numel() * item)
 
 
 def _param_dtype(stored: torch.dtype, global_scale: bool, dtype: torch.dtype) -> torch.dtype:
