@@ -49,7 +49,7 @@ def test_dry_run_lists_the_selected_rows_without_ranks(capsys):
         "tiny-llama golden tp=1 bfloat16 cpu-gloo", "tiny-llama shards tp=1 bfloat16 cpu-gloo",
         "tiny-llama golden tp=2 bfloat16 cpu-gloo", "tiny-llama shards tp=2 bfloat16 cpu-gloo",
         "4 row(s) planned"], out
-    assert out.startswith("note: kernels: left out")
+    assert out.startswith("note: kernels: the quantized GEMMs only"), out
     assert_refused(capsys, ["--dry-run", "-k", "no-such-model"], "no row is selected")
     code, out, _ = run_cli(capsys, "--collect-only", "--checks", "kernels", "--tp", "1",
                            "--model", "tiny-llama")
