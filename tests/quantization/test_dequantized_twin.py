@@ -91,6 +91,8 @@ def test_large_modules_dequantize_in_bands_to_the_same_weight(monkeypatch):
     nvfp4 = _suffixes(to_checkpoint(nvfp4_quantize(w), M, COMPRESSED_TENSORS))
     cases = [(ModuleFormat(FP8_BLOCK, "fp8", (8, 24)),
               {"weight": codes, "weight_scale_inv": scale}),
+             (ModuleFormat(FP8_BLOCK, COMPRESSED_TENSORS, (8, 24)),
+              {"weight": codes, "weight_scale": scale.float()}),
              (ModuleFormat(FP8_TENSOR, MODELOPT),
               {"weight": codes, "weight_scale": torch.tensor(0.25)}),
              (ModuleFormat(NVFP4, COMPRESSED_TENSORS), nvfp4)]

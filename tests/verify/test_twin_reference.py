@@ -132,7 +132,7 @@ def test_the_twin_shares_no_code_with_the_engines_dequantizers(folders, tmp_path
 def test_a_sharded_folder_builds_the_same_twin(folders, tmp_path):
     """Each checkpoint split into two files and an index, the cut between a module's weight
     and its scale, gives a twin with the same tensors bit for bit; a twin cut into several
-    files gets an index the engine's reader follows to the same tensors."""
+    files gets an index the engine's reader and HF follow to the same weights."""
     for label in ("block-fp8", "ct-nvfp4"):
         folder = folders[label]
         split = split_in_two(folder, tmp_path / f"{label}-split")
@@ -149,6 +149,13 @@ def test_a_sharded_folder_builds_the_same_twin(folders, tmp_path):
             assert torch.equal(reader.get(name), want), f"{label} {name}"
         assert twin_bytes(split, scheme) >= sum(p.stat().st_size
                                                 for p in many.glob("model-*.safetensors"))
+    # HF follows the index of a twin in several files (a real checkpoint's twin always is).
+    from transformers import AutoModelForCausalLM
+
+    one, several = (AutoModelForCausalLM.from_pretrained(tmp_path / name, dtype=torch.float32)
+                    .state_dict() for name in ("ct-nvfp4-twin", "ct-nvfp4-split-twin"))
+    assert one.keys() == several.keys()
+    assert all(torch.equal(one[k], several[k]) for k in one), "HF loaded other weights"
 
 
 def test_the_twin_is_reused_when_unchanged_and_rebuilt_when_a_quantized_file_changes(

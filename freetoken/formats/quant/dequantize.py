@@ -25,9 +25,9 @@ from freetoken.formats.quant.format import (
 )
 
 NVFP4_GROUP = 16
-CHUNK_BYTES = 256 << 20
+CHUNK_BYTES = 64 << 20
 """A large module is dequantized a band of rows at a time, each band's float64 values at most
-this size (a 35B lm_head in float64 would be 4 GB at once)."""
+this size (a 35B lm_head in float64 would be 4 GB at once, its temporaries several times that)."""
 
 
 def _fields(fmt: ModuleFormat, tensors: Mapping[str, torch.Tensor], module: str) -> dict:

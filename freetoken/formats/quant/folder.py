@@ -1,13 +1,16 @@
-"""The weight files of a checkpoint folder as the formats layer reads them: one
+"""The weight files of a checkpoint folder as the formats layer reads and writes them: one
 `model.safetensors`, several `model*.safetensors`, or the files `model.safetensors.index.json`
-names; each tensor's file, dtype and shape from the headers alone, and tensors read one at a
-time. What the dequantized twin is written from (`twin.py`); the engine's own reader, with its
-checks, is `freetoken.loading`, one layer up."""
+names; each tensor's file, dtype and shape from the headers alone, tensors read one at a
+time, and a safetensors file written one tensor at a time (its header first, from the
+shapes). What the dequantized twin is written from and with (`twin.py`); the engine's own
+reader, with its checks, is `freetoken.loading`, one layer up."""
 
 from __future__ import annotations
 
 import json
 import math
+import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,8 +21,10 @@ INDEX = "model.safetensors.index.json"
 
 _ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
                "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U64": 8, "U32": 4, "U16": 2}
-_STORED_AS = {torch.uint8: "U8", torch.int8: "I8", torch.float8_e4m3fn: "F8_E4M3",
-              torch.float8_e5m2: "F8_E5M2"}
+_STORED_AS = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+              torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
+              torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+              torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 
 
 class FolderError(ValueError):
@@ -27,7 +32,9 @@ class FolderError(ValueError):
 
 
 def stored_dtype(dtype: torch.dtype) -> str:
-    """The safetensors name of a quantized-data dtype (`torch.uint8` -> `U8`)."""
+    """The safetensors name of a dtype (`torch.uint8` -> `U8`)."""
+    if dtype not in _STORED_AS:
+        raise FolderError(f"dtype {dtype} has no safetensors name here")
     return _STORED_AS[dtype]
 
 
@@ -94,12 +101,32 @@ class TensorSource:
             self._open[file] = safe_open(self.folder / file, "pt")
         return self._open[file].get_tensor(name)
 
-    def release(self, file: str) -> None:
-        """Close `file` (its tensors handed out stay valid)."""
-        self._open.pop(file, None)
-
     def __enter__(self) -> TensorSource:
         return self
 
     def __exit__(self, *exc) -> None:
         self._open.clear()
+
+
+def write_safetensors(path: Path, entries: list[TensorInfo], names: list[str],
+                      tensors: Iterable[torch.Tensor]) -> None:
+    """Write safetensors file `path` holding `names[i]` with the dtype and shape of
+    `entries[i]`, its data the i-th of `tensors`, each written as it comes: the header is
+    made from the entries first, so no more than one tensor is held at a time (a
+    safetensors `save_file` holds every tensor and copies them once more). FolderError
+    naming the tensor when one comes in another dtype or shape than its entry."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, info in zip(names, entries, strict=True):
+        header[name] = {"dtype": info.dtype, "shape": list(info.shape),
+                        "data_offsets": [offset, offset + info.nbytes]}
+        offset += info.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for name, info, t in zip(names, entries, tensors, strict=True):
+            if stored_dtype(t.dtype) != info.dtype or tuple(t.shape) != info.shape:
+                raise FolderError(f"{path}: tensor {name!r} came as {t.dtype} "
+                                  f"{tuple(t.shape)}, its header says {info.dtype} "
+                                  f"{info.shape}")
+            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)

@@ -7,20 +7,18 @@ is wrong on partial blocks, compressed-tensors NVFP4 experts come out times thei
 scale, ModelOpt is not read).
 
 Written from one `model.safetensors` or a sharded folder (an index and several files), one
-weight file at a time: a writer holds at most one twin file's tensors (cut at the larger of
-`MIN_FILE_BYTES` and the largest weight file) and one band of a module's float64 values."""
+tensor at a time: a writer holds one module and one band of its float64 values, whatever the
+checkpoint's size."""
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from freetoken.formats.quant.dequantize import (
     check_scalar_scale,
@@ -34,8 +32,9 @@ from freetoken.formats.quant.folder import (
     stored_dtype,
     tensor_table,
     weight_files,
+    write_safetensors,
 )
-from freetoken.formats.quant.format import NVFP4, ModuleFormat
+from freetoken.formats.quant.format import NVFP4, ModuleFormat, QuantConfigError
 
 __all__ = ["TwinLayout", "check_scalar_scale", "dequantize_module", "twin_bytes",
            "twin_layout", "write_dequantized_twin"]
@@ -88,65 +87,62 @@ def _copied_files(folder: Path) -> list[Path]:
             and not (p.name.startswith("model") and p.name.endswith(".safetensors"))]
 
 
-def twin_bytes(folder: str | Path, scheme, dtype: torch.dtype = torch.float32,
-               keep: Callable[[str], bool] | None = None) -> int:
-    """What `write_dequantized_twin` with these arguments writes, in bytes, from the headers
-    alone (a header allowance per tensor included): what a cache must have free."""
-    folder = Path(folder)
-    table = tensor_table(folder)
-    layout = twin_layout(table, scheme)
-    total = sum(p.stat().st_size for p in _copied_files(folder)) + (1 << 20)
-    for name, info in table.items():
+@dataclass(frozen=True)
+class _Out:
+    """One tensor of the twin: its `name`, the checkpoint tensor it comes from (`source`:
+    the stored weight of a dequantized module) and its dtype and shape in the twin."""
+
+    name: str
+    source: str
+    info: TensorInfo
+
+
+def _planned(table: Mapping[str, TensorInfo], layout: TwinLayout, dtype: torch.dtype,
+             keep: Callable[[str], bool] | None) -> list[_Out]:
+    """The twin's tensors in writing order (checkpoint file by file, names sorted)."""
+    outs: dict[str, _Out] = {}
+    files = sorted({info.file for info in table.values()})
+    for name in sorted(table, key=lambda n: (files.index(table[n].file), n)):
+        info = table[name]
         module, _, suffix = name.rpartition(".")
         if keep is not None and not keep(name):
             continue
         if name not in layout.consumed:
-            total += info.nbytes + len(name) + 96
+            out = _Out(name, name, info)
         elif layout.modules[module].suffixes()[suffix] == "weight":
-            rows, cols = layout.weight_shape(module, info)
-            total += rows * cols * dtype.itemsize + len(name) + 96
-    return total
+            shape = layout.weight_shape(module, info)
+            out = _Out(f"{module}.weight", name,
+                       TensorInfo(info.file, stored_dtype(dtype), shape))
+        else:
+            continue
+        if out.name in outs:
+            raise QuantConfigError(f"{module}: the checkpoint holds both {outs[out.name].source}"
+                                   f" and {out.source}, which would both be {out.name}")
+        outs[out.name] = out
+    return list(outs.values())
 
 
+def _cut(outs: list[_Out], limit: int) -> list[list[_Out]]:
+    """The twin's tensors grouped into files of about `limit` bytes (at least one file)."""
+    groups, size = [[]], 0
+    for out in outs:
+        if size >= limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(out)
+        size += out.info.nbytes
+    return groups
 
 
-class _Writer:
-    """The twin's tensors, saved a file at a time once `limit` bytes are pending."""
-
-    def __init__(self, dst: Path, limit: int):
-        self.dst, self.limit = dst, limit
-        self.pending: dict[str, torch.Tensor] = {}
-        self.pending_bytes = 0
-        self.files: list[tuple[str, list[str], int]] = []
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        self.pending[name] = tensor.contiguous()
-        self.pending_bytes += tensor.numel() * tensor.element_size()
-        if self.pending_bytes >= self.limit:
-            self.flush()
-
-    def flush(self) -> None:
-        if not self.pending and self.files:
-            return
-        part = f".part-{len(self.files):05d}.safetensors"
-        save_file(self.pending, self.dst / part, metadata={"format": "pt"})
-        self.files.append((part, sorted(self.pending), self.pending_bytes))
-        self.pending, self.pending_bytes = {}, 0
-
-    def finish(self) -> None:
-        """One `model.safetensors`, or `model-0000i-of-0000n.safetensors` and an index."""
-        self.flush()
-        if len(self.files) == 1:
-            os.replace(self.dst / self.files[0][0], self.dst / "model.safetensors")
-            return
-        weight_map, n = {}, len(self.files)
-        for i, (part, names, _) in enumerate(self.files):
-            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            os.replace(self.dst / part, self.dst / final)
-            weight_map.update(dict.fromkeys(names, final))
-        total = sum(size for _, _, size in self.files)
-        (self.dst / INDEX).write_text(json.dumps(
-            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+def twin_bytes(folder: str | Path, scheme, dtype: torch.dtype = torch.float32,
+               keep: Callable[[str], bool] | None = None) -> int:
+    """What `write_dequantized_twin` with these arguments writes, in bytes, from the headers
+    alone (an allowance for the headers included): what a cache must have free."""
+    folder = Path(folder)
+    table = tensor_table(folder)
+    outs = _planned(table, twin_layout(table, scheme), dtype, keep)
+    copied = sum(p.stat().st_size for p in _copied_files(folder))
+    return copied + sum(o.info.nbytes + len(o.name) + 96 for o in outs) + (1 << 20)
 
 
 def _unquantized_config(src: Path, dst: Path) -> None:
@@ -156,6 +152,12 @@ def _unquantized_config(src: Path, dst: Path) -> None:
     if isinstance(config.get("text_config"), dict):
         config["text_config"].pop("quantization_config", None)
     dst.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _file_names(count: int) -> list[str]:
+    if count == 1:
+        return ["model.safetensors"]
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
 
 def write_dequantized_twin(folder: str | Path, dst: str | Path, scheme,
@@ -173,10 +175,13 @@ def write_dequantized_twin(folder: str | Path, dst: str | Path, scheme,
     HF computes the reference in; bf16 would round the reference's weights away from the
     values the engine dequantizes. It costs 4 bytes per quantized parameter (`twin_bytes`).
 
+    Tensors are read and written one at a time (each file's header is made from the shapes
+    first), so memory holds one module and one band of its float64 values, whatever the
+    checkpoint's size; a module whose tensors lie in different files is read from both.
     `keep(name)` (default: all) picks the checkpoint tensors the twin holds (a truncated
-    model's layers). Files are cut at `max_file_bytes` (default: the larger of
-    MIN_FILE_BYTES and the largest weight file); a module whose tensors lie in different
-    files is read from both. Returns `dst`."""
+    model's layers). The twin is one `model.safetensors`, or files of about `max_file_bytes`
+    (default: the larger of MIN_FILE_BYTES and the largest weight file) and an index.
+    Returns `dst`."""
     folder, dst = Path(folder), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     if any(dst.iterdir()):
@@ -188,24 +193,29 @@ def write_dequantized_twin(folder: str | Path, dst: str | Path, scheme,
     for name in layout.consumed:
         module, _, suffix = name.rpartition(".")
         parts.setdefault(module, {})[suffix] = name
-    files = weight_files(folder)
     limit = max_file_bytes or max([MIN_FILE_BYTES] + [(folder / f).stat().st_size
-                                                      for f in files])
-    writer = _Writer(dst, limit)
+                                                      for f in weight_files(folder)])
+    groups = _cut(_planned(table, layout, dtype, keep), limit)
+    names = _file_names(len(groups))
     with TensorSource(folder, table) as source:
-        for file in files:
-            for name in sorted(n for n, info in table.items() if info.file == file):
-                module, _, suffix = name.rpartition(".")
-                if keep is not None and not keep(name):
+
+        def tensors(group: list[_Out]):
+            for out in group:
+                if out.source not in layout.consumed:
+                    yield source.get(out.source)
                     continue
-                if name not in layout.consumed:
-                    writer.add(name, source.get(name))
-                elif (fmt := layout.modules[module]).suffixes()[suffix] == "weight":
-                    tensors = {s: source.get(n) for s, n in parts[module].items()}
-                    writer.add(f"{module}.weight",
-                               dequantized_weight(fmt, tensors, module, dtype))
-            source.release(file)
-    writer.finish()
+                module = out.source.rpartition(".")[0]
+                stored = {s: source.get(n) for s, n in parts[module].items()}
+                yield dequantized_weight(layout.modules[module], stored, module, dtype)
+
+        for file, group in zip(names, groups):
+            write_safetensors(dst / file, [o.info for o in group], [o.name for o in group],
+                              tensors(group))
+    if len(groups) > 1:
+        weight_map = {o.name: file for file, group in zip(names, groups) for o in group}
+        total = sum(o.info.nbytes for group in groups for o in group)
+        (dst / INDEX).write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
     for path in _copied_files(folder):
         if path.name == "config.json":
             _unquantized_config(path, dst / path.name)
