@@ -223,12 +223,26 @@ def twin_for(case, num_layers: int | None) -> Twin:
 def _write(case, num_layers: int | None, key: str, folder: Path) -> None:
     write_dequantized_twin(case.folder, folder, case.model_config.quantization, TWIN_DTYPE,
                            keep=_keep(num_layers))
+    if num_layers is not None:
+        _truncate_config(folder / "config.json", num_layers)
     files = {p.name: p.stat().st_size for p in sorted(folder.iterdir())}
     manifest = {"key": key, "source": str(case.folder), "model": case.name,
                 "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 **key_doc(case, num_layers), "files": files}
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     _share(folder)
+
+
+def _truncate_config(path: Path, num_layers: int) -> None:
+    """A truncated twin's config.json says its depth, so that loading it by hand builds no
+    layer it has no weights for (HF would initialise those at random)."""
+    config = json.loads(path.read_text())
+    for text in (config, config.get("text_config")):
+        if isinstance(text, dict) and "num_hidden_layers" in text:
+            text["num_hidden_layers"] = num_layers
+            if isinstance(text.get("layer_types"), list):
+                text["layer_types"] = text["layer_types"][:num_layers]
+    path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _share(folder: Path) -> None:

@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 import freetoken_verify.reference.twin as twin_cache
 from freetoken.formats.quant import read_quant_config
 from freetoken.formats.quant.twin import twin_bytes, write_dequantized_twin
-from freetoken.loading.checkpoint import CheckpointReader
+from freetoken.loading.checkpoint import CheckpointReader, layer_index
 from freetoken_verify.cases.catalogue import hf_reference, load_reference, resolve_case
 from freetoken_verify.checks.base import VerifyOptions
 from freetoken_verify.reference.sources import hf_model
@@ -160,14 +160,21 @@ def test_a_sharded_folder_builds_the_same_twin(folders, tmp_path):
 
 def test_the_twin_is_reused_when_unchanged_and_rebuilt_when_a_quantized_file_changes(
         folders, tmp_path, monkeypatch):
-    """The first request builds the twin; the next reuses it (same key, folder untouched),
-    a truncated run uses the full-depth one; a block scale doubled in the quantized file
-    gives a new key and a new twin whose weight is doubled there, the old twin kept."""
+    """A truncated run builds a twin of its layers only (its config saying so); the first
+    full-depth request builds the twin, the next reuses it (same key, folder untouched), and
+    a truncated run then uses it; a block scale doubled in the quantized file gives a new key
+    and a new twin whose weight is doubled there, the old twin kept."""
     monkeypatch.setenv(twin_cache.CACHE_ENV, str(tmp_path / "cache"))
     folder = tmp_path / "fp8"
     shutil.copytree(folders["block-fp8"], folder)
     case = resolve_case(str(folder))
+    short = twin_cache.twin_for(case, 1)
+    layers = {layer_index(n) for n in load_file(short.folder / "model.safetensors")}
+    assert layers == {None, 0}, layers
+    config = json.loads((short.folder / "config.json").read_text())["text_config"]
+    assert config["num_hidden_layers"] == 1 and len(config["layer_types"]) == 1, config
     first = twin_cache.twin_for(case, None)
+    assert first.key != short.key
     built = (first.folder / twin_cache.MANIFEST).stat().st_mtime_ns
     again = twin_cache.twin_for(case, None)
     assert not first.reused and again.reused and again.key == first.key, (first, again)
@@ -211,24 +218,27 @@ def test_a_cache_without_the_space_is_refused_before_any_rank(capsys, folders, t
 
 def test_a_saved_reference_records_the_twin_and_refuses_a_changed_quantized_file(
         capsys, folders, tmp_path):
-    """--save-reference on a quantized checkpoint computes HF on the twin, stores the
-    quantized files' fingerprints and the twin's key, and golden passes against it; reusing
-    it after a scale changed in the quantized file is refused naming the file."""
+    """--save-reference on a quantized checkpoint truncated to 2 layers computes HF on the
+    twin of those layers, stores the quantized files' fingerprints and the twin's key, and
+    golden passes against it; reusing it after a scale changed in the quantized file is
+    refused naming the file."""
     folder, store = tmp_path / "fp8", tmp_path / "store"
     shutil.copytree(folders["block-fp8"], folder)
     code, out, err = run_cli(capsys, "--model", str(folder), "--tp", "1", "--checks",
-                             "golden", "--save-reference", str(store))
+                             "golden", "--num-layers", "2", "--save-reference", str(store))
     assert code == 0, out + err
     meta = json.loads((store / "reference.json").read_text())
     assert meta["weights"]["model.safetensors"] == fingerprint(folder / "model.safetensors")
-    assert meta["twin"]["key"] == twin_cache.twin_key(resolve_case(str(folder)), None)
+    assert meta["twin"]["key"] == twin_cache.twin_key(resolve_case(str(folder)), 2)
+    assert meta["twin"]["num_layers"] == 2, meta["twin"]
     twin_weights = Path(meta["twin"]["path"]) / "model.safetensors"
     assert fingerprint(twin_weights) != meta["weights"]["model.safetensors"]
     tensors = load_file(folder / "model.safetensors")
     tensors[SCALE] = tensors[SCALE] * 2
     save_file(tensors, folder / "model.safetensors")
     assert_refused(capsys, ["--model", str(folder), "--reference", str(store), "--tp", "1",
-                            "--checks", "golden"], str(folder / "model.safetensors"), "differs")
+                            "--checks", "golden", "--num-layers", "2"],
+                   str(folder / "model.safetensors"), "differs")
 
 
 def test_live_hf_on_the_twin_reproduces_the_bundled_nvfp4_golden():
