@@ -72,9 +72,12 @@ def twin_layout(table: Mapping[str, TensorInfo], scheme) -> TwinLayout:
         if fmt.suffixes().get(suffix) == "weight" and info.dtype in {
                 stored_dtype(d) for d in fmt.weight_dtypes()}:
             modules[module] = fmt
-    consumed = frozenset(n for n in table if n.rpartition(".")[0] in modules
-                         and n.rpartition(".")[2] in modules[n.rpartition(".")[0]].suffixes())
-    return TwinLayout(modules, consumed)
+    consumed = set()
+    for name in table:
+        module, _, suffix = name.rpartition(".")
+        if module in modules and suffix in modules[module].suffixes():
+            consumed.add(name)
+    return TwinLayout(modules, frozenset(consumed))
 
 
 def _copied_files(folder: Path) -> list[Path]:
