@@ -42,6 +42,7 @@ CACHE_ENV = "FREETOKEN_TWIN_CACHE"
 TWIN_FORMAT = 1
 """Bumped whenever the builder would write different bytes: old twins are then not reused."""
 TWIN_DTYPE = torch.float32
+_DTYPE_NAME = str(TWIN_DTYPE).removeprefix("torch.")
 MANIFEST = "twin.json"
 _BUILDING = ".building-"
 _CONFIGS = ("config.json", "generation_config.json", "hf_quant_config.json")
@@ -65,7 +66,7 @@ class Twin:
 
     def entry(self) -> dict:
         """What a report or saved reference records of it."""
-        return {"key": self.key, "path": str(self.folder), "dtype": "float32",
+        return {"key": self.key, "path": str(self.folder), "dtype": _DTYPE_NAME,
                 "num_layers": self.num_layers}
 
 
@@ -110,7 +111,7 @@ def key_doc(case, num_layers: int | None) -> dict:
     """Everything the twin of `case` at `num_layers` depends on."""
     configs = {name: hashlib.sha256((case.folder / name).read_bytes()).hexdigest()
                for name in _CONFIGS if (case.folder / name).is_file()}
-    return {"format": TWIN_FORMAT, "dtype": "float32", "num_layers": num_layers,
+    return {"format": TWIN_FORMAT, "dtype": _DTYPE_NAME, "num_layers": num_layers,
             "weights": _fingerprints(case.folder, _stamp(case.folder)),
             "scheme": scheme_doc(case.model_config.quantization), "configs": configs}
 
