@@ -217,11 +217,13 @@ def test_a_cache_without_the_space_is_refused_before_any_rank(capsys, folders, t
 
 
 def test_a_saved_reference_records_the_twin_and_refuses_a_changed_quantized_file(
-        capsys, folders, tmp_path):
+        capsys, folders, tmp_path, monkeypatch):
     """--save-reference on a quantized checkpoint truncated to 2 layers computes HF on the
     twin of those layers, stores the quantized files' fingerprints and the twin's key, and
     golden passes against it; reusing it after a scale changed in the quantized file is
     refused naming the file."""
+    # A cache of its own: a full-depth twin of the same checkpoint would serve the run.
+    monkeypatch.setenv(twin_cache.CACHE_ENV, str(tmp_path / "cache"))
     folder, store = tmp_path / "fp8", tmp_path / "store"
     shutil.copytree(folders["block-fp8"], folder)
     code, out, err = run_cli(capsys, "--model", str(folder), "--tp", "1", "--checks",
