@@ -33,6 +33,13 @@ def golden() -> Path:
     return GOLDEN
 
 
+@pytest.fixture(autouse=True)
+def _twin_cache(tmp_path_factory, monkeypatch):
+    """Dequantized twins (HF's reference for a quantized checkpoint) go to one temporary
+    cache per test session, never into the user's ~/.cache."""
+    monkeypatch.setenv("FREETOKEN_TWIN_CACHE", str(tmp_path_factory.getbasetemp() / "twins"))
+
+
 def assert_matches_hf(results, ref: dict, label: str, decode_logits: bool = False) -> None:
     """Engine results agree with an HF reference (`freetoken_verify.cases.catalogue.hf_reference`):
     prefill logits

@@ -80,11 +80,16 @@ def layout_of(name: str, module, parent, cfg, tp: int) -> tuple | None:
 
 
 def _gdn_layout(leaf: str, gdn, tp: int) -> tuple | None:
-    """GatedDeltaNet's rank-local packings: in_proj `[q | k | v | z | b | a]`, conv1d
-    `[q | k | v]`, the gated norm over the value heads; each part split by heads."""
+    """GatedDeltaNet's rank-local packings: in_proj `[q | k | v | z | b | a]` (or, where a
+    quantized in_proj_qkv / in_proj_z splits it into two GEMMs, in_proj `[q | k | v | z]`
+    and in_proj_ba `[b | a]`), conv1d `[q | k | v]`, the gated norm over the value heads;
+    each part split by heads."""
     key, value, heads = gdn.key_dim * tp, gdn.value_dim * tp, gdn.num_v_heads * tp
+    split = getattr(gdn, "in_proj_ba", None) is not None
     if leaf == "in_proj":
-        parts = (key, key, value, value, heads, heads)
+        parts = (key, key, value, value) + (() if split else (heads, heads))
+    elif leaf == "in_proj_ba":
+        parts = (heads, heads)
     elif leaf == "conv1d":
         parts = (key, key, value)
     elif leaf == "norm":
@@ -130,7 +135,8 @@ class Recorder:
             key = f"{self._phase}/{name}" + (f"#{n}" if n else "")
             self.captures.append(Capture(key, layout, flat(out, self._tokens)))
             if layout == FULL and type(module).__name__ == "RowParallelLinear":
-                partial = F.linear(inputs[0], module.weight)
+                # dense_weight: a quantized layer's weight dequantized as its GEMM sees it.
+                partial = F.linear(inputs[0], module.dense_weight(inputs[0].dtype))
                 self.captures.append(Capture(key + ":partial", PARTIAL,
                                              flat(partial, self._tokens)))
         return record

@@ -11,11 +11,15 @@ import torch
 
 from freetoken_verify.activations.engine import flat
 
-# Engine leaf name -> the HF leaves whose outputs, concatenated, are its output.
+# Engine leaf name -> the HF leaves whose outputs, concatenated, are its output; where the
+# engine may split a destination into GEMMs of different formats (GatedDeltaNet's in_proj as
+# a quantized [qkv | z] and an unquantized in_proj_ba), the shorter spelling follows.
 FUSED = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-    "in_proj": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+    "qkv_proj": (("q_proj", "k_proj", "v_proj"),),
+    "gate_up_proj": (("gate_proj", "up_proj"),),
+    "in_proj": (("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+                ("in_proj_qkv", "in_proj_z")),
+    "in_proj_ba": (("in_proj_b", "in_proj_a"),),
 }
 
 
@@ -61,26 +65,33 @@ class NameMap:
         self.prefix = "model.language_model." if "model.language_model" in hf_names else "model."
         self.num_heads, self.head_dim = num_heads, head_dim
 
-    def hf_names(self, engine_name: str) -> tuple[str, ...]:
+    def hf_names(self, engine_name: str) -> tuple[tuple[str, ...], ...]:
+        """The HF module names whose outputs, concatenated, may be the engine module's
+        (each spelling the engine has, longest first)."""
         name = engine_name
         if name.startswith("model."):
             name = self.prefix + name[len("model."):]
         head, _, leaf = name.rpartition(".")
         if leaf in FUSED:
-            return tuple(f"{head}.{part}" for part in FUSED[leaf])
-        return (name,)
+            return tuple(tuple(f"{head}.{part}" for part in parts) for parts in FUSED[leaf])
+        return ((name,),)
 
-    def lookup(self, acts: dict[str, torch.Tensor], engine_name: str,
-               tokens: int) -> torch.Tensor | None:
-        """HF's activation for the engine module over `tokens` tokens, or None where HF has no
+    def lookup(self, acts: dict[str, torch.Tensor], engine_name: str, tokens: int,
+               width: int | None = None) -> torch.Tensor | None:
+        """HF's activation for the engine module over `tokens` tokens (of `width` features
+        when given: the spelling of a fused module that has them), or None where HF has no
         counterpart."""
-        names = self.hf_names(engine_name)
-        if not all(n in acts for n in names):
-            return None
-        parts = [acts[n] for n in names]
-        if names[0].endswith(".q_proj") and len(names) == 3:
-            parts[0] = self._regroup_q_gate(parts[0])
-        return torch.cat([_per_token(p, tokens) for p in parts], dim=1)
+        found = None
+        for names in self.hf_names(engine_name):
+            if not all(n in acts for n in names):
+                continue
+            parts = [acts[n] for n in names]
+            if names[0].endswith(".q_proj") and len(names) == 3:
+                parts[0] = self._regroup_q_gate(parts[0])
+            found = torch.cat([_per_token(p, tokens) for p in parts], dim=1)
+            if width is None or found.shape[1] == width:
+                return found
+        return found
 
     def _regroup_q_gate(self, q: torch.Tensor) -> torch.Tensor:
         """A gated-attention q_proj output interleaves `[q_h | gate_h]` per head; the engine

@@ -25,7 +25,8 @@ class Reference:
     how far HF itself at that dtype is from HF in fp32 on prompt i: the reference's own noise,
     which widens the low-precision tolerances for a model that is numerically sensitive. A
     live reference measures it by running HF at that dtype; a golden one stores it (measured
-    on CPU when `make golden` wrote the case)."""
+    on CPU when `make golden` wrote the case). `twin`: for a quantized checkpoint, the
+    dequantized twin HF ran on (`freetoken_verify.reference.twin.Twin.entry`)."""
 
     source: str
     prompts: list[list[int]]
@@ -34,6 +35,7 @@ class Reference:
     greedy_logits: list[torch.Tensor]
     baseline: list | None = None
     bisect: BisectActivations | None = None
+    twin: dict | None = None
 
     @classmethod
     def from_tensors(cls, source: str, prompts, tensors: dict) -> Reference:

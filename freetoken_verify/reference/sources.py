@@ -30,6 +30,7 @@ from freetoken_verify.reference.prompts import (
     tokenize_prompts,
 )
 from freetoken_verify.reference.store import read_meta, stored_reference
+from freetoken_verify.reference.twin import hf_folder, is_quantized, twin_for
 
 __all__ = ["Reference"]  # re-exported: checks import it from here
 
@@ -144,11 +145,14 @@ def golden_reference(case, options) -> Reference:
 
 
 def hf_model(case, options, dtype, device):
-    """HF's model of `case` at `dtype` on `device`, truncated as `options.num_layers` asks."""
+    """HF's model of `case` at `dtype` on `device`, truncated as `options.num_layers` asks;
+    for a quantized checkpoint, HF on its dequantized twin (`freetoken_verify.reference.twin`,
+    built into the cache on first use)."""
     # transformers costs seconds to import; only writing cases and HF references need it.
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(case.folder)
+    folder = hf_folder(case, options.num_layers)
+    config = AutoConfig.from_pretrained(folder)
     text = getattr(config, "text_config", None) or config
     if options.num_layers is not None:
         text.num_hidden_layers = options.num_layers
@@ -158,7 +162,7 @@ def hf_model(case, options, dtype, device):
     if not cached:
         config.use_cache = text.use_cache = False
     with _hf_bars_off():
-        model = AutoModelForCausalLM.from_pretrained(case.folder, config=config, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=dtype)
     if not cached:
         model.generation_config.use_cache = False
     return model.to(device).eval()
@@ -195,12 +199,15 @@ def live_hf_reference(case, options, device, with_bisect: bool = False) -> Refer
     runs approximate), and HF at the engine's dtype supplies the baseline: how far a correct
     implementation at that precision lands from it (the worst of a few equally valid roundings,
     `low_precision_spread`). `with_bisect` also keeps HF's per-module activations on the
-    bisect prompt (what `--save-reference` stores, so that bisect needs no HF later)."""
+    bisect prompt (what `--save-reference` stores, so that bisect needs no HF later). For a
+    quantized checkpoint every HF run is on its dequantized twin, recorded as `ref.twin`."""
 
     dtype = resolve_dtype(options.dtype, case.model_config)
     prompts, num_greedy = prompts_for(case, options)
     model = hf_model(case, options, torch.float32, device)
     ref = Reference.from_tensors("hf", prompts, hf_reference(model, prompts, num_greedy))
+    if is_quantized(case):
+        ref.twin = twin_for(case, options.num_layers).entry()
     if with_bisect:
         ref.bisect = _bisect_activations(model, ref)
     del model

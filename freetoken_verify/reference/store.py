@@ -8,9 +8,12 @@ bisect prompt and HF's first greedy token, in float32 and at the engine's low pr
 bisect check reads them instead of running HF) and `reference.json`: the prompts, the
 continuation length, the truncation depth, the seed, the reference dtype (float32) and the
 engine dtypes a baseline was measured for, the bisect prompt and token, the versions of torch
-and transformers, the model's source, and a fingerprint of every `*.safetensors` file of the
-checkpoint. Reuse refuses, before any rank starts, a checkpoint whose fingerprints differ
-(naming the file), and prompts, continuation length, depth or dtype the store does not cover.
+and transformers, the model's source, a fingerprint of every `*.safetensors` file of the
+checkpoint (for a quantized checkpoint, its quantized files) and, for a quantized checkpoint,
+the dequantized twin HF ran on (`twin`: key, path, dtype, depth;
+`freetoken_verify.reference.twin`). Reuse refuses, before any rank starts, a checkpoint whose
+fingerprints differ (naming the file), and prompts, continuation length, depth or dtype the
+store does not cover.
 
 Fingerprints: files up to `FULL_HASH_LIMIT` bytes get a full sha256 (the bundled cases' code);
 larger files get `sampled-sha256`, a sha256 of the file size, the whole safetensors header
@@ -264,6 +267,7 @@ def save_reference(ref: Reference, case, options, device, folder: str | Path) ->
         "transformers": transformers.__version__,
         "saved": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "weights": weights_fingerprints(case.folder),
+        "twin": ref.twin,
     }
     folder.mkdir(parents=True, exist_ok=True)
     save_file({k: v.cpu().contiguous() for k, v in tensors.items()}, folder / TENSORS)
@@ -301,6 +305,7 @@ def stored_reference(folder: str | Path, case, options) -> Reference:
 
     meta = read_meta(folder)
     ref = Reference.from_tensors("stored", meta["prompts"], load_file(Path(folder) / TENSORS))
+    ref.twin = meta.get("twin")
     dtype = resolve_dtype(options.dtype, case.model_config)
     rows = meta["baselines"].get(str(dtype).removeprefix("torch."))
     if dtype != torch.float32 and rows:

@@ -18,7 +18,9 @@ import torch.distributed
 
 from freetoken.distributed import choose_placement
 from freetoken.version import code_state, command_output, package_version
-from freetoken_verify.reference.sources import reference_source
+from freetoken_verify.reference.sources import reference_source, stored_dir
+from freetoken_verify.reference.store import read_meta
+from freetoken_verify.reference.twin import planned_twin
 
 # A folder of the Hugging Face hub cache: `.../models--Org--Name/snapshots/<commit hash>`.
 _HUB_SNAPSHOT = re.compile(r"^models--(?P<repo>.+)$")
@@ -116,13 +118,29 @@ def hub_source(folder: Path) -> dict:
 
 def model_entry(case, options) -> dict:
     """One model of the run: name, whether it is bundled, the dtype the engine runs it at,
-    its reference and its source (what model resolution recorded on `case.source` over what
-    the folder's path says)."""
+    its reference, the dequantized twin HF runs on for a quantized checkpoint (`twin_entry`)
+    and its source (what model resolution recorded on `case.source` over what the folder's
+    path says)."""
 
     dtype = options.dtype if options.dtype != "auto" else case.model_config.dtype
+    reference = reference_source(case, options)
     return {"name": case.name, "bundled": case.bundled, "dtype": str(dtype),
-            "reference": reference_source(case, options),
+            "reference": reference, "twin": twin_entry(case, options, reference),
             "source": {**hub_source(case.folder), **(case.source or {})}}
+
+
+def twin_entry(case, options, reference: str) -> dict | None:
+    """The dequantized twin a quantized checkpoint's HF reference runs (or, saved, ran) on:
+    key, path, dtype, depth, and for a live one whether it was cached when the run started;
+    None for an unquantized checkpoint, a stored golden, or a twin that cannot be read."""
+    try:
+        if reference == "hf":
+            return planned_twin(case, options.num_layers)
+        if reference == "stored":
+            return read_meta(stored_dir(options)).get("twin")
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 def _plain(value):

@@ -27,6 +27,7 @@ from freetoken_verify.reference.sources import (
     stored_dir,
 )
 from freetoken_verify.reference.store import StoreError, check_store, check_writable, save_reference
+from freetoken_verify.reference.twin import TwinError
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -132,9 +133,6 @@ def check_reference_options(cases, options) -> None:
                 raise UsageError(f"{case.name}: the stored golden covers its own prompts; "
                                  "--prompts-file, --seed and --max-new-tokens need "
                                  "--reference hf or a saved reference")
-            if saving and case.model_config.quantization is not None:
-                raise InputError(f"{case.name}: HF transformers cannot run this quantized "
-                                 "checkpoint, so there is no reference to save")
             if saving:
                 check_writable(saving)
             requested = requested_prompts(case, options) if source != "golden" else None
@@ -161,6 +159,8 @@ def save_references(cases, tp_sizes, options) -> None:
           file=sys.stderr)
     try:
         ref = live_hf_reference(cases[0], options, device, with_bisect=True)
+    except TwinError as e:  # the quantized checkpoint's dequantized twin, not HF
+        raise InputError(str(e)) from None
     except Exception as e:  # HF failing on this checkpoint: one line, as any bad input
         # HF's own OSErrors (a checkpoint it cannot find or load) are HF's, not the folder's.
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""

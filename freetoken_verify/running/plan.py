@@ -21,6 +21,7 @@ from freetoken_verify.errors import InputError, UsageError, VerifyError
 from freetoken_verify.faults import FAULTS
 from freetoken_verify.faults.catalogue import CATALOGUE
 from freetoken_verify.reference.sources import reference_source
+from freetoken_verify.reference.twin import TwinError, check_twin_space, is_quantized
 from freetoken_verify.report.formats import (
     CheckResult,
     count_line,
@@ -70,17 +71,25 @@ def _validate(cases, tp_sizes, options, selected: dict) -> None:
         if source == "golden" and (not case.bundled or options.num_layers is not None):
             raise InputError(f"{case.name}: --reference golden needs a bundled case at full "
                              "depth")
-        if source == "hf" and case.model_config.quantization is not None and \
-                "golden" in selected:
-            raise InputError(f"{case.name}: HF transformers cannot run this quantized checkpoint "
-                             "as a live reference; verify a bundled case against its stored "
-                             "golden, or use --checks shards,memory,kernels")
+        if is_quantized(case) and runs_hf(source, options, selected):
+            try:
+                check_twin_space(case, options.num_layers)
+            except TwinError as e:
+                raise InputError(str(e)) from None
     for tp in tp_sizes:
         try:
             choose_placement(options.device, tp, options.oversubscribe)
         except PlacementError as e:
             raise InputError(str(e)) from None
     check_reference_options(cases, options)
+
+
+def runs_hf(source: str, options, selected: dict) -> bool:
+    """Whether the run computes HF live (and so, for a quantized checkpoint, needs its
+    dequantized twin): `--save-reference`, golden against live HF, bisect without a saved
+    reference."""
+    return bool(options.save_reference) or (source == "hf" and "golden" in selected) or \
+        (source != "stored" and "bisect" in selected)
 
 
 def _reference(reference) -> str:

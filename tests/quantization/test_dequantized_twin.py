@@ -65,3 +65,44 @@ def test_bad_scales_and_missing_tensors_are_named():
                                 "input_scale": torch.tensor(0.0)}, M)
     with pytest.raises(QuantConfigError, match=rf"missing: {M}.weight_scale_inv"):
         dequantize_module(ModuleFormat(FP8_BLOCK, "fp8", (16, 16)), {"weight": codes}, M)
+
+
+def test_e2m1_decoded_from_its_bits_is_the_format_table():
+    """The twin's e2m1 decoding (sign, exponent, mantissa bits) gives the 16 values of the
+    format's table, independently written."""
+    from freetoken.formats.nvfp4.format import E2M1_VALUES
+    from freetoken.formats.quant.dequantize import e2m1_values
+
+    got = e2m1_values(torch.arange(16, dtype=torch.uint8))
+    assert got.tolist() == list(E2M1_VALUES), got.tolist()
+    assert torch.signbit(got[8]), "code 8 is -0"
+
+
+def test_large_modules_dequantize_in_bands_to_the_same_weight(monkeypatch):
+    """A module larger than CHUNK_BYTES is dequantized a band of rows at a time (block-FP8
+    bands on block boundaries, partial last blocks included): the same float32 weight as in
+    one piece, for each format; a scale with a row to spare is still refused, naming the
+    module, though no band would read that row."""
+    import freetoken.formats.quant.dequantize as dequantize
+
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(45, 64, generator=gen)
+    codes, scale = fp8_quantize(w, (8, 24), torch.bfloat16)
+    nvfp4 = _suffixes(to_checkpoint(nvfp4_quantize(w), M, COMPRESSED_TENSORS))
+    cases = [(ModuleFormat(FP8_BLOCK, "fp8", (8, 24)),
+              {"weight": codes, "weight_scale_inv": scale}),
+             (ModuleFormat(FP8_BLOCK, COMPRESSED_TENSORS, (8, 24)),
+              {"weight": codes, "weight_scale": scale.float()}),
+             (ModuleFormat(FP8_TENSOR, MODELOPT),
+              {"weight": codes, "weight_scale": torch.tensor(0.25)}),
+             (ModuleFormat(NVFP4, COMPRESSED_TENSORS), nvfp4)]
+    whole = [dequantize_module(fmt, parts, M).float() for fmt, parts in cases]
+    monkeypatch.setattr(dequantize, "CHUNK_BYTES", 8 * 64 * 10)
+    assert len(dequantize._bands(cases[0][0], 45, 64)) == 6
+    for (fmt, parts), want in zip(cases, whole):
+        got = dequantize.dequantized_weight(fmt, parts, M, torch.float32)
+        assert torch.equal(got, want), fmt.describe()
+    spare = torch.cat([scale, scale[-1:]])
+    with pytest.raises(QuantConfigError, match=rf"{M}: block scale must be a float \[6, 3\]"):
+        dequantize.dequantized_weight(cases[0][0], {"weight": codes, "weight_scale_inv": spare},
+                                      M, torch.float32)

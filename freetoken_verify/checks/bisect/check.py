@@ -2,13 +2,14 @@
 on one prompt (its prefill, then one decode step); the parent rebuilds each full tensor from the
 ranks' parts by its TP layout (`freetoken_verify.activations.engine`), requires replicated tensors
 bitwise equal across ranks, and compares each module in execution order with (a) the engine at TP=1
-and (b) HF transformers' same module (`freetoken_verify.activations.hf`). The row names the first
-module past its bound and how clean everything before it was.
+and (b) HF transformers' same module (`freetoken_verify.activations.hf`; for a quantized checkpoint,
+HF on its dequantized twin: `freetoken_verify.reference.twin`). The row names the first module
+past its bound and how clean everything before it was.
 
 Bounds: float32 1e-3 relative L2 everywhere. bf16 / fp16: per module, 3x HF's own error at
 that dtype on that module (HF in low precision against HF in float32), at least 2e-2, so a
 module is blamed only when the engine's rounding outgrows a correct implementation's; where HF
-has no counterpart (or cannot run the checkpoint), the bound golden puts on the logits."""
+has no counterpart, the bound golden puts on the logits."""
 
 from __future__ import annotations
 
@@ -198,12 +199,10 @@ def _capture_on_rank(rank_ctx, engine_args: dict, prompt: list[int]) -> dict:
 
 def _hf_references(ctx: CheckContext, prompt: list[int], token: int):
     """HF's activations on `prompt` + `token` in float32 and, for a low-precision engine, at
-    its dtype (None where HF cannot run the checkpoint), and whether the decode step's rows
+    its dtype (None where HF has none at that dtype), and whether the decode step's rows
     are comparable: from a saved reference when it holds them (its token is HF's own first
     greedy token: where the engine chose another, only the prefill rows compare), else from
     HF run now."""
-    if ctx.case.model_config.quantization is not None:
-        return None, None, False
     saved = _saved_activations(ctx, prompt)
     if saved is not None:
         hf, hf_low, saved_token = saved
@@ -261,7 +260,7 @@ def _rows(full, tp1, hf, hf_low, ctx, prompt_len: int, hf_decode: bool = True) -
                 row.vs_tp1 = rel_l2(tensor, tp1[key][0])
             else:
                 row.shape_vs_tp1 = (tuple(tensor.shape), tuple(tp1[key][0].shape))
-        hf_t = _rows_like(_hf_tensor(exact, key, prompt_len), tensor)
+        hf_t = _rows_like(_hf_tensor(exact, key, prompt_len, tensor.shape[1]), tensor)
         if hf_t is not None and hf_t.shape == tensor.shape:
             row.vs_hf = rel_l2(tensor, hf_t)
         if low:
@@ -271,14 +270,15 @@ def _rows(full, tp1, hf, hf_low, ctx, prompt_len: int, hf_decode: bool = True) -
     return rows
 
 
-def _hf_tensor(hf, key: str, prompt_len: int) -> torch.Tensor | None:
+def _hf_tensor(hf, key: str, prompt_len: int, width: int | None = None
+               ) -> torch.Tensor | None:
     """HF's activation for an engine capture key: prompt rows for prefill, the last row for
     the decode step; None for partial sums and repeated calls (no HF counterpart)."""
     if hf is None or ":" in key or "#" in key:
         return None
     phase, _, module = key.partition("/")
     names, acts = hf
-    t = names.lookup(acts, module, len(next(iter(acts.values()))))
+    t = names.lookup(acts, module, len(next(iter(acts.values()))), width)
     if t is None:
         return None
     return t[:prompt_len] if phase == "prefill" else t[prompt_len:]

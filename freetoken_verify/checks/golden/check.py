@@ -33,6 +33,7 @@ from freetoken_verify.compare import (
     logit_metrics,
 )
 from freetoken_verify.reference.sources import Reference, prompts_for, reference_for
+from freetoken_verify.reference.twin import TwinError
 from freetoken_verify.report.formats import CheckResult
 
 SAMPLED_TOKENS = 8
@@ -100,7 +101,7 @@ def _first_divergence(ctx: CheckContext) -> str:
 
     try:
         found = bisect.localise(ctx).message()
-    except RankFailure as e:
+    except (RankFailure, TwinError) as e:
         return f"(bisect could not run: {e}) "
     return f"{found}; " if found else ""
 
