@@ -27,3 +27,13 @@ def assert_refused(capsys, args: list[str], *needles: str) -> None:
     for needle in needles:
         assert needle in lines[0], f"{needle!r} missing from {lines[0]!r}"
     assert "Traceback" not in out + err and "starting" not in err, "refused before ranks"
+
+
+def failure_message(out: str, model: str, check: str, tp: int) -> str:
+    """The full message of the failed (or errored) row `model check tp=N` from the FAILURES
+    section after the table (the table's own message cell is shortened to the terminal)."""
+    lines = out.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith(f"--- {model} {check} tp={tp} ") and i + 1 < len(lines):
+            return lines[i + 1]
+    raise AssertionError(f"no FAILURES entry for {model} {check} tp={tp}:\n{out}")

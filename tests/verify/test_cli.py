@@ -8,7 +8,7 @@ import json
 import xml.etree.ElementTree as ET
 
 import pytest
-from cli_run import assert_refused, run_cli
+from cli_run import assert_refused, failure_message, run_cli
 from conftest import GOLDEN, make_broken_checkpoint
 
 from freetoken_verify.errors import UsageError
@@ -23,8 +23,9 @@ def _assert_fails_naming(out: str, code: int, model: str, tp: int, where: str) -
     rows = [r for r in _rows(out, model) if r.split()[2] == str(tp)]
     assert rows, f"no table row for {model} tp={tp}:\n{out}"
     assert "FAIL" in rows[0], f"row for {model} tp={tp} is not FAIL: {rows[0]}"
-    assert f"{model} tp={tp}" in rows[0] and where in rows[0], (
-        f"row does not name case, TP size and {where!r}: {rows[0]}")
+    message = failure_message(out, model, rows[0].split()[1], tp)
+    assert f"{model} tp={tp}" in message and where in message, (
+        f"the failure does not name case, TP size and {where!r}: {message}")
     assert out.strip().splitlines()[-1].endswith("0 skipped"), "count line must come last"
 
 

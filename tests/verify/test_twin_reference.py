@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_run import assert_refused, run_cli
+from cli_run import assert_refused, failure_message, run_cli
 from safetensors.torch import load_file, save_file
 from twin_folders import (
     make_block_fp8,
@@ -87,7 +87,8 @@ def test_an_engine_bug_fails_golden_against_the_twin_at_tp1(capsys, folders):
                            "--checks", "golden", "--inject", "nvfp4-load-globals-swapped")
     assert code == 1, out
     row = next(line for line in out.splitlines() if " golden " in line)
-    assert "FAIL" in row and "mlp.experts" in row, row
+    assert "FAIL" in row and "mlp.experts" in failure_message(
+        out, str(folders["ct-nvfp4"]), "golden", 1), out
 
 
 def _imports(path: Path) -> set[str]:
