@@ -117,7 +117,7 @@ def main() -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--quick", action="store_true", help="every 8th case only")
     p.add_argument("--faults", action="store_true", help="also prove each NVFP4 fault fails")
-    p.add_argument("--fault", choices=NVFP4_FAULTS, default=None)
+    p.add_argument("--fault", "--inject", dest="inject", choices=NVFP4_FAULTS, default=None)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():
