@@ -34,11 +34,9 @@ import triton.language as tl  # noqa: E402
 
 from freetoken.kernels import nvfp4_decode_jit  # noqa: E402
 from freetoken_verify.checks.kernels.check import gpu_matrix, run_matrix, summarize  # noqa: E402
-from freetoken_verify.faults import FAULTS  # noqa: E402
+from freetoken_verify.faults import FAULTS, NVFP4_MOE_KERNEL_FAULTS  # noqa: E402
 
-# The kernel faults; nvfp4-load-globals-swapped corrupts checkpoint loading, which the kernels
-# check never runs (golden catches it).
-NVFP4_FAULTS = [name for name in FAULTS if name.startswith("nvfp4-") and "-load-" not in name]
+NVFP4_FAULTS = list(NVFP4_MOE_KERNEL_FAULTS)
 DEVICE = "cuda:0"
 
 

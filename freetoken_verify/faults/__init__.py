@@ -306,6 +306,13 @@ FAULTS: dict[str, Callable[[], None]] = {
 }
 
 
+NVFP4_MOE_KERNEL_FAULTS = ("nvfp4-nibble-swap", "nvfp4-drop-global-scale",
+                           "nvfp4-gate-up-globals-swapped", "nvfp4-intermediate-off-by-group")
+"""The faults in the NVFP4 MoE Triton kernels' decode and scaling, which the kernels check's
+NVFP4 matrix must catch on the GPU (`bench/gpu_kernels_check.py`); other `nvfp4-` faults are in
+loading or in the torch quantized GEMMs."""
+
+
 def inject(names: tuple[str, ...] | list[str]) -> None:
     """Apply the named faults in this process."""
     for name in names:

@@ -14,13 +14,12 @@ from pathlib import Path
 import pytest
 from conftest import run_compiled
 
-from freetoken_verify.faults import FAULTS
+from freetoken_verify.faults import FAULTS, NVFP4_MOE_KERNEL_FAULTS
 
 pytestmark = pytest.mark.gpu
 
-# The kernel faults; nvfp4-load-globals-swapped corrupts checkpoint loading, which the kernel
-# matrix never runs (golden catches it on the NVFP4 bundled case).
-NVFP4_KERNEL_FAULTS = [n for n in FAULTS if n.startswith("nvfp4-") and "-load-" not in n]
+NVFP4_KERNEL_FAULTS = list(NVFP4_MOE_KERNEL_FAULTS)
+assert set(NVFP4_KERNEL_FAULTS) <= set(FAULTS)
 
 
 def _run_matrix(tmp_path: Path, *args: str) -> tuple[int, dict, str]:
