@@ -80,11 +80,15 @@ def layout_of(name: str, module, parent, cfg, tp: int) -> tuple | None:
 
 
 def _gdn_layout(leaf: str, gdn, tp: int) -> tuple | None:
-    """GatedDeltaNet's rank-local packings: in_proj `[q | k | v | z | b | a]`, conv1d
-    `[q | k | v]`, the gated norm over the value heads; each part split by heads."""
+    """GatedDeltaNet's rank-local packings: in_proj `[q | k | v | z | b | a]` (or, where
+    in_proj_qkv and in_proj_z are quantized, in_proj `[q | k | v | z]` and in_proj_ba
+    `[b | a]`), conv1d `[q | k | v]`, the gated norm over the value heads; each part split by
+    heads."""
     key, value, heads = gdn.key_dim * tp, gdn.value_dim * tp, gdn.num_v_heads * tp
     if leaf == "in_proj":
-        parts = (key, key, value, value, heads, heads)
+        parts = (key, key, value, value) + ((heads, heads) if gdn.in_proj_ba is None else ())
+    elif leaf == "in_proj_ba":
+        parts = (heads, heads)
     elif leaf == "conv1d":
         parts = (key, key, value)
     elif leaf == "norm":
@@ -130,7 +134,8 @@ class Recorder:
             key = f"{self._phase}/{name}" + (f"#{n}" if n else "")
             self.captures.append(Capture(key, layout, flat(out, self._tokens)))
             if layout == FULL and type(module).__name__ == "RowParallelLinear":
-                partial = F.linear(inputs[0], module.weight)
+                # A quantized weight enters the product dequantized, as in the forward.
+                partial = F.linear(inputs[0], module.dense_weight(inputs[0].dtype))
                 self.captures.append(Capture(key + ":partial", PARTIAL,
                                              flat(partial, self._tokens)))
         return record
