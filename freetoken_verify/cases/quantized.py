@@ -192,7 +192,7 @@ REDHAT_NVFP4 = Recipe(
     write_redhat_nvfp4, "NVFP4 attention, shared and routed experts (compressed-tensors)")
 NVIDIA_MIXED = Recipe(
     "modelopt", "nvidia/Qwen3.6-35B-A3B-NVFP4 (MIXED_PRECISION)", write_nvidia_mixed,
-    "NVFP4 experts, shared expert, lm_head; FP8 attention and GDN (ModelOpt mixed)")
+    "NVFP4 MLPs and lm_head, FP8 attention and GDN (ModelOpt mixed)")
 QWEN_FP8 = Recipe(
     "fp8", "Qwen/Qwen3.5-35B-A3B-FP8 (block FP8, blocks 24x40 for the tiny dimensions)",
     write_qwen_block_fp8, "block FP8 24x40 (Qwen fp8)")
