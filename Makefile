@@ -32,12 +32,14 @@ GATE_TP := $(TP)
 else
 GATE_TP = $(or $(tp_upto_$(GPUS)),$(error GPUS=$(GPUS): expected 1, 2, 4 or 8, or give TP=...))
 endif
-# Bundled case names, comma separated: those HF can run live, and the quantized ones (an
-# hf_quant_config.json: NVFP4) that it cannot.
+# Bundled case names, comma separated: those HF can run live, and the quantized ones that it
+# cannot (ModelOpt: an hf_quant_config.json; compressed-tensors and HF fp8: a
+# quantization_config in config.json), whose reference is their stored golden.
 space := $(subst ,, )
 case_names = $(subst $(space),$(comma),$(sort $(notdir $(patsubst %/,%,$(dir $(1))))))
-quantized_cases := $(wildcard freetoken_verify/golden/*/hf_quant_config.json)
-hf_cases := $(filter-out $(dir $(quantized_cases)),$(dir $(wildcard freetoken_verify/golden/*/config.json)))
+quantized_cases := $(sort $(dir $(wildcard freetoken_verify/golden/*/hf_quant_config.json) \
+    $(shell grep -l '"quantization_config"' freetoken_verify/golden/*/config.json 2>/dev/null)))
+hf_cases := $(filter-out $(quantized_cases),$(dir $(wildcard freetoken_verify/golden/*/config.json)))
 # One run of the gate: $(call gate,NAME,ARGS). A failing run is listed in $(REPORTS)/failed and
 # the gate goes on to the next; verify-gpu fails at the end if any run failed.
 gate = echo "=== $(1): freetoken-verify $(2)"; \
@@ -52,7 +54,7 @@ verify: $(SETUP)
 
 # The nightly gate: on CUDA the kernels check's GPU tests (pytest -m gpu tests/gpu); every
 # bundled case in fp32 against its stored golden; in bf16 the unquantized cases against live HF
-# on the same GPU and the NVFP4 case against its stored golden and stored bf16 baseline; the
+# on the same GPU and the quantized ones against their stored golden and stored bf16 baseline; the
 # real-dimension Qwen3.5-MoE in bf16 and fp32 against HF.
 verify-gpu: $(SETUP)
 ifeq ($(DEVICE),cuda)
@@ -70,7 +72,8 @@ ifneq ($(filter $(PART),all bundled),)
 	@$(call gate,bundled-fp32,)
 	@$(call gate,bundled-bf16,--dtype bfloat16 --reference hf --checks golden \
 	    --model $(call case_names,$(hf_cases)))
-	@$(call gate,bundled-nvfp4-bf16,--dtype bfloat16 --checks golden --model $(call case_names,$(quantized_cases)))
+	@$(call gate,bundled-quantized-bf16,--dtype bfloat16 --checks golden \
+	    --model $(call case_names,$(quantized_cases)))
 endif
 ifneq ($(filter $(PART),all realdims),)
 	@test -f $(REALDIMS)/config.json || \

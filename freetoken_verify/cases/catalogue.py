@@ -14,8 +14,10 @@ import copy
 import hashlib
 import json
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -27,12 +29,23 @@ from safetensors.torch import load_file, save_file
 
 from freetoken.config import ConfigError
 from freetoken.engine.resolve import ModelNotFound, resolve_checkpoint
+from freetoken.formats.quant import read_quant_config
+from freetoken.formats.quant.twin import write_dequantized_twin
 from freetoken.models.registry import load_config
 from freetoken_verify.cases.numerics import check_pinned, pinned_env
 from freetoken_verify.cases.nvfp4 import quantize_experts
+from freetoken_verify.cases.quantized import (
+    NVIDIA_MIXED,
+    QWEN3_FP8,
+    QWEN_FP8,
+    REDHAT_NVFP4,
+    Recipe,
+    stored_formats,
+)
 from freetoken_verify.cases.qwen3_5_moe import (
     qwen3_5_moe_tiny,
     qwen3_5_moe_tiny_nvfp4,
+    qwen3_5_moe_tiny_quantized,
     write_realdims,
 )
 from freetoken_verify.cases.randomise import rerandomise
@@ -62,6 +75,18 @@ class CaseSpec:
     extra: dict = field(default_factory=dict)
     nvfp4: bool = False
     """Routed experts written in ModelOpt NVFP4; the reference runs on their dequantized values."""
+    recipe: Recipe | None = None
+    """The checkpoint HF saves rewritten in a quantized layout; the reference is HF on its
+    dequantized twin."""
+    @property
+    def quantized(self) -> bool:
+        """A quantized checkpoint: HF cannot be its live reference, its stored golden is."""
+        return self.nvfp4 or self.recipe is not None
+
+    @property
+    def quantization_label(self) -> str:
+        """A few words on the quantization ("" when unquantized)."""
+        return self.recipe.label if self.recipe else "NVFP4 experts" if self.nvfp4 else ""
 
 
 def _llama(eos: int):
@@ -105,6 +130,19 @@ CASES: dict[str, CaseSpec] = {
     # Same seed as tiny-qwen3.5-moe; experts 128 wide so TP 8 splits whole NVFP4 groups.
     "tiny-qwen3.5-moe-nvfp4": CaseSpec("tiny-qwen3.5-moe-nvfp4", qwen3_5_moe_tiny_nvfp4,
                                        seed=14, num_greedy=24, nvfp4=True),
+    # Shared expert and experts 128 wide: at TP 8 each rank's down_proj holds one whole
+    # 16-element NVFP4 group of inputs.
+    "tiny-qwen3.5-moe-nvfp4-ct": CaseSpec(
+        "tiny-qwen3.5-moe-nvfp4-ct", qwen3_5_moe_tiny_quantized, seed=15, num_greedy=24,
+        recipe=REDHAT_NVFP4),
+    "tiny-qwen3.5-moe-mixed": CaseSpec(
+        "tiny-qwen3.5-moe-mixed", qwen3_5_moe_tiny_quantized, seed=16, num_greedy=24,
+        recipe=NVIDIA_MIXED),
+    # tiny-qwen3.5-moe's dimensions: with 24 x 40 blocks the shared expert's 48 rows give 6
+    # per rank at TP 8, the experts' 32 give 4, down_proj's 32 inputs lie in one partial block.
+    "tiny-qwen3.5-moe-fp8": CaseSpec(
+        "tiny-qwen3.5-moe-fp8", qwen3_5_moe_tiny, seed=17, num_greedy=24, recipe=QWEN_FP8),
+    "tiny-qwen3-fp8": CaseSpec("tiny-qwen3-fp8", _qwen3, seed=18, recipe=QWEN3_FP8),
 }
 
 
@@ -253,17 +291,57 @@ def build_hf_model(spec: CaseSpec, eos: int):
     return model
 
 
+TWIN_REFERENCE = ("HF transformers (float32) on the dequantized twin: every quantized weight "
+                  "dequantized in float64 from the format definition "
+                  "(freetoken.formats.quant.twin), rounded once to float32, scales dropped")
+
+
 def write_case(spec: CaseSpec, folder: Path) -> Path:
     """Build, save and reference one case into `folder` (created or overwritten)."""
-    # transformers costs seconds to import; only writing cases and HF references need it.
-    import transformers
-
     folder.mkdir(parents=True, exist_ok=True)
+    if spec.recipe is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            model = write_quantized(spec, folder, Path(tmp))
+            quantization = {"producer": spec.recipe.producer, "layout": spec.recipe.layout,
+                            "formats": stored_formats(folder), "reference": TWIN_REFERENCE}
+            _write_reference(spec, folder, model, quantization)
+        return folder
     eos = write_tokenizer(folder)
     model = build_hf_model(spec, eos)
     model.save_pretrained(folder)
+    quantization = None
     if spec.nvfp4:
         quantize_experts(model, folder)
+        quantization = "NVFP4 experts (ModelOpt layout); reference on dequantized experts"
+    _write_reference(spec, folder, model, quantization)
+    return folder
+
+
+def write_quantized(spec: CaseSpec, folder: Path, tmp: Path):
+    """Write `spec`'s checkpoint into `folder` in its recipe's layout (HF saves it under
+    `tmp`, the recipe rewrites it; the folder's previous files are removed) and return HF's
+    model of the folder's dequantized twin, in float32: the model the reference runs."""
+    # transformers costs seconds to import; only writing cases and HF references need it.
+    from transformers import AutoModelForCausalLM
+
+    saved = tmp / "hf"
+    saved.mkdir()
+    build_hf_model(spec, write_tokenizer(saved)).save_pretrained(saved)
+    written = spec.recipe.write(saved, tmp / "quantized")
+    for old in folder.iterdir():
+        if old.is_file():
+            old.unlink()
+    for new in sorted(written.iterdir()):
+        shutil.copyfile(new, folder / new.name)
+    twin = write_dequantized_twin(folder, tmp / "twin", read_quant_config(folder))
+    return AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32).eval()
+
+
+def _write_reference(spec: CaseSpec, folder: Path, model, quantization) -> None:
+    """HF's reference outputs of `model` (reference.safetensors) and meta.json."""
+    # transformers costs seconds to import; only writing cases and HF references need it.
+    import transformers
+
     prompts = reference_prompts(spec.seed, spec.prompt_lens, VOCAB)
     reference = hf_reference(model, prompts, spec.num_greedy)
     save_file(reference, folder / "reference.safetensors")
@@ -274,10 +352,9 @@ def write_case(spec: CaseSpec, folder: Path) -> Path:
         "weights_sha256": weights_sha256(folder),
         "baselines": low_precision_baselines(model, prompts, reference),
     }
-    if spec.nvfp4:
-        meta["quantization"] = "NVFP4 experts (ModelOpt layout); reference on dequantized experts"
+    if quantization is not None:
+        meta["quantization"] = quantization
     (folder / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-    return folder
 
 
 def load_reference(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:

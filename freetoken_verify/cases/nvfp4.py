@@ -105,7 +105,7 @@ def to_compressed_tensors(src: Path, dst: Path) -> Path:
             out[name] = tensor
     save_file(dict(sorted(out.items())), dst / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = _ct_config()
+    config["quantization_config"] = ct_nvfp4_config(CT_IGNORE)
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for f in src.iterdir():
         if f.name.startswith("tokenizer") or f.name == "generation_config.json":
@@ -113,10 +113,13 @@ def to_compressed_tensors(src: Path, dst: Path) -> Path:
     return dst
 
 
-def _ct_config() -> dict:
+def ct_nvfp4_config(ignore: list[str]) -> dict:
+    """compressed-tensors' `quantization_config` for NVFP4 (`nvfp4-pack-quantized`): one
+    group targeting every Linear, W4A4 (static input global scales, dynamic local ones),
+    modules in `ignore` (names or `re:` patterns) left unquantized."""
     nvfp4 = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": GROUP,
              "symmetric": True, "dynamic": False}
     return {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
-            "quantization_status": "compressed", "ignore": CT_IGNORE,
+            "quantization_status": "compressed", "ignore": list(ignore),
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": nvfp4,
                                           "input_activations": dict(nvfp4, dynamic="local")}}}

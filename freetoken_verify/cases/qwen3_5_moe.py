@@ -5,6 +5,8 @@ expert), built and saved by HF transformers itself.
 
 - `qwen3_5_moe_tiny`: the bundled `tiny-qwen3.5-moe` case (dimensions valid at TP 1, 2, 4, 8).
 - `qwen3_5_moe_tiny_nvfp4`: the same with NVFP4-splittable experts (`tiny-qwen3.5-moe-nvfp4`).
+- `qwen3_5_moe_tiny_quantized`: the same with NVFP4-splittable experts and shared expert
+  (`tiny-qwen3.5-moe-nvfp4-ct`, `tiny-qwen3.5-moe-mixed`).
 - `write_realdims`: `qwen3.5-moe-realdims`, the real model's text dimensions with 2 layers
   (one GatedDeltaNet, one full attention) or any number, in bf16 or a shipping quantized
   layout (`realdims`), written on demand for GPU runs, never bundled."""
@@ -81,6 +83,15 @@ def qwen3_5_moe_tiny_nvfp4(eos: int):
     moe_intermediate_size 128, so each of 8 ranks holds 16 of down_proj's NVFP4 inputs (one
     whole group; 32 / 8 = 4 would cut one)."""
     return _conditional_generation(dict(TINY_TEXT, moe_intermediate_size=128), eos)
+
+
+def qwen3_5_moe_tiny_quantized(eos: int):
+    """The HF model of the quantized cases with NVFP4 dense linears (`tiny-qwen3.5-moe-nvfp4-ct`,
+    `tiny-qwen3.5-moe-mixed`): `tiny-qwen3.5-moe` with routed and shared experts 128 wide, so
+    that at TP 8 each rank's down_proj inputs are one whole 16-element NVFP4 group (the shared
+    expert's 48 / 8 = 6 would cut one)."""
+    return _conditional_generation(dict(TINY_TEXT, moe_intermediate_size=128,
+                                        shared_expert_intermediate_size=128), eos)
 
 
 def realdims_text(num_layers: int = 2) -> dict:

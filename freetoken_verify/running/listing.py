@@ -40,8 +40,8 @@ def case_description(name: str) -> str:
         parts.append("GatedDeltaNet + gated attention")
     if "num_experts" in text:
         parts.append(f"{text['num_experts']} experts top-{text.get('num_experts_per_tok')}")
-    if CASES[name].nvfp4:
-        parts.append("NVFP4 experts")
+    if CASES[name].quantized:
+        parts.append(CASES[name].quantization_label)
     return ", ".join(parts)
 
 

@@ -9,8 +9,12 @@ import math
 import pytest
 import torch
 
-from freetoken_verify.activations.engine import FULL, PARTIAL, flat, unshard
+from freetoken.config import EngineConfig
+from freetoken.engine.core import EngineCore
+from freetoken.engine.sequence import SamplingParams
+from freetoken_verify.activations.engine import FULL, PARTIAL, Recorder, flat, unshard
 from freetoken_verify.activations.hf import NameMap
+from freetoken_verify.cases.catalogue import GOLDEN
 from freetoken_verify.checks.bisect.check import Bisection, Row, rel_l2
 
 
@@ -157,3 +161,38 @@ def test_hf_decode_rows_are_left_out_when_hf_consumed_another_token():
     same = {r.module: r.vs_hf for r in _rows(full, None, hf, None, ctx, 2, True)}
     assert other == {"prefill/model.layers.0.mlp": 0.0}, other
     assert same["prefill/model.layers.0.mlp"] == 0.0 and same["decode/model.layers.0.mlp"] > 1
+
+
+def _record_prefill(case: str, prompt: list[int]) -> dict:
+    """Every module's capture of one TP=1 prefill of `prompt` on bundled `case`, by key."""
+    folder = GOLDEN / case
+    core = EngineCore(folder, EngineConfig(str(folder), device="cpu", dtype="float32",
+                                           progress=False, max_num_seqs=1),
+                      torch.device("cpu"))
+    recorder = Recorder(core.model, core.model_config, 1)
+    recorder.phase("prefill", len(prompt))
+    try:
+        core.generate([prompt], [SamplingParams(max_tokens=1, ignore_eos=True)])
+    finally:
+        recorder.remove()
+    return {c.key: c for c in recorder.captures}
+
+
+def test_quantized_modules_are_recorded_in_their_layouts():
+    """Block-FP8 Qwen3.5-MoE: GDN in_proj, split into a quantized [q | k | v | z] GEMM and a
+    bf16 [b | a] one (`in_proj_ba`), is stated as four head-split segments and in_proj_ba as
+    two (unquantized, in_proj keeps all six); a quantized row-parallel output's
+    pre-reduction partial is its input times the dequantized weight (at TP 1 the output)."""
+    key, value, heads = ("split", 128, 1), ("split", 192, 1), ("split", 16, 1)
+    gdn = "prefill/model.layers.0.linear_attn"
+    fp8 = _record_prefill("tiny-qwen3.5-moe-fp8", [3, 1, 4, 1, 5])
+    assert fp8[f"{gdn}.in_proj"].layout == ("segments", (key, key, value, value))
+    assert fp8[f"{gdn}.in_proj_ba"].layout == ("segments", (heads, heads))
+    for module in (f"{gdn}.out_proj", "prefill/model.layers.1.self_attn.o_proj"):
+        full, partial = fp8[module], fp8[f"{module}:partial"]
+        assert full.layout == FULL and partial.layout == PARTIAL, module
+        assert torch.equal(partial.tensor, full.tensor), module
+    plain = _record_prefill("tiny-qwen3.5-moe", [3, 1, 4, 1, 5])
+    assert plain[f"{gdn}.in_proj"].layout == ("segments", (key, key, value, value, heads,
+                                                           heads))
+    assert f"{gdn}.in_proj_ba" not in plain

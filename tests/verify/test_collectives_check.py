@@ -21,7 +21,8 @@ from freetoken_verify.cli import main
 
 GOLDEN = Path(__file__).resolve().parents[2] / "freetoken_verify" / "golden"
 CASES = ("tiny-llama", "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3.5-moe",
-         "tiny-qwen3.5-moe-nvfp4")
+         "tiny-qwen3.5-moe-nvfp4", "tiny-qwen3.5-moe-nvfp4-ct", "tiny-qwen3.5-moe-mixed",
+         "tiny-qwen3.5-moe-fp8", "tiny-qwen3-fp8")
 
 
 def _collectives_rows(capsys, tmp_path, *args: str) -> tuple[int, list[dict]]:
@@ -55,6 +56,21 @@ def test_sites_follow_the_module_structure():
     got = {name: site.kind for name, site in sites.items()}
     assert got == want, f"sites: {sorted(got.items())}"
     assert all(site.count == 1 for site in sites.values()), sites
+
+
+def test_every_routed_expert_format_makes_a_moe_block():
+    """Bf16, NVFP4 and block-FP8 routed experts each make their MoE block one all-reduce site
+    with nothing inside it reducing."""
+    for case in ("tiny-qwen3.5-moe", "tiny-qwen3.5-moe-nvfp4", "tiny-qwen3.5-moe-fp8"):
+        cfg = load_config(GOLDEN / case)
+        model = build_model(cfg)
+        blocks = moe_blocks(model)
+        sites = expected_sites(model, torch.float32, batch=1)
+        for i in range(cfg.num_hidden_layers):
+            block = f"model.layers.{i}.mlp"
+            assert sites[block].kind == "all_reduce", (case, block)
+            assert blocks[f"{block}.experts"] == block, (case, block)
+            assert f"{block}.shared_expert.down_proj" not in sites, (case, block)
 
 
 def test_trace_attributes_each_call_to_its_module():
@@ -136,6 +152,10 @@ def test_clean_run_passes_on_every_bundled_case(capsys, tmp_path):
     ("drop-allreduce", "tiny-qwen3.5-moe", "2",
      "model.layers.0.linear_attn.out_proj: expected 1 all_reduce per forward, saw 0 (missing"),
     ("moe-reduce-separately", "tiny-qwen3.5-moe", "2",
+     "model.layers.0.mlp: expected 1 all_reduce per forward, saw 2 (doubled: 2 different "
+     "tensors"),
+    # Block-FP8 routed experts make a MoE block too (their block was taken for none).
+    ("moe-reduce-separately", "tiny-qwen3.5-moe-fp8", "2",
      "model.layers.0.mlp: expected 1 all_reduce per forward, saw 2 (doubled: 2 different "
      "tensors"),
     ("embedding-extra-allreduce", "tiny-llama", "2",

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = ROOT / ".github" / "workflows"
 _MAKE_CALL = re.compile(r"\bmake[ \t]+((?:[^\s;&|]+[ \t]*)+)")
 _SCRIPT = re.compile(r"(?<![\w/$.{-])((?:\./)?(?:\.?[\w-]+/)+[\w.-]+\.?\w*)")
-_GATE_RUNS = ("bundled-fp32", "bundled-bf16", "bundled-nvfp4-bf16", "realdims-bf16",
+_GATE_RUNS = ("bundled-fp32", "bundled-bf16", "bundled-quantized-bf16", "realdims-bf16",
               "realdims-fp32")
 
 
@@ -155,12 +155,14 @@ def test_verify_gpu_matches_tp_to_gpus(gpus, tp, tmp_path):
 
 
 def _assert_bf16_models(live_run: str, stored_run: str) -> None:
-    """The bf16 runs split the bundled cases: those HF runs live, and the NVFP4 ones."""
+    """The bf16 runs split the bundled cases: those HF runs live, and the quantized ones
+    (ModelOpt, compressed-tensors and HF fp8 alike)."""
     from freetoken_verify.cases.catalogue import CASES
 
-    for line, nvfp4 in ((live_run, False), (stored_run, True)):
+    for line, quantized in ((live_run, False), (stored_run, True)):
         models = re.findall(r"--model ([^\s\";]+)", line)[-1]
-        assert models == ",".join(n for n, c in sorted(CASES.items()) if c.nvfp4 == nvfp4), line
+        want = ",".join(n for n, c in sorted(CASES.items()) if c.quantized == quantized)
+        assert models == want, line
 
 
 def test_verify_gpu_parts_and_explicit_tp(tmp_path):

@@ -14,6 +14,7 @@ import torch
 from freetoken.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from freetoken.layers.linear import RowParallelLinear
 from freetoken.layers.moe import FusedExperts
+from freetoken.layers.quantization.fp8.moe import BlockFP8FusedExperts
 from freetoken.layers.quantization.nvfp4 import NVFP4FusedExperts
 from freetoken_verify.checks.collectives.trace import ENGINE, Call, dtype_name
 
@@ -44,7 +45,7 @@ class Site:
 
 
 def _routed_expert_types() -> tuple[type, ...]:
-    return (FusedExperts, NVFP4FusedExperts)
+    return (FusedExperts, NVFP4FusedExperts, BlockFP8FusedExperts)
 
 
 def _is_row_parallel(module: torch.nn.Module) -> bool:
