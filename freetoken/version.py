@@ -4,6 +4,7 @@ written by setup.py into wheels and sdists). What cannot be found is None, never
 
 from __future__ import annotations
 
+import importlib
 import shutil
 import subprocess
 from importlib import metadata
@@ -48,11 +49,11 @@ def git_state(root: Path | None = None) -> tuple[str | None, bool | None]:
 
 def build_state() -> tuple[str | None, bool | None]:
     """(commit, dirty) the installed build recorded; (None, None) if it recorded none."""
-    try:
-        from freetoken import _build_info  # written at build time, absent in a checkout
+    try:  # written into wheels and sdists at build time, absent in a checkout
+        build_info = importlib.import_module(f"{__package__}._build_info")
     except ImportError:
         return None, None
-    return getattr(_build_info, "COMMIT", None), getattr(_build_info, "DIRTY", None)
+    return getattr(build_info, "COMMIT", None), getattr(build_info, "DIRTY", None)
 
 
 def code_state() -> tuple[str | None, bool | None]:

@@ -21,7 +21,7 @@ RANK = {
     "models": 3,
     "layers": 2,
     "kernels": 1, "loading": 1, "distributed": 1,
-    "config": 0, "context": 0, "formats": 0,
+    "config": 0, "context": 0, "formats": 0, "version": 0, "_build_info": 0,
 }
 """Each top-level part of the engine and its height: a part imports only lower parts."""
 VERIFY_RANK = {

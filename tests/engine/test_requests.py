@@ -56,7 +56,8 @@ def _no_rank_may_start(group) -> None:
     ("num_layers", 99, "num_layers=99 exceeds the model's num_hidden_layers=2"),
     ("timeout", math.nan, "timeout must be a finite number of seconds above 0, got nan"),
     ("progress", "yes", "progress must be True or False, got 'yes'"),
-    ("dtype", "int8", "dtype must be auto or one of float32, bfloat16, float16, got 'int8'"),
+    ("dtype", "int8", "dtype must be auto or one of float32, bfloat16, float16 (or fp32, bf16, "
+                      "fp16), got 'int8'"),
     ("tp", "2", "tp must be an integer, got '2'"),
     ("max_num_seq", 4, "unknown engine option 'max_num_seq'"),
 ])
