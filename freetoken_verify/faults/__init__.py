@@ -47,6 +47,7 @@ from freetoken_verify.faults.memory import (
     quantized_shard_views,
 )
 from freetoken_verify.faults.port_mistakes import BUGS
+from freetoken_verify.faults.quant_config import QUANT_CONFIG_FAULTS
 from freetoken_verify.faults.quant_kernels import QUANT_KERNEL_FAULTS
 from freetoken_verify.faults.scales import SCALE_FAULTS
 
@@ -301,6 +302,7 @@ FAULTS: dict[str, Callable[[], None]] = {
     **SCALE_FAULTS,
     **KERNEL_FAULTS,
     **QUANT_KERNEL_FAULTS,
+    **QUANT_CONFIG_FAULTS,
     **GRAPH_FAULTS,
     **INVARIANT_FAULTS,
 }
