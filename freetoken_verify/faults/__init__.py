@@ -46,6 +46,7 @@ from freetoken_verify.faults.memory import (
 )
 from freetoken_verify.faults.port_mistakes import BUGS
 from freetoken_verify.faults.scales import SCALE_FAULTS
+from freetoken_verify.faults.where import WHERE_FAULTS
 
 
 def plain_chunk_gate_up() -> None:
@@ -297,6 +298,7 @@ FAULTS: dict[str, Callable[[], None]] = {
     **KERNEL_FAULTS,
     **GRAPH_FAULTS,
     **INVARIANT_FAULTS,
+    **WHERE_FAULTS,
 }
 
 

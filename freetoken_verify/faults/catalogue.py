@@ -120,4 +120,8 @@ CATALOGUE: tuple[Entry, ...] = (
     Entry("invariant reduction summed left to right on one rank",
           "invariant-leaves-left-to-right", "tiny-qwen3-moe", (2,), ("golden",),
           r"tp=1: .*differ bit for bit"),
+    Entry("GDN post-conv split with the global key/value sizes (a crash)",
+          "gdn-split-global-sizes", "tiny-qwen3.5-moe", (2,), ("golden",),
+          r"rank \d: RuntimeError: split_with_sizes .*\[in model\.layers\.0\.linear_attn; "
+          r"freetoken/models/qwen3_5_moe/gdn\.py:\d+ in _heads\]"),
 )
