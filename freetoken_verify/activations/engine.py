@@ -14,7 +14,13 @@ A layout says how the rank-local features relate to the full ones:
 Layouts are stated from the module's type, its place in the model and the config, the TP
 conventions design.md fixes, not read back from the shard plan or the module's own flags: a
 plan that puts rows in the wrong slot, or a row-parallel layer built without its all-reduce,
-produces activations that do not match the statement."""
+produces activations that do not match the statement.
+
+Captures keep the module's own dtype (a bf16 output stays bf16), so that a bitwise comparison
+counts ulps of that dtype. A row-parallel linear outside MoE blocks is also recorded before
+its reduction: in the default mode its partial product (`:partial`, summed over ranks), in the
+tp_invariant mode its canonical fp32 leaves (`:leaves`: rank r holds leaves r * C/N onwards,
+so the ranks' leaves side by side are TP=1's, bit for bit)."""
 
 from __future__ import annotations
 
@@ -22,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from freetoken.layers import invariant
 
 FULL = ("full",)
 PARTIAL = ("partial",)
@@ -128,24 +136,45 @@ class Recorder:
             n = self._calls.get(name, 0)
             self._calls[name] = n + 1
             key = f"{self._phase}/{name}" + (f"#{n}" if n else "")
-            self.captures.append(Capture(key, layout, flat(out, self._tokens)))
-            if layout == FULL and type(module).__name__ == "RowParallelLinear":
+            row_parallel = layout == FULL and type(module).__name__ == "RowParallelLinear"
+            canonical = getattr(module, "canonical", None)
+            if row_parallel and canonical is not None:
+                self.captures.append(Capture(key + ":leaves", leaves_layout(module),
+                                             self._leaves(module, inputs[0])))
+            self.captures.append(Capture(key, layout, flat(out, self._tokens, True)))
+            if row_parallel and canonical is None:
                 partial = F.linear(inputs[0], module.weight)
                 self.captures.append(Capture(key + ":partial", PARTIAL,
-                                             flat(partial, self._tokens)))
+                                             flat(partial, self._tokens, True)))
         return record
 
+    def _leaves(self, module, x: torch.Tensor) -> torch.Tensor:
+        """The rank's canonical leaves of a tp_invariant row-parallel linear on `x`, as
+        `[tokens, local chunks * out]`, chunk-major (recomputed: the same bits the forward
+        reduced)."""
+        weight = module.dense_weight(x.dtype)
+        local, out = module.canonical.local_chunks, weight.shape[0]
+        leaves = invariant.chunk_leaves(x, weight, local).reshape(local, -1, out)
+        return flat(leaves.transpose(0, 1).reshape(-1, local * out), self._tokens, True)
 
-def flat(t: torch.Tensor, tokens: int) -> torch.Tensor:
-    """`[rows, features]` in float32 on the CPU: rows are the forward's `tokens` where the
-    tensor is per token (`[tokens, ...]`, or `[1, tokens, ...]` for a one-sequence batch),
-    else its first dim (the LM head on a prefill's last token); trailing dims (heads,
-    head_dim) merged."""
+
+def leaves_layout(module) -> tuple:
+    """The layout of a tp_invariant row-parallel linear's leaves: C canonical chunks of `out`
+    features each, split across ranks in tree (rank) order."""
+    return ("segments", (_split(module.canonical.chunks * module.local_out),))
+
+
+def flat(t: torch.Tensor, tokens: int, keep_dtype: bool = False) -> torch.Tensor:
+    """`[rows, features]` on the CPU, floats in float32 (in their own dtype with
+    `keep_dtype`): rows are the forward's `tokens` where the tensor is per token
+    (`[tokens, ...]`, or `[1, tokens, ...]` for a one-sequence batch), else its first dim
+    (the LM head on a prefill's last token); trailing dims (heads, head_dim) merged."""
     t = t.detach()
     if t.dim() >= 3 and t.shape[0] == 1 and t.shape[1] == tokens:
         t = t[0]
     t = t.reshape(t.shape[0], -1) if t.dim() >= 2 else t.reshape(-1, 1)
-    return t.float().cpu().clone() if t.is_floating_point() else t.cpu().clone()
+    return t.float().cpu().clone() if t.is_floating_point() and not keep_dtype \
+        else t.cpu().clone()
 
 
 def unshard(layout: tuple, parts: list[torch.Tensor]) -> torch.Tensor:
@@ -153,7 +182,7 @@ def unshard(layout: tuple, parts: list[torch.Tensor]) -> torch.Tensor:
     if layout == FULL:
         return parts[0]
     if layout == PARTIAL:
-        return torch.stack(parts).sum(0)
+        return torch.stack([p.float() for p in parts]).sum(0)
     tp, out, offset = len(parts), [], 0
     for kind, full, unit in layout[1]:
         local = _local_size(kind, full, unit, tp)

@@ -146,7 +146,7 @@ def test_hf_decode_rows_are_left_out_when_hf_consumed_another_token():
     from freetoken_verify.checks.bisect.check import _rows
 
     cfg = SimpleNamespace(quantization=None)
-    ctx = SimpleNamespace(options=SimpleNamespace(dtype="float32"),
+    ctx = SimpleNamespace(options=SimpleNamespace(dtype="float32", bitwise=False),
                           case=SimpleNamespace(model_config=cfg))
     hf_out = torch.arange(12.0).reshape(3, 4) + 1  # 2 prompt rows + 1 decode row
     names = NameMap({"model"}, num_heads=1, head_dim=4)
