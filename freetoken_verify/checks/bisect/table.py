@@ -106,8 +106,9 @@ def _describe(row: Row) -> str:
     parts = []
     if row.bits_vs_tp1 is not None:
         b = row.bits_vs_tp1
-        parts.append(f"{b.count} / {b.numel} elements differ bit for bit from TP=1, largest "
-                     f"{b.max_ulp} ulp at {b.where} ({b.got:.9g} vs {b.want:.9g})")
+        size = f", rel L2 {_fmt(row.vs_tp1)}" if row.vs_tp1 is not None else ""
+        parts.append(f"{b.count} / {b.numel} elements differ bit for bit from TP=1{size}, "
+                     f"largest {b.max_ulp} ulp at {b.where} ({b.got:.9g} vs {b.want:.9g})")
     over = [(ref, v) for ref, v in (("TP=1", None if row.bitwise else row.vs_tp1),
                                     ("HF", row.vs_hf)) if v is not None and v > row.bound]
     if over:
