@@ -104,13 +104,18 @@ def _gdn_layout(leaf: str, gdn, tp: int) -> tuple | None:
 
 class Recorder:
     """Forward hooks on every module of `model` that record outputs as `Capture`s. Call
-    `phase(name)` before each forward; `remove()` when done."""
+    `phase(name)` before each forward; `remove()` when done.
+
+    In the tp_invariant mode a MoE block computes its routed experts and shared expert as
+    canonical leaves (their `leaves` method, no forward): those calls are recorded too, as
+    `<module>:leaves`, so a bug inside the block is named by the part it is in."""
 
     def __init__(self, model: torch.nn.Module, cfg, tp: int):
         self.captures: list[Capture] = []
         self._phase, self._tokens = "prefill", 0
         self._calls: dict[str, int] = {}
         self._handles = []
+        self._wrapped: list[torch.nn.Module] = []
         modules = dict(model.named_modules())
         for name, module in modules.items():
             if not name:
@@ -119,6 +124,8 @@ class Recorder:
             layout = layout_of(name, module, parent, cfg, tp)
             if layout is not None:
                 self._handles.append(module.register_forward_hook(self._hook(name, layout)))
+            if layout == PARTIAL and _canonical(module) is not None:
+                self._wrap_leaves(name, module)
 
     def phase(self, name: str, tokens: int) -> None:
         """Name the next forward (`prefill`, `decode`), which runs over `tokens` tokens."""
@@ -127,20 +134,27 @@ class Recorder:
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+        for module in self._wrapped:
+            del module.leaves
+        self._wrapped.clear()
+
+    def _key(self, name: str) -> str:
+        n = self._calls.get(name, 0)
+        self._calls[name] = n + 1
+        return f"{self._phase}/{name}" + (f"#{n}" if n else "")
 
     def _hook(self, name: str, layout: tuple):
         def record(module, inputs, output):
             out = output[0] if isinstance(output, tuple) else output
             if not isinstance(out, torch.Tensor):
                 return
-            n = self._calls.get(name, 0)
-            self._calls[name] = n + 1
-            key = f"{self._phase}/{name}" + (f"#{n}" if n else "")
+            key = self._key(name)
             row_parallel = layout == FULL and type(module).__name__ == "RowParallelLinear"
-            canonical = getattr(module, "canonical", None)
+            canonical = _canonical(module)
             if row_parallel and canonical is not None:
-                self.captures.append(Capture(key + ":leaves", leaves_layout(module),
-                                             self._leaves(module, inputs[0])))
+                weight = module.dense_weight(inputs[0].dtype)
+                leaves = invariant.chunk_leaves(inputs[0], weight, canonical.local_chunks)
+                self._record_leaves(key, leaves, canonical)
             self.captures.append(Capture(key, layout, flat(out, self._tokens, True)))
             if row_parallel and canonical is None:
                 partial = F.linear(inputs[0], module.weight)
@@ -148,20 +162,35 @@ class Recorder:
                                              flat(partial, self._tokens, True)))
         return record
 
-    def _leaves(self, module, x: torch.Tensor) -> torch.Tensor:
-        """The rank's canonical leaves of a tp_invariant row-parallel linear on `x`, as
-        `[tokens, local chunks * out]`, chunk-major (recomputed: the same bits the forward
-        reduced)."""
-        weight = module.dense_weight(x.dtype)
-        local, out = module.canonical.local_chunks, weight.shape[0]
-        leaves = invariant.chunk_leaves(x, weight, local).reshape(local, -1, out)
-        return flat(leaves.transpose(0, 1).reshape(-1, local * out), self._tokens, True)
+    def _wrap_leaves(self, name: str, module: torch.nn.Module) -> None:
+        """Record every call of `module.leaves` (an instance attribute until `remove`)."""
+        original, canonical = module.leaves, _canonical(module)
+
+        def leaves(*args, **kwargs):
+            out = original(*args, **kwargs)
+            self._record_leaves(self._key(name), out, canonical)
+            return out
+
+        module.leaves = leaves
+        self._wrapped.append(module)
+
+    def _record_leaves(self, key: str, leaves: torch.Tensor, canonical) -> None:
+        """A rank's canonical fp32 leaves [local chunks, .., features] as `key:leaves`,
+        `[tokens, local chunks * features]`, chunk-major: rank r holds leaves r * C/N on, so
+        the ranks' parts side by side are TP=1's leaves, bit for bit."""
+        local, features = canonical.local_chunks, leaves.shape[-1]
+        rows = leaves.reshape(local, -1, features).transpose(0, 1).reshape(-1, local * features)
+        layout = ("segments", (_split(canonical.chunks * features),))
+        self.captures.append(Capture(key + ":leaves", layout, flat(rows, self._tokens, True)))
 
 
-def leaves_layout(module) -> tuple:
-    """The layout of a tp_invariant row-parallel linear's leaves: C canonical chunks of `out`
-    features each, split across ranks in tree (rank) order."""
-    return ("segments", (_split(module.canonical.chunks * module.local_out),))
+def _canonical(module: torch.nn.Module):
+    """The tp_invariant reductions `module` computes with (a shared expert: its down
+    projection's), or None in the default mode."""
+    canonical = getattr(module, "canonical", None)
+    if canonical is None and isinstance(getattr(module, "down_proj", None), torch.nn.Module):
+        canonical = getattr(module.down_proj, "canonical", None)
+    return canonical
 
 
 def flat(t: torch.Tensor, tokens: int, keep_dtype: bool = False) -> torch.Tensor:

@@ -117,7 +117,10 @@ def _located(ctx, fn: Callable[..., Any], *args: Any) -> Any:
     try:
         return fn(ctx, *args)
     except Exception as e:
-        where = location(e, resident_model(ctx))
+        try:
+            where = location(e, resident_model(ctx))
+        except Exception as failure:  # locating must never replace the rank's own error
+            where = f"location unknown: {type(failure).__name__}: {failure}"
         if where is not None:
             annotate(e, where)
         raise

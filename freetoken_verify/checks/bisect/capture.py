@@ -8,15 +8,27 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from freetoken.engine.sequence import SamplingParams
-from freetoken_verify.activations.engine import FULL, Recorder, unshard
+from freetoken_verify.activations.engine import FULL, PARTIAL, Recorder, unshard
 from freetoken_verify.checks.engine_cache import engine_on_rank
 
-Activations = dict[str, tuple[torch.Tensor, int | None]]
-"""`phase/module` -> (the full tensor, the first rank whose replicated copy differs)."""
+
+class Activation(NamedTuple):
+    """One module's full output: the tensor, the first rank whose replicated copy differs
+    from rank 0's (None: none, or not replicated) and whether the parent summed it from the
+    ranks' partial sums (its bits are then the parent's arithmetic, not the engine's)."""
+
+    tensor: torch.Tensor
+    disagree: int | None = None
+    summed: bool = False
+
+
+Activations = dict[str, Activation]
+"""`phase/module` -> its Activation."""
 
 
 @dataclass(frozen=True)
@@ -66,7 +78,8 @@ def _rebuild(per_rank_captures: list[list]) -> Activations:
     full = {}
     for key, (layout, _) in per_rank[0].items():
         parts = [ranks[key][1] for ranks in per_rank]
-        full[key] = (unshard(layout, parts), _disagreeing_rank(layout, parts))
+        full[key] = Activation(unshard(layout, parts), _disagreeing_rank(layout, parts),
+                               layout == PARTIAL)
     return full
 
 

@@ -9,6 +9,7 @@ import torch
 import freetoken_verify.compare as compare
 from freetoken.engine.core import resolve_dtype
 from freetoken_verify.checks.base import CheckContext
+from freetoken_verify.checks.bisect.capture import Activation
 from freetoken_verify.checks.bisect.table import FP32_BOUND, Row, compare_with_tp1, rel_l2
 from freetoken_verify.reference.sources import reference_for, reference_source
 
@@ -23,16 +24,19 @@ def references(ctx: CheckContext, tp1: bool, hf: bool) -> tuple[str, ...]:
 
 def build_rows(full, tp1, hf_for, ctx) -> list[Row]:
     """One row per captured module that has a reference (or diverged on its own): compared
-    with `tp1`'s same key (bit for bit when the run is bitwise) and with HF's tensors
+    with `tp1`'s same key (bit for bit when the run is bitwise, except the partial sums the
+    parent added up) and with HF's tensors
     `hf_for(key, tensor)` -> (float32, low precision), each None where HF has none."""
     low = resolve_dtype(ctx.options.dtype, ctx.case.model_config) != torch.float32
     fallback = _logit_bound(ctx) if low else FP32_BOUND
     bitwise = bool(ctx.options.bitwise)
     rows = []
-    for key, (tensor, disagree) in full.items():
+    for key, entry in full.items():
+        tensor, disagree, summed = Activation(*entry)
         row = Row(key, ranks_disagree=disagree)
         if tp1 is not None and key in tp1:
-            compare_with_tp1(row, tensor, tp1[key][0], bitwise)
+            # A sum over ranks is the parent's arithmetic: compared within the bounds.
+            compare_with_tp1(row, tensor, tp1[key][0], bitwise and not summed)
         exact, rounded = hf_for(key, tensor)
         hf_t = _rows_like(exact, tensor)
         if hf_t is not None and hf_t.shape == tensor.shape:

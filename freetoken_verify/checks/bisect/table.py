@@ -92,8 +92,12 @@ def _clean(earlier: list[Row], bitwise: bool) -> str:
     worst = max(r.worst for r in earlier)
     if not bitwise:
         return f"earlier modules <= {worst:.1e}"
-    hf = any(r.vs_hf is not None for r in earlier)
-    return "earlier modules bit for bit TP=1's" + (f", vs HF <= {worst:.1e}" if hf else "")
+    if all(r.bitwise for r in earlier):
+        hf = any(r.vs_hf is not None for r in earlier)
+        return "earlier modules bit for bit TP=1's" + (f", vs HF <= {worst:.1e}" if hf else "")
+    # Partial sums (added up by the parent) and HF are judged within the bounds.
+    return (f"earlier modules bit for bit TP=1's where compared bit for bit, others <= "
+            f"{worst:.1e}")
 
 
 def _describe(row: Row) -> str:
