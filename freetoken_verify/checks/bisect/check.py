@@ -53,8 +53,7 @@ def run(ctx: CheckContext) -> CheckResult:
     if ctx.options.bitwise:
         metrics["bitwise"] = 1
     if found is not result:
-        metrics.update(batched_modules=len(found.rows),
-                       batched_table=[r.as_dict() for r in found.rows])
+        metrics.update(batched_modules=len(found.rows), batched_table=_step_rows(found))
     if not result.references:
         return make_result("bisect", ctx, start, "skip", metrics,
                        "no reference to bisect against: HF cannot run this checkpoint, and the "
@@ -64,6 +63,15 @@ def run(ctx: CheckContext) -> CheckResult:
         return make_result("bisect", ctx, start, "fail", metrics,
                        f"{ctx.case.name} tp={ctx.tp}: {found.message()}")
     return make_result("bisect", ctx, start, "pass", metrics, "")
+
+
+def _step_rows(found: Bisection) -> list[dict]:
+    """The batched table for the JSON row: the rows of the step where the first divergence
+    is (every step of every module would be megabytes on a real checkpoint), else none."""
+    if found.first is None:
+        return []
+    step = found.first.module.partition("/")[0]
+    return [r.as_dict() for r in found.rows if r.module.partition("/")[0] == step]
 
 
 def first_divergence(ctx: CheckContext) -> str:
