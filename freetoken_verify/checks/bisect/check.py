@@ -45,9 +45,9 @@ __all__ = ["Bisection", "Row", "rel_l2", "run", "localise", "first_divergence"]
 def run(ctx: CheckContext) -> CheckResult:
     start = time.monotonic()
     result = localise(ctx)
-    found = result
-    if result.first is None and result.references:
-        found = batched.localise(ctx)
+    # With no reference yet (TP=1 of a checkpoint HF cannot run), the batched capture is
+    # still kept for the later TP sizes.
+    found = batched.localise(ctx) if result.first is None else result
     metrics = {"modules": len(result.rows), "references": ",".join(result.references),
                "table": [r.as_dict() for r in result.rows]}
     if ctx.options.bitwise:
