@@ -14,7 +14,13 @@ A layout says how the rank-local features relate to the full ones:
 Layouts are stated from the module's type, its place in the model and the config, the TP
 conventions design.md fixes, not read back from the shard plan or the module's own flags: a
 plan that puts rows in the wrong slot, or a row-parallel layer built without its all-reduce,
-produces activations that do not match the statement."""
+produces activations that do not match the statement.
+
+Captures keep the module's own dtype (a bf16 output stays bf16), so that a bitwise comparison
+counts ulps of that dtype. A row-parallel linear outside MoE blocks is also recorded before
+its reduction: in the default mode its partial product (`:partial`, summed over ranks), in the
+tp_invariant mode its canonical fp32 leaves (`:leaves`: rank r holds leaves r * C/N onwards,
+so the ranks' leaves side by side are TP=1's, bit for bit)."""
 
 from __future__ import annotations
 
@@ -22,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from freetoken.layers import invariant
 
 FULL = ("full",)
 PARTIAL = ("partial",)
@@ -101,13 +109,18 @@ def _gdn_layout(leaf: str, gdn, tp: int) -> tuple | None:
 
 class Recorder:
     """Forward hooks on every module of `model` that record outputs as `Capture`s. Call
-    `phase(name)` before each forward; `remove()` when done."""
+    `phase(name)` before each forward; `remove()` when done.
+
+    In the tp_invariant mode a MoE block computes its routed experts and shared expert as
+    canonical leaves (their `leaves` method, no forward): those calls are recorded too, as
+    `<module>:leaves`, so a bug inside the block is named by the part it is in."""
 
     def __init__(self, model: torch.nn.Module, cfg, tp: int):
         self.captures: list[Capture] = []
         self._phase, self._tokens = "prefill", 0
         self._calls: dict[str, int] = {}
         self._handles = []
+        self._wrapped: list[torch.nn.Module] = []
         modules = dict(model.named_modules())
         for name, module in modules.items():
             if not name:
@@ -116,6 +129,8 @@ class Recorder:
             layout = layout_of(name, module, parent, cfg, tp)
             if layout is not None:
                 self._handles.append(module.register_forward_hook(self._hook(name, layout)))
+            if layout == PARTIAL and _canonical(module) is not None:
+                self._wrap_leaves(name, module)
 
     def phase(self, name: str, tokens: int) -> None:
         """Name the next forward (`prefill`, `decode`), which runs over `tokens` tokens."""
@@ -124,34 +139,77 @@ class Recorder:
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+        for module in self._wrapped:
+            del module.leaves
+        self._wrapped.clear()
+
+    def _key(self, name: str) -> str:
+        n = self._calls.get(name, 0)
+        self._calls[name] = n + 1
+        return f"{self._phase}/{name}" + (f"#{n}" if n else "")
 
     def _hook(self, name: str, layout: tuple):
         def record(module, inputs, output):
             out = output[0] if isinstance(output, tuple) else output
             if not isinstance(out, torch.Tensor):
                 return
-            n = self._calls.get(name, 0)
-            self._calls[name] = n + 1
-            key = f"{self._phase}/{name}" + (f"#{n}" if n else "")
-            self.captures.append(Capture(key, layout, flat(out, self._tokens)))
-            if layout == FULL and type(module).__name__ == "RowParallelLinear":
+            key = self._key(name)
+            row_parallel = layout == FULL and type(module).__name__ == "RowParallelLinear"
+            canonical = _canonical(module)
+            if row_parallel and canonical is not None:
+                weight = module.dense_weight(inputs[0].dtype)
+                leaves = invariant.chunk_leaves(inputs[0], weight, canonical.local_chunks)
+                self._record_leaves(key, leaves, canonical)
+            self.captures.append(Capture(key, layout, flat(out, self._tokens, True)))
+            if row_parallel and canonical is None:
                 # dense_weight: a quantized layer's weight dequantized as its GEMM sees it.
                 partial = F.linear(inputs[0], module.dense_weight(inputs[0].dtype))
                 self.captures.append(Capture(key + ":partial", PARTIAL,
-                                             flat(partial, self._tokens)))
+                                             flat(partial, self._tokens, True)))
         return record
 
+    def _wrap_leaves(self, name: str, module: torch.nn.Module) -> None:
+        """Record every call of `module.leaves` (an instance attribute until `remove`)."""
+        original, canonical = module.leaves, _canonical(module)
 
-def flat(t: torch.Tensor, tokens: int) -> torch.Tensor:
-    """`[rows, features]` in float32 on the CPU: rows are the forward's `tokens` where the
-    tensor is per token (`[tokens, ...]`, or `[1, tokens, ...]` for a one-sequence batch),
-    else its first dim (the LM head on a prefill's last token); trailing dims (heads,
-    head_dim) merged."""
+        def leaves(*args, **kwargs):
+            out = original(*args, **kwargs)
+            self._record_leaves(self._key(name), out, canonical)
+            return out
+
+        module.leaves = leaves
+        self._wrapped.append(module)
+
+    def _record_leaves(self, key: str, leaves: torch.Tensor, canonical) -> None:
+        """A rank's canonical fp32 leaves [local chunks, .., features] as `key:leaves`,
+        `[tokens, local chunks * features]`, chunk-major: rank r holds leaves r * C/N on, so
+        the ranks' parts side by side are TP=1's leaves, bit for bit."""
+        local, features = canonical.local_chunks, leaves.shape[-1]
+        rows = leaves.reshape(local, -1, features).transpose(0, 1).reshape(-1, local * features)
+        layout = ("segments", (_split(canonical.chunks * features),))
+        self.captures.append(Capture(key + ":leaves", layout, flat(rows, self._tokens, True)))
+
+
+def _canonical(module: torch.nn.Module):
+    """The tp_invariant reductions `module` computes with (a shared expert: its down
+    projection's), or None in the default mode."""
+    canonical = getattr(module, "canonical", None)
+    if canonical is None and isinstance(getattr(module, "down_proj", None), torch.nn.Module):
+        canonical = getattr(module.down_proj, "canonical", None)
+    return canonical
+
+
+def flat(t: torch.Tensor, tokens: int, keep_dtype: bool = False) -> torch.Tensor:
+    """`[rows, features]` on the CPU, floats in float32 (in their own dtype with
+    `keep_dtype`): rows are the forward's `tokens` where the tensor is per token
+    (`[tokens, ...]`, or `[1, tokens, ...]` for a one-sequence batch), else its first dim
+    (the LM head on a prefill's last token); trailing dims (heads, head_dim) merged."""
     t = t.detach()
     if t.dim() >= 3 and t.shape[0] == 1 and t.shape[1] == tokens:
         t = t[0]
     t = t.reshape(t.shape[0], -1) if t.dim() >= 2 else t.reshape(-1, 1)
-    return t.float().cpu().clone() if t.is_floating_point() else t.cpu().clone()
+    return t.float().cpu().clone() if t.is_floating_point() and not keep_dtype \
+        else t.cpu().clone()
 
 
 def unshard(layout: tuple, parts: list[torch.Tensor]) -> torch.Tensor:
@@ -159,7 +217,7 @@ def unshard(layout: tuple, parts: list[torch.Tensor]) -> torch.Tensor:
     if layout == FULL:
         return parts[0]
     if layout == PARTIAL:
-        return torch.stack(parts).sum(0)
+        return torch.stack([p.float() for p in parts]).sum(0)
     tp, out, offset = len(parts), [], 0
     for kind, full, unit in layout[1]:
         local = _local_size(kind, full, unit, tp)

@@ -50,6 +50,13 @@ class CheckContext:
         return self.runner.placement.name
 
 
+def compared_engine_args(ctx: CheckContext) -> dict:
+    """The engine golden and bisect compare across TP sizes: the case's, in the tp_invariant
+    mode when the run is bitwise (`--bitwise`)."""
+    args = ctx.case.engine_args(ctx.options)
+    return {**args, "tp_invariant": True} if ctx.options.bitwise else args
+
+
 def make_result(check: str, ctx: CheckContext, start: float, status: str,
                 metrics: dict | None = None, message: str = "") -> CheckResult:
     """The result row of `check` on `ctx`'s model and TP size, timed from `start`

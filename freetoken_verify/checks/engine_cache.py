@@ -39,6 +39,12 @@ def resident_engine(rank_ctx: RankContext, engine_args: dict) -> EngineCore | No
     return None
 
 
+def resident_model(rank_ctx: RankContext):
+    """The model of the rank's resident engine (whatever its arguments), or None."""
+    engine = rank_ctx.state.get("engine")
+    return None if engine is None else engine.model
+
+
 def engine_on_rank(rank_ctx: RankContext, engine_args: dict) -> EngineCore:
     """This rank's engine for `engine_args` (see `Case.engine_args`), loaded on first use; a
     different model replaces the previous one so at most one is resident."""

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from freetoken.distributed import Placement, RankError, RankGroup, RankTimeout
+from freetoken_verify.checks.engine_cache import resident_model
+from freetoken_verify.checks.locate import annotate, location
 
 
 @dataclass
@@ -73,11 +75,12 @@ class RankRunner:
 
     def run(self, fn: Callable[..., Any], *args: Any) -> list[RankRecord]:
         """`fn(ctx, *args)` on every rank; raises RankFailure naming the root failing rank
-        (the group is then gone, and the next call starts a new one)."""
+        (the group is then gone, and the next call starts a new one). A rank's exception
+        names the engine module and the engine frame it came from (`_located`)."""
         try:
             if self._group is None or not self._group.running:
                 self._start()
-            values = self._group.run(fn, *args)
+            values = self._group.run(_located, fn, *args)
         except RankError as e:
             self._group = None
             raise RankFailure.from_error(e, self.tp_size) from None
@@ -106,3 +109,18 @@ class RankRunner:
 
 def _call_setup(ctx, setup) -> None:
     setup()
+
+
+def _located(ctx, fn: Callable[..., Any], *args: Any) -> Any:
+    """Runs on every rank: `fn(ctx, *args)`; an exception it raises leaves with the module
+    and the engine frame that raised it appended to its first line (`locate.annotate`)."""
+    try:
+        return fn(ctx, *args)
+    except Exception as e:
+        try:
+            where = location(e, resident_model(ctx))
+        except Exception as failure:  # locating must never replace the rank's own error
+            where = f"location unknown: {type(failure).__name__}: {failure}"
+        if where is not None:
+            annotate(e, where)
+        raise

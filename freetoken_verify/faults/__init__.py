@@ -50,6 +50,7 @@ from freetoken_verify.faults.port_mistakes import BUGS
 from freetoken_verify.faults.quant_config import QUANT_CONFIG_FAULTS
 from freetoken_verify.faults.quant_kernels import QUANT_KERNEL_FAULTS
 from freetoken_verify.faults.scales import SCALE_FAULTS
+from freetoken_verify.faults.where import WHERE_FAULTS
 
 
 def plain_chunk_gate_up() -> None:
@@ -305,6 +306,7 @@ FAULTS: dict[str, Callable[[], None]] = {
     **QUANT_CONFIG_FAULTS,
     **GRAPH_FAULTS,
     **INVARIANT_FAULTS,
+    **WHERE_FAULTS,
 }
 
 

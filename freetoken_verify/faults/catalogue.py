@@ -13,7 +13,9 @@ from dataclasses import dataclass
 class Entry:
     """One TP bug class: inject `fault` into `model` and run `checks` at `tp` (TP=1 too when
     `tp1_green`) on `device`: every TP size in `tp` must fail a row whose message matches
-    `words` (a regex naming the module, tensor or rank); at TP=1 every row must pass."""
+    `words` (a regex naming the module, tensor or rank); at TP=1 every row must pass. The run
+    is bitwise wherever the tp_invariant mode runs, as on the command line, in `dtype`;
+    `bitwise_only`: the same run with `--no-bitwise` passes (measured; docs/verification.md)."""
 
     bug_class: str
     fault: str
@@ -23,6 +25,8 @@ class Entry:
     words: str
     tp1_green: bool = True
     device: str = "cpu"
+    dtype: str = "auto"
+    bitwise_only: bool = False
 
 
 CATALOGUE: tuple[Entry, ...] = (
@@ -119,7 +123,7 @@ CATALOGUE: tuple[Entry, ...] = (
           r"step \d+", tp1_green=False, device="cuda"),
     Entry("invariant reduction summed left to right on one rank",
           "invariant-leaves-left-to-right", "tiny-qwen3-moe", (2,), ("golden",),
-          r"tp=1: .*differ bit for bit"),
+          r"tp=1: .*differ bit for bit", bitwise_only=True),
     Entry("one fused segment's per-tensor FP8 scale used for every segment",
           "fp8-tensor-first-scale-for-all", "tiny-llama", (1,), ("kernels",),
           r"quantized GEMMs in float32: 8 / \d+ .*first: FP8 per-tensor \(modelopt\) "
@@ -164,4 +168,36 @@ CATALOGUE: tuple[Entry, ...] = (
     Entry("GatedDeltaNet in_proj_b / in_proj_a given in_proj_qkv's quantized format",
           "gdn-ba-takes-qkv-format", "tiny-qwen3.5-moe-fp8", (1, 2), ("golden",),
           r"in_proj_[ba]", tp1_green=False),
+    Entry("GDN post-conv split with the global key/value sizes (a crash)",
+          "gdn-split-global-sizes", "tiny-qwen3.5-moe", (2,), ("golden",),
+          r"rank \d: RuntimeError: split_with_sizes .*\[in model\.layers\.0\.linear_attn; "
+          r"freetoken/models/qwen3_5_moe/gdn\.py:\d+ in _heads\]"),
+    Entry("block tables one row off when several sequences decode together",
+          "decode-block-tables-row-offset", "tiny-llama", (1, 2), ("golden",),
+          r"first divergence: batched step \d+ \(decode of prompts 0, 1, 2\)/"
+          r"model\.layers\.0\.self_attn\.o_proj", tp1_green=False),
+    Entry("invariant all-reduce sums bf16 partials", "invariant-bf16-wire", "tiny-qwen3-moe",
+          (2,), ("golden",), r"prefill/model\.layers\.0\.self_attn\.o_proj "
+          r"\(\d+ / \d+ elements differ bit for bit from TP=1", dtype="bfloat16",
+          bitwise_only=True),
+    Entry("a rank's subtree sum rounded to bf16 before the reduction", "invariant-subtree-bf16",
+          "tiny-qwen3-moe", (2,), ("golden",), r"prefill/model\.layers\.0\.self_attn\.o_proj "
+          r"\(\d+ / \d+ elements differ bit for bit from TP=1.*the reduction differs",
+          dtype="bfloat16", bitwise_only=True),
+    Entry("tree order swapped on one rank", "invariant-tree-order-swapped", "tiny-qwen3-moe",
+          (2,), ("golden",), r"prefill/model\.layers\.0\.self_attn\.o_proj "
+          r"\(\d+ / \d+ elements differ bit for bit from TP=1.*the reduction differs",
+          dtype="float32", bitwise_only=True),
+    Entry("column tiling that depends on the number of columns", "invariant-tiles-by-width",
+          "tiny-llama", (2,), ("golden",),
+          r"first divergence: prefill/lm_head \(\d+ / \d+ elements differ bit for bit",
+          dtype="float32", bitwise_only=True),
+    Entry("rotary angles in bf16 on ranks > 0", "rotary-bf16-on-ranks", "tiny-llama", (2,),
+          ("golden",), r"prefill/model\.layers\.0\.self_attn\.attn "
+          r"\(\d+ / \d+ elements differ bit for bit from TP=1", dtype="bfloat16",
+          bitwise_only=True),
+    Entry("q/k norm variance in bf16 on ranks > 0", "qk-norm-variance-bf16-on-ranks",
+          "tiny-qwen3", (2,), ("golden",), r"prefill/model\.layers\.0\.self_attn\.q_norm "
+          r"\(\d+ / \d+ elements differ bit for bit from TP=1", dtype="bfloat16",
+          bitwise_only=True),
 )

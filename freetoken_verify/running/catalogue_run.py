@@ -30,17 +30,25 @@ class Verdict:
     problems: list[str]
 
 
-def run_entry(entry: Entry, timeout: float = 300.0) -> Verdict:
-    """Inject `entry.fault` and run its checks; judge the rows."""
+def run_entry(entry: Entry, timeout: float = 300.0, bitwise: bool | None = None) -> Verdict:
+    """Inject `entry.fault` and run its checks in `entry.dtype`; judge the rows. `bitwise`
+    as `--bitwise` / `--no-bitwise` take it (None: wherever the tp_invariant mode runs, as
+    the command line does)."""
+    results = run_rows(entry, timeout, bitwise)
+    return Verdict(entry, results, judge(entry, results))
+
+
+def run_rows(entry: Entry, timeout: float = 300.0, bitwise: bool | None = None
+             ) -> list[CheckResult]:
+    """The rows of `entry`'s run: its fault injected, its checks at TP=1 (where it must stay
+    green) and the TP sizes where it bites."""
     sizes = sorted(set(entry.tp) | ({1} if entry.tp1_green else set()))
     checks = {n: f for n, f in available_checks().items() if n in entry.checks}
     cases = [resolve_case(entry.model)]
-    options = VerifyOptions(device=entry.device, timeout=timeout)
-    # As the command line does: golden bitwise wherever the tp_invariant mode runs.
-    options = replace(options, bitwise=resolve_bitwise(None, cases, sizes, options))
+    options = VerifyOptions(device=entry.device, timeout=timeout, dtype=entry.dtype)
+    options = replace(options, bitwise=resolve_bitwise(bitwise, cases, sizes, options))
     plan = Plan(cases, sizes, checks, options, (entry.fault,))
-    results = run_plan(plan, progress=lambda line: None)
-    return Verdict(entry, results, judge(entry, results))
+    return run_plan(plan, progress=lambda line: None)
 
 
 def judge(entry: Entry, results: list[CheckResult]) -> list[str]:

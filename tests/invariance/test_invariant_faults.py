@@ -1,7 +1,9 @@
-"""Faults that only a zero-tolerance comparison sees: injected into the tp_invariant mode's
-reduction at TP=2 (tiny-qwen3-moe; two in bf16, one in fp32), each moves the logits off TP=1's
-bits while staying inside the harness's default bound for the dtype, and removing it restores
-the bits."""
+"""Faults that only a zero-tolerance comparison sees (`freetoken_verify.faults.invariant`, the
+ones `--fault` injects), each in the dtype the catalogue lists it in, injected into the
+tp_invariant engine at TP=2 (tiny-qwen3-moe; the q/k norm fault on tiny-qwen3, whose
+attention has q/k norms): each moves the logits (prefill at every position, and the greedy
+steps') off TP=1's bits while staying inside the harness's default bound for the dtype, and
+removing it restores the bits."""
 
 from __future__ import annotations
 
@@ -12,69 +14,50 @@ import torch
 from conftest import GOLDEN
 
 from freetoken import LLM, SamplingParams
-from freetoken.distributed import get_communicator, get_tp_info
-from freetoken.distributed.comm import tree_sum
 from freetoken.layers import invariant
+from freetoken.layers.norm import RMSNorm
+from freetoken.layers.rotary import RotaryEmbedding
+from freetoken_verify.faults import FAULTS
 
-CASE = "tiny-qwen3-moe"
 BF16_MAX_REL_L2 = 5e-2
 BF16_MAX_KL = 5e-2
 """The harness's default bf16 bounds on logits: relative L2 and mean KL(TP=1 || TP=N)."""
 FP32_BOUND = 1e-4
 """The harness's default fp32 bound: rtol = atol = 1e-4, elementwise."""
 
-
-def _bf16_wire(subtree: torch.Tensor) -> torch.Tensor:
-    """Fault: the invariant all-reduce sums bf16 partials (the backend's own sum order)."""
-    return get_communicator().all_reduce(subtree.to(torch.bfloat16)).to(subtree.dtype)
-
-
-def _rank1_subtree_in_bf16(subtree: torch.Tensor) -> torch.Tensor:
-    """Fault: rank 1 rounds its subtree sum to bf16 before the reduction."""
-    if get_tp_info().rank == 1:
-        subtree = subtree.to(torch.bfloat16).to(subtree.dtype)
-    return get_communicator().all_reduce_tree(subtree)
-
-
-def _rank1_leaves_left_to_right(leaves: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Fault: rank 1 sums its leaves left to right instead of in the tree (swapping a pair's
-    operands would change nothing: IEEE addition commutes; the tree's shape is the order)."""
-    parts = list(leaves.unbind(0))
-    if get_tp_info().rank == 1:
-        total = parts[0]
-        for part in parts[1:]:
-            total = total + part
-        parts = [total]
-    return invariant.reduce_subtrees(tree_sum(parts)).to(dtype)
-
-
-FAULTS = {
-    "bf16 partials on the wire": ("bfloat16", "reduce_subtrees", _bf16_wire),
-    "rank 1 subtree rounded to bf16": ("bfloat16", "reduce_subtrees", _rank1_subtree_in_bf16),
-    # In bf16 this one vanishes in the final rounding (the logits keep their bits).
-    "rank 1 leaves summed left to right": ("float32", "finish", _rank1_leaves_left_to_right),
+FAULTS_BY_DTYPE = {
+    ("bfloat16", "tiny-qwen3-moe"): ("invariant-bf16-wire", "invariant-subtree-bf16",
+                                     "rotary-bf16-on-ranks"),
+    ("bfloat16", "tiny-qwen3"): ("qk-norm-variance-bf16-on-ranks",),
+    # In bf16 these vanish in the final rounding (the logits keep their bits).
+    ("float32", "tiny-qwen3-moe"): ("invariant-leaves-left-to-right",
+                                    "invariant-tree-order-swapped", "invariant-tiles-by-width"),
 }
-_CLEAN = {"reduce_subtrees": invariant.reduce_subtrees, "finish": invariant.finish}
+_PATCHED = ((invariant, "finish"), (invariant, "reduce_subtrees"),
+            (invariant, "column_linear"), (RotaryEmbedding, "cos_sin"), (RMSNorm, "forward"))
+"""Everything these faults replace; on a rank, this module is imported before any of them."""
+_CLEAN = tuple(getattr(owner, name) for owner, name in _PATCHED)
 
 
-def _set_reduction(core, name: str | None) -> None:
-    """On a rank: the invariant reduction with fault `name` in it (None: the real one)."""
-    for attr, clean in _CLEAN.items():
-        setattr(invariant, attr, clean)
+def _set_fault(core, name: str | None) -> None:
+    """On a rank: the engine with fault `name` in it (None: the real one)."""
+    for (owner, attr), clean in zip(_PATCHED, _CLEAN):
+        setattr(owner, attr, clean)
     if name:
-        _, attr, fault = FAULTS[name]
-        setattr(invariant, attr, fault)
+        FAULTS[name]()
 
 
-def _make_llm(tp: int, dtype: str) -> LLM:
-    return LLM(GOLDEN / CASE, tp=tp, device="cpu", dtype=dtype, progress=False,
+def _make_llm(case: str, tp: int, dtype: str) -> LLM:
+    return LLM(GOLDEN / case, tp=tp, device="cpu", dtype=dtype, progress=False,
                tp_invariant=True, max_num_seqs=4, max_model_len=128)
 
 
-def _prompt_logits(llm: LLM) -> list[torch.Tensor]:
-    prompts = json.loads((GOLDEN / CASE / "meta.json").read_text())["prompts"]
-    params = SamplingParams(max_tokens=1, ignore_eos=True, return_prompt_logits=True)
-    return [r.prompt_logits for r in llm.generate(prompts, params)]
+def _logits(llm: LLM, case: str) -> list[torch.Tensor]:
+    """Per prompt: the prefill logits at every position, then the 4 greedy steps' logits."""
+    prompts = json.loads((GOLDEN / case / "meta.json").read_text())["prompts"]
+    params = SamplingParams(max_tokens=4, ignore_eos=True, return_prompt_logits=True,
+                            return_logits=True)
+    return [torch.cat([r.prompt_logits, r.logits]) for r in llm.generate(prompts, params)]
 
 
 def _assert_same_bits(got, want, label: str) -> None:
@@ -111,17 +94,17 @@ def _assert_only_bitwise_sees(got, want, dtype: str, label: str) -> None:
         _assert_within_default_tolerance(a, b, dtype, f"{label} prompt {i}")
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_invariant_reduction_faults_break_the_bits(dtype):
-    """Each fault of FAULTS for `dtype` at TP=2 changes the logits (zero tolerance catches
-    it) by less than the default bound (a tolerance would pass it); without a fault, TP=2 is
-    TP=1 bit for bit, before and after."""
-    with _make_llm(1, dtype) as llm:
-        tp1 = _prompt_logits(llm)
-    with _make_llm(2, dtype) as llm:
-        _assert_same_bits(_prompt_logits(llm), tp1, f"{dtype} tp=2 clean")
-        for name in (n for n, (d, _, _) in FAULTS.items() if d == dtype):
-            llm.run_on_ranks(_set_reduction, name)
-            _assert_only_bitwise_sees(_prompt_logits(llm), tp1, dtype, f"{dtype} tp=2 {name}")
-            llm.run_on_ranks(_set_reduction, None)
-        _assert_same_bits(_prompt_logits(llm), tp1, f"{dtype} tp=2 after the faults")
+@pytest.mark.parametrize("dtype, case", list(FAULTS_BY_DTYPE))
+def test_invariant_faults_break_the_bits(dtype, case):
+    """Each fault listed for `dtype` and `case`, at TP=2, changes the logits (zero tolerance
+    catches it) by less than the default bound (a tolerance would pass it); without a fault,
+    TP=2 is TP=1 bit for bit, before and after."""
+    with _make_llm(case, 1, dtype) as llm:
+        tp1 = _logits(llm, case)
+    with _make_llm(case, 2, dtype) as llm:
+        _assert_same_bits(_logits(llm, case), tp1, f"{dtype} tp=2 clean")
+        for name in FAULTS_BY_DTYPE[dtype, case]:
+            llm.run_on_ranks(_set_fault, name)
+            _assert_only_bitwise_sees(_logits(llm, case), tp1, dtype, f"{dtype} tp=2 {name}")
+            llm.run_on_ranks(_set_fault, None)
+        _assert_same_bits(_logits(llm, case), tp1, f"{dtype} tp=2 after the faults")

@@ -150,7 +150,7 @@ def test_hf_decode_rows_are_left_out_when_hf_consumed_another_token():
     from freetoken_verify.checks.bisect.check import _rows
 
     cfg = SimpleNamespace(quantization=None)
-    ctx = SimpleNamespace(options=SimpleNamespace(dtype="float32"),
+    ctx = SimpleNamespace(options=SimpleNamespace(dtype="float32", bitwise=False),
                           case=SimpleNamespace(model_config=cfg))
     hf_out = torch.arange(12.0).reshape(3, 4) + 1  # 2 prompt rows + 1 decode row
     names = NameMap({"model"}, num_heads=1, head_dim=4)
@@ -196,3 +196,72 @@ def test_quantized_modules_are_recorded_in_their_layouts():
     assert plain[f"{gdn}.in_proj"].layout == ("segments", (key, key, value, value, heads,
                                                            heads))
     assert f"{gdn}.in_proj_ba" not in plain
+
+
+def _make_bitwise_row(module: str, got: torch.Tensor, want: torch.Tensor) -> Row:
+    from freetoken_verify.checks.bisect.table import compare_with_tp1
+
+    row = Row(module)
+    compare_with_tp1(row, got, want, bitwise=True)
+    return row
+
+
+def test_bitwise_rows_diverge_on_one_bit_and_count_ulps():
+    """In the bitwise mode a module one bf16 ulp off TP=1 in one element diverges (its
+    relative L2 is far below any bound), and the row counts the elements and ulps; equal
+    bits do not diverge; earlier rows are said to be TP=1's bit for bit."""
+    want = torch.linspace(-1, 1, 12, dtype=torch.bfloat16).reshape(3, 4)
+    got = want.clone()
+    got[2, 1] = want[2, 1].view(torch.int16).add(1).view(torch.bfloat16)
+    clean = _make_bitwise_row("prefill/model.embed_tokens", want.clone(), want)
+    off = _make_bitwise_row("prefill/model.layers.0.self_attn.o_proj", got, want)
+    assert not clean.diverged and off.diverged and off.vs_tp1 < 1e-2
+    message = Bisection([clean, off], ("TP=1 (bitwise)",)).message()
+    assert message.startswith("first divergence: prefill/model.layers.0.self_attn.o_proj "
+                              "(1 / 12 elements differ bit for bit from TP=1, rel L2 "), message
+    assert ", largest 1 ulp at (2, 1) (" in message, message
+    assert message.endswith("; earlier modules bit for bit TP=1's)"), message
+
+
+def test_bitwise_reduced_output_with_equal_leaves_blames_the_reduction():
+    """A row-parallel output that differs from TP=1 while its canonical leaves (recorded
+    before the reduction) are TP=1's bits says the reduction differs; different dtypes are a
+    divergence of their own."""
+    leaves = torch.randn(2, 8)
+    out = torch.randn(2, 4)
+    other = out.clone()
+    other[0, 0] += 1e-3
+    rows = [_make_bitwise_row("prefill/o_proj:leaves", leaves.clone(), leaves),
+            _make_bitwise_row("prefill/o_proj", other, out)]
+    assert "its canonical leaves are bit for bit TP=1's: the reduction differs" in \
+        Bisection(rows, ("TP=1 (bitwise)",)).message()
+    typed = _make_bitwise_row("prefill/x", out.to(torch.bfloat16), out)
+    assert typed.diverged and "dtype bfloat16 where TP=1 has float32" in \
+        Bisection([typed]).message()
+
+
+def test_batched_rows_come_from_each_sequence_at_its_positions():
+    """A batched step's HF rows are each sequence's rows at the positions the step holds
+    (one per new token), or its last new position (one row per sequence: the LM head); a
+    step is compared with TP=1 only while every sequence in it consumed TP=1's ids."""
+    from freetoken_verify.checks.bisect.batched import _gather, comparable_steps
+    from freetoken_verify.checks.bisect.capture import BatchedCapture, StepLayout
+
+    names = NameMap({"model"}, num_heads=1, head_dim=2)
+    per_seq = [(names, {"model.norm": torch.arange(10.0).reshape(5, 2) + 100 * s}, 5)
+               for s in range(2)]
+    decode = StepLayout(False, ((0, 3, 1), (1, 2, 1)))
+    assert _gather(per_seq, "model.norm", decode, 2).tolist() == [[6, 7], [104, 105]]
+    prefill = StepLayout(True, ((0, 0, 2), (1, 0, 3)))
+    assert _gather(per_seq, "model.norm", prefill, 5)[:, 0].tolist() == [0, 2, 100, 102, 104]
+    assert _gather(per_seq, "model.norm", prefill, 2)[:, 0].tolist() == [2, 104]
+    assert _gather(per_seq, "model.norm", prefill, 3) is None
+
+    steps = (prefill, StepLayout(False, ((0, 2, 1), (1, 3, 1))),
+             StepLayout(False, ((0, 3, 1), (1, 4, 1))))
+    prompts = [[1, 2], [3, 4, 5]]
+    tp1 = BatchedCapture({}, steps, ((7, 8, 9), (6, 6, 6)))
+    same = BatchedCapture({}, steps, ((7, 8, 9), (6, 6, 6)))
+    later = BatchedCapture({}, steps, ((7, 1, 9), (6, 6, 6)))
+    assert comparable_steps(same, tp1, prompts) == {s.name(i) for i, s in enumerate(steps)}
+    assert comparable_steps(later, tp1, prompts) == {steps[0].name(0), steps[1].name(1)}

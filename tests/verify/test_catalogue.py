@@ -11,7 +11,7 @@ import torch
 
 from freetoken_verify.faults import FAULTS
 from freetoken_verify.faults.catalogue import CATALOGUE
-from freetoken_verify.running.catalogue_run import run_entry
+from freetoken_verify.running.catalogue_run import run_entry, run_rows
 
 # Marked slow (`make test-slow`): entries with a TP-4 group (a 4-rank spawn, ~9 s on two
 # cores each) and the kernel faults, whose kernel matrix in Triton's interpreter takes a
@@ -40,3 +40,14 @@ def test_bug_is_caught_and_named(entry):
     verdict = run_entry(entry, timeout=240.0)
     assert not verdict.problems, (
         f"{entry.bug_class} ({entry.fault}) on {entry.model}: " + "; ".join(verdict.problems))
+
+
+@pytest.mark.parametrize("entry", [pytest.param(e, id=e.fault) for e in CATALOGUE
+                                   if e.bitwise_only])
+def test_bitwise_only_entries_pass_the_tolerance_comparison(entry):
+    """What `bitwise_only` claims (docs/verification.md's column): the entry's own run with
+    `--no-bitwise` is green at every TP size, so only the bitwise comparison catches it."""
+    rows = run_rows(entry, timeout=240.0, bitwise=False)
+    caught = [f"tp={r.tp} {r.check} {r.status}: {r.message}" for r in rows
+              if r.status in ("fail", "error")]
+    assert rows and not caught, f"{entry.fault}: the tolerance comparison catches it: {caught}"

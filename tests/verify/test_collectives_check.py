@@ -16,7 +16,7 @@ from freetoken.engine.core import EngineCore
 from freetoken.models.registry import build_model, load_config
 from freetoken_verify.checks.collectives.check import compare_steps
 from freetoken_verify.checks.collectives.sites import expected_sites, moe_blocks
-from freetoken_verify.checks.collectives.trace import ENGINE, Call, Step, trace_generation
+from freetoken_verify.checks.collectives.trace import SAMPLER, Call, Step, trace_generation
 from freetoken_verify.cli import main
 
 GOLDEN = Path(__file__).resolve().parents[2] / "freetoken_verify" / "golden"
@@ -43,14 +43,14 @@ def _assert_fails_naming(rows: list[dict], tp: int, needle: str, fault: str) -> 
 def test_sites_follow_the_module_structure():
     """Qwen3.5-MoE: one all-reduce per attention / GDN output projection and per MoE block,
     none inside the block (experts, shared expert's reduce=False down_proj), one for the
-    embedding, one LM head gather, one engine broadcast; nothing else."""
+    embedding, one LM head gather, one sampler broadcast; nothing else."""
     cfg = load_config(GOLDEN / "tiny-qwen3.5-moe")
     sites = expected_sites(build_model(cfg), torch.float32, batch=1)
     layers = cfg.num_hidden_layers
     attention = [f"model.layers.{i}.linear_attn.out_proj" if kind == "linear_attention"
                  else f"model.layers.{i}.self_attn.o_proj" for i, kind in
                  enumerate(cfg.layer_types)]
-    want = {"model.embed_tokens": "all_reduce", "lm_head": "all_gather", ENGINE: "broadcast",
+    want = {"model.embed_tokens": "all_reduce", "lm_head": "all_gather", SAMPLER: "broadcast",
             **dict.fromkeys(attention, "all_reduce"),
             **{f"model.layers.{i}.mlp": "all_reduce" for i in range(layers)}}
     got = {name: site.kind for name, site in sites.items()}
@@ -85,7 +85,7 @@ def test_trace_attributes_each_call_to_its_module():
     sites = expected_sites(core.model, torch.float32, batch=1)
     assert len(steps) == 2, f"prefill + decode expected, got {len(steps)} steps"
     for index, (step, tokens) in enumerate(zip(steps, (5, 1))):
-        expected_names = {n for n in sites if n not in ("model.embed_tokens", ENGINE)}
+        expected_names = {n for n in sites if n not in ("model.embed_tokens", SAMPLER)}
         assert set(step.calls) == expected_names, f"step {index}: {sorted(step.calls)}"
         for name, calls in step.calls.items():
             shape = step.input_shapes.get(name, ())
@@ -166,6 +166,8 @@ def test_clean_run_passes_on_every_bundled_case(capsys, tmp_path):
      "Communicator.all_reduce on a transposed (dims reversed) [3, 5, 7] float32 input"),
     ("drop-allreduce", "tiny-llama", "4",
      "model.layers.0.self_attn.o_proj: expected 1 all_reduce per forward, saw 0 (missing"),
+    ("sample-per-rank", "tiny-qwen3", "1,2",
+     "sampler (EngineCore._sample): rank 1 went on with tokens "),
 ])
 def test_collective_bug_fails_naming_the_module(capsys, tmp_path, fault, case, tp, needle):
     """With the fault injected the collectives row at the largest TP size fails and names the

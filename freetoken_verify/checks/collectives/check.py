@@ -5,7 +5,9 @@ itself on inputs of every layout, with exact expected results.
 Expected collectives come from module types and layout
 (`freetoken_verify.checks.collectives.sites`), recorded ones from a traced generation
 (`freetoken_verify.checks.collectives.trace`). A module that issues fewer, more or differently
-shaped collectives than its site fails the row, named. At TP=1 the Communicator is the identity (and
+shaped collectives than its site fails the row, named. Every rank must also end each traced
+step with the tokens rank 0 sampled: a rank that went on with others is named, on the
+sampler's line. At TP=1 the Communicator is the identity (and
 the embedding skips it), so the per-module counts are reported but not compared; the Communicator
 probe still runs and must return its input unchanged."""
 
@@ -17,7 +19,14 @@ from freetoken.distributed import get_communicator
 from freetoken_verify.checks.base import CheckContext, make_result
 from freetoken_verify.checks.collectives.probe import probe_cases, probe_communicator
 from freetoken_verify.checks.collectives.sites import Site, expected_sites, inside_note, moe_blocks
-from freetoken_verify.checks.collectives.trace import ENGINE, Call, Step, trace_generation
+from freetoken_verify.checks.collectives.trace import (
+    ENGINE,
+    SAMPLER,
+    TRACE_SEED,
+    Call,
+    Step,
+    traced_run,
+)
 from freetoken_verify.checks.engine_cache import engine_on_rank
 from freetoken_verify.reference.sources import prompts_for
 from freetoken_verify.report.formats import CheckResult
@@ -32,7 +41,8 @@ def run(ctx: CheckContext) -> CheckResult:
     prompt = prompts_for(ctx.case, ctx.options)[0][0]
     ranks = [r.value for r in ctx.runner.run(_on_rank, ctx.case.engine_args(ctx.options),
                                              prompt)]
-    problems = _merge([r["problems"] for r in ranks], ctx.tp)
+    problems = _with_sampler(_merge([r["problems"] for r in ranks], ctx.tp),
+                             _tokens_disagree([r["tokens"] for r in ranks]))
     probe = _merge([r["probe"] for r in ranks], ctx.tp)
     seen, want = ranks[0]["counts"]
     metrics = {**seen, "problems": len(problems), "comm_failed": len(probe),
@@ -64,18 +74,43 @@ def _merge(per_rank: list[list[tuple[str, str]]], size: int) -> list[str]:
     return lines
 
 
+def _tokens_disagree(tokens: list[list[list[int]]]) -> str | None:
+    """`rank R went on with [..] where rank 0 sampled [..]` for the first rank whose steps
+    ended with other tokens than rank 0's (every rank must take rank 0's broadcast)."""
+    for rank, mine in enumerate(tokens):
+        if mine != tokens[0]:
+            ours = [t for step in mine for t in step]
+            first = [t for step in tokens[0] for t in step]
+            return (f"rank {rank} went on with tokens {ours} where rank 0 sampled {first} "
+                    f"(seed {TRACE_SEED})")
+    return None
+
+
+def _with_sampler(problems: list[str], disagree: str | None) -> list[str]:
+    """The sampler's disagreement joins the sampler's own problem line (a missing broadcast
+    says why the ranks disagree), else leads as a line of its own."""
+    if disagree is None:
+        return problems
+    head = f"{SAMPLER}: "
+    for i, line in enumerate(problems):
+        if line.startswith(head):
+            return [*problems[:i], f"{head}{disagree}; {line[len(head):]}", *problems[i + 1:]]
+    return [head + disagree, *problems]
+
+
 def _on_rank(rank_ctx, engine_args: dict, prompt: list[int]) -> dict:
     """Runs on every rank: the Communicator probe, then one traced prefill + decode step."""
 
     core = engine_on_rank(rank_ctx, engine_args)
     probe = probe_communicator(get_communicator(), rank_ctx.rank, rank_ctx.size, core.device)
-    steps = trace_generation(core, prompt)
+    trace = traced_run(core, prompt)
+    steps = trace.steps
     sites = expected_sites(core.model, core.dtype, batch=1)
     problems = compare_steps(steps, sites, moe_blocks(core.model), core.model) \
         if rank_ctx.size > 1 else []
     per_step = [{"step": _step_name(s, i), **_step_counts(s)} for i, s in enumerate(steps)]
     return {"probe": probe, "problems": problems, "comm_cases": len(probe_cases()),
-            "counts": _counts(steps, sites), "per_step": per_step}
+            "counts": _counts(steps, sites), "per_step": per_step, "tokens": trace.tokens}
 
 
 def _step_name(step: Step, index: int) -> str:
@@ -101,7 +136,7 @@ def compare_steps(steps: list[Step], sites: dict[str, Site], blocks: dict[str, s
     """Recorded `steps` (the first a prefill) against the `sites` of `model` (`blocks`: its
     MoE blocks, see `moe_blocks`): one (line, '') per module problem, in module order, naming
     the steps it occurred in."""
-    order = [name for name, _ in model.named_modules()] + [ENGINE]
+    order = [name for name, _ in model.named_modules()] + [SAMPLER, ENGINE]
     found: dict[str, list[str]] = {}
     for index, step in enumerate(steps):
         for name in order:
@@ -152,7 +187,7 @@ def _doubled(got: list[Call]) -> str:
 
 
 def _shape_problems(name: str, step: Step, site: Site, calls: list[Call]) -> list[str]:
-    want = site.expected(step.input_shapes.get(name) if name != ENGINE else ())
+    want = site.expected(step.input_shapes.get(name) if name not in (SAMPLER, ENGINE) else ())
     if want is None:
         return []
     return [f"{name}: expected {want.describe()}, saw {c.describe()}" for c in calls

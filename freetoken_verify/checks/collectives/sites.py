@@ -1,8 +1,9 @@
 """Where the TP conventions put collectives, derived from a model's module types and layout,
 never from a run: a row-parallel output, the vocab-parallel embedding and the LM head gather
 each issue one; a MoE block (a module that owns routed experts) issues one all-reduce for
-routed + shared, and everything inside it issues none; the engine broadcasts rank 0's sampled
-tokens once per step. Every other module issues none."""
+routed + shared, and everything inside it issues none; the engine's sampler broadcasts rank
+0's sampled tokens once per step. Every other module, and the engine outside the model and
+the sampler, issues none."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from freetoken.layers.linear import RowParallelLinear
 from freetoken.layers.moe import FusedExperts
 from freetoken.layers.quantization.fp8.moe import BlockFP8FusedExperts
 from freetoken.layers.quantization.nvfp4 import NVFP4FusedExperts
-from freetoken_verify.checks.collectives.trace import ENGINE, Call, dtype_name
+from freetoken_verify.checks.collectives.trace import SAMPLER, Call, dtype_name
 
 Shape = tuple[int, ...]
 
@@ -65,7 +66,7 @@ def moe_blocks(model: torch.nn.Module) -> dict[str, str]:
 
 def expected_sites(model: torch.nn.Module, dtype: torch.dtype, batch: int) -> dict[str, Site]:
     """Module name -> its Site, for every module that must issue a collective in a step of
-    `batch` sequences with activations in `dtype`; `ENGINE` for the sampler broadcast. A
+    `batch` sequences with activations in `dtype`; `SAMPLER` for the sampler's broadcast. A
     site's `why` names the collective it expects."""
     act = dtype_name(dtype)
     blocks = moe_blocks(model)
@@ -74,7 +75,7 @@ def expected_sites(model: torch.nn.Module, dtype: torch.dtype, batch: int) -> di
         site = _site(name, module, blocks, act)
         if site is not None:
             sites[name] = site
-    sites[ENGINE] = Site("broadcast", 1, "the broadcast of rank 0's sampled tokens",
+    sites[SAMPLER] = Site("broadcast", 1, "the broadcast of rank 0's sampled tokens",
                          lambda _: (batch,), "int64")
     return sites
 

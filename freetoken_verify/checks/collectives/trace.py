@@ -3,8 +3,12 @@ module running when it was issued (or to the engine itself, outside the model).
 
 A `RecordingCommunicator` wraps the rank's Communicator for the duration of a traced
 generation; forward pre/post hooks on every module of the model keep a stack of module
-names. A step starts at each forward of the model's root module; the LM head gather and the
-sampler's broadcast that follow it belong to the same step."""
+names, and the engine's sampler (`EngineCore._sample`) counts as one more module, so its
+broadcast is told from anything else issued outside the model. A step starts at each forward
+of the model's root module; the LM head gather and the sampler's broadcast that follow it
+belong to the same step. The traced generation samples at a high temperature from a fixed
+seed and keeps the tokens every step ended with on this rank: ranks that do not take rank 0's
+tokens show as ranks that went on with other tokens."""
 
 from __future__ import annotations
 
@@ -18,6 +22,12 @@ from freetoken.distributed import Communicator, get_communicator, set_communicat
 from freetoken.engine.sequence import SamplingParams
 
 ENGINE = "(engine, outside the model)"
+SAMPLER = "sampler (EngineCore._sample)"
+TRACE_SEED = 1234
+TRACE_TEMPERATURE = 100.0
+"""The traced generation's sampling: near uniform over the vocabulary, so two ranks that
+sample on their own (from different generators) pick other tokens: two tokens from 301
+agree by chance once in 90 000 draws."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +95,8 @@ class Trace:
     def __init__(self, model: torch.nn.Module):
         self.model = model
         self.steps: list[Step] = []
+        self.tokens: list[list[int]] = []
+        """The tokens the sampler returned on this rank, one list per step."""
         self._stack: list[str] = []
 
     def record(self, call: Call) -> None:
@@ -104,6 +116,22 @@ class Trace:
 
     def _leave(self) -> None:
         self._stack.pop()
+
+    def sampler(self, sample: Callable) -> Callable:
+        """`sample` (an engine's bound `_sample`) with its calls attributed to SAMPLER and
+        the tokens it returns kept."""
+        def traced(batch, logits):
+            if self.steps:
+                runs = self.steps[-1].runs
+                runs[SAMPLER] = runs.get(SAMPLER, 0) + 1
+            self._stack.append(SAMPLER)
+            try:
+                tokens = sample(batch, logits)
+            finally:
+                self._stack.pop()
+            self.tokens.append(list(tokens))
+            return tokens
+        return traced
 
     @contextmanager
     def installed(self):
@@ -127,8 +155,19 @@ class Trace:
 def trace_generation(core, prompt: list[int], max_tokens: int = 2) -> list[Step]:
     """Run `prompt` through the rank's engine `core` (one prefill step, then decode steps up
     to `max_tokens`) with every collective recorded; returns the steps in order."""
+    return traced_run(core, prompt, max_tokens).steps
 
+
+def traced_run(core, prompt: list[int], max_tokens: int = 2) -> Trace:
+    """`trace_generation`'s run, with the tokens the sampler returned at each step
+    (`Trace.tokens`): sampled at TRACE_TEMPERATURE from TRACE_SEED."""
     trace = Trace(core.model)
-    with trace.installed():
-        core.generate([prompt], [SamplingParams(max_tokens=max_tokens, ignore_eos=True)])
-    return trace.steps
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                            temperature=TRACE_TEMPERATURE, seed=TRACE_SEED)
+    core._sample = trace.sampler(core._sample)
+    try:
+        with trace.installed():
+            core.generate([prompt], [params])
+    finally:
+        del core._sample
+    return trace

@@ -20,7 +20,7 @@ import torch
 
 from freetoken.engine.core import resolve_dtype
 from freetoken.engine.sequence import SamplingParams
-from freetoken_verify.checks.base import CheckContext, make_result
+from freetoken_verify.checks.base import CheckContext, compared_engine_args, make_result
 from freetoken_verify.checks.bisect import check as bisect
 from freetoken_verify.checks.engine_cache import engine_on_rank
 from freetoken_verify.checks.golden.graph_replay import batch_sizes, graph_replay_mismatch
@@ -43,7 +43,7 @@ SAMPLING_SEED = 1234
 def run(ctx: CheckContext) -> CheckResult:
     start = time.monotonic()
     prompts, num_greedy = prompts_for(ctx.case, ctx.options)
-    records = ctx.runner.run(_engine_outputs, golden_engine_args(ctx), prompts,
+    records = ctx.runner.run(_engine_outputs, compared_engine_args(ctx), prompts,
                              num_greedy, sampling_seed(ctx.options))
     ref = reference_for(ctx)
     outputs = records[0].value
@@ -100,16 +100,10 @@ def _first_divergence(ctx: CheckContext) -> str:
     """`first divergence: <module> (...); ` from bisect, or "" where it finds none."""
 
     try:
-        found = bisect.localise(ctx).message()
+        found = bisect.first_divergence(ctx)
     except (RankFailure, TwinError) as e:
         return f"(bisect could not run: {e}) "
     return f"{found}; " if found else ""
-
-
-def golden_engine_args(ctx: CheckContext) -> dict:
-    """The engine golden runs: the case's, in the tp_invariant mode when the run is bitwise."""
-    args = ctx.case.engine_args(ctx.options)
-    return {**args, "tp_invariant": True} if ctx.options.bitwise else args
 
 
 def sampling_seed(options) -> int:
