@@ -40,7 +40,15 @@ from freetoken_verify.reference.sources import (
 from freetoken_verify.reference.store import stored_bisect
 from freetoken_verify.report.formats import CheckResult
 
-__all__ = ["Bisection", "Row", "rel_l2", "run", "localise", "first_divergence"]
+__all__ = ["Bisection", "Row", "batched_matched_key", "rel_l2", "run", "localise",
+           "first_divergence"]
+
+
+def batched_matched_key(ctx: CheckContext) -> tuple:
+    """The cache key golden sets when its batched generation (every prompt decoding
+    together) matched the reference at this TP size: bisect has no batched divergence to look
+    for there."""
+    return ("golden-batched-matched", ctx.case.name, ctx.tp)
 
 
 def run(ctx: CheckContext) -> CheckResult:
@@ -48,13 +56,18 @@ def run(ctx: CheckContext) -> CheckResult:
     result = localise(ctx)
     # With no reference yet (TP=1 of a checkpoint HF cannot run), the batched capture is
     # still kept for the later TP sizes.
-    found = batched.localise(ctx) if result.first is None else result
+    # Golden's passing row at this TP size already compared the batched generation: a batched
+    # capture there finds nothing (and costs more than the rest of the row).
+    matched = ctx.cache.get(batched_matched_key(ctx), False)
+    found = batched.localise(ctx) if result.first is None and not matched else result
     metrics = {"modules": len(result.rows), "references": ",".join(result.references),
                "table": [r.as_dict() for r in result.rows]}
     if ctx.options.bitwise:
         metrics["bitwise"] = 1
     if found is not result:
         metrics.update(batched_modules=len(found.rows), batched_table=_step_rows(found))
+    elif matched:
+        metrics["batched"] = "golden's batched generation matched at this TP size"
     if not result.references:
         return make_result("bisect", ctx, start, "skip", metrics,
                        "no reference to bisect against: HF cannot run this checkpoint, and the "
