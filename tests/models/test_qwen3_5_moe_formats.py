@@ -108,3 +108,21 @@ def test_gdn_ba_quantized_and_fused_names_are_refused():
              "config_groups": {"group_0": {"targets": ["re:.*experts.*"], **NVFP4_GROUP}}}
     with pytest.raises(ConfigError, match=rf"ignore names '{P}\.0\.linear_attn\.in_proj_ba'"):
         _parse(fused)
+
+
+def test_qwens_fp8_not_convert_list_resolves():
+    """Qwen's block-FP8 releases list non-Linear names in modules_to_not_convert (the norms,
+    q_norm / k_norm, and GatedDeltaNet's A_log, conv1d, dt_bias, in_proj_a, in_proj_b, norm):
+    accepted, with in_proj split as [qkv | z] FP8 and [b | a] bf16."""
+    block = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+             "weight_block_size": [16, 16],
+             "modules_to_not_convert": [
+                 "lm_head", "model.language_model.embed_tokens", "input_layernorm",
+                 "post_attention_layernorm", "q_norm", "k_norm", "model.language_model.norm",
+                 "linear_attn.A_log", "linear_attn.conv1d", "linear_attn.dt_bias",
+                 "linear_attn.in_proj_a", "linear_attn.in_proj_b", "linear_attn.norm",
+                 "mlp.gate", "mlp.shared_expert_gate"]}
+    formats = _parse(block).module_formats
+    in_proj = [(len(g.parts), g.format.kind) for g in formats["model.layers.0.linear_attn.in_proj"]]
+    assert in_proj == [(2, "fp8-block"), (2, "bf16")], in_proj
+    assert formats["model.layers.0.mlp.gate"][0].format.kind == BF16

@@ -33,7 +33,10 @@ def module_table(prefix: str, layer_types: tuple[str, ...], num_experts: int) ->
         dests += _moe(src, dest, num_experts)
         others += [f"{src}.input_layernorm", f"{src}.post_attention_layernorm",
                    f"{src}.self_attn.q_norm", f"{src}.self_attn.k_norm",
-                   f"{src}.linear_attn.conv1d", f"{src}.linear_attn.norm"]
+                   f"{src}.linear_attn.conv1d", f"{src}.linear_attn.norm",
+                   # Parameters, not modules, but Qwen's FP8 releases list them in
+                   # modules_to_not_convert (quant_formats.md, section 3).
+                   f"{src}.linear_attn.A_log", f"{src}.linear_attn.dt_bias"]
     return ModuleTable(tuple(dests), tuple(others))
 
 
