@@ -113,7 +113,8 @@ class Recorder:
 
     In the tp_invariant mode a MoE block computes its routed experts and shared expert as
     canonical leaves (their `leaves` method, no forward): those calls are recorded too, as
-    `<module>:leaves`, so a bug inside the block is named by the part it is in."""
+    `<module>:leaves` and (the leaves summed) as the module's own partial output, so a bug
+    inside the block is named by the part it is in, against TP=1 and against HF."""
 
     def __init__(self, model: torch.nn.Module, cfg, tp: int):
         self.captures: list[Capture] = []
@@ -174,7 +175,13 @@ class Recorder:
 
         def leaves(*args, **kwargs):
             out = original(*args, **kwargs)
-            self._record_leaves(self._key(name), out, canonical)
+            key = self._key(name)
+            self._record_leaves(key, out, canonical)
+            # The module's own partial output (its leaves summed), as its forward would give
+            # in the default mode: the row HF's same module compares with (at TP 1 the only
+            # reference), after the leaves row the bitwise comparison names first.
+            partial = out.reshape(canonical.local_chunks, -1, out.shape[-1]).sum(0)
+            self.captures.append(Capture(key, PARTIAL, flat(partial, self._tokens, True)))
             return out
 
         module.leaves = leaves
