@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _common import capture_graph, copy_bandwidth, int_list
+from _common import copy_bandwidth, graph_us, int_list, rel_l2
 from tabulate import tabulate
 from triton.runtime.errors import OutOfResources
 
@@ -49,22 +49,6 @@ L2_BYTES = 60 * 2**20
 SWEEP = dict(block_n=(16, 32), block_k=(128, 256), num_warps=(4,), num_stages=(4,),
              split=(1, 2, 4, 8))
 
-
-def graph_us(calls: list, replays: int = 5) -> float:
-    """Microseconds per call of `calls` (closures) captured once each into one CUDA graph."""
-    graph = capture_graph(calls)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * len(calls))
-
-
-def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30))
 
 
 def make_case(name: str, tokens: int, gen: torch.Generator):

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _common import capture_graph, copy_bandwidth, int_list
+from _common import capture_graph, copy_bandwidth, graph_us, int_list, rel_l2
 from _quant_layers import FORMATS, SHAPES, make_layer, weight_bytes
 from tabulate import tabulate
 
@@ -47,22 +47,6 @@ SWEEP = dict(block_n=(16, 32, 64), num_warps=(4, 8), split=(1, 2, 4, 8, 16))
 SWEEP_K = {"fp8": (128, 256, 512), "nvfp4": (64, 128, 256)}
 TOLERANCE = 1e-2
 
-
-def graph_us(calls: list, replays: int = 5) -> float:
-    """Microseconds per call of `calls` captured once each into one CUDA graph."""
-    graph = capture_graph(calls)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * len(calls))
-
-
-def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30))
 
 
 def reference(layer, x: torch.Tensor) -> torch.Tensor:

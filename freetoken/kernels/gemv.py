@@ -6,7 +6,6 @@ path. Each is checked against the torch composition it replaces (`reference_line
 from __future__ import annotations
 
 import functools
-import json
 import os
 from dataclasses import dataclass
 
@@ -14,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from freetoken.kernels import jit_module, next_pow2
+from freetoken.kernels.tile_table import read_tile_table
 
 MAX_TOKENS = 16
 """Up to this many tokens a linear layer takes `gemv_kernel`; more go to the GEMM."""
@@ -93,17 +93,13 @@ def table_key(rows: int, in_features: int, tokens: int, norm: bool, gated: bool,
 def _table() -> dict:
     """The tile table: FREETOKEN_GEMV_TABLE (a JSON file `bench/decode_kernels.py --write`
     wrote) when set, else `gemv_tiles.H200`."""
-    path = os.environ.get("FREETOKEN_GEMV_TABLE")
-    if not path:
-        from freetoken.kernels.gemv_tiles import H200
+    return read_tile_table("FREETOKEN_GEMV_TABLE", _shipped)
 
-        return H200
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError) as err:
-        raise ValueError(f"FREETOKEN_GEMV_TABLE={path}: not a readable JSON tile table "
-                         f"({err})") from err
+
+def _shipped() -> dict:
+    from freetoken.kernels.gemv_tiles import H200
+
+    return H200
 
 
 def tiles_for(x: torch.Tensor, weight: torch.Tensor, *, norm: Norm | None = None,

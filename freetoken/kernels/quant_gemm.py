@@ -12,13 +12,13 @@ layer construction): see `fp8_gemm` and `nvfp4_gemm`."""
 from __future__ import annotations
 
 import functools
-import json
 import os
 from dataclasses import dataclass
 
 import torch
 
 from freetoken.kernels import interpreting, jit_module, next_pow2, nvfp4_linear
+from freetoken.kernels.tile_table import read_tile_table
 
 DECODE_MAX_TOKENS = 16
 MMA_MIN_ROWS = 16384
@@ -72,17 +72,13 @@ def table_key(fmt: str, rows: int, in_features: int, tokens: int) -> str:
 def _table() -> dict:
     """The tile table: FREETOKEN_QUANT_TABLE (a JSON file `bench/quant_linear.py --write`
     wrote) when set, else `quant_tiles.H200`."""
-    path = os.environ.get("FREETOKEN_QUANT_TABLE")
-    if not path:
-        from freetoken.kernels.quant_tiles import H200
+    return read_tile_table("FREETOKEN_QUANT_TABLE", _shipped)
 
-        return H200
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError) as err:
-        raise ValueError(f"FREETOKEN_QUANT_TABLE={path}: not a readable JSON tile table "
-                         f"({err})") from err
+
+def _shipped() -> dict:
+    from freetoken.kernels.quant_tiles import H200
+
+    return H200
 
 
 def tiles_for(tokens: int, rows: int, in_features: int, fmt: str) -> QuantTiles:

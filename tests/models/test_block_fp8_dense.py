@@ -15,17 +15,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import GOLDEN
 from safetensors.torch import load_file, save_file
-from twin_outputs import assert_same_outputs, generate
+from twin_outputs import assert_round_trips, assert_same_outputs, generate
 
 from freetoken.formats.fp8.convert import write_block_fp8
 from freetoken.formats.quant import read_quant_config
 from freetoken.formats.quant.twin import write_dequantized_twin
-from freetoken.formats.shard import write_pieces
 from freetoken.loading.loader import LoadError
-from freetoken.models.registry import check_tp, load_config, shard_plan
+from freetoken.models.registry import check_tp, load_config
 
 BLOCK = (24, 40)
 NOT_CONVERT = ("lm_head", "model.embed_tokens")
@@ -60,18 +58,7 @@ def test_shards_of_every_tensor_round_trip_bitwise(tmp_path):
     shards and unshards bitwise through its plan rule, and the loader's pieces write the
     same bytes as shard()."""
     fp8, _ = _make_pair(tmp_path, "tiny-llama")
-    cfg, tensors = load_config(fp8), load_file(fp8 / "model.safetensors")
-    for tp in (1, 2, 4, 8):
-        plan = shard_plan(cfg, tp)
-        for name, full in tensors.items():
-            spec = plan.resolve(name).rule.spec
-            parts = [spec.shard(full, r, tp, name) for r in range(tp)]
-            for r, part in enumerate(parts):
-                out = torch.empty_like(part)
-                write_pieces(spec.pieces(full, r, tp, name), out)
-                assert out.view(torch.uint8).equal(part.view(torch.uint8)), f"{name} r{r}"
-            back = spec.unshard(parts, name)
-            assert back.view(torch.uint8).equal(full.view(torch.uint8)), f"{name} tp={tp}"
+    assert_round_trips(fp8)
 
 
 def test_a_weight_not_in_its_declared_format_is_refused(tmp_path):

@@ -12,16 +12,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from conftest import GOLDEN
-from safetensors.torch import load_file
-from twin_outputs import assert_same_outputs, generate
+from twin_outputs import assert_round_trips, assert_same_outputs, generate
 
 from freetoken.formats.fp8.convert import write_block_fp8
 from freetoken.formats.quant import read_quant_config
 from freetoken.formats.quant.twin import write_dequantized_twin
-from freetoken.formats.shard import write_pieces
-from freetoken.models.registry import load_config, shard_plan
+from freetoken.models.registry import load_config
 
 BLOCK = (24, 40)
 NOT_CONVERT = ("lm_head", "embed_tokens", "mlp.gate", "shared_expert_gate", "in_proj_b",
@@ -62,15 +59,4 @@ def test_shards_of_every_tensor_round_trip_bitwise(tmp_path):
     in_proj_qkv's per segment, experts' shared blocks) shards and unshards bitwise through
     its rule, and the loader's pieces write the same bytes as shard()."""
     fp8, _ = _make_pair(tmp_path)
-    cfg, tensors = load_config(fp8), load_file(fp8 / "model.safetensors")
-    for tp in (1, 2, 4, 8):
-        plan = shard_plan(cfg, tp)
-        for name, full in tensors.items():
-            spec = plan.resolve(name).rule.spec
-            parts = [spec.shard(full, r, tp, name) for r in range(tp)]
-            for r, part in enumerate(parts):
-                out = torch.empty_like(part)
-                write_pieces(spec.pieces(full, r, tp, name), out)
-                assert out.view(torch.uint8).equal(part.view(torch.uint8)), f"{name} r{r}"
-            back = spec.unshard(parts, name)
-            assert back.view(torch.uint8).equal(full.view(torch.uint8)), f"{name} tp={tp}"
+    assert_round_trips(fp8)
