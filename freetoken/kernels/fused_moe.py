@@ -1,8 +1,9 @@
-"""Launcher of the routed-expert kernels for 16-bit or float32 experts (`moe_jit`): the whole
-routed computation of one rank without a host sync, so decode steps can be graphed.
+"""Launcher of the routed-expert kernels for 16-bit, float32 or block-FP8 experts (`moe_jit`):
+the whole routed computation of one rank without a host sync, so decode steps can be graphed.
 
 `fused_moe` is checked against `reference_moe`, the per-expert torch loop the engine runs on
-CPU (`freetoken.layers.moe.FusedExperts`)."""
+CPU (`freetoken.layers.moe.FusedExperts`; for block FP8 on the dequantized weights,
+`freetoken.layers.quantization.fp8.moe.BlockFP8FusedExperts`)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,19 @@ class MoeTiles:
 
 DECODE_TILES = MoeTiles(block_m=16, gate_up_n=32, down_n=64, block_k=128)
 PREFILL_TILES = MoeTiles(block_m=64, gate_up_n=64, down_n=64, block_k=64)
+@dataclass(frozen=True)
+class ExpertBlockScales:
+    """The block scales of one stacked block-FP8 expert weight [E, N, K]: weight element
+    (n, k) of expert e is its e4m3 code times `scale[e, rows[n], (k + col_offset) //
+    block_cols]` (`scale` float32 [E, R, C], `rows` int32 [N]: each TP-local row's scale
+    row; `col_offset`: the rank's offset inside its first column block)."""
+
+    scale: torch.Tensor
+    rows: torch.Tensor
+    block_cols: int
+    col_offset: int = 0
+
+
 DECODE_MAX_PAIRS = 1024
 """Up to this many (token, slot) pairs take DECODE_TILES."""
 ALIGN_MAX_PAIRS = 1024
@@ -47,13 +61,15 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
-              w2: torch.Tensor, tiles: MoeTiles | None = None, sum_slots: bool = True
-              ) -> torch.Tensor:
+              w2: torch.Tensor, tiles: MoeTiles | None = None, sum_slots: bool = True,
+              w13_scales: ExpertBlockScales | None = None,
+              w2_scales: ExpertBlockScales | None = None) -> torch.Tensor:
     """Routed-expert partial sum for `x` [T, H]: w13 [E, 2I, H] (gate rows, then up rows),
     w2 [E, H, I], `weights` and `ids` [T, top_k]. Each token's weighted slots are summed in
     float32 and rounded once to x's dtype; with `sum_slots=False` the weighted slots
     themselves, float32 [T, top_k, H], for a caller that sums them in its own launch.
-    Rank-dependent through the TP-local I."""
+    Rank-dependent through the TP-local I. Block-FP8 experts: w13 and w2 float8_e4m3fn
+    with their `w13_scales` and `w2_scales`."""
     tokens, hidden = x.shape
     top_k = ids.shape[1]
     inter = w2.shape[2]
@@ -71,24 +87,67 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: to
     x = x.contiguous()
     jit, precision = _jit(), _precision(x.dtype)
     launch = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    _check_scales(w13, w13_scales, "w13")
+    _check_scales(w2, w2_scales, "w2")
+    gate_up_scale, gate_up_k = _scale_args(w13_scales, tiles.block_k, w13)
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     jit.gate_up_kernel[(blocks, triton_cdiv(inter, tiles.gate_up_n))](
         x_ptr=x, w13_ptr=w13, h_ptr=h, rows_ptr=rows, block_expert_ptr=block_expert,
         num_pairs=pairs, hidden=hidden, inter=inter, top_k=top_k,
         stride_x_token=x.stride(0), stride_w13_expert=w13.stride(0),
         stride_w13_row=w13.stride(1), stride_h_pair=h.stride(0),
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.gate_up_n, BLOCK_K=tiles.block_k,
-        PRECISION=precision, **launch)
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.gate_up_n, BLOCK_K=gate_up_k,
+        PRECISION=precision, **gate_up_scale, **launch)
     out = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
+    down_scale, down_k = _scale_args(w2_scales, min(tiles.block_k, _pow2(inter)), w2)
     jit.down_kernel[(blocks, triton_cdiv(hidden, tiles.down_n))](
         h_ptr=h, w2_ptr=w2, weights_ptr=weights.reshape(-1).contiguous(), out_ptr=out,
         rows_ptr=rows, block_expert_ptr=block_expert, num_pairs=pairs, hidden=hidden,
         inter=inter, stride_h_pair=h.stride(0), stride_w2_expert=w2.stride(0),
         stride_w2_row=w2.stride(1), stride_out_pair=out.stride(0),
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_n, BLOCK_K=min(tiles.block_k, _pow2(inter)),
-        PRECISION=precision, **launch)
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_n, BLOCK_K=down_k,
+        PRECISION=precision, **down_scale, **launch)
     out = out.view(tokens, top_k, hidden)
     return out.sum(dim=1).to(x.dtype) if sum_slots else out
+
+
+def _check_scales(weight: torch.Tensor, scales: ExpertBlockScales | None, name: str) -> None:
+    """ValueError naming `name` unless 16-bit / float32 weights come without scales and
+    float8_e4m3fn weights with float32 scales of one index per row."""
+    if scales is None:
+        if weight.dtype == torch.float8_e4m3fn:
+            raise ValueError(f"fused_moe: {name} is float8_e4m3fn but has no block scales")
+        return
+    if weight.dtype != torch.float8_e4m3fn or scales.scale.dtype != torch.float32 or \
+            scales.scale.dim() != 3 or scales.scale.shape[0] != weight.shape[0]:
+        raise ValueError(f"fused_moe: {name} {weight.dtype} {tuple(weight.shape)} with scale "
+                         f"{scales.scale.dtype} {tuple(scales.scale.shape)} is not block FP8 "
+                         "(e4m3 [E, N, K], float32 [E, R, C])")
+    if scales.rows.dtype != torch.int32 or tuple(scales.rows.shape) != (weight.shape[1],):
+        raise ValueError(f"fused_moe: {name}'s scale row index must be int32 "
+                         f"[{weight.shape[1]}], got {scales.rows.dtype} "
+                         f"{tuple(scales.rows.shape)}")
+    if scales.scale.stride(-1) != 1:
+        raise ValueError(f"fused_moe: {name}'s block scale needs contiguous rows")
+
+
+def _scale_args(scales: ExpertBlockScales | None, block_k: int, weight: torch.Tensor
+                ) -> tuple[dict, int]:
+    """(the kernel's scale arguments, its K step): SCALE 0 without scales; 1 with the
+    largest step of at least 16 inputs (at most `block_k`) that divides the column block
+    and the offset (the scale is constant over the step); else 2 with `block_k`."""
+    if scales is None:
+        return dict(scale_ptr=weight, scale_row_ptr=weight, col_offset=0,
+                    stride_scale_expert=0, stride_scale_row=0, SCALE=0, BLOCK_COLS=1), block_k
+    args = dict(scale_ptr=scales.scale, scale_row_ptr=scales.rows,
+                col_offset=scales.col_offset, stride_scale_expert=scales.scale.stride(0),
+                stride_scale_row=scales.scale.stride(1), BLOCK_COLS=scales.block_cols)
+    step = block_k
+    while step >= 16:
+        if scales.block_cols % step == 0 and scales.col_offset % step == 0:
+            return dict(args, SCALE=1), step
+        step //= 2
+    return dict(args, SCALE=2), block_k
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype

@@ -1,6 +1,15 @@
-"""Triton kernels for routed experts with 16-bit (or float32) weights: a grouped GEMM over
-(token, slot) pairs sorted by expert into blocks of BLOCK_M (`freetoken.kernels.moe_align`),
-pair p = token * top_k + slot. Products accumulate in float32.
+"""Triton kernels for routed experts with 16-bit (or float32) weights, or block-FP8 weights
+dequantized in registers: a grouped GEMM over (token, slot) pairs sorted by expert into
+blocks of BLOCK_M (`freetoken.kernels.moe_align`), pair p = token * top_k + slot. Products
+accumulate in float32.
+
+Block FP8 (SCALE > 0): weight element (n, k) of expert e is its e4m3 code times
+`scale[e, scale_row[n], (k + col_offset) // BLOCK_COLS]`; `scale_row` maps each TP-local row
+to its scale row (gate and up segments, the shard's offset inside its first block), and
+`col_offset` is the shard's offset inside its first column block (ranks sharing a block).
+SCALE 1: every K step lies inside one column block, so the scale multiplies the step's dot
+(one value per output column); SCALE 2: each weight element is scaled before the dot (any
+block size and offset). The codes are exact in the activations' dtype.
 
 - `gate_up_kernel`: program (block, columns) computes a tile of gate and the matching tile of
   up for its block's pairs and writes h = SiLU(gate) * up, rounded once to h's dtype.
@@ -19,6 +28,20 @@ from freetoken.kernels import jit_ops as ops
 
 
 @triton.jit
+def _scaled_dot(a, w, s_cols, acc, k0, ks, col_offset, w_mask, SCALE: tl.constexpr,
+                BLOCK_COLS: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + a . (codes w [BLOCK_K, BLOCK_N] of inputs `ks` from `k0` times their block
+    scales), `s_cols` [BLOCK_N] the scale row pointers of the tile's output columns (see the
+    module docstring for `col_offset`)."""
+    if SCALE == 1:
+        step = tl.dot(a, w.to(a.dtype), input_precision=PRECISION)
+        return acc + step * tl.load(s_cols + (k0 + col_offset) // BLOCK_COLS)[None, :]
+    scale = tl.load(s_cols[None, :] + ((ks + col_offset) // BLOCK_COLS)[:, None],
+                    mask=w_mask, other=0.0)
+    return tl.dot(a, (w.to(tl.float32) * scale).to(a.dtype), acc, input_precision=PRECISION)
+
+
+@triton.jit
 def gate_up_kernel(
     # pointers
     x_ptr,
@@ -26,17 +49,24 @@ def gate_up_kernel(
     h_ptr,
     rows_ptr,
     block_expert_ptr,
+    scale_ptr,              # block FP8: [E, scale rows, scale columns] float32
+    scale_row_ptr,          # block FP8: [2 * inter] int32, each w13 row's scale row
     # sizes
     num_pairs,
     hidden,
     inter,
     top_k,
+    col_offset,
     # strides
     stride_x_token,
     stride_w13_expert,
     stride_w13_row,
     stride_h_pair,
+    stride_scale_expert,
+    stride_scale_row,
     # meta
+    SCALE: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -54,6 +84,11 @@ def gate_up_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
     w = w13_ptr + expert.to(tl.int64) * stride_w13_expert
+    if SCALE > 0:
+        s = scale_ptr + expert.to(tl.int64) * stride_scale_expert
+        s_gate = s + tl.load(scale_row_ptr + cols, mask=col_ok, other=0) * stride_scale_row
+        s_up = s + tl.load(scale_row_ptr + inter + cols, mask=col_ok, other=0) * \
+            stride_scale_row
     gate = tl.full((BLOCK_M, BLOCK_N), 0, dtype=tl.float32)
     up = tl.full((BLOCK_M, BLOCK_N), 0, dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
@@ -66,8 +101,14 @@ def gate_up_kernel(
                          other=0.0)
         w_up = tl.load(w + (cols + inter)[None, :] * stride_w13_row + ks[:, None], mask=w_mask,
                        other=0.0)
-        gate = tl.dot(a, w_gate, gate, input_precision=PRECISION)
-        up = tl.dot(a, w_up, up, input_precision=PRECISION)
+        if SCALE == 0:
+            gate = tl.dot(a, w_gate, gate, input_precision=PRECISION)
+            up = tl.dot(a, w_up, up, input_precision=PRECISION)
+        else:
+            gate = _scaled_dot(a, w_gate, s_gate, gate, k0, ks, col_offset, w_mask,
+                               SCALE, BLOCK_COLS, PRECISION)
+            up = _scaled_dot(a, w_up, s_up, up, k0, ks, col_offset, w_mask, SCALE,
+                             BLOCK_COLS, PRECISION)
     h = gate * ops.sigmoid(gate) * up
     tl.store(h_ptr + pairs.to(tl.int64)[:, None] * stride_h_pair + cols[None, :],
              h.to(h_ptr.dtype.element_ty), mask=pair_ok[:, None] & col_ok[None, :])
@@ -82,16 +123,23 @@ def down_kernel(
     out_ptr,
     rows_ptr,
     block_expert_ptr,
+    scale_ptr,              # block FP8: [E, scale rows, scale columns] float32
+    scale_row_ptr,          # block FP8: [hidden] int32, each w2 row's scale row
     # sizes
     num_pairs,
     hidden,
     inter,
+    col_offset,
     # strides
     stride_h_pair,
     stride_w2_expert,
     stride_w2_row,
     stride_out_pair,
+    stride_scale_expert,
+    stride_scale_row,
     # meta
+    SCALE: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -108,15 +156,22 @@ def down_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
     w = w2_ptr + expert.to(tl.int64) * stride_w2_expert
+    if SCALE > 0:
+        s_rows = (scale_ptr + expert.to(tl.int64) * stride_scale_expert
+                  + tl.load(scale_row_ptr + cols, mask=col_ok, other=0) * stride_scale_row)
     acc = tl.full((BLOCK_M, BLOCK_N), 0, dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < inter
         a = tl.load(h_ptr + pairs[:, None] * stride_h_pair + ks[None, :],
                     mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w + cols[None, :] * stride_w2_row + ks[:, None],
-                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        b_mask = k_ok[:, None] & col_ok[None, :]
+        b = tl.load(w + cols[None, :] * stride_w2_row + ks[:, None], mask=b_mask, other=0.0)
+        if SCALE == 0:
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        else:
+            acc = _scaled_dot(a, b, s_rows, acc, k0, ks, col_offset, b_mask, SCALE,
+                              BLOCK_COLS, PRECISION)
     weight = tl.load(weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + pairs[:, None] * stride_out_pair + cols[None, :], acc * weight[:, None],
              mask=pair_ok[:, None] & col_ok[None, :])

@@ -1,7 +1,10 @@
 """Routed experts in block FP8, weight-only, beside the NVFP4 ones: each expert a token routes
 to has its gate|up and down weights dequantized to the activation dtype, then the same
-SiLU-gated MLP and fp32 accumulation as `FusedExperts` (the torch path; the GPU kernels for
-it belong with the other GPU work).
+SiLU-gated MLP and fp32 accumulation as `FusedExperts` (the torch path). In a step that takes
+the CUDA paths the grouped kernels of `freetoken.kernels.fused_moe` dequantize the codes in
+registers instead, without a host sync (so decode steps can be graphed); the buffers
+`w13_scale_row` and `w2_scale_row` (int32, derived at construction) name each weight row's
+scale row.
 
 Parameters (I = TP-local intermediate size, B the block): `w13_weight` e4m3 [E, 2I, H] (gate
 rows, then up rows), `w13_weight_scale` float32 [E, gate blocks + up blocks, ceil(H / B1)],
@@ -15,11 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from freetoken.context import uses_kernels
 from freetoken.distributed import divide, get_tp_info
 from freetoken.formats.fp8.block import FP8, dequantize
 from freetoken.formats.fp8.specs import BlockScaleSplit
+from freetoken.kernels import fused_moe, quant_gemm
 from freetoken.layers import invariant
 from freetoken.layers.activation import silu_and_mul
+from freetoken.layers.quantization.weight_only import row_index
 
 
 def _param(*shape, dtype) -> nn.Parameter:
@@ -47,6 +53,10 @@ class BlockFP8FusedExperts(nn.Module):
         self.w2_weight = _param(e, hidden, i, dtype=FP8)
         self.w2_weight_scale = _param(e, h_rows, self.cols.blocks(tp.size),
                                       dtype=torch.float32)
+        gate_rows = (self.rows.offset(tp.rank, tp.size) + torch.arange(i)) // block[0]
+        row_index(self, "w13_scale_row",
+                  torch.cat([gate_rows, gate_rows + self.rows.blocks(tp.size)]))
+        row_index(self, "w2_scale_row", torch.arange(hidden) // block[0])
         self.canonical = invariant.active_reductions()
 
     def dequantize_w13(self, e: int, dtype: torch.dtype) -> torch.Tensor:
@@ -62,7 +72,19 @@ class BlockFP8FusedExperts(nn.Module):
         offset = (0, self.cols.offset(self.tp.rank, self.tp.size))
         return dequantize(self.w2_weight[e], self.w2_weight_scale[e], self.block, offset, dtype)
 
+    def block_scales(self) -> tuple[fused_moe.ExpertBlockScales, fused_moe.ExpertBlockScales]:
+        """The scales of w13 and w2 as the grouped kernels take them."""
+        return (fused_moe.ExpertBlockScales(self.w13_weight_scale, self.w13_scale_row,
+                                            self.block[1]),
+                fused_moe.ExpertBlockScales(self.w2_weight_scale, self.w2_scale_row,
+                                            self.block[1],
+                                            self.cols.offset(self.tp.rank, self.tp.size)))
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if uses_kernels() and quant_gemm.serves(x):
+            w13_scales, w2_scales = self.block_scales()
+            return fused_moe.fused_moe(x, weights, ids, self.w13_weight, self.w2_weight,
+                                       w13_scales=w13_scales, w2_scales=w2_scales)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         hit = torch.bincount(ids.flatten(), minlength=self.num_experts).nonzero().flatten()
         for e in hit.tolist():
