@@ -1,5 +1,6 @@
-"""What every check shares: the options, the context a check runs in, the helper that builds
-its result row, and the one table of checks in the order they run."""
+"""What every check shares: the options, the context a check runs in (with the run's state,
+`freetoken_verify.checks.state`), the helper that builds its result row, and the one table of
+checks in the order they run."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from importlib import import_module
 
 from freetoken_verify.cases.catalogue import Case
 from freetoken_verify.checks.ranks import RankRunner
+from freetoken_verify.checks.state import Baselines, RunState
 from freetoken_verify.report.formats import CheckResult
 
 
@@ -36,18 +38,23 @@ class VerifyOptions:
 
 @dataclass
 class CheckContext:
-    """One model at one TP size, the rank runner for that size, and a cache shared across TP
-    sizes (e.g. the TP=1 outputs later sizes are compared with)."""
+    """One model at one TP size, the rank runner for that size, and the run's state that rows
+    hand on to later rows (e.g. the TP=1 outputs later sizes are compared with)."""
 
     case: Case
     tp: int
     runner: RankRunner
     options: VerifyOptions
-    cache: dict = field(default_factory=dict)
+    state: RunState = field(default_factory=RunState)
 
     @property
     def placement(self) -> str:
         return self.runner.placement.name
+
+    @property
+    def baselines(self) -> Baselines:
+        """This model's state across the run's TP sizes and checks."""
+        return self.state.baselines(self.case)
 
 
 def compared_engine_args(ctx: CheckContext) -> dict:
@@ -80,7 +87,7 @@ class CheckSpec:
 
 
 # In run order: memory reloads the engine under measurement; shards then compares the loaded
-# engine; bisect follows golden so it can reuse the TP=1 outputs golden cached.
+# engine; bisect follows golden so it can reuse what golden recorded at TP=1.
 CHECKS: tuple[CheckSpec, ...] = (
     CheckSpec("golden", "golden",
               "prefill logits and greedy tokens against the reference (stored golden or live HF)"),

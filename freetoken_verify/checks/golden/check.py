@@ -62,7 +62,8 @@ def run(ctx: CheckContext) -> CheckResult:
     if records[0].value["graphs"]:
         metrics["graph_replay_batches"] = len(batch_sizes(len(prompts)))
     hard += _sampling_disagrees(ctx, [r.value["sampled"] for r in records], dtype)
-    bisect.remember_tp1(ctx)
+    if ctx.tp == 1:
+        bisect.remember_tp1(ctx)
     if numeric and not hard and _within_module_precision(ctx, outputs, dtype):
         metrics["judged_per_module"] = 1
         return make_result("golden", ctx, start, "pass", metrics, _EXCUSED)
@@ -71,7 +72,7 @@ def run(ctx: CheckContext) -> CheckResult:
         where = _first_divergence(ctx)
         return make_result("golden", ctx, start, "fail", metrics,
                        f"{ctx.case.name} tp={ctx.tp}: {where}{failures[0]}")
-    ctx.cache[bisect.batched_matched_key(ctx)] = True
+    ctx.baselines.batched_matched.add(ctx.tp)
     return make_result("golden", ctx, start, "pass", metrics, "")
 
 
@@ -184,18 +185,19 @@ def _aggregate(per_prompt) -> dict:
 
 def _sampling_disagrees(ctx: CheckContext, sampled: list[list[list[int]]], dtype) -> list[str]:
     """Every rank must end with the tokens rank 0 sampled; in float32 the TP=1 engine's
-    tokens too (the same seed draws the same numbers from nearly the same distribution)."""
+    tokens too (the same seed draws the same numbers from nearly the same distribution).
+    At TP=1, tokens the ranks agree on become `Baselines.tp1_sampled`."""
     seed = sampling_seed(ctx.options)
     for rank, tokens in enumerate(sampled):
         for i, (mine, first) in enumerate(zip(tokens, sampled[0])):
             if mine != first:
                 return [f"seeded sampling (seed {seed + i}): rank {rank} "
                         f"produced {mine} where rank 0 produced {first} (prompt {i})"]
-    key = ("golden-sampled-tp1", ctx.case.name)
     if ctx.tp == 1:
-        ctx.cache[key] = sampled[0]
-    base = ctx.cache.get(key)
-    if ctx.tp == 1 or base is None or (dtype != torch.float32 and not ctx.options.bitwise):
+        ctx.baselines.tp1_sampled = sampled[0]
+        return []
+    base = ctx.baselines.tp1_sampled
+    if base is None or (dtype != torch.float32 and not ctx.options.bitwise):
         return []
     return [f"seeded sampling (seed {seed + i}): tp={ctx.tp} produced "
             f"{mine} where tp=1 produced {first} (prompt {i})"
@@ -210,11 +212,10 @@ def _ranks_disagree(values: list[dict]) -> list[str]:
 
 def _against_tp1(ctx: CheckContext, outputs: dict, dtype, failures: list[str],
                  ref: Reference) -> dict:
-    key = ("golden-tp1", ctx.case.name)
     if ctx.tp == 1:
-        ctx.cache[key] = outputs
+        ctx.baselines.tp1_outputs = outputs
         return {}
-    base = ctx.cache.get(key)
+    base = ctx.baselines.tp1_outputs
     if base is None:
         return {}
     worst = 0.0
@@ -231,13 +232,12 @@ def _against_tp1(ctx: CheckContext, outputs: dict, dtype, failures: list[str],
 
 def _bitwise_against_tp1(ctx: CheckContext, outputs: dict, failures: list[str]) -> dict:
     """Every prompt's prefill logits, greedy ids and greedy-step logits at TP=N the same bits
-    as at TP=1 (kept from the TP=1 row); the first difference joins `failures`. Metrics: how
+    as at TP=1 (`Baselines.tp1_outputs`); the first difference joins `failures`. Metrics: how
     many tensors were compared and how many differ."""
-    key = ("golden-tp1", ctx.case.name)
     if ctx.tp == 1:
-        ctx.cache[key] = outputs
+        ctx.baselines.tp1_outputs = outputs
         return {"bitwise": 1}
-    base = ctx.cache.get(key)
+    base = ctx.baselines.tp1_outputs
     if base is None:
         return {"bitwise": 1}
     differing = compared = 0
