@@ -1,11 +1,11 @@
 """What every check shares: the options, the context a check runs in (with the run's state,
 `freetoken_verify.checks.state`), the helper that builds its result row, and the one table of
-checks in the order they run."""
+checks, whose run order follows from what each check needs."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import import_module
 
@@ -74,11 +74,14 @@ def make_result(check: str, ctx: CheckContext, start: float, status: str,
 
 @dataclass(frozen=True)
 class CheckSpec:
-    """One registered check: its entry point and the line `--list` prints for it."""
+    """One registered check: its entry point, the line `--list` prints for it, and the checks
+    whose rows must come before its own where they run too (`needs`: what they leave in the
+    run state, or on the ranks, this check reuses; a check runs without them)."""
 
     name: str
     module: str
     description: str
+    needs: tuple[str, ...] = ()
 
     def load(self) -> Callable[[CheckContext], CheckResult]:
         """The check's `run(ctx)`; imported on demand, the check modules pull in torch."""
@@ -86,23 +89,53 @@ class CheckSpec:
         return import_module(f"freetoken_verify.checks.{self.module}.check").run
 
 
-# In run order: memory reloads the engine under measurement; shards then compares the loaded
-# engine; bisect follows golden so it can reuse what golden recorded at TP=1.
-CHECKS: tuple[CheckSpec, ...] = (
+class CheckTableError(ValueError):
+    """The table of checks cannot be ordered: a check needs one the table lacks, or the
+    needs form a cycle."""
+
+
+def in_run_order(specs: Sequence[CheckSpec]) -> tuple[CheckSpec, ...]:
+    """`specs` in the order they run: each after every check it needs, otherwise in table
+    order. Raises CheckTableError naming a need the table lacks, or the checks in a cycle."""
+    names = {spec.name for spec in specs}
+    for spec in specs:
+        for need in spec.needs:
+            if need not in names:
+                raise CheckTableError(f"check {spec.name!r} needs {need!r}, which is not in "
+                                      f"the table of checks ({', '.join(sorted(names))})")
+    ordered: list[CheckSpec] = []
+    pending = list(specs)
+    while pending:
+        placed = {spec.name for spec in ordered}
+        ready = next((s for s in pending if set(s.needs) <= placed), None)
+        if ready is None:
+            raise CheckTableError("the needs of checks " + ", ".join(
+                f"{s.name!r} (needs {', '.join(s.needs)})" for s in pending) +
+                " form a cycle: none can run first")
+        ordered.append(ready)
+        pending.remove(ready)
+    return tuple(ordered)
+
+
+# bisect reuses what golden recorded (the TP=1 activations, whether the batched generation
+# matched); shards compares the engine memory loaded afresh under measurement.
+CHECKS: tuple[CheckSpec, ...] = in_run_order((
     CheckSpec("golden", "golden",
               "prefill logits and greedy tokens against the reference (stored golden or live HF)"),
     CheckSpec("bisect", "bisect",
-              "first layer and module where TP activations diverge from TP=1 and HF"),
+              "first layer and module where TP activations diverge from TP=1 and HF",
+              needs=("golden",)),
     CheckSpec("memory", "memory",
               "per-rank peak memory, KV cache and state sizes, no pinned checkpoint views"),
     CheckSpec("shards", "shards",
-              "every loaded parameter equals its shard of the checkpoint tensor, owning storage"),
+              "every loaded parameter equals its shard of the checkpoint tensor, owning storage",
+              needs=("memory",)),
     CheckSpec("kernels", "kernels",
               "NVFP4 kernels and every quantized GEMM against format oracles, engine kernels "
               "against their torch paths, at TP-local shapes (once per TP size)"),
     CheckSpec("collectives", "collectives",
               "every collective runs at its named place, with the expected shape and dtype"),
-)
+))
 
 CHECK_NAMES: tuple[str, ...] = tuple(spec.name for spec in CHECKS)
 

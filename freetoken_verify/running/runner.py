@@ -10,7 +10,7 @@ from functools import partial
 
 from freetoken.distributed import MainModuleError, choose_placement
 from freetoken_verify.cases.catalogue import Case
-from freetoken_verify.checks.base import CheckContext, VerifyOptions, make_result
+from freetoken_verify.checks.base import CHECK_NAMES, CheckContext, VerifyOptions, make_result
 from freetoken_verify.checks.ranks import RankFailure, RankRunner
 from freetoken_verify.checks.state import RunState
 from freetoken_verify.faults import inject
@@ -34,6 +34,14 @@ class Plan:
     """Stop after this many failed or errored rows (`-x`: 1); None runs every row."""
     notes: tuple[str, ...] = ()
     """What the plan left out and why, said before the run starts."""
+
+    def __post_init__(self):
+        unknown = [name for name in self.checks if name not in CHECK_NAMES]
+        if unknown:
+            raise ValueError(f"plan names checks not in the table of checks: "
+                             f"{', '.join(unknown)} (known: {', '.join(CHECK_NAMES)})")
+        # The table's run order (each check after those it needs), whatever order was given.
+        self.checks = {name: self.checks[name] for name in CHECK_NAMES if name in self.checks}
 
     def dtype_of(self, case: Case) -> str:
         """The dtype the engine runs `case` at (the checkpoint's for `auto`)."""
