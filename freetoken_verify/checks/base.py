@@ -1,15 +1,17 @@
-"""What every check shares: the options, the context a check runs in, the helper that builds
-its result row, and the one table of checks in the order they run."""
+"""What every check shares: the options, the context a check runs in (with the run's state,
+`freetoken_verify.checks.state`), the helper that builds its result row, and the one table of
+checks, whose run order follows from what each check needs."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import import_module
 
 from freetoken_verify.cases.catalogue import Case
 from freetoken_verify.checks.ranks import RankRunner
+from freetoken_verify.checks.state import Baselines, RunState
 from freetoken_verify.report.formats import CheckResult
 
 
@@ -36,18 +38,23 @@ class VerifyOptions:
 
 @dataclass
 class CheckContext:
-    """One model at one TP size, the rank runner for that size, and a cache shared across TP
-    sizes (e.g. the TP=1 outputs later sizes are compared with)."""
+    """One model at one TP size, the rank runner for that size, and the run's state that rows
+    hand on to later rows (e.g. the TP=1 outputs later sizes are compared with)."""
 
     case: Case
     tp: int
     runner: RankRunner
     options: VerifyOptions
-    cache: dict = field(default_factory=dict)
+    state: RunState = field(default_factory=RunState)
 
     @property
     def placement(self) -> str:
         return self.runner.placement.name
+
+    @property
+    def baselines(self) -> Baselines:
+        """This model's state across the run's TP sizes and checks."""
+        return self.state.baselines(self.case)
 
 
 def compared_engine_args(ctx: CheckContext) -> dict:
@@ -67,11 +74,14 @@ def make_result(check: str, ctx: CheckContext, start: float, status: str,
 
 @dataclass(frozen=True)
 class CheckSpec:
-    """One registered check: its entry point and the line `--list` prints for it."""
+    """One registered check: its entry point, the line `--list` prints for it, and the checks
+    whose rows must come before its own where they run too (`needs`: what they leave in the
+    run state, or on the ranks, this check reuses; a check runs without them)."""
 
     name: str
     module: str
     description: str
+    needs: tuple[str, ...] = ()
 
     def load(self) -> Callable[[CheckContext], CheckResult]:
         """The check's `run(ctx)`; imported on demand, the check modules pull in torch."""
@@ -79,23 +89,53 @@ class CheckSpec:
         return import_module(f"freetoken_verify.checks.{self.module}.check").run
 
 
-# In run order: memory reloads the engine under measurement; shards then compares the loaded
-# engine; bisect follows golden so it can reuse the TP=1 outputs golden cached.
-CHECKS: tuple[CheckSpec, ...] = (
+class CheckTableError(ValueError):
+    """The table of checks cannot be ordered: a check needs one the table lacks, or the
+    needs form a cycle."""
+
+
+def in_run_order(specs: Sequence[CheckSpec]) -> tuple[CheckSpec, ...]:
+    """`specs` in the order they run: each after every check it needs, otherwise in table
+    order. Raises CheckTableError naming a need the table lacks, or the checks in a cycle."""
+    names = {spec.name for spec in specs}
+    for spec in specs:
+        for need in spec.needs:
+            if need not in names:
+                raise CheckTableError(f"check {spec.name!r} needs {need!r}, which is not in "
+                                      f"the table of checks ({', '.join(sorted(names))})")
+    ordered: list[CheckSpec] = []
+    pending = list(specs)
+    while pending:
+        placed = {spec.name for spec in ordered}
+        ready = next((s for s in pending if set(s.needs) <= placed), None)
+        if ready is None:
+            raise CheckTableError("the needs of checks " + ", ".join(
+                f"{s.name!r} (needs {', '.join(s.needs)})" for s in pending) +
+                " form a cycle: none can run first")
+        ordered.append(ready)
+        pending.remove(ready)
+    return tuple(ordered)
+
+
+# bisect reuses what golden recorded (the TP=1 activations, whether the batched generation
+# matched); shards compares the engine memory loaded afresh under measurement.
+CHECKS: tuple[CheckSpec, ...] = in_run_order((
     CheckSpec("golden", "golden",
               "prefill logits and greedy tokens against the reference (stored golden or live HF)"),
     CheckSpec("bisect", "bisect",
-              "first layer and module where TP activations diverge from TP=1 and HF"),
+              "first layer and module where TP activations diverge from TP=1 and HF",
+              needs=("golden",)),
     CheckSpec("memory", "memory",
               "per-rank peak memory, KV cache and state sizes, no pinned checkpoint views"),
     CheckSpec("shards", "shards",
-              "every loaded parameter equals its shard of the checkpoint tensor, owning storage"),
+              "every loaded parameter equals its shard of the checkpoint tensor, owning storage",
+              needs=("memory",)),
     CheckSpec("kernels", "kernels",
               "NVFP4 kernels and every quantized GEMM against format oracles, engine kernels "
               "against their torch paths, at TP-local shapes (once per TP size)"),
     CheckSpec("collectives", "collectives",
               "every collective runs at its named place, with the expected shape and dtype"),
-)
+))
 
 CHECK_NAMES: tuple[str, ...] = tuple(spec.name for spec in CHECKS)
 

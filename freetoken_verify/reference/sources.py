@@ -115,18 +115,21 @@ def _requested(case, options, stamp) -> tuple[tuple[tuple[int, ...], ...], int]:
 
 
 def reference_for(ctx) -> Reference:
-    """The reference for ctx.case, computed once per run (cached across TP sizes)."""
-    key = ("reference", ctx.case.name)
-    if key not in ctx.cache:
-        source = reference_source(ctx.case, ctx.options)
-        if source == "golden":
-            ctx.cache[key] = golden_reference(ctx.case, ctx.options)
-        elif source == "stored":
-            ctx.cache[key] = stored_reference(stored_dir(ctx.options), ctx.case, ctx.options)
-        else:
-            ctx.cache[key] = live_hf_reference(ctx.case, ctx.options,
-                                               ctx.runner.placement.device_for(0))
-    return ctx.cache[key]
+    """The reference for ctx.case, built once per run (kept in the model's
+    `Baselines.reference` across TP sizes and checks)."""
+    return ctx.baselines.reference(
+        lambda: build_reference(ctx.case, ctx.options, ctx.runner.placement.device_for(0)))
+
+
+def build_reference(case, options, device) -> Reference:
+    """`case`'s reference from the run's source: its stored golden, the saved reference, or
+    HF run now on `device`."""
+    source = reference_source(case, options)
+    if source == "golden":
+        return golden_reference(case, options)
+    if source == "stored":
+        return stored_reference(stored_dir(options), case, options)
+    return live_hf_reference(case, options, device)
 
 
 def golden_reference(case, options) -> Reference:

@@ -10,8 +10,9 @@ from functools import partial
 
 from freetoken.distributed import MainModuleError, choose_placement
 from freetoken_verify.cases.catalogue import Case
-from freetoken_verify.checks.base import CheckContext, VerifyOptions, make_result
+from freetoken_verify.checks.base import CHECK_NAMES, CheckContext, VerifyOptions, make_result
 from freetoken_verify.checks.ranks import RankFailure, RankRunner
+from freetoken_verify.checks.state import RunState
 from freetoken_verify.faults import inject
 from freetoken_verify.report.formats import CheckResult
 from freetoken_verify.running.progress import Progress
@@ -34,6 +35,14 @@ class Plan:
     notes: tuple[str, ...] = ()
     """What the plan left out and why, said before the run starts."""
 
+    def __post_init__(self):
+        unknown = [name for name in self.checks if name not in CHECK_NAMES]
+        if unknown:
+            raise ValueError(f"plan names checks not in the table of checks: "
+                             f"{', '.join(unknown)} (known: {', '.join(CHECK_NAMES)})")
+        # The table's run order (each check after those it needs), whatever order was given.
+        self.checks = {name: self.checks[name] for name in CHECK_NAMES if name in self.checks}
+
     def dtype_of(self, case: Case) -> str:
         """The dtype the engine runs `case` at (the checkpoint's for `auto`)."""
         return self.options.dtype if self.options.dtype != "auto" else case.model_config.dtype
@@ -48,11 +57,13 @@ def run_plan(plan: Plan, progress: Progress | Callable[[str], None] | None = Non
     """Every selected row (`Plan.rows`: checks on models at TP sizes, TP outermost so each
     rank group starts once, and only for a TP size with rows), stopping after `plan.maxfail`
     failed or errored rows. `progress` gets a line per step (a callable: plain lines; None:
-    stderr, updating in place on a terminal); `on_result` sees each result as it finishes."""
+    stderr, updating in place on a terminal); `on_result` sees each result as it finishes.
+    Every row's context carries the run's one RunState, where rows leave what later rows of
+    the same run compare with."""
     progress = progress if isinstance(progress, Progress) else Progress(progress)
     say = progress.line
     results: list[CheckResult] = []
-    cache: dict = {}
+    state = RunState()
     rows = plan.rows()
     failed = 0
     for tp in sorted({tp for tp, _, _ in rows}):
@@ -61,7 +72,7 @@ def run_plan(plan: Plan, progress: Progress | Callable[[str], None] | None = Non
         say(f"tp={tp}: starting {tp} rank(s), {placement.name}")
         with RankRunner(tp, placement, plan.options.timeout, setup=setup) as runner:
             for _, case, name in (row for row in rows if row[0] == tp):
-                ctx = CheckContext(case, tp, runner, plan.options, cache)
+                ctx = CheckContext(case, tp, runner, plan.options, state)
                 with progress.step(f"[tp={tp}] {case.name} {name}"):
                     result = _run_one(name, plan.checks[name], ctx)
                 results.append(result)

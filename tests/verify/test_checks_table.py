@@ -1,14 +1,24 @@
-"""The one table of checks (`freetoken_verify.checks.base.CHECKS`): every name unique and loadable,
-in
-the order the runner uses, each with a one-line description; the shared result helper fills a
-row from the context."""
+"""The one table of checks (`freetoken_verify.checks.base.CHECKS`): every name unique and
+loadable, each with a one-line description, in the run order derived from what each check
+needs (which the runner keeps); the shared result helper fills a row from the context."""
 
 from __future__ import annotations
 
 import time
 from types import SimpleNamespace
 
-from freetoken_verify.checks import CHECK_NAMES, CHECKS, available_checks, make_result
+import pytest
+
+from freetoken_verify.checks import (
+    CHECK_NAMES,
+    CHECKS,
+    CheckSpec,
+    VerifyOptions,
+    available_checks,
+    make_result,
+)
+from freetoken_verify.checks.base import CheckTableError, in_run_order
+from freetoken_verify.running.runner import Plan
 
 
 def test_every_registered_check_loads_its_run_function_in_table_order():
@@ -25,11 +35,35 @@ def test_every_registered_check_loads_its_run_function_in_table_order():
 
 
 def test_golden_runs_before_bisect_and_memory_before_shards():
-    """Order matters: bisect reuses the TP=1 outputs golden cached, and shards compares the
-    engine memory loaded under measurement."""
+    """Order matters, and the table says so in `needs`: bisect reuses what golden recorded
+    (the TP=1 activations, whether the batched generation matched), and shards compares the
+    engine memory loaded under measurement. Every need runs before its check."""
+    specs = {spec.name: spec for spec in CHECKS}
+    assert "golden" in specs["bisect"].needs and "memory" in specs["shards"].needs
     order = list(CHECK_NAMES)
-    assert order.index("golden") < order.index("bisect")
-    assert order.index("memory") < order.index("shards")
+    for spec in CHECKS:
+        assert all(order.index(need) < order.index(spec.name) for need in spec.needs), spec
+
+
+def test_run_order_is_derived_from_needs_else_table_order():
+    """A check listed before one it needs runs after it; the others keep their table
+    order."""
+    table = (CheckSpec("b", "b", "", needs=("a",)), CheckSpec("c", "c", ""),
+             CheckSpec("a", "a", ""), CheckSpec("d", "d", "", needs=("b",)))
+    assert [s.name for s in in_run_order(table)] == ["c", "a", "b", "d"]
+    assert in_run_order(table[1:3]) == table[1:3]
+
+
+def test_a_need_missing_from_the_table_is_refused():
+    with pytest.raises(CheckTableError, match="check 'bisect' needs 'goldn', which is not in"):
+        in_run_order((CheckSpec("golden", "golden", ""),
+                      CheckSpec("bisect", "bisect", "", needs=("goldn",))))
+
+
+def test_a_cycle_of_needs_is_refused():
+    with pytest.raises(CheckTableError, match=r"'a' \(needs b\), 'b' \(needs a\) form a cycle"):
+        in_run_order((CheckSpec("a", "a", "", needs=("b",)),
+                      CheckSpec("b", "b", "", needs=("a",)), CheckSpec("c", "c", "")))
 
 
 def test_make_result_fills_the_row_from_the_context():
@@ -40,3 +74,13 @@ def test_make_result_fills_the_row_from_the_context():
     assert (row.check, row.model, row.tp, row.status, row.placement, row.message) == (
         "shards", "tiny-llama", 2, "fail", "cpu-gloo", "why")
     assert row.metrics == {"tensors": 3} and 1.0 <= row.seconds < 60.0, row
+
+
+def test_a_plan_runs_its_checks_in_the_tables_order_and_refuses_an_unknown_one():
+    """However the caller ordered them, a plan's checks run as the table orders them; a name
+    the table lacks is refused when the plan is made."""
+    plan = Plan([], [1], {"shards": None, "bisect": None, "memory": None, "golden": None},
+                VerifyOptions())
+    assert list(plan.checks) == ["golden", "bisect", "memory", "shards"]
+    with pytest.raises(ValueError, match="not in the table of checks: goldn"):
+        Plan([], [1], {"goldn": None}, VerifyOptions())

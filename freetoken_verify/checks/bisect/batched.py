@@ -25,23 +25,20 @@ from freetoken_verify.reference.sources import hf_model, prompts_for
 
 def localise(ctx: CheckContext) -> Bisection:
     """The batched generation's first divergence at this TP size (captured once per model
-    and TP size; at TP=1 kept for later sizes)."""
-    key = ("bisect-batched", ctx.case.name, ctx.tp)
-    if key not in ctx.cache:
-        ctx.cache[key] = _localise(ctx)
-    return ctx.cache[key]
+    and TP size, `Baselines.batched_bisection`; at TP=1 kept for later sizes as
+    `Baselines.tp1_batched`)."""
+    return ctx.baselines.batched_bisection(ctx.tp, lambda: _localise(ctx))
 
 
 def _localise(ctx: CheckContext) -> Bisection:
     prompts, num_greedy = prompts_for(ctx.case, ctx.options)
-    tp1_key = ("bisect-batched-tp1", ctx.case.name)
-    tp1 = ctx.cache.get(tp1_key) if ctx.tp > 1 else None
+    tp1 = ctx.baselines.tp1_batched if ctx.tp > 1 else None
     hf_runs = ctx.case.model_config.quantization is None
     if ctx.tp > 1 and tp1 is None and not hf_runs:
         return Bisection()
     run = capture_batched(ctx.runner, compared_engine_args(ctx), prompts, num_greedy)
     if ctx.tp == 1:
-        ctx.cache[tp1_key] = run
+        ctx.baselines.tp1_batched = run
     tp1_full = None
     if tp1 is not None:
         same = comparable_steps(run, tp1, prompts)
@@ -110,10 +107,11 @@ def _gather(per_sequence: list, module: str, layout: StepLayout,
 def _hf_sequences(ctx: CheckContext, sequences: list[list[int]]):
     """HF's activations on each of `sequences`, in float32 and (for a low-precision run) at
     the engine's dtype: per dtype a list of (NameMap, activations, length); HF loaded once per
-    dtype and cached per model, sequences and dtype."""
-    key = ("bisect-batched-hf", ctx.case.name, tuple(map(tuple, sequences)), ctx.options.dtype)
-    if key in ctx.cache:
-        return ctx.cache[key]
+    dtype, run once per model and sequences (`Baselines.hf_batched_activations`)."""
+    return ctx.baselines.hf_batched_activations(sequences, lambda: _run_hf(ctx, sequences))
+
+
+def _run_hf(ctx: CheckContext, sequences: list[list[int]]):
     cfg = ctx.case.model_config
     device = ctx.runner.placement.device_for(0)
     dtype = resolve_dtype(ctx.options.dtype, cfg)
@@ -124,5 +122,4 @@ def _hf_sequences(ctx: CheckContext, sequences: list[list[int]]):
         del model
         per_dtype.append([(NameMap(set(acts), cfg.num_attention_heads, cfg.head_dim), acts,
                            len(ids)) for acts, ids in zip(runs, sequences)])
-    ctx.cache[key] = (per_dtype[0], per_dtype[1] if len(per_dtype) > 1 else None)
-    return ctx.cache[key]
+    return per_dtype[0], (per_dtype[1] if len(per_dtype) > 1 else None)

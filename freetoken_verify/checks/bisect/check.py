@@ -28,6 +28,7 @@ from freetoken.engine.core import resolve_dtype
 from freetoken_verify.activations.hf import NameMap, hf_activations
 from freetoken_verify.checks.base import CheckContext, compared_engine_args, make_result
 from freetoken_verify.checks.bisect import batched
+from freetoken_verify.checks.bisect.capture import Activations
 from freetoken_verify.checks.bisect.capture import capture as capture_on
 from freetoken_verify.checks.bisect.rows import build_rows, references
 from freetoken_verify.checks.bisect.table import Bisection, Row, rel_l2
@@ -40,15 +41,7 @@ from freetoken_verify.reference.sources import (
 from freetoken_verify.reference.store import stored_bisect
 from freetoken_verify.report.formats import CheckResult
 
-__all__ = ["Bisection", "Row", "batched_matched_key", "rel_l2", "run", "localise",
-           "first_divergence"]
-
-
-def batched_matched_key(ctx: CheckContext) -> tuple:
-    """The cache key golden sets when its batched generation (every prompt decoding
-    together) matched the reference at this TP size: bisect has no batched divergence to look
-    for there."""
-    return ("golden-batched-matched", ctx.case.name, ctx.tp)
+__all__ = ["Bisection", "Row", "rel_l2", "run", "localise", "first_divergence"]
 
 
 def run(ctx: CheckContext) -> CheckResult:
@@ -58,7 +51,7 @@ def run(ctx: CheckContext) -> CheckResult:
     # still kept for the later TP sizes.
     # Golden's passing row at this TP size already compared the batched generation: a batched
     # capture there finds nothing (and costs more than the rest of the row).
-    matched = ctx.cache.get(batched_matched_key(ctx), False)
+    matched = ctx.tp in ctx.baselines.batched_matched
     found = batched.localise(ctx) if result.first is None and not matched else result
     metrics = {"modules": len(result.rows), "references": ",".join(result.references),
                "table": [r.as_dict() for r in result.rows]}
@@ -96,21 +89,19 @@ def first_divergence(ctx: CheckContext) -> str:
 
 def localise(ctx: CheckContext) -> Bisection:
     """Capture this TP size's activations and compare them, module by module (once per model
-    and TP size: golden's failure and the bisect check share it)."""
-    key = ("bisect", ctx.case.name, ctx.tp)
-    if key not in ctx.cache:
-        ctx.cache[key] = _localise(ctx)
-    return ctx.cache[key]
+    and TP size: golden's failure and the bisect check share `Baselines.bisection`)."""
+    return ctx.baselines.bisection(ctx.tp, lambda: _localise(ctx))
 
 
 def _localise(ctx: CheckContext) -> Bisection:
     prompt = bisect_prompt(ctx)
-    full, token = capture(ctx, prompt)
-    tp1 = ctx.cache.get(("bisect-tp1", ctx.case.name))
     if ctx.tp == 1:
-        ctx.cache[("bisect-tp1", ctx.case.name)] = (full, token)
+        full, token = remember_tp1(ctx)
         tp1 = None
-    elif tp1 is not None and tp1[1] != token:
+    else:
+        full, token = capture(ctx, prompt)
+        tp1 = ctx.baselines.tp1_activations
+    if tp1 is not None and tp1[1] != token:
         # A different first token means the decode step saw other input: compare prefill only.
         full = {k: v for k, v in full.items() if not k.startswith("decode/")}
     hf, hf_low, hf_decode = _hf_references(ctx, prompt, token)
@@ -118,12 +109,15 @@ def _localise(ctx: CheckContext) -> Bisection:
                            hf_decode), references(ctx, tp1 is not None, hf is not None))
 
 
-def remember_tp1(ctx: CheckContext) -> None:
-    """At TP=1, keep the engine's activations for later TP sizes' localisation (golden calls
-    this, so a golden failure at TP=N can name a module HF has no counterpart for)."""
-    key = ("bisect-tp1", ctx.case.name)
-    if ctx.tp == 1 and key not in ctx.cache:
-        ctx.cache[key] = capture(ctx, bisect_prompt(ctx))
+def remember_tp1(ctx: CheckContext) -> tuple[Activations, int]:
+    """At TP=1 (only), the engine's activations on the bisect prompt and its decode token,
+    captured on the first call and kept as `Baselines.tp1_activations` for later TP sizes'
+    localisation (golden calls this, so a golden failure at TP=N can name a module HF has no
+    counterpart for)."""
+    baselines = ctx.baselines
+    if baselines.tp1_activations is None:
+        baselines.tp1_activations = capture(ctx, bisect_prompt(ctx))
+    return baselines.tp1_activations
 
 
 def bisect_prompt(ctx: CheckContext) -> list[int]:
@@ -154,11 +148,8 @@ def _hf_references(ctx: CheckContext, prompt: list[int], token: int):
 
 def hf_run(ctx: CheckContext, ids: list[int]):
     """HF's activations on `ids` in float32 and at the engine's dtype (None in float32), each
-    as (NameMap, activations); run once per model, ids and dtype."""
-    key = ("bisect-hf", ctx.case.name, tuple(ids), ctx.options.dtype)
-    if key not in ctx.cache:
-        ctx.cache[key] = _run_hf(ctx, ids)
-    return ctx.cache[key]
+    as (NameMap, activations); run once per model and ids (`Baselines.hf_activations`)."""
+    return ctx.baselines.hf_activations(ids, lambda: _run_hf(ctx, ids))
 
 
 def _saved_activations(ctx: CheckContext, prompt: list[int]):
@@ -167,10 +158,7 @@ def _saved_activations(ctx: CheckContext, prompt: list[int]):
     folder = stored_dir(ctx.options)
     if folder is None:
         return None
-    key = ("bisect-saved", folder)
-    if key not in ctx.cache:
-        ctx.cache[key] = stored_bisect(folder)
-    saved = ctx.cache[key]
+    saved = ctx.state.saved_bisect(folder, lambda: stored_bisect(folder))
     if saved is None or saved.prompt != prompt:
         return None
     cfg = ctx.case.model_config

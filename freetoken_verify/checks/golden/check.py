@@ -49,29 +49,29 @@ def run(ctx: CheckContext) -> CheckResult:
     outputs = records[0].value
     dtype = resolve_dtype(ctx.options.dtype, ctx.case.model_config)
     metrics, numeric = _against_reference(outputs, ref, dtype)
-    bitwise: list[str] = []
-    if ctx.options.bitwise:
-        metrics.update(_bitwise_against_tp1(ctx, outputs, bitwise))
-    else:
-        metrics.update(_against_tp1(ctx, outputs, dtype, numeric, ref))
-    # A graph replay that differs from eager is the most precise finding: it goes first; a
-    # bitwise difference from TP=1 is never excused by per-module precision.
+    tp1_metrics, tp1_numeric, bitwise = _tp1_findings(ctx, outputs, dtype, ref)
+    metrics.update(tp1_metrics)
+    numeric += tp1_numeric
+    if ctx.tp == 1:
+        ctx.baselines.tp1_outputs = outputs
+    # A graph replay that differs from eager is the most precise finding: it goes first.
     graph = [f"rank {r.rank}: {r.value['graph_replay']}" for r in records
              if r.value["graph_replay"]][:1]
-    hard = graph + bitwise[:1] + _ranks_disagree([r.value for r in records])
     if records[0].value["graphs"]:
         metrics["graph_replay_batches"] = len(batch_sizes(len(prompts)))
-    hard += _sampling_disagrees(ctx, [r.value["sampled"] for r in records], dtype)
-    bisect.remember_tp1(ctx)
-    if numeric and not hard and _within_module_precision(ctx, outputs, dtype):
+    hard = (bitwise + _ranks_disagree([r.value for r in records]) +
+            _sampling_disagrees(ctx, [r.value["sampled"] for r in records], dtype))
+    if ctx.tp == 1:
+        bisect.remember_tp1(ctx)
+    if numeric and not (graph or hard) and _within_module_precision(ctx, outputs, dtype):
         metrics["judged_per_module"] = 1
         return make_result("golden", ctx, start, "pass", metrics, _EXCUSED)
-    failures = graph + numeric + hard[len(graph):]
+    failures = graph + numeric + hard
     if failures:
         where = _first_divergence(ctx)
         return make_result("golden", ctx, start, "fail", metrics,
                        f"{ctx.case.name} tp={ctx.tp}: {where}{failures[0]}")
-    ctx.cache[bisect.batched_matched_key(ctx)] = True
+    ctx.baselines.batched_matched.add(ctx.tp)
     return make_result("golden", ctx, start, "pass", metrics, "")
 
 
@@ -184,18 +184,19 @@ def _aggregate(per_prompt) -> dict:
 
 def _sampling_disagrees(ctx: CheckContext, sampled: list[list[list[int]]], dtype) -> list[str]:
     """Every rank must end with the tokens rank 0 sampled; in float32 the TP=1 engine's
-    tokens too (the same seed draws the same numbers from nearly the same distribution)."""
+    tokens too (the same seed draws the same numbers from nearly the same distribution).
+    At TP=1, tokens the ranks agree on become `Baselines.tp1_sampled`."""
     seed = sampling_seed(ctx.options)
     for rank, tokens in enumerate(sampled):
         for i, (mine, first) in enumerate(zip(tokens, sampled[0])):
             if mine != first:
                 return [f"seeded sampling (seed {seed + i}): rank {rank} "
                         f"produced {mine} where rank 0 produced {first} (prompt {i})"]
-    key = ("golden-sampled-tp1", ctx.case.name)
     if ctx.tp == 1:
-        ctx.cache[key] = sampled[0]
-    base = ctx.cache.get(key)
-    if ctx.tp == 1 or base is None or (dtype != torch.float32 and not ctx.options.bitwise):
+        ctx.baselines.tp1_sampled = sampled[0]
+        return []
+    base = ctx.baselines.tp1_sampled
+    if base is None or (dtype != torch.float32 and not ctx.options.bitwise):
         return []
     return [f"seeded sampling (seed {seed + i}): tp={ctx.tp} produced "
             f"{mine} where tp=1 produced {first} (prompt {i})"
@@ -208,16 +209,27 @@ def _ranks_disagree(values: list[dict]) -> list[str]:
             for r, v in enumerate(values) if v["digest"] != first][:1]
 
 
-def _against_tp1(ctx: CheckContext, outputs: dict, dtype, failures: list[str],
-                 ref: Reference) -> dict:
-    key = ("golden-tp1", ctx.case.name)
-    if ctx.tp == 1:
-        ctx.cache[key] = outputs
-        return {}
-    base = ctx.cache.get(key)
+def _tp1_findings(ctx: CheckContext, outputs: dict, dtype,
+                  ref: Reference) -> tuple[dict, list[str], list[str]]:
+    """TP=N against TP=1: the metrics, the differences past the tolerances (judged like the
+    reference's) and, when the run is bitwise, the first difference in bits instead (never
+    excused by per-module precision)."""
+    if ctx.options.bitwise:
+        metrics, first_difference = _bitwise_against_tp1(ctx, outputs)
+        return metrics, [], first_difference
+    metrics, failures = _against_tp1(ctx, outputs, dtype, ref)
+    return metrics, failures, []
+
+
+def _against_tp1(ctx: CheckContext, outputs: dict, dtype,
+                 ref: Reference) -> tuple[dict, list[str]]:
+    """Every prompt's prefill logits at TP=N against TP=1's (`Baselines.tp1_outputs`) within
+    the tolerances: the metrics (the largest difference) and the failures, one per prompt
+    past its bound; none at TP=1 or without a TP=1 row."""
+    base = ctx.baselines.tp1_outputs if ctx.tp > 1 else None
     if base is None:
-        return {}
-    worst = 0.0
+        return {}, []
+    worst, failures = 0.0, []
     for i, (a, b) in enumerate(zip(outputs["outputs"], base["outputs"])):
         baseline = ref.baseline[i] if ref.baseline else None
         passed, message, cmp = judge_logits(f"prompt {i} prefill logits vs engine tp=1",
@@ -226,21 +238,17 @@ def _against_tp1(ctx: CheckContext, outputs: dict, dtype, failures: list[str],
         worst = max(worst, cmp.max_abs)
         if not passed:
             failures.append(message)
-    return {"tp1_max_abs": worst}
+    return {"tp1_max_abs": worst}, failures
 
 
-def _bitwise_against_tp1(ctx: CheckContext, outputs: dict, failures: list[str]) -> dict:
+def _bitwise_against_tp1(ctx: CheckContext, outputs: dict) -> tuple[dict, list[str]]:
     """Every prompt's prefill logits, greedy ids and greedy-step logits at TP=N the same bits
-    as at TP=1 (kept from the TP=1 row); the first difference joins `failures`. Metrics: how
-    many tensors were compared and how many differ."""
-    key = ("golden-tp1", ctx.case.name)
-    if ctx.tp == 1:
-        ctx.cache[key] = outputs
-        return {"bitwise": 1}
-    base = ctx.cache.get(key)
+    as at TP=1 (`Baselines.tp1_outputs`): the metrics (how many tensors were compared and how
+    many differ) and the first difference, if any."""
+    base = ctx.baselines.tp1_outputs if ctx.tp > 1 else None
     if base is None:
-        return {"bitwise": 1}
-    differing = compared = 0
+        return {"bitwise": 1}, []
+    differing, compared, first = 0, 0, []
     for i, (a, b) in enumerate(zip(outputs["outputs"], base["outputs"])):
         for field, what in (("prompt_logits", "prefill logits"), ("ids", "greedy tokens"),
                             ("step_logits", "greedy-step logits")):
@@ -251,7 +259,6 @@ def _bitwise_against_tp1(ctx: CheckContext, outputs: dict, failures: list[str]) 
             found = bitwise_difference(got, want, f"prompt {i} {what} vs tp=1")
             if found:
                 differing += 1
-                if differing == 1:
-                    failures.append(found)
-    return {"bitwise": 1, "tp1_tensors": compared, "tp1_differing": differing}
+                first = first or [found]
+    return {"bitwise": 1, "tp1_tensors": compared, "tp1_differing": differing}, first
 

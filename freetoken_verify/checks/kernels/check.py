@@ -134,21 +134,22 @@ def run(ctx: CheckContext) -> CheckResult:
     start = time.monotonic()
     # The matrices hold every TP size's local shapes and do not depend on the model: once
     # per run, on the first row; a quantized model's own GEMMs once per model.
-    key, model_key = ("kernels",), ("kernels", ctx.case.name)
+    state = ctx.state
     try:
         model_cases = model_matrix(ctx.case.model_config, ctx.case.name)
     except LayoutError as e:
         return make_result("kernels", ctx, start, "fail",
                            message=f"{ctx.case.name} tp={ctx.tp}: {e}")
-    if model_key in ctx.cache:
+    if ctx.case.name in state.kernel_models:
         model_cases = []
-    shared = key not in ctx.cache
+    shared = state.kernel_matrices_ran is None
     if not shared and not model_cases:
         return make_result("kernels", ctx, start, "skip",
                            message="kernel matrix (every TP size's shapes) already run in this "
-                                   "run, at tp={} with {}".format(*ctx.cache[key]))
-    ctx.cache.setdefault(key, (ctx.tp, ctx.case.name))
-    ctx.cache[model_key] = True
+                                   "run, at tp={} with {}".format(*state.kernel_matrices_ran))
+    if shared:
+        state.kernel_matrices_ran = (ctx.tp, ctx.case.name)
+    state.kernel_models.add(ctx.case.name)
     value = ctx.runner.run(_on_rank, ctx.options.dtype, model_cases, shared,
                            ctx.options.kernel_matrices)[0].value
     parts = [verdict(value["rows"], value["dtype"]),
