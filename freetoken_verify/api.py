@@ -11,60 +11,15 @@ any rank starts."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from freetoken_verify.report.result import CheckResult, summarize
 from freetoken_verify.running.options import DEFAULT_TIMEOUT, DEFAULT_TP
 
-
-class FrozenDict(dict):
-    """A read-only dict: a row's metrics cannot be changed after the run, yet stay a plain
-    JSON value (`json.dumps` and `dataclasses.asdict` take it as the dict it is)."""
-
-    def _refuse(self, *args, **kwargs):
-        raise TypeError("report rows are read-only")
-
-    __setitem__ = __delitem__ = __ior__ = _refuse
-    clear = pop = popitem = setdefault = update = _refuse
-
-    def __reduce__(self):
-        return FrozenDict, (dict(self),)
-
-    def __copy__(self):
-        return self
-
-    def __deepcopy__(self, memo):
-        return self
-
-
-@dataclass(frozen=True)
-class Result:
-    """One check on one model at one TP size; `status` is pass, fail, skip or error;
-    `detail` is the failing rank's traceback of an errored row ("" otherwise). Every field is
-    a plain JSON value (`json.dumps(dataclasses.asdict(result))` works)."""
-
-    check: str
-    model: str
-    tp: int
-    status: str
-    seconds: float
-    placement: str
-    metrics: Mapping
-    message: str
-    detail: str = ""
-
-    def __post_init__(self):
-        object.__setattr__(self, "metrics", FrozenDict(self.metrics))
-
-    @property
-    def ok(self) -> bool:
-        """Passed or skipped."""
-        return self.status in ("pass", "skip")
-
-    def describe(self) -> str:
-        """`model check tp=N STATUS: message`, the row as one line."""
-        text = f"{self.model} {self.check} tp={self.tp} {self.status.upper()}"
-        return f"{text}: {self.message}" if self.message else text
+Result = CheckResult
+"""One check on one model at one TP size: the report's row itself (`status` pass, fail, skip
+or error; `detail` the failing rank's traceback of an errored row; read-only, plain JSON)."""
 
 
 @dataclass(frozen=True)
@@ -94,10 +49,7 @@ class Report:
     @property
     def summary(self) -> dict[str, int]:
         """Counts by status, with the keys of the JSON report's `summary`."""
-        counts = {s: sum(r.status == s for r in self.results)
-                  for s in ("pass", "fail", "skip", "error")}
-        return {"passed": counts["pass"], "failed": counts["fail"],
-                "skipped": counts["skip"], "errors": counts["error"]}
+        return summarize(self.results)
 
     def assert_ok(self) -> None:
         """Raise AssertionError listing every failed or errored row (one per line, with its
@@ -106,11 +58,6 @@ class Report:
             rows = "\n".join(r.describe() for r in self.failures)
             raise AssertionError(f"{len(self.failures)} of {len(self.results)} verification "
                                  f"rows failed:\n{rows}")
-
-
-def _result(row) -> Result:
-    return Result(row.check, row.model, row.tp, row.status, row.seconds, row.placement,
-                  row.metrics, row.message, row.detail)
 
 
 def run(models: Sequence[str] = (), tp: Sequence[int] | int = DEFAULT_TP,
@@ -146,4 +93,4 @@ def run(models: Sequence[str] = (), tp: Sequence[int] | int = DEFAULT_TP,
     reporter = Progress() if progress is True else quiet() if progress is False else \
         Progress(progress)
     rows = run_plan(plan, reporter)
-    return Report(tuple(_result(r) for r in rows))
+    return Report(tuple(rows))
