@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from freetoken_verify.report.result import CheckResult, summarize
-from freetoken_verify.running.options import DEFAULT_TIMEOUT, DEFAULT_TP
+from freetoken_verify.running.options import DEFAULT_TP
 
 Result = CheckResult
 """One check on one model at one TP size: the report's row itself (`status` pass, fail, skip
@@ -61,20 +61,17 @@ class Report:
 
 
 def run(models: Sequence[str] = (), tp: Sequence[int] | int = DEFAULT_TP,
-        checks: Sequence[str] = (), *, dtype: str = "auto", device: str = "auto",
-        reference: str = "auto", num_layers: int | None = None,
-        timeout: float = DEFAULT_TIMEOUT, faults: Sequence[str] = (),
-        oversubscribe: bool = False, prompts_file: str | None = None, seed: int | None = None,
-        max_new_tokens: int | None = None, save_reference: str | None = None,
-        download: bool = False, bitwise: bool | None = None,
-        progress: bool | Callable[[str], None] = False) -> Report:
+        checks: Sequence[str] = (), *, faults: Sequence[str] = (),
+        progress: bool | Callable[[str], None] = False, **options) -> Report:
     """Verify `models` (bundled case names, checkpoint folders or cached hub ids; every
     bundled case when empty) at each TP size in `tp` with `checks` (all when empty), as
     `freetoken-verify` would with the same options. `faults` injects known TP bugs by name
     (see `freetoken-verify --list`). `progress`: True prints the command line's progress on
-    stderr, a callable receives its lines, False (default) is silent. `reference` may be a
-    folder written by `save_reference`; `prompts_file`, `seed`, `max_new_tokens`,
-    `download` and `bitwise` are the command line's options of the same names.
+    stderr, a callable receives its lines, False (default) is silent. `options` are the
+    command line's options (`dtype="bfloat16"`, `num_layers=1`, `bitwise=False`, ...), named
+    as the fields of `freetoken_verify.checks.VerifyOptions` and checked as the command
+    line's are (`freetoken_verify.running.plan.checked_options`); `reference` may be a folder
+    written by `save_reference`.
 
     Raises `freetoken_verify.errors.UsageError` / `InputError` for bad input before any rank
     starts."""
@@ -84,11 +81,7 @@ def run(models: Sequence[str] = (), tp: Sequence[int] | int = DEFAULT_TP,
     from freetoken_verify.running.progress import Progress, quiet
     from freetoken_verify.running.runner import run_plan
 
-    plan = build_plan(models=models, tp=tp, checks=checks, device=device,
-                      oversubscribe=oversubscribe, dtype=dtype, reference=reference,
-                      num_layers=num_layers, timeout=timeout, faults=faults,
-                      prompts_file=prompts_file, seed=seed, max_new_tokens=max_new_tokens,
-                      save_reference=save_reference, download=download, bitwise=bitwise)
+    plan = build_plan(models, tp, checks, faults, **options)
     save_references(plan.cases, plan.tp_sizes, plan.options)
     reporter = Progress() if progress is True else quiet() if progress is False else \
         Progress(progress)
