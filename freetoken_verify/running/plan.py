@@ -141,7 +141,7 @@ def checked_options(values: dict) -> VerifyOptions:
     unknown = sorted(set(values) - set(_OPTION_CHECKS))
     if unknown:
         raise TypeError(f"unexpected option {unknown[0]!r}; the options are "
-                        f"{', '.join(_OPTION_CHECKS)}")
+                        f"{', '.join(sorted(_OPTION_CHECKS))}")
     # Not given, bitwise is asked for nowhere: it then runs wherever it can.
     given = {"bitwise": None, **values}
     return VerifyOptions(**{name: check(given[name]) for name, check in _OPTION_CHECKS.items()
