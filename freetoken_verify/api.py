@@ -11,60 +11,15 @@ any rank starts."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from freetoken_verify.running.options import DEFAULT_TIMEOUT, DEFAULT_TP
+from freetoken_verify.report.result import CheckResult, summarize
+from freetoken_verify.running.options import DEFAULT_TP
 
-
-class FrozenDict(dict):
-    """A read-only dict: a row's metrics cannot be changed after the run, yet stay a plain
-    JSON value (`json.dumps` and `dataclasses.asdict` take it as the dict it is)."""
-
-    def _refuse(self, *args, **kwargs):
-        raise TypeError("report rows are read-only")
-
-    __setitem__ = __delitem__ = __ior__ = _refuse
-    clear = pop = popitem = setdefault = update = _refuse
-
-    def __reduce__(self):
-        return FrozenDict, (dict(self),)
-
-    def __copy__(self):
-        return self
-
-    def __deepcopy__(self, memo):
-        return self
-
-
-@dataclass(frozen=True)
-class Result:
-    """One check on one model at one TP size; `status` is pass, fail, skip or error;
-    `detail` is the failing rank's traceback of an errored row ("" otherwise). Every field is
-    a plain JSON value (`json.dumps(dataclasses.asdict(result))` works)."""
-
-    check: str
-    model: str
-    tp: int
-    status: str
-    seconds: float
-    placement: str
-    metrics: Mapping
-    message: str
-    detail: str = ""
-
-    def __post_init__(self):
-        object.__setattr__(self, "metrics", FrozenDict(self.metrics))
-
-    @property
-    def ok(self) -> bool:
-        """Passed or skipped."""
-        return self.status in ("pass", "skip")
-
-    def describe(self) -> str:
-        """`model check tp=N STATUS: message`, the row as one line."""
-        text = f"{self.model} {self.check} tp={self.tp} {self.status.upper()}"
-        return f"{text}: {self.message}" if self.message else text
+Result = CheckResult
+"""One check on one model at one TP size: the report's row itself (`status` pass, fail, skip
+or error; `detail` the failing rank's traceback of an errored row; read-only, plain JSON)."""
 
 
 @dataclass(frozen=True)
@@ -94,10 +49,7 @@ class Report:
     @property
     def summary(self) -> dict[str, int]:
         """Counts by status, with the keys of the JSON report's `summary`."""
-        counts = {s: sum(r.status == s for r in self.results)
-                  for s in ("pass", "fail", "skip", "error")}
-        return {"passed": counts["pass"], "failed": counts["fail"],
-                "skipped": counts["skip"], "errors": counts["error"]}
+        return summarize(self.results)
 
     def assert_ok(self) -> None:
         """Raise AssertionError listing every failed or errored row (one per line, with its
@@ -108,26 +60,18 @@ class Report:
                                  f"rows failed:\n{rows}")
 
 
-def _result(row) -> Result:
-    return Result(row.check, row.model, row.tp, row.status, row.seconds, row.placement,
-                  row.metrics, row.message, row.detail)
-
-
 def run(models: Sequence[str] = (), tp: Sequence[int] | int = DEFAULT_TP,
-        checks: Sequence[str] = (), *, dtype: str = "auto", device: str = "auto",
-        reference: str = "auto", num_layers: int | None = None,
-        timeout: float = DEFAULT_TIMEOUT, faults: Sequence[str] = (),
-        oversubscribe: bool = False, prompts_file: str | None = None, seed: int | None = None,
-        max_new_tokens: int | None = None, save_reference: str | None = None,
-        download: bool = False, bitwise: bool | None = None,
-        progress: bool | Callable[[str], None] = False) -> Report:
+        checks: Sequence[str] = (), *, faults: Sequence[str] = (),
+        progress: bool | Callable[[str], None] = False, **options) -> Report:
     """Verify `models` (bundled case names, checkpoint folders or cached hub ids; every
     bundled case when empty) at each TP size in `tp` with `checks` (all when empty), as
     `freetoken-verify` would with the same options. `faults` injects known TP bugs by name
     (see `freetoken-verify --list`). `progress`: True prints the command line's progress on
-    stderr, a callable receives its lines, False (default) is silent. `reference` may be a
-    folder written by `save_reference`; `prompts_file`, `seed`, `max_new_tokens`,
-    `download` and `bitwise` are the command line's options of the same names.
+    stderr, a callable receives its lines, False (default) is silent. `options` are the
+    command line's options (`dtype="bfloat16"`, `num_layers=1`, `bitwise=False`, ...), named
+    as the fields of `freetoken_verify.checks.VerifyOptions` and checked as the command
+    line's are (`freetoken_verify.running.plan.checked_options`); `reference` may be a folder
+    written by `save_reference`.
 
     Raises `freetoken_verify.errors.UsageError` / `InputError` for bad input before any rank
     starts."""
@@ -137,13 +81,9 @@ def run(models: Sequence[str] = (), tp: Sequence[int] | int = DEFAULT_TP,
     from freetoken_verify.running.progress import Progress, quiet
     from freetoken_verify.running.runner import run_plan
 
-    plan = build_plan(models=models, tp=tp, checks=checks, device=device,
-                      oversubscribe=oversubscribe, dtype=dtype, reference=reference,
-                      num_layers=num_layers, timeout=timeout, faults=faults,
-                      prompts_file=prompts_file, seed=seed, max_new_tokens=max_new_tokens,
-                      save_reference=save_reference, download=download, bitwise=bitwise)
+    plan = build_plan(models, tp, checks, faults, **options)
     save_references(plan.cases, plan.tp_sizes, plan.options)
     reporter = Progress() if progress is True else quiet() if progress is False else \
         Progress(progress)
     rows = run_plan(plan, reporter)
-    return Report(tuple(_result(r) for r in rows))
+    return Report(tuple(rows))

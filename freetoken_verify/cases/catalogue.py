@@ -50,12 +50,12 @@ from freetoken_verify.cases.qwen3_5_moe import (
 )
 from freetoken_verify.cases.randomise import rerandomise
 from freetoken_verify.cases.realdims import FORMATS as REALDIMS_FORMATS
+from freetoken_verify.cases.tiny import VOCAB
 from freetoken_verify.cases.tokenizer import write_tokenizer
 from freetoken_verify.compare import logit_metrics
 
 # Package data: found through importlib.resources so an installed wheel finds its own copy.
 GOLDEN = Path(str(resources.files("freetoken_verify") / "golden"))
-VOCAB = 301
 PROMPT_LENS = (5, 23, 70)
 NUM_GREEDY = 16
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,

@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 
 from freetoken_verify.cases.randomise import rerandomise
+from freetoken_verify.cases.tiny import VOCAB
 from freetoken_verify.cases.tokenizer import write_tokenizer
 
-TINY_VOCAB = 301
 TINY_TEXT = dict(
-    vocab_size=TINY_VOCAB, hidden_size=64, num_hidden_layers=4, full_attention_interval=2,
+    vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, full_attention_interval=2,
     num_attention_heads=8, num_key_value_heads=2, head_dim=32,
     # dk != dv and key total (8 x 16 = 128) != value total (16 x 12 = 192), so a mix-up of
     # key and value head dims or totals cannot pass; 2 value heads per key head.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 from tabulate import tabulate
@@ -19,7 +20,30 @@ METRIC_FACTOR = 10.0
 _BAD = ("fail", "error")
 
 
-def _rows(path: str | Path) -> dict[tuple, dict]:
+@dataclass(frozen=True)
+class RowKey:
+    """What matches a row of one report with a row of the other."""
+
+    model: str
+    dtype: str
+    check: str
+    tp: int
+
+    def order(self) -> tuple:
+        """TP size first: the table reads like the run."""
+        return self.tp, self.model, self.dtype, self.check
+
+
+@dataclass(frozen=True)
+class ReportRow:
+    """What diff compares of one report row."""
+
+    status: str
+    metrics: dict
+    message: str
+
+
+def _rows(path: str | Path) -> dict[RowKey, ReportRow]:
     path = Path(path)
     try:
         report = json.loads(path.read_text(encoding="utf-8"))
@@ -34,10 +58,10 @@ def _rows(path: str | Path) -> dict[tuple, dict]:
     rows = {}
     for i, row in enumerate(report["results"]):
         try:
-            key = (str(row["model"]), str(dtypes.get(row["model"], "")), str(row["check"]),
-                   int(row["tp"]))
-            rows[key] = {"status": str(row["status"]), "metrics": dict(row.get("metrics") or {}),
-                         "message": str(row.get("message") or "")}
+            key = RowKey(str(row["model"]), str(dtypes.get(row["model"], "")),
+                         str(row["check"]), int(row["tp"]))
+            rows[key] = ReportRow(str(row["status"]), dict(row.get("metrics") or {}),
+                                  str(row.get("message") or ""))
         except (KeyError, TypeError, ValueError):
             raise UsageError(f"diff: {path}: results[{i}] is not a report row") from None
     return rows
@@ -65,23 +89,22 @@ def diff_reports(old_path: str | Path, new_path: str | Path) -> tuple[list[list[
     a row regressed)."""
     old, new = _rows(old_path), _rows(new_path)
     table, regressed = [], False
-    for key in sorted(set(old) | set(new), key=lambda k: (k[3], k[0], k[1], k[2])):
+    for key in sorted(set(old) | set(new), key=RowKey.order):
         a, b = old.get(key), new.get(key)
-        before = a["status"] if a else "-"
-        after = b["status"] if b else "-"
+        before = a.status if a else "-"
+        after = b.status if b else "-"
         changes = []
         if a and b:
-            for name in sorted(set(a["metrics"]) & set(b["metrics"])):
-                if _moved(a["metrics"][name], b["metrics"][name]):
-                    changes.append(f"{name} {_fmt(a['metrics'][name])} -> "
-                                   f"{_fmt(b['metrics'][name])}")
+            for name in sorted(set(a.metrics) & set(b.metrics)):
+                if _moved(a.metrics[name], b.metrics[name]):
+                    changes.append(f"{name} {_fmt(a.metrics[name])} -> {_fmt(b.metrics[name])}")
         if before == after and not changes:
             continue
-        if b and b["status"] in _BAD and b["message"]:
-            changes.append(b["message"][:120])
+        if b and b.status in _BAD and b.message:
+            changes.append(b.message[:120])
         regressed |= before == "pass" and after in _BAD
-        table.append([key[0], key[1], key[2], str(key[3]), before.upper(), after.upper(),
-                      "; ".join(changes)])
+        table.append([key.model, key.dtype, key.check, str(key.tp), before.upper(),
+                      after.upper(), "; ".join(changes)])
     return table, regressed
 
 

@@ -1,5 +1,6 @@
-"""Check results and the ways they leave the harness: a table, the JSON report, JUnit XML and
-a markdown summary (`freetoken_verify.report.writer` writes the files as rows finish).
+"""The ways check results (`freetoken_verify.report.result`) leave the harness: a table, the
+JSON report, JUnit XML and a markdown summary (`freetoken_verify.report.writer` writes the
+files as rows finish).
 
 The JSON layout is the versioned report contract (docs/report.md,
 `freetoken_verify/report/schema.json`): change its keys only with a version bump.
@@ -13,13 +14,12 @@ import re
 import socket
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
 
 from tabulate import tabulate
 
+from freetoken_verify.report.result import CheckResult, json_safe, summarize
 from freetoken_verify.report.run_info import dtype_label
 
-STATUSES = ("pass", "fail", "skip", "error")
 REPORT_VERSION = 2
 
 # The table shows at most this many metrics, the ones a reader scans first.
@@ -34,66 +34,6 @@ _JUNIT_UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
 # XML 1.0 forbids most control characters; a traceback with terminal colours would otherwise
 # produce a file CI cannot parse.
 _XML_INVALID = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f]")
-
-
-def _plain(value, key: str):
-    """Coerce torch/numpy scalars and containers of them to JSON-ready Python values."""
-    if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):
-        value = value.tolist()
-    if isinstance(value, dict):
-        return {str(k): _plain(v, f"{key}.{k}") for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v, key) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    raise TypeError(f"metric {key!r} has type {type(value).__name__}, not a JSON value")
-
-
-def _json_safe(value):
-    """Non-finite floats as strings: strict JSON readers (jq, browsers) reject Infinity/NaN."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_json_safe(v) for v in value]
-    return value
-
-
-@dataclass
-class CheckResult:
-    """The outcome of one check on one model at one TP size; `detail` is the failing rank's
-    traceback of an errored row (empty otherwise), kept off the table."""
-
-    check: str
-    model: str
-    tp: int
-    status: str
-    seconds: float = 0.0
-    placement: str = ""
-    metrics: dict = field(default_factory=dict)
-    message: str = ""
-    detail: str = ""
-
-    def __post_init__(self):
-        if self.status not in STATUSES:
-            raise ValueError(f"status {self.status!r} is not one of {', '.join(STATUSES)}")
-        self.tp = int(self.tp)
-        self.seconds = float(self.seconds)
-        self.metrics = {str(k): _plain(v, str(k)) for k, v in self.metrics.items()}
-
-    def to_dict(self) -> dict:
-        """The result as a strict-JSON-ready dict with exactly the contract's keys."""
-        return {**_json_safe(asdict(self)), "detail": self.detail or None}
-
-
-def summarize(results: Iterable[CheckResult]) -> dict:
-    """Count results by status: passed, failed, skipped, errors."""
-    counts = dict.fromkeys(STATUSES, 0)
-    for result in results:
-        counts[result.status] += 1
-    return {"passed": counts["pass"], "failed": counts["fail"], "skipped": counts["skip"],
-            "errors": counts["error"]}
 
 
 def count_line(results: Iterable[CheckResult]) -> str:
@@ -221,7 +161,7 @@ def _body(result: CheckResult) -> str:
     if result.detail:
         parts.append(result.detail)
     if result.metrics:
-        parts.append("metrics: " + json.dumps(_json_safe(result.metrics), indent=2,
+        parts.append("metrics: " + json.dumps(json_safe(result.metrics), indent=2,
                                               sort_keys=True))
     return _xml_text("\n\n".join(parts))
 

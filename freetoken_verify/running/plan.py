@@ -37,7 +37,6 @@ from freetoken_verify.running.inputs import (
     save_references,
 )
 from freetoken_verify.running.options import (
-    DEFAULT_TIMEOUT,
     DEFAULT_TP,
     DEVICES,
     EXIT_FAILED,
@@ -103,25 +102,50 @@ def _reference(reference) -> str:
     return check_choice("reference", reference, REFERENCES)
 
 
-def _options(device, dtype, reference, num_layers, oversubscribe, timeout, prompts_file=None,
-             seed=None, max_new_tokens=None, save_reference=None, download=False
-             ) -> VerifyOptions:
+def _seed(seed) -> int | None:
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)
                              or not 0 <= seed < MAX_SEED):
         raise UsageError(f"seed: {seed!r} is not an integer in [0, 2**63 - 4096)")
-    return VerifyOptions(
-        device=check_choice("device", device, DEVICES),
-        dtype=check_dtype("dtype", dtype),
-        reference=_reference(reference),
-        num_layers=None if num_layers is None else check_count("num_layers", num_layers),
-        oversubscribe=bool(oversubscribe),
-        timeout=check_seconds("timeout", timeout),
-        prompts_file=None if prompts_file is None else str(prompts_file),
-        seed=seed,
-        max_new_tokens=None if max_new_tokens is None else check_count("max_new_tokens",
-                                                                        max_new_tokens),
-        save_reference=None if save_reference is None else str(save_reference),
-        download=bool(download))
+    return seed
+
+
+def _optional(check):
+    return lambda value: None if value is None else check(value)
+
+
+_OPTION_CHECKS = {
+    # seed first: where several values are bad, the error names the same one as always.
+    "seed": _seed,
+    "device": lambda value: check_choice("device", value, DEVICES),
+    "dtype": lambda value: check_dtype("dtype", value),
+    "reference": _reference,
+    "num_layers": _optional(lambda value: check_count("num_layers", value)),
+    "oversubscribe": bool,
+    "timeout": lambda value: check_seconds("timeout", value),
+    "prompts_file": _optional(str),
+    "max_new_tokens": _optional(lambda value: check_count("max_new_tokens", value)),
+    "save_reference": _optional(str),
+    "download": bool,
+    # Checked, and resolved where None, once the cases are known (`resolve_bitwise`).
+    "bitwise": lambda value: value,
+}
+"""Each option a user gives (a `VerifyOptions` field, spelled as the command line's flag and
+`freetoken_verify.run`'s keyword), and how its value is checked."""
+
+
+def checked_options(values: dict) -> VerifyOptions:
+    """The run's `VerifyOptions` from the option values the command line and
+    `freetoken_verify.run` pass (`_OPTION_CHECKS`'s names; an absent one keeps its default),
+    each checked: UsageError naming a malformed value, TypeError naming a name that is no
+    option (as Python says of an unknown keyword)."""
+    unknown = sorted(set(values) - set(_OPTION_CHECKS))
+    if unknown:
+        raise TypeError(f"unexpected option {unknown[0]!r}; the options are "
+                        f"{', '.join(sorted(_OPTION_CHECKS))}")
+    # Not given, bitwise is asked for nowhere: it then runs wherever it can.
+    given = {"bitwise": None, **values}
+    return VerifyOptions(**{name: check(given[name]) for name, check in _OPTION_CHECKS.items()
+                            if name in given})
 
 
 def _cases(models: Sequence[str], download: bool = False) -> list:
@@ -135,16 +159,12 @@ def _cases(models: Sequence[str], download: bool = False) -> list:
 
 
 def build_plan(models: Sequence[str] = (), tp: Sequence[int] | int = DEFAULT_TP,
-               checks: Sequence[str] = (), device: str = "auto", oversubscribe: bool = False,
-               dtype: str = "auto", reference: str = "auto", num_layers: int | None = None,
-               timeout: float = DEFAULT_TIMEOUT, faults: Sequence[str] = (),
-               prompts_file: str | None = None, seed: int | None = None,
-               max_new_tokens: int | None = None, save_reference: str | None = None,
-               download: bool = False, bitwise: bool | None = None,
+               checks: Sequence[str] = (), faults: Sequence[str] = (),
                keyword: str | None = None, only: frozenset | None = None,
-               maxfail: int | None = None) -> Plan:
+               maxfail: int | None = None, **options) -> Plan:
     """A validated plan: models (bundled case names, checkpoint folders or cached hub ids; all
-    bundled cases when empty) x TP sizes x checks (all when empty), in run order. Raises
+    bundled cases when empty) x TP sizes x checks (all when empty), in run order, under
+    `options`: the option values, by their `VerifyOptions` names (`checked_options`). Raises
     `UsageError` for a malformed or unknown value and `InputError` for a model that cannot be
     verified as asked, before any rank starts. `reference` may also be a folder written by
     `save_reference`; `prompts_file`, `seed` and `max_new_tokens` choose the reference prompts
@@ -165,8 +185,7 @@ def build_plan(models: Sequence[str] = (), tp: Sequence[int] | int = DEFAULT_TP,
     if not sizes:
         raise UsageError("tp: no TP sizes given")
     tp_sizes = sorted({check_count("tp", size) for size in sizes})
-    options = _options(device, dtype, reference, num_layers, oversubscribe, timeout,
-                       prompts_file, seed, max_new_tokens, save_reference, download)
+    options = checked_options(options)
     wanted = check_names("checks", "check", checks, CHECK_NAMES)
     selected = {n: f for n, f in available_checks().items() if not wanted or n in wanted}
     fault_names = tuple(check_names("faults", "fault", faults, tuple(FAULTS), False))
@@ -187,7 +206,8 @@ def build_plan(models: Sequence[str] = (), tp: Sequence[int] | int = DEFAULT_TP,
             notes = ("kernels: left out (CPU ranks run no Triton kernel, no model is quantized "
                      "and no injected fault touches one); --checks kernels runs it",)
     _validate(cases, tp_sizes, options, selected)
-    options = replace(options, bitwise=resolve_bitwise(bitwise, cases, tp_sizes, options))
+    options = replace(options, bitwise=resolve_bitwise(options.bitwise, cases, tp_sizes,
+                                                       options))
     plan = Plan(cases, tp_sizes, selected, options, fault_names, selection, maxfail, notes)
     if not plan.rows():
         raise UsageError("no row is selected: "

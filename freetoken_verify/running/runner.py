@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 from freetoken.distributed import MainModuleError, choose_placement
@@ -101,6 +101,4 @@ def _run_one(name: str, check, ctx: CheckContext) -> CheckResult:
     except Exception as e:  # a check's own bug must not hide the other results
         detail = traceback.format_exc()
         message = f"{ctx.case.name} tp={ctx.tp}: {type(e).__name__}: {e}"
-    result = make_result(name, ctx, start, "error", {}, message)
-    result.detail = detail
-    return result
+    return replace(make_result(name, ctx, start, "error", {}, message), detail=detail)

@@ -132,6 +132,13 @@ def test_bad_input_raises_typed_errors(kind, needle, kwargs):
     _assert_typed_error(kind, needle, **{"models": ["tiny-llama"], "device": "cpu", **kwargs})
 
 
+def test_unknown_option_is_a_type_error_naming_it():
+    """`run` takes the command line's options by name; any other keyword is refused as Python
+    refuses an unknown keyword, naming it, before any rank starts."""
+    with pytest.raises(TypeError, match="unexpected option 'dtypes'"):
+        verify.run(models=["tiny-llama"], tp=[1], device="cpu", dtypes="float32")
+
+
 def test_plan_sorts_tp_sizes_and_keeps_check_order():
     """build_plan takes typed values: TP sizes deduplicated and ascending, checks in the
     table's run order whatever order they were asked in."""

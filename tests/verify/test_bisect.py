@@ -15,7 +15,7 @@ from freetoken.engine.sequence import SamplingParams
 from freetoken_verify.activations.engine import FULL, PARTIAL, Recorder, flat, unshard
 from freetoken_verify.activations.hf import NameMap
 from freetoken_verify.cases.catalogue import GOLDEN
-from freetoken_verify.checks.bisect.check import Bisection, Row, rel_l2
+from freetoken_verify.checks.bisect.check import Bisection, Row, row_distance
 
 
 def _make_parts(full: torch.Tensor, segments, tp: int) -> list[torch.Tensor]:
@@ -93,8 +93,8 @@ def test_rank_disagreement_and_shape_are_divergences():
 def test_non_finite_output_is_named_as_the_first_divergence():
     """A module whose output holds NaN or Inf diverges with an infinite error, and the row
     says NaN/Inf where the values came from."""
-    assert math.isinf(rel_l2(torch.tensor([float("nan"), 1.0]), torch.ones(2)))
-    assert rel_l2(torch.ones(3), torch.ones(3)) == 0.0
+    assert math.isinf(row_distance(torch.tensor([float("nan"), 1.0]), torch.ones(2)))
+    assert row_distance(torch.ones(3), torch.ones(3)) == 0.0
     found = _make_bisection(Row("prefill/a", vs_tp1=0.0),
                             Row("prefill/model.layers.1.mlp", vs_tp1=math.inf))
     assert found.message().startswith(
@@ -131,9 +131,10 @@ def test_low_precision_excess_with_every_module_clean_passes(monkeypatch):
     from dataclasses import replace
 
     from freetoken_verify import compare
+    from freetoken_verify.compare import logits
 
     tight = replace(compare.TOLERANCES[torch.bfloat16], max_rel_l2=1e-6, max_kl=1e-9)
-    monkeypatch.setattr(compare, "effective_tolerance", lambda dtype, baseline=None: tight)
+    monkeypatch.setattr(logits, "effective_tolerance", lambda dtype, baseline=None: tight)
     clean = _run_golden("tiny-qwen3", (1,), "bfloat16")[0]
     assert clean.status == "pass", clean.message
     assert clean.metrics.get("judged_per_module") == 1 and "near-ties" in clean.message

@@ -262,12 +262,14 @@ def test_judge_logits_bf16_tolerates_scattered_drift_but_not_a_decisive_flip():
     expected = _make_logits()
     drift = expected.clone()
     drift[:, 20] += 0.3  # outside rtol/atol=5e-2 elementwise, harmless to the distribution
-    passed, message, cmp = judge_logits("logits", drift, expected, torch.bfloat16)
-    assert passed and cmp.num_mismatched > 0, message
-    assert not judge_logits("logits", drift, expected, torch.float32)[0], "fp32 is elementwise"
+    verdict = judge_logits("logits", drift, expected, torch.bfloat16)
+    assert verdict.passed and verdict.comparison.num_mismatched > 0, verdict.message
+    assert not judge_logits("logits", drift, expected, torch.float32).passed, \
+        "fp32 is elementwise"
     flipped = expected.clone()
     flipped[3, 11] = flipped[3, 7] + 1.0  # engine now prefers token 11 at position 3
-    passed, message, _ = judge_logits("logits", flipped, expected, torch.bfloat16)
+    verdict = judge_logits("logits", flipped, expected, torch.bfloat16)
+    passed, message = verdict.passed, verdict.message
     assert not passed and "position 3: engine top-1 11, reference 7" in message, message
 
 
@@ -278,8 +280,8 @@ def test_judge_logits_bf16_fails_on_large_relative_error():
     expected = _make_logits()
     noisy = expected + 0.5 * torch.randn(expected.shape, generator=torch.Generator().manual_seed(1),
                                          dtype=torch.float64)
-    passed, message, _ = judge_logits("logits", noisy, expected, torch.bfloat16)
-    assert not passed and "relative L2" in message, message
+    verdict = judge_logits("logits", noisy, expected, torch.bfloat16)
+    assert not verdict.passed and "relative L2" in verdict.message, verdict.message
 
 
 def test_nonfinite_engine_logits_say_nan_and_where():
@@ -293,6 +295,19 @@ def test_nonfinite_engine_logits_say_nan_and_where():
     actual = expected.clone()
     actual[4, 2], actual[5, 0] = float("nan"), float("inf")
     for dtype in (torch.float32, torch.bfloat16):
-        passed, message, _ = judge_logits("prompt 2 prefill logits", actual, expected, dtype)
+        verdict = judge_logits("prompt 2 prefill logits", actual, expected, dtype)
+        passed, message = verdict.passed, verdict.message
         assert not passed and message == ("prompt 2 prefill logits: engine logits hold 1 NaN "
                                           "and 1 Inf (of 66), first at position 4"), message
+
+
+def test_rel_l2_zero_norm_rule():
+    """rel_l2 divides by the reference's norm; a zero reference gives 0 against zeros and inf
+    against anything else; NaN in the engine's tensor stays NaN for the caller to judge."""
+    from freetoken_verify.compare import rel_l2
+
+    assert rel_l2(torch.tensor([3.0, 4.0]), torch.tensor([0.0, 5.0])) == \
+        pytest.approx(math.sqrt(10) / 5)
+    assert rel_l2(torch.zeros(3), torch.zeros(3)) == 0.0
+    assert math.isinf(rel_l2(torch.tensor([0.0, 1e-30]), torch.zeros(2)))
+    assert math.isnan(rel_l2(torch.tensor([float("nan"), 1.0]), torch.ones(2)))

@@ -13,6 +13,7 @@ from cli_run import assert_refused, run_cli
 from conftest import GOLDEN
 
 from freetoken_verify.cases.catalogue import PROMPT_LENS, reference_prompts, resolve_case
+from freetoken_verify.cases.tiny import VOCAB
 from freetoken_verify.checks import VerifyOptions
 from freetoken_verify.reference.sources import prompts_for, reference_source
 
@@ -44,8 +45,8 @@ def test_seed_and_max_new_tokens_choose_the_random_prompts():
     case = resolve_case("tiny-qwen3")
     default, _ = prompts_for(case, VerifyOptions(reference="hf"))
     seeded, num_new = prompts_for(case, VerifyOptions(seed=7, max_new_tokens=5))
-    assert default == reference_prompts(0, PROMPT_LENS, 301)
-    assert seeded == reference_prompts(7, PROMPT_LENS, 301) and seeded != default
+    assert default == reference_prompts(0, PROMPT_LENS, VOCAB)
+    assert seeded == reference_prompts(7, PROMPT_LENS, VOCAB) and seeded != default
     assert num_new == 5
 
 

@@ -5,6 +5,7 @@ XML and the markdown summary."""
 import json
 import math
 import xml.etree.ElementTree as ET
+from dataclasses import replace
 
 import pytest
 import torch
@@ -140,7 +141,7 @@ def test_table_fits_the_terminal_and_failures_follow_in_full(width):
     cells shortened); the FAILURES section after it holds each failed or errored row's full
     message, and with verbose the failing rank's traceback."""
     results = _make_results()
-    results[1].message = "tiny-llama tp=2: " + "a long explanation " * 20
+    results[1] = replace(results[1], message="tiny-llama tp=2: " + "a long explanation " * 20)
     table = render_table(results, width=width)
     assert max(len(line) for line in table.splitlines()) <= width, table
     failures = render_failures(results)
@@ -214,7 +215,7 @@ def test_junit_names_survive_dots_and_slashes_and_merge_across_machines():
     assert _properties(case)["model"] == "/models/Qwen3.5-35B-A3B"
     assert suite.get("timestamp") == "2026-12-01T10:00:00" and suite.get("hostname")
     info.env["gpus"] = 4
-    result.placement = "cuda-nccl"
+    result = replace(result, placement="cuda-nccl")
     other = junit_tree([result], info).find("testsuite/testcase").get("classname")
     assert other == "models_Qwen3_5-35B-A3B.fp32.tp2.cuda-nccl-4gpu"
 
@@ -260,7 +261,7 @@ def test_markdown_summary_rows_and_escaping():
     reference, TP, check, status (failures in bold); a `|` in a message cannot break the
     table; every failure's message follows in full."""
     results = _make_results()
-    results[1].message = "a | b " + "long " * 60
+    results[1] = replace(results[1], message="a | b " + "long " * 60)
     text = markdown_summary(results, _make_info("bfloat16", "hf"), complete=False)
     lines = text.splitlines()
     assert lines[0] == "### freetoken-verify: 1 passed, 2 failed, 1 skipped (incomplete)"

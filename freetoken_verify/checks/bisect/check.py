@@ -9,10 +9,10 @@ the batched generation golden runs (every prompt decoding together) is localised
 step by step (`freetoken_verify.checks.bisect.batched`): a bug that needs several sequences in
 one step is named by that step and its first module.
 
-Bounds: float32 1e-3 relative L2 everywhere. bf16 / fp16: per module, 3x HF's own error at
-that dtype on that module (HF in low precision against HF in float32), at least 2e-2, so a
-module is blamed only when the engine's rounding outgrows a correct implementation's; where HF
-has no counterpart, the bound golden puts on the logits.
+Bounds (`freetoken_verify.compare.tolerances`): float32 1e-3 relative L2 everywhere. bf16 /
+fp16: per module, 3x HF's own error at that dtype on that module (HF in low precision against
+HF in float32), at least 2e-2, so a module is blamed only when the engine's rounding outgrows a
+correct implementation's; where HF has no counterpart, the bound golden puts on the logits.
 
 With `bitwise` (`--bitwise`) the engine runs in its tp_invariant mode and every module at TP=N
 must equal TP=1 bit for bit (zero tolerance: the row names the first module that differs, how
@@ -31,7 +31,7 @@ from freetoken_verify.checks.bisect import batched
 from freetoken_verify.checks.bisect.capture import Activations
 from freetoken_verify.checks.bisect.capture import capture as capture_on
 from freetoken_verify.checks.bisect.rows import build_rows, references
-from freetoken_verify.checks.bisect.table import Bisection, Row, rel_l2
+from freetoken_verify.checks.bisect.table import Bisection, Row, row_distance
 from freetoken_verify.reference.sources import (
     bisect_prompt_of,
     hf_model,
@@ -41,7 +41,7 @@ from freetoken_verify.reference.sources import (
 from freetoken_verify.reference.store import stored_bisect
 from freetoken_verify.report.formats import CheckResult
 
-__all__ = ["Bisection", "Row", "rel_l2", "run", "localise", "first_divergence"]
+__all__ = ["Bisection", "Row", "row_distance", "run", "localise", "first_divergence"]
 
 
 def run(ctx: CheckContext) -> CheckResult:

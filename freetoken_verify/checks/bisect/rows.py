@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import torch
 
-import freetoken_verify.compare as compare
 from freetoken.engine.core import resolve_dtype
 from freetoken_verify.checks.base import CheckContext
 from freetoken_verify.checks.bisect.capture import Activation
-from freetoken_verify.checks.bisect.table import FP32_BOUND, Row, compare_with_tp1, rel_l2
+from freetoken_verify.checks.bisect.table import Row, compare_with_tp1, row_distance
+from freetoken_verify.compare import (
+    BISECT_FP32_BOUND,
+    BISECT_LOW_FACTOR,
+    BISECT_LOW_FLOOR,
+    logits,
+)
 from freetoken_verify.reference.sources import reference_for, reference_source
-
-LOW_FLOOR, LOW_FACTOR = 2e-2, 3.0
 
 
 def references(ctx: CheckContext, tp1: bool, hf: bool) -> tuple[str, ...]:
@@ -28,7 +31,7 @@ def build_rows(full, tp1, hf_for, ctx) -> list[Row]:
     parent added up) and with HF's tensors
     `hf_for(key, tensor)` -> (float32, low precision), each None where HF has none."""
     low = resolve_dtype(ctx.options.dtype, ctx.case.model_config) != torch.float32
-    fallback = _logit_bound(ctx) if low else FP32_BOUND
+    fallback = _logit_bound(ctx) if low else BISECT_FP32_BOUND
     bitwise = bool(ctx.options.bitwise)
     rows = []
     for key, entry in full.items():
@@ -40,7 +43,7 @@ def build_rows(full, tp1, hf_for, ctx) -> list[Row]:
         exact, rounded = hf_for(key, tensor)
         hf_t = _rows_like(exact, tensor)
         if hf_t is not None and hf_t.shape == tensor.shape:
-            row.vs_hf = rel_l2(tensor, hf_t)
+            row.vs_hf = row_distance(tensor, hf_t)
         if low:
             row.bound = _low_bound(exact, rounded, fallback)
         if row.vs_tp1 is not None or row.vs_hf is not None or row.diverged:
@@ -65,10 +68,10 @@ def _logit_bound(ctx: CheckContext) -> float:
         # The run's stored reference, loaded once and shared with golden.
         stored = reference_for(ctx).baseline
         baseline = stored[0] if stored else None
-    return compare.effective_tolerance(dtype, baseline).max_rel_l2
+    return logits.effective_tolerance(dtype, baseline).max_rel_l2
 
 
 def _low_bound(exact: torch.Tensor | None, low: torch.Tensor | None, fallback: float) -> float:
     if exact is None or low is None or exact.shape != low.shape:
         return fallback
-    return max(LOW_FLOOR, LOW_FACTOR * rel_l2(low, exact))
+    return max(BISECT_LOW_FLOOR, BISECT_LOW_FACTOR * row_distance(low, exact))

@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from freetoken_verify.compare import BitDifference, bit_difference
+from freetoken_verify.compare import BISECT_FP32_BOUND, BitDifference, bit_difference, rel_l2
 
-FP32_BOUND = 1e-3
 LEAVES = ":leaves"
 
 
@@ -26,7 +25,7 @@ class Row:
     module: str
     vs_tp1: float | None = None
     vs_hf: float | None = None
-    bound: float = FP32_BOUND
+    bound: float = BISECT_FP32_BOUND
     ranks_disagree: int | None = None
     shape_vs_tp1: tuple | None = None
     bits_vs_tp1: BitDifference | None = None
@@ -131,7 +130,7 @@ def compare_with_tp1(row: Row, tensor: torch.Tensor, tp1: torch.Tensor, bitwise:
     if tp1.shape != tensor.shape:
         row.shape_vs_tp1 = (tuple(tensor.shape), tuple(tp1.shape))
         return
-    row.vs_tp1 = rel_l2(tensor, tp1)
+    row.vs_tp1 = row_distance(tensor, tp1)
     if not bitwise:
         return
     row.bitwise = True
@@ -151,11 +150,17 @@ def _dtype(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """||actual - expected|| / ||expected|| (inf where `actual` is not finite)."""
-    a, e = actual.double(), expected.double()
-    if not bool(torch.isfinite(a).all()):
+def row_distance(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """The relative L2 (`compare.rel_l2`) a row records and is judged by, with two rules of
+    bisect's own. NaN / Inf in `actual` is inf: a NaN would pass every bound. A reference whose
+    norm is below 1e-12 per sqrt(element) (zeros, up to rounding) is measured against that
+    floor instead of by rel_l2's zero-norm rule: a module whose output is zero in the reference
+    keeps the rounding noise of the engine's output below the bounds instead of inf."""
+    if not bool(torch.isfinite(actual).all()):
         return math.inf
-    ref = float(e.norm())
-    err = float((a - e).norm())
-    return err / max(ref, 1e-12 * math.sqrt(e.numel()) + 1e-30)
+    floor = 1e-12 * math.sqrt(expected.numel()) + 1e-30
+    ref_norm = float(expected.double().norm())
+    if ref_norm >= floor:
+        return rel_l2(actual, expected)
+    # max() keeps a NaN norm (a reference holding NaN) as NaN, as rel_l2's division would.
+    return float((actual.double() - expected.double()).norm()) / max(ref_norm, floor)

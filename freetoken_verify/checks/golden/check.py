@@ -149,12 +149,12 @@ def _against_reference(outputs: dict, ref: Reference, dtype) -> tuple[dict, list
     for i, out in enumerate(outputs["outputs"]):
         expected = ref.prefill_logits[i]
         baseline = ref.baseline[i] if ref.baseline else None
-        passed, message, cmp = judge_logits(
+        verdict = judge_logits(
             f"prompt {i} ({len(ref.prompts[i])} tokens) prefill logits", out["prompt_logits"],
             expected, dtype, baseline)
-        mismatched += cmp.num_mismatched
-        if not passed:
-            failures.append(message)
+        mismatched += verdict.comparison.num_mismatched
+        if not verdict.passed:
+            failures.append(verdict.message)
         if out["prompt_logits"].shape != expected.shape:
             continue
         per_prompt.append(logit_metrics(out["prompt_logits"], expected))
@@ -232,12 +232,11 @@ def _against_tp1(ctx: CheckContext, outputs: dict, dtype,
     worst, failures = 0.0, []
     for i, (a, b) in enumerate(zip(outputs["outputs"], base["outputs"])):
         baseline = ref.baseline[i] if ref.baseline else None
-        passed, message, cmp = judge_logits(f"prompt {i} prefill logits vs engine tp=1",
-                                            a["prompt_logits"], b["prompt_logits"], dtype,
-                                            baseline)
-        worst = max(worst, cmp.max_abs)
-        if not passed:
-            failures.append(message)
+        verdict = judge_logits(f"prompt {i} prefill logits vs engine tp=1",
+                               a["prompt_logits"], b["prompt_logits"], dtype, baseline)
+        worst = max(worst, verdict.comparison.max_abs)
+        if not verdict.passed:
+            failures.append(verdict.message)
     return {"tp1_max_abs": worst}, failures
 
 

@@ -39,7 +39,8 @@ which fixes the process's kernel mode): rank groups are started once per TP size
 check, so the check cannot give its ranks a different environment.
 
 Per output: NaN / Inf fail it; elements are compared with |out - ref| <= atol * rms(ref) + rtol *
-|ref| (`freetoken_verify.checks.kernels.judge`); copies, integer results (expert ids, alignment
+|ref| (`freetoken_verify.checks.kernels.judge`, the numbers in
+`freetoken_verify.compare.tolerances`); copies, integer results (expert ids, alignment
 rows) and state outside the batch must be equal bit for bit. float32: 1e-4 / 1e-4, every element
 within; kernel and reference differ in summation order only (measured: relative L2 at most 3e-7 on
 the engine kernels). bf16 / fp16 (GPU): 2e-2 / 2e-2 with at least 99.9 % of elements within and
@@ -69,7 +70,6 @@ from freetoken_verify.checks.base import CheckContext, make_result
 from freetoken_verify.checks.kernels import engine as engine
 from freetoken_verify.checks.kernels import engine_cases as engine_kernel_cases
 from freetoken_verify.checks.kernels import quant
-from freetoken_verify.checks.kernels.judge import LOW_PRECISION_REL_L2, MIN_WITHIN, TOLERANCE
 from freetoken_verify.checks.kernels.nvfp4 import run_case, run_matrix, summarize, verdict
 from freetoken_verify.checks.kernels.nvfp4_cases import (
     KernelCase,
@@ -81,9 +81,8 @@ from freetoken_verify.checks.kernels.quant_cases import fixed_matrix, model_matr
 from freetoken_verify.checks.quant_layout import LayoutError
 from freetoken_verify.report.formats import CheckResult
 
-__all__ = ["LOW_PRECISION_REL_L2", "MIN_WITHIN", "TOLERANCE", "KernelCase", "cpu_matrix",
-           "gpu_matrix", "make_experts", "run", "run_case", "run_matrix", "summarize",
-           "verdict"]
+__all__ = ["KernelCase", "cpu_matrix", "gpu_matrix", "make_experts", "run", "run_case",
+           "run_matrix", "summarize", "verdict"]
 
 
 def _on_rank(rank_ctx, dtype_name: str, model_cases: list, shared: bool,
