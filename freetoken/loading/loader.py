@@ -44,6 +44,12 @@ only plan and issue transfers, under the GIL: more than two contend (measured on
 
 _observers: list[Callable[[str, bool], None]] = []
 
+POST_LOAD_HOOKS: list[Callable[[nn.Module, CheckpointReader, ShardPlan], None]] = []
+"""Functions `load_weights` calls as `hook(model, reader, plan)` once every shard is in place,
+before it closes the reader, in the order appended. The engine registers none: the harness's
+loader faults append one to leave the parameters as a loader with that bug would, where they
+would otherwise replace `load_weights` wherever it was imported."""
+
 
 class LoadError(ValueError):
     """A checkpoint does not fit the model it is loaded into."""
@@ -85,7 +91,8 @@ def default_threads(tp_size: int, gpu: bool = False) -> int:
 
 def load_weights(model: nn.Module, reader: CheckpointReader, plan: ShardPlan,
                  progress: bool = True, threads: int | None = None) -> dict[str, int]:
-    """Fill `model`'s parameters with this rank's shards; returns bytes read per tensor kind.
+    """Fill `model`'s parameters with this rank's shards, then run `POST_LOAD_HOOKS`; returns
+    bytes read per tensor kind.
 
     Rank-dependent: each rank writes its own shard of every tensor.
     """
@@ -117,6 +124,8 @@ def load_weights(model: nn.Module, reader: CheckpointReader, plan: ShardPlan,
             mapped.close()
             release_pinned()
     bar.close()
+    for hook in list(POST_LOAD_HOOKS):
+        hook(model, reader, plan)
     reader.close()
     return {p: sum(v.values()) for p, v in filled.items()}
 

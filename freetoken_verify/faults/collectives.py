@@ -12,8 +12,12 @@ from freetoken.distributed.comm import Communicator
 from freetoken.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from freetoken.layers.moe import route
 from freetoken.models.qwen3_5_moe.moe import SparseMoeBlock
+from freetoken_verify.faults.registry import Entry, fault
 
 
+@fault("moe-reduce-separately",
+       Entry("MoE routed and shared reduced separately", "tiny-qwen3.5-moe", (2,), ("collectives",),
+             r"model\.layers\.0\.mlp: .*doubled"))
 def moe_reduce_routed_and_shared_separately() -> None:
     """The Qwen3.5-MoE block all-reduces the routed experts' partial sum and the shared
     expert's separately, then adds them: the same numbers for twice the communication."""
@@ -27,6 +31,9 @@ def moe_reduce_routed_and_shared_separately() -> None:
     SparseMoeBlock.forward = forward
 
 
+@fault("embedding-extra-allreduce",
+       Entry("embedding reduced twice", "tiny-llama", (2,), ("collectives",),
+             r"model\.embed_tokens: .*doubled"))
 def embedding_extra_allreduce() -> None:
     """The vocab-parallel embedding all-reduces its already reduced output once more: every
     embedding row comes out tp_size times too large."""
@@ -36,6 +43,8 @@ def embedding_extra_allreduce() -> None:
         original(self, ids))
 
 
+@fault("lm-head-no-gather",
+       Entry("LM head gather missing", "tiny-qwen3", (2,), ("collectives",), r"lm_head: .*missing"))
 def lm_head_no_gather() -> None:
     """The LM head returns each rank's own vocab-shard logits without gathering them."""
 
@@ -46,6 +55,9 @@ def lm_head_no_gather() -> None:
     ParallelLMHead.forward = forward
 
 
+@fault("allreduce-contiguous-copy",
+       Entry("all-reduce on a contiguous copy", "tiny-llama", (2,), ("collectives",),
+             r"Communicator\.all_reduce on a"))
 def allreduce_contiguous_copy() -> None:
     """Communicator.all_reduce reduces `x.contiguous()` and returns `x`: a non-contiguous
     input is reduced in a copy that is thrown away and comes back unreduced."""

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 from freetoken.engine.graphs import DecodeGraphs
+from freetoken_verify.faults.registry import Entry, fault
 
 
+@fault("graph-stale-positions",
+       Entry("CUDA graph static input not refreshed", "tiny-llama", (1,), ("golden",),
+             r"CUDA graph replay differs from eager decode at batch \d+: prompt \d+ "
+             r"step \d+", tp1_green=False, device="cuda"))
 def graph_stale_positions() -> None:
     """The decode graph runner stops refreshing its static positions buffer once a bucket's
     graph is captured: every replay after the first rotates the keys at the old positions."""
@@ -18,6 +23,3 @@ def graph_stale_positions() -> None:
             self.positions.copy_(kept)
 
     DecodeGraphs._fill = stale_fill
-
-
-GRAPH_FAULTS = {"graph-stale-positions": graph_stale_positions}

@@ -15,8 +15,12 @@ from freetoken.distributed.comm import tree_sum
 from freetoken.layers import invariant
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rotary import RotaryEmbedding
+from freetoken_verify.faults.registry import Entry, fault
 
 
+@fault("invariant-leaves-left-to-right",
+       Entry("invariant reduction summed left to right on one rank", "tiny-qwen3-moe", (2,),
+             ("golden",), r"tp=1: .*differ bit for bit", bitwise_only=True))
 def invariant_leaves_left_to_right() -> None:
     """Rank 1 sums its fp32 leaves of each row-parallel reduction left to right instead of in
     the canonical binary tree (a reduction order that differs on one rank)."""
@@ -34,6 +38,11 @@ def invariant_leaves_left_to_right() -> None:
     invariant.finish = finish
 
 
+@fault("invariant-bf16-wire",
+       Entry("invariant all-reduce sums bf16 partials", "tiny-qwen3-moe", (2,), ("golden",),
+             r"prefill/model\.layers\.0\.self_attn\.o_proj "
+             r"\(\d+ / \d+ elements differ bit for bit from TP=1", dtype="bfloat16",
+             bitwise_only=True))
 def invariant_bf16_wire() -> None:
     """The invariant all-reduce sends bf16 partial sums and lets the backend add them (a
     partial sum rounded to bf16 before the all-reduce)."""
@@ -44,6 +53,11 @@ def invariant_bf16_wire() -> None:
     invariant.reduce_subtrees = reduce_subtrees
 
 
+@fault("invariant-subtree-bf16",
+       Entry("a rank's subtree sum rounded to bf16 before the reduction", "tiny-qwen3-moe", (2,),
+             ("golden",), r"prefill/model\.layers\.0\.self_attn\.o_proj "
+             r"\(\d+ / \d+ elements differ bit for bit from TP=1.*the reduction differs",
+             dtype="bfloat16", bitwise_only=True))
 def invariant_subtree_bf16() -> None:
     """Rank 1 rounds its fp32 subtree sum to bf16 before the reduction (a partial result
     stored in the activation dtype on one rank)."""
@@ -57,6 +71,11 @@ def invariant_subtree_bf16() -> None:
     invariant.reduce_subtrees = reduce_subtrees
 
 
+@fault("invariant-tree-order-swapped",
+       Entry("tree order swapped on one rank", "tiny-qwen3-moe", (2,), ("golden",),
+             r"prefill/model\.layers\.0\.self_attn\.o_proj "
+             r"\(\d+ / \d+ elements differ bit for bit from TP=1.*the reduction differs",
+             dtype="float32", bitwise_only=True))
 def invariant_tree_order_swapped() -> None:
     """Rank 1 builds its subtree with its two middle leaves swapped (leaves [0, 2, 1, 3]:
     chunk 0 paired with chunk 2, not 1), another tree over the same leaves; it needs four
@@ -74,6 +93,10 @@ def invariant_tree_order_swapped() -> None:
     invariant.finish = finish
 
 
+@fault("invariant-tiles-by-width",
+       Entry("column tiling that depends on the number of columns", "tiny-llama", (2,), ("golden",),
+             r"first divergence: prefill/lm_head \(\d+ / \d+ elements differ bit for bit",
+             dtype="float32", bitwise_only=True))
 def invariant_tiles_by_width() -> None:
     """Column-parallel GEMMs (and the LM head) are tiled by the launch's own width: one GEMM
     of all the rank's weight rows, whose result per element depends on how many columns the
@@ -86,6 +109,11 @@ def invariant_tiles_by_width() -> None:
     invariant.column_linear = column_linear
 
 
+@fault("rotary-bf16-on-ranks",
+       Entry("rotary angles in bf16 on ranks > 0", "tiny-llama", (2,), ("golden",),
+             r"prefill/model\.layers\.0\.self_attn\.attn "
+             r"\(\d+ / \d+ elements differ bit for bit from TP=1", dtype="bfloat16",
+             bitwise_only=True))
 def rotary_bf16_on_ranks() -> None:
     """Ranks > 0 compute the rotary angles (position x inverse frequency), and so cos and
     sin, in bf16 instead of fp32: their heads rotate by slightly other angles."""
@@ -102,6 +130,11 @@ def rotary_bf16_on_ranks() -> None:
     RotaryEmbedding.cos_sin = cos_sin
 
 
+@fault("qk-norm-variance-bf16-on-ranks",
+       Entry("q/k norm variance in bf16 on ranks > 0", "tiny-qwen3", (2,), ("golden",),
+             r"prefill/model\.layers\.0\.self_attn\.q_norm "
+             r"\(\d+ / \d+ elements differ bit for bit from TP=1", dtype="bfloat16",
+             bitwise_only=True))
 def qk_norm_variance_bf16_on_ranks() -> None:
     """On ranks > 0 the per-head q/k RMSNorm (inputs [tokens, heads, head_dim]) takes the
     mean of squares in bf16 instead of fp32 (a norm kernel reducing in the activation dtype
@@ -118,14 +151,3 @@ def qk_norm_variance_bf16_on_ranks() -> None:
         return self.weight * h.to(x.dtype)
 
     RMSNorm.forward = forward
-
-
-INVARIANT_FAULTS = {
-    "invariant-leaves-left-to-right": invariant_leaves_left_to_right,
-    "invariant-bf16-wire": invariant_bf16_wire,
-    "invariant-subtree-bf16": invariant_subtree_bf16,
-    "invariant-tree-order-swapped": invariant_tree_order_swapped,
-    "invariant-tiles-by-width": invariant_tiles_by_width,
-    "rotary-bf16-on-ranks": rotary_bf16_on_ranks,
-    "qk-norm-variance-bf16-on-ranks": qk_norm_variance_bf16_on_ranks,
-}

@@ -7,32 +7,26 @@ their position in the launcher's signature, not by name."""
 
 from __future__ import annotations
 
-import inspect
 import sys
 from collections.abc import Callable
 
 import torch
 
 from freetoken.kernels import delta_rule, fused_moe, paged_attention
+from freetoken_verify.faults._patch import wrap_arguments
+from freetoken_verify.faults.registry import Entry, fault
 
 
 def _wrap_argument(module, name: str, position: int,
                    transform: Callable[[torch.Tensor, list], torch.Tensor]) -> None:
     """Replace `module.name` by a launcher that passes its `position`-th argument through
     `transform(value, all arguments in order)`."""
-    original = getattr(module, name)
-    signature = inspect.signature(original)
-    names = list(signature.parameters)
 
-    def launcher(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        values = [bound.arguments[n] for n in names]
-        bound.arguments[names[position]] = transform(values[position], values)
-        return original(*bound.args, **bound.kwargs)
+    def change(arguments: dict) -> dict:
+        names, values = list(arguments), list(arguments.values())
+        return {names[position]: transform(values[position], values)}
 
-    launcher.__wrapped__ = original
-    setattr(module, name, launcher)
+    wrap_arguments(module, name, change)
 
 
 def _row_stride_off_by_one(table: torch.Tensor, args: list) -> torch.Tensor:
@@ -42,6 +36,11 @@ def _row_stride_off_by_one(table: torch.Tensor, args: list) -> torch.Tensor:
     return table.contiguous().view(-1).as_strided((rows, width), (width - 1, 1))
 
 
+@fault("paged-attention-table-stride",
+       Entry("paged attention reads the block table with a wrong row stride", "tiny-llama", (1,),
+             ("kernels",),
+             r"engine kernels .*paged_attention tp=\d \((decode|prefill), heads \d+, kv heads",
+             tp1_green=False))
 def paged_attention_table_stride() -> None:
     """Paged attention reads the block table with a row stride one element short (as a
     launcher passing `stride(0) - 1`, or a table padded to one width and read at another):
@@ -50,6 +49,10 @@ def paged_attention_table_stride() -> None:
     _wrap_argument(paged_attention, "paged_attention", 3, _row_stride_off_by_one)
 
 
+@fault("fused-moe-expert-offset",
+       Entry("bf16 fused MoE multiplies the next expert's weights", "tiny-llama", (1,),
+             ("kernels",), r"engine kernels .*fused_moe tp=\d \(experts \d+, top_k",
+             tp1_green=False))
 def fused_moe_expert_offset() -> None:
     """The bf16 fused MoE adds one to every expert id before the grouped GEMMs (an expert
     offset off by one, as when a rank's first expert index is added twice): each (token,
@@ -61,6 +64,11 @@ def fused_moe_expert_offset() -> None:
     _wrap_argument(fused_moe, "fused_moe", 2, shifted)
 
 
+@fault("gdn-decode-state-slot",
+       Entry("GatedDeltaNet decode kernel on the wrong state slot", "tiny-llama", (1,),
+             ("kernels",),
+             r"engine kernels .*gated_delta_decode tp=\d \(key heads \d+, value heads",
+             tp1_green=False))
 def gdn_decode_state_slot() -> None:
     """GatedDeltaNet's fused decode step reads and writes the linear state of the slot after
     each sequence's own: every sequence continues another one's recurrence and overwrites
@@ -73,10 +81,3 @@ def gdn_decode_state_slot() -> None:
     gdn = sys.modules.get("freetoken.models.qwen3_5_moe.gdn")
     if gdn is not None:
         gdn.gated_delta_decode = delta_rule.gated_delta_decode
-
-
-KERNEL_FAULTS: dict[str, Callable[[], None]] = {
-    "paged-attention-table-stride": paged_attention_table_stride,
-    "fused-moe-expert-offset": fused_moe_expert_offset,
-    "gdn-decode-state-slot": gdn_decode_state_slot,
-}

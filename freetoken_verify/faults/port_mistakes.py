@@ -1,10 +1,8 @@
 """More canonical TP bugs (injectable like `freetoken_verify.faults`), each the one-line mistake a
-TP port
-makes in real source: a bias added on every rank, a sampler seeded per rank, a range check off
-by one, a reduction forgotten in one layer family, a shard taken from the neighbour's slice.
-
-`freetoken_verify.faults.FAULTS` registers them; `freetoken_verify.faults.catalogue.CATALOGUE` lists
-every injectable bug with the bundled case and TP sizes where it bites."""
+TP port makes in real source: a bias added on every rank, a sampler seeded per rank, a range
+check off by one, a reduction forgotten in one layer family, a shard taken from the
+neighbour's slice. Each is registered with its catalogue entry (the bundled case and TP sizes
+where it bites) beside it."""
 
 from __future__ import annotations
 
@@ -20,12 +18,15 @@ from freetoken.formats.specs import Split
 from freetoken.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from freetoken.layers.linear import RowParallelLinear
 from freetoken.layers.moe import route
-from freetoken.loading.plan import ShardPlan
-from freetoken.models import registry
 from freetoken.models.qwen3_5_moe import gdn
 from freetoken.models.qwen3_5_moe.moe import SparseMoeBlock
+from freetoken_verify.faults._patch import respec
+from freetoken_verify.faults.registry import Entry, fault
 
 
+@fault("row-bias-before-allreduce",
+       Entry("row-parallel bias added on every rank", "tiny-llama", (2,), ("golden",),
+             r"first divergence: prefill/model\.layers\.0\.self_attn\.o_proj"))
 def row_bias_before_allreduce() -> None:
     """Row-parallel linears add their bias to the partial sum on every rank, before the
     all-reduce: the bias is counted tp_size times."""
@@ -37,6 +38,8 @@ def row_bias_before_allreduce() -> None:
     RowParallelLinear.forward = forward
 
 
+@fault("sample-per-rank",
+       Entry("ranks sample independently", "tiny-qwen3", (2,), ("golden",), r"rank 1 produced"))
 def sample_per_rank() -> None:
     """Every rank samples its own token from a generator seeded with `seed + rank` instead of
     taking rank 0's broadcast: greedy decoding agrees, sampling at temperature > 0 does not."""
@@ -56,6 +59,9 @@ def sample_per_rank() -> None:
     core.EngineCore._sample = _sample
 
 
+@fault("gdn-value-dim-from-key-dim",
+       Entry("GDN value dims sized from key dims", "tiny-qwen3.5-moe", (1, 2), ("golden",),
+             r"linear_attn", tp1_green=False))
 def gdn_value_dim_from_key_dim() -> None:
     """GatedDeltaNet sizes its value channels with the key head dim (`nv * dk`): invisible
     while key and value totals agree, a shape error naming the tensor when they do not."""
@@ -69,6 +75,9 @@ def gdn_value_dim_from_key_dim() -> None:
     gdn.GatedDeltaNet.__init__ = init
 
 
+@fault("embedding-range-inclusive",
+       Entry("vocab range check off by one", "tiny-qwen3", (2, 4), ("golden",),
+             r"first divergence: prefill/model\.embed_tokens"))
 def embedding_range_inclusive() -> None:
     """The vocab-parallel embedding treats ids up to and including `start + local_vocab` as
     its own: the first id of the next rank's range is also looked up (clamped to this rank's
@@ -85,6 +94,9 @@ def embedding_range_inclusive() -> None:
     VocabParallelEmbedding.forward = forward
 
 
+@fault("embedding-missing-allreduce",
+       Entry("embedding all-reduce missing", "tiny-llama", (2,), ("bisect",),
+             r"model\.embed_tokens \(rank 1 holds a different"))
 def embedding_missing_allreduce() -> None:
     """The vocab-parallel embedding returns its rank's rows without the all-reduce: each rank
     sees only the tokens in its vocab range."""
@@ -100,6 +112,9 @@ def embedding_missing_allreduce() -> None:
     VocabParallelEmbedding.forward = forward
 
 
+@fault("shared-expert-after-allreduce",
+       Entry("shared expert added after the MoE all-reduce", "tiny-qwen3.5-moe", (2,), ("golden",),
+             r"divergence: prefill/model\.layers\.0\.mlp "))
 def shared_expert_after_allreduce() -> None:
     """The Qwen3.5 MoE block all-reduces the routed experts only and adds the shared expert's
     rank-partial sum afterwards: each rank keeps only its own slice of the shared expert."""
@@ -112,6 +127,8 @@ def shared_expert_after_allreduce() -> None:
     SparseMoeBlock.forward = forward
 
 
+@fault("lm-head-padding-kept",
+       Entry("LM head keeps the vocab padding", "tiny-llama", (2,), ("bisect",), r"lm_head"))
 def lm_head_padding_kept() -> None:
     """The LM head gathers every rank's logits but forgets to slice off the vocab padding:
     logits are `padded_vocab` wide at TP sizes that pad."""
@@ -123,6 +140,9 @@ def lm_head_padding_kept() -> None:
     ParallelLMHead.forward = forward
 
 
+@fault("gdn-out-proj-unreduced",
+       Entry("one layer family misses its all-reduce", "tiny-qwen3.5-moe", (2,), ("bisect",),
+             r"linear_attn\.out_proj \(rank 1 holds a different"))
 def gdn_out_proj_unreduced() -> None:
     """GatedDeltaNet's out_proj is built without its all-reduce (as if the MoE block reduced
     it): one layer family misses its reduction."""
@@ -152,42 +172,20 @@ class _NextRank:
         return self.spec.unshard(parts[-1:] + parts[:-1], name)
 
 
-def _respec(arch: str, needle: str, make) -> None:
-    """Replace the spec of every `arch` plan rule whose pattern contains `needle` by
-    `make(spec)`, keeping destinations."""
-
-    original = registry.ARCHITECTURES[arch].plan
-
-    def plan(cfg, tp):
-        rules = [dataclasses.replace(r, spec=make(r.spec)) if needle in r.pattern else r
-                 for r in original(cfg, tp).rules]
-        return ShardPlan(rules, tp)
-
-    registry.ARCHITECTURES[arch] = dataclasses.replace(registry.ARCHITECTURES[arch], plan=plan)
-
-
+@fault("o-proj-next-rank",
+       Entry("row-parallel input columns from the wrong rank", "tiny-llama", (2,), ("bisect",),
+             r"self_attn\.o_proj"))
 def o_proj_next_rank() -> None:
     """Attention o_proj's input columns are taken from the next rank's slice (rank index off
     by one in a row-parallel split); the partial sums still add up to something fluent."""
-    _respec("llama", "o_proj", _NextRank)
+    respec("llama", ("o_proj",), _NextRank)
 
 
+@fault("expert-down-split-rows",
+       Entry("expert down_proj split on the wrong dim", "tiny-qwen3-moe", (2,), ("golden",),
+             r"down_proj"))
 def expert_down_split_rows() -> None:
     """Qwen3-MoE expert down_proj split on its output rows (like gate/up) instead of its
     input columns: a shape error naming the tensor at load."""
 
-    _respec("qwen3_moe", "down_proj", lambda spec: Split(0))
-
-
-BUGS = {
-    "row-bias-before-allreduce": row_bias_before_allreduce,
-    "sample-per-rank": sample_per_rank,
-    "gdn-value-dim-from-key-dim": gdn_value_dim_from_key_dim,
-    "embedding-range-inclusive": embedding_range_inclusive,
-    "embedding-missing-allreduce": embedding_missing_allreduce,
-    "shared-expert-after-allreduce": shared_expert_after_allreduce,
-    "lm-head-padding-kept": lm_head_padding_kept,
-    "gdn-out-proj-unreduced": gdn_out_proj_unreduced,
-    "o-proj-next-rank": o_proj_next_rank,
-    "expert-down-split-rows": expert_down_split_rows,
-}
+    respec("qwen3_moe", ("down_proj",), lambda spec: Split(0))

@@ -10,12 +10,17 @@ from __future__ import annotations
 import re
 
 from freetoken.formats.quant.scheme import QuantScheme
+from freetoken_verify.faults.registry import Entry, fault
 
 _FUSED = ((re.compile(r"\.in_proj_(qkv|z|b|a)$"), ".in_proj"),
           (re.compile(r"\.[qkv]_proj$"), ".qkv_proj"),
           (re.compile(r"\.(gate|up)_proj$"), ".gate_up_proj"))
 
 
+@fault("ignore-split-names-unmapped",
+       Entry("a split-name ignore list not mapped onto the fused module",
+             "tiny-qwen3.5-moe-nvfp4-ct", (1, 2), ("golden", "shards"), r"linear_attn\.in_proj",
+             tp1_green=False))
 def ignore_split_names_unmapped() -> None:
     """Exclusion (ignore / exclude / modules_to_not_convert) entries are matched against the
     engine's fused module name instead of each HF split name: an ignore list naming
@@ -36,6 +41,9 @@ def ignore_split_names_unmapped() -> None:
     QuantScheme.format_of = format_of
 
 
+@fault("gdn-ba-takes-qkv-format",
+       Entry("GatedDeltaNet in_proj_b / in_proj_a given in_proj_qkv's quantized format",
+             "tiny-qwen3.5-moe-fp8", (1, 2), ("golden",), r"in_proj_[ba]", tp1_green=False))
 def gdn_ba_takes_qkv_format() -> None:
     """GatedDeltaNet's in_proj_b and in_proj_a given in_proj_qkv's format (the fused
     `in_proj_ba` handled as part of the quantized in_proj): per-head rows read as quantized."""
@@ -47,9 +55,3 @@ def gdn_ba_takes_qkv_format() -> None:
         return original(self, module)
 
     QuantScheme.format_of = format_of
-
-
-QUANT_CONFIG_FAULTS = {
-    "ignore-split-names-unmapped": ignore_split_names_unmapped,
-    "gdn-ba-takes-qkv-format": gdn_ba_takes_qkv_format,
-}

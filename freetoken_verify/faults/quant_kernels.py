@@ -17,6 +17,7 @@ from freetoken.layers.quantization.fp8.moe import BlockFP8FusedExperts
 from freetoken.layers.quantization.fp8.tensor_linear import FP8TensorLinear
 from freetoken.layers.quantization.nvfp4.linear import NVFP4Linear
 from freetoken.layers.quantization.nvfp4.moe import NVFP4FusedExperts
+from freetoken_verify.faults.registry import Entry, fault
 
 
 def _first_segment_for_all(method_class) -> None:
@@ -29,18 +30,32 @@ def _first_segment_for_all(method_class) -> None:
     method_class.dequantize = dequantize
 
 
+@fault("fp8-tensor-first-scale-for-all",
+       Entry("one fused segment's per-tensor FP8 scale used for every segment", "tiny-llama", (1,),
+             ("kernels",),
+             r"quantized GEMMs in float32: 8 / \d+ .*first: FP8 per-tensor \(modelopt\) "
+             r"qkv_proj \(q \| gate \| k \| v\) tp=1 rank 0", tp1_green=False))
 def fp8_tensor_first_scale_for_all() -> None:
     """FP8 per-tensor linears dequantize every output segment of a fused layer (q | k | v,
     gate | up, in_proj_qkv | in_proj_z) with the first segment's `weight_scale`."""
     _first_segment_for_all(FP8TensorLinear)
 
 
+@fault("nvfp4-linear-first-global-for-all",
+       Entry("one fused segment's NVFP4 global used for every segment", "tiny-llama", (1,),
+             ("kernels",),
+             r"quantized GEMMs in float32: 16 / \d+ .*first: NVFP4 \(modelopt\) qkv_proj",
+             tp1_green=False))
 def nvfp4_linear_first_global_for_all() -> None:
     """NVFP4 dense linears apply the first checkpoint tensor's global scale to every output
     segment of a fused layer (producers usually make them equal; nothing guarantees it)."""
     _first_segment_for_all(NVFP4Linear)
 
 
+@fault("nvfp4-divisor-as-multiplier",
+       Entry("compressed-tensors NVFP4 divisor global used as a multiplier", "tiny-llama", (1,),
+             ("kernels",), r"quantized GEMMs in float32: .*first: NVFP4 \(compressed-tensors\) ",
+             tp1_green=False))
 def nvfp4_divisor_as_multiplier() -> None:
     """compressed-tensors' NVFP4 `weight_global_scale` (a divisor, 448 * 6 / amax) is
     multiplied like ModelOpt's `weight_scale_2`, in the dense linears and the routed experts:
@@ -52,6 +67,10 @@ def nvfp4_divisor_as_multiplier() -> None:
                                                     self.w2_weight_scale_2.float())
 
 
+@fault("fp8-block-partial-off-by-one",
+       Entry("block-FP8 partial block's scale read one block early", "tiny-llama", (1,),
+             ("kernels",), r"quantized GEMMs in float32: .*first: FP8 block 24x40 \(fp8\) ",
+             tp1_green=False))
 def fp8_block_partial_off_by_one() -> None:
     """Block FP8 reads a partial last block's scale one block early (the previous block's
     row or column), as an index that rounds the last block down would; in the linears and
@@ -87,6 +106,11 @@ class _NextExpertScales:
         return getattr(self._experts, name)
 
 
+@fault("fp8-moe-scale-wrong-expert",
+       Entry("block-FP8 routed experts scaled by the next expert's block scales", "tiny-llama",
+             (1,), ("kernels",),
+             r"quantized GEMMs in float32: 4 / \d+ .*first: FP8 block 24x40 \(fp8\) routed "
+             r"experts tp=1 rank 0", tp1_green=False))
 def fp8_moe_scale_wrong_expert() -> None:
     """The block-FP8 routed experts dequantize expert e's weights with expert e + 1's block
     scales (an expert stride applied to the weights but not to the scales)."""
@@ -95,12 +119,3 @@ def fp8_moe_scale_wrong_expert() -> None:
                                                                      e, dtype)
     BlockFP8FusedExperts.dequantize_w2 = lambda self, e, dtype: w2(_NextExpertScales(self),
                                                                    e, dtype)
-
-
-QUANT_KERNEL_FAULTS = {
-    "fp8-tensor-first-scale-for-all": fp8_tensor_first_scale_for_all,
-    "nvfp4-linear-first-global-for-all": nvfp4_linear_first_global_for_all,
-    "nvfp4-divisor-as-multiplier": nvfp4_divisor_as_multiplier,
-    "fp8-block-partial-off-by-one": fp8_block_partial_off_by_one,
-    "fp8-moe-scale-wrong-expert": fp8_moe_scale_wrong_expert,
-}

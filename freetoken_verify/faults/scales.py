@@ -9,13 +9,13 @@ import dataclasses
 
 import torch
 
-import freetoken.engine.core as core
 from freetoken.formats.fp8.interleaved import InterleavedBlockRows
 from freetoken.formats.fp8.specs import BlockScaleSplit
 from freetoken.formats.fp8.tensor import ScalarScale
 from freetoken.formats.shard import Piece, ShardPieces
-from freetoken.loading.plan import ShardPlan
-from freetoken.models import registry
+from freetoken.loading.plan import Rule
+from freetoken_verify.faults._patch import after_load, rewrite_plans
+from freetoken_verify.faults.registry import Entry, fault
 
 
 def _pieces(shard: torch.Tensor, dim: int) -> ShardPieces:
@@ -23,21 +23,27 @@ def _pieces(shard: torch.Tensor, dim: int) -> ShardPieces:
     return ShardPieces(tuple(shard.shape), (Piece(shard, dim, 0, shard.shape[dim]),))
 
 
+@fault("fp8-scale-first-segment",
+       Entry("a fused destination's per-tensor FP8 scales all written into its first segment",
+             "tiny-qwen3.5-moe-mixed", (1, 2), ("memory", "shards"), r"weight_scale",
+             tp1_green=False))
 def fp8_scale_first_segment() -> None:
     """Every per-tensor FP8 `weight_scale` of a fused destination written into its first
     segment's entry (vLLM #38517: a tuple shard id filled slot 0 only): k's and v's scales
     land on q's entry, z's on in_proj_qkv's, up's on gate's."""
 
-    for arch, family in list(registry.ARCHITECTURES.items()):
-        def plan(cfg, tp, original=family.plan):
-            rules = [dataclasses.replace(r, slot=(0,)) if isinstance(r.spec, ScalarScale)
-                     and r.pattern.endswith("weight_scale") and r.slot else r
-                     for r in original(cfg, tp).rules]
-            return ShardPlan(rules, tp)
+    def first_slot(rule: Rule) -> Rule:
+        if isinstance(rule.spec, ScalarScale) and rule.pattern.endswith("weight_scale") \
+                and rule.slot:
+            return dataclasses.replace(rule, slot=(0,))
+        return rule
 
-        registry.ARCHITECTURES[arch] = dataclasses.replace(family, plan=plan)
+    rewrite_plans(first_slot)
 
 
+@fault("block-scale-rank-offset",
+       Entry("block-scale rows of a rank taken at rank x rows instead of its first block",
+             "tiny-qwen3.5-moe-fp8", (8,), ("memory", "shards"), r"weight_scale_inv"))
 def block_scale_rank_offset() -> None:
     """A block-FP8 scale split takes rank r's first scale row (column) as r x the blocks per
     rank instead of the block holding the rank's first weight element: right while every
@@ -56,6 +62,9 @@ def block_scale_rank_offset() -> None:
     BlockScaleSplit._span = span
 
 
+@fault("block-scale-shared-neighbour",
+       Entry("a rank sharing a scale block with its neighbour reads the next block",
+             "tiny-qwen3.5-moe-fp8", (8,), ("memory", "shards"), r"weight_scale_inv"))
 def block_scale_shared_neighbour() -> None:
     """A rank whose slice starts inside a scale block it shares with the previous rank (not
     the first rank of a segment that starts mid-block) reads the next block in its place (an
@@ -79,6 +88,9 @@ def block_scale_shared_neighbour() -> None:
         shard(self, full, rank, size, name), self.dim)
 
 
+@fault("q-gate-scale-rows-unmoved",
+       Entry("q|gate block-scale rows not moved with their head", "tiny-qwen3.5-moe-fp8", (1, 2),
+             ("memory", "shards"), r"q_proj\.weight_scale_inv", tp1_green=False))
 def q_gate_scale_rows_unmoved() -> None:
     """Qwen3.5's q_proj block scale, expanded to one row per weight row, cut as a plain row
     chunk while the weight's rows are regrouped `[q of the rank's heads | their gates]`: the
@@ -94,27 +106,18 @@ def q_gate_scale_rows_unmoved() -> None:
         shard(self, full, rank, size, name), 0)
 
 
+@fault("nvfp4-global-first-segment",
+       Entry("one segment's NVFP4 global scale loaded for every segment",
+             "tiny-qwen3.5-moe-nvfp4-ct", (1, 2), ("memory", "shards"), r"weight_global_scale",
+             tp1_green=False))
 def nvfp4_global_first_segment() -> None:
     """The loader gives every segment of a fused NVFP4 linear the first segment's global
     scale (q's for q, k and v; gate's for up): right only when the producer made them equal."""
 
-    original = core.load_weights
-
-    def load(model, reader, plan, progress=True):
-        out = original(model, reader, plan, progress)
+    def patch(model, reader, plan):
         for module in model.modules():
             globals_ = getattr(module, "weight_scale_2", None)
             if isinstance(globals_, torch.nn.Parameter) and globals_.numel() > 1:
                 globals_.data.copy_(globals_.data[:1].expand_as(globals_))
-        return out
 
-    core.load_weights = load
-
-
-SCALE_FAULTS = {
-    "fp8-scale-first-segment": fp8_scale_first_segment,
-    "block-scale-rank-offset": block_scale_rank_offset,
-    "block-scale-shared-neighbour": block_scale_shared_neighbour,
-    "q-gate-scale-rows-unmoved": q_gate_scale_rows_unmoved,
-    "nvfp4-global-first-segment": nvfp4_global_first_segment,
-}
+    after_load(patch)

@@ -9,8 +9,14 @@ from __future__ import annotations
 from freetoken.context import ForwardContext
 from freetoken.distributed import get_tp_info
 from freetoken.models.qwen3_5_moe import gdn
+from freetoken_verify.faults.registry import Entry, fault
 
 
+@fault("gdn-split-global-sizes",
+       Entry("GDN post-conv split with the global key/value sizes (a crash)", "tiny-qwen3.5-moe",
+             (2,), ("golden",),
+             r"rank \d: RuntimeError: split_with_sizes .*\[in model\.layers\.0\.linear_attn; "
+             r"freetoken/models/qwen3_5_moe/gdn\.py:\d+ in _heads\]"))
 def gdn_split_global_sizes() -> None:
     """GatedDeltaNet splits its conv output `[q | k | v]` with the config's global key and
     value sizes instead of the rank's own (`split([key_total, key_total, value_total])`):
@@ -29,6 +35,11 @@ def gdn_split_global_sizes() -> None:
     gdn.GatedDeltaNet._heads = heads
 
 
+@fault("decode-block-tables-row-offset",
+       Entry("block tables one row off when several sequences decode together", "tiny-llama",
+             (1, 2), ("golden",),
+             r"first divergence: batched step \d+ \(decode of prompts 0, 1, 2\)/"
+             r"model\.layers\.0\.self_attn\.o_proj", tp1_green=False))
 def decode_block_tables_row_offset() -> None:
     """A decode step over more than one sequence lays the block tables out one row off:
     sequence i attends through sequence i + 1's blocks (the last through the first's). One
@@ -46,9 +57,3 @@ def decode_block_tables_row_offset() -> None:
             self.block_tables = tables
 
     ForwardContext.decode_layout = decode_layout
-
-
-WHERE_FAULTS = {
-    "gdn-split-global-sizes": gdn_split_global_sizes,
-    "decode-block-tables-row-offset": decode_block_tables_row_offset,
-}

@@ -27,7 +27,7 @@ from freetoken.loading import CheckpointReader, load_weights, loader
 from freetoken.loading.staging import FileReader, _row_pieces, fill
 from freetoken.models.registry import build_model, load_config, shard_plan
 from freetoken_verify.cases.catalogue import CASES, GOLDEN
-from freetoken_verify.faults import double_copy_load
+from freetoken_verify.faults.memory import double_copy_load
 
 TP_SIZES = (1, 2, 4, 8)
 

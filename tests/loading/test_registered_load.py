@@ -13,7 +13,7 @@ from freetoken.distributed import TPInfo, reset_tp_info, set_tp_info
 from freetoken.loading import CheckpointReader, load_weights, loader, mapped, staging
 from freetoken.models.registry import build_model, load_config, shard_plan
 from freetoken_verify.cases.catalogue import CASES, GOLDEN
-from freetoken_verify.faults import double_copy_load
+from freetoken_verify.faults.memory import double_copy_load
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -1,8 +1,9 @@
-"""docs/extending.md is true of the code: it documents every injectable fault under the module
-that defines it, every file it names exists, and every name it places in a file (`NAME`
-(`path.py`), or `NAME` of `path.py`) is defined there. A fault added without its line there, a
-module moved, or an instruction naming a table that does not exist (a registry the checks no
-longer have) fails here."""
+"""docs/extending.md is true of the code: its fault list is the one the registry generates
+(`python -m freetoken_verify.faults --write`), documenting every injectable fault under the
+module that defines it, every file it names exists, and every name it places in a file (`NAME`
+(`path.py`), or `NAME` of `path.py`) is defined there. A fault added without regenerating the
+list, a module moved, or an instruction naming a table that does not exist (a registry the
+checks no longer have) fails here."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from freetoken_verify.faults import FAULTS
+from freetoken_verify.faults import FAULTS, doc
 
 ROOT = Path(__file__).resolve().parents[2]
 _DOC = ROOT / "docs" / "extending.md"
@@ -64,6 +65,14 @@ def _documented() -> dict[str, str]:
         if item and module:
             found[item.group(1)] = module
     return found
+
+
+def test_the_fault_list_is_the_registrys():
+    """The page's list is what the registry generates now: a fault added, renamed, moved or
+    re-catalogued without `python -m freetoken_verify.faults --write` fails here."""
+    assert doc.page_list(_DOC.read_text()) == doc.markdown(), (
+        "docs/extending.md's fault list is stale: run `python -m freetoken_verify.faults "
+        "--write`")
 
 
 def test_every_fault_is_documented_under_its_module():

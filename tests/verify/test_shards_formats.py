@@ -24,7 +24,7 @@ import freetoken.engine.core as core
 from freetoken.distributed import TPInfo, reset_tp_info, set_tp_info
 from freetoken.formats.fp8.interleaved import InterleavedBlockRows
 from freetoken.formats.fp8.specs import BlockScaleSplit
-from freetoken.loading import CheckpointReader
+from freetoken.loading import CheckpointReader, loader
 from freetoken.models import registry
 from freetoken.models.registry import build_model, load_config, shard_plan
 from freetoken_verify.checks import engine_cache
@@ -109,9 +109,10 @@ FAULT_CASES = [
 def isolated(monkeypatch):
     """Every engine attribute a scale fault replaces, restored after the test."""
     monkeypatch.setattr(registry, "ARCHITECTURES", dict(registry.ARCHITECTURES))
+    monkeypatch.setattr(loader, "POST_LOAD_HOOKS", [])
     for owner, attr in ((BlockScaleSplit, "_span"), (BlockScaleSplit, "shard"),
                         (BlockScaleSplit, "pieces"), (InterleavedBlockRows, "shard"),
-                        (InterleavedBlockRows, "pieces"), (core, "load_weights")):
+                        (InterleavedBlockRows, "pieces")):
         monkeypatch.setattr(owner, attr, getattr(owner, attr))
 
 
