@@ -160,13 +160,14 @@ class LLM:
 
 
 def check_generate(model: str | Path, prompts: Any, params: SamplingParams, tp: int = 1,
-                   dtype: str = "auto", **engine_options: Any) -> None:
+                   dtype: str = "auto", timeout: float = DEFAULT_TIMEOUT,
+                   **engine_options: Any) -> None:
     """The checks `LLM(model, tp, ...).generate(prompts, params)` makes in the parent, made
     before any rank starts or any weight loads (a 35B checkpoint takes minutes): ValueError
     naming the option, the TP size or the prompt (ids outside the vocabulary, too long)."""
     folder = resolve_model(model)
     model_config = load_config(folder)
-    check_launch(tp, False, DEFAULT_TIMEOUT)
+    check_launch(tp, False, timeout)
     config = engine_config(model_config, dtype, engine_options)
     check_tp(model_config, tp)
     prompts = split_prompts(prompts)
