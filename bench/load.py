@@ -11,8 +11,9 @@ default for them), written with safetensors into a temporary folder as several f
 index, read once to warm the page cache, and deleted at the end.
 
 Method. For each case, TP size and mode a fresh rank group is started (`cpu-gloo`, or
-`cuda-nccl` with rank r on cuda:r) and every rank builds `EngineCore(folder,
-EngineConfig(tp=N, device=..., progress=False, num_kv_blocks=1))` at the same time. Per rank:
+`cuda-nccl` with rank r on cuda:r) and every rank builds `EngineCore(folder, model_config,
+EngineConfig(progress=False, num_kv_blocks=1), device)` at the same time (the config parsed
+before the clock starts). Per rank:
 
 * `load_s`: wall time of the construction (model build + load + a one-block KV cache);
   `GB/s`: the rank's parameter bytes over it; `weights_s`: the weight loading alone
@@ -164,6 +165,7 @@ def _sample_memory(proc: psutil.Process, stop: threading.Event, peak: dict) -> N
 def _measure_load(ctx, folder: str, dtype: str) -> dict:
     from freetoken.config import EngineConfig
     from freetoken.engine.core import EngineCore
+    from freetoken.models.registry import load_config
 
     cuda = ctx.device.type == "cuda"
     if cuda:
@@ -178,11 +180,11 @@ def _measure_load(ctx, folder: str, dtype: str) -> dict:
     stop = threading.Event()
     sampler = threading.Thread(target=_sample_memory, args=(proc, stop, peak), daemon=True)
     sampler.start()
-    cfg = EngineConfig(folder, tp=ctx.size, device=ctx.device.type, dtype=dtype, progress=False,
-                       num_kv_blocks=1)
+    model_config = load_config(folder)
+    cfg = EngineConfig(dtype=dtype, progress=False, num_kv_blocks=1)
     parts = _time_load_parts()
     t0 = time.perf_counter()
-    core = EngineCore(folder, cfg, ctx.device)
+    core = EngineCore(folder, model_config, cfg, ctx.device)
     if cuda:
         torch.cuda.synchronize(ctx.device)
     seconds = time.perf_counter() - t0

@@ -261,13 +261,12 @@ def _rope(hf: dict) -> tuple[float, dict | None]:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How the engine runs a model: TP size, device, dtype, cache and batch limits."""
+    """What one rank's engine reads: dtype, cache and batch limits, the layer count, eager and
+    tp_invariant modes. Where the engine runs (the checkpoint, the TP size, the device, the
+    rank group's timeout) is the launcher's (`LLM(...)`'s arguments); the model is the
+    `ModelConfig` the launcher parsed and validated."""
 
-    model: str
-    tp: int = 1
-    device: str = "auto"
     dtype: str = "auto"
-    oversubscribe: bool = False
     block_size: int = 16
     max_num_seqs: int = 16
     max_model_len: int = 2048
@@ -275,7 +274,6 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     num_layers: int | None = None
     progress: bool = True
-    timeout: float = 600.0
     enforce_eager: bool = False
     """Run decode steps eagerly on CUDA too (no CUDA graphs)."""
     tp_invariant: bool = False

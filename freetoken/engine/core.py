@@ -23,7 +23,7 @@ from freetoken.engine.sequence import (
     default_seed,
 )
 from freetoken.loading import CheckpointReader, load_weights
-from freetoken.models.registry import build_model, load_config, shard_plan
+from freetoken.models.registry import build_model, shard_plan
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -46,14 +46,19 @@ def resolve_dtype(dtype: str, cfg: ModelConfig) -> torch.dtype:
 
 
 class EngineCore:
-    """The model, its cache and the generation loop on one rank."""
+    """The model, its cache and the generation loop on one rank.
 
-    def __init__(self, folder: str | Path, cfg: EngineConfig, device: torch.device):
+    `model_config` is the checkpoint's config as the launcher parsed and validated it (TP
+    size included): the rank builds from that object and never reads config.json again;
+    `folder` is where its weights are read from."""
+
+    def __init__(self, folder: str | Path, model_config: ModelConfig, cfg: EngineConfig,
+                 device: torch.device):
         self.cfg = cfg
         self.device = torch.device(device)
-        self.model_config = load_config(folder)
+        self.model_config = model_config
         if cfg.num_layers is not None:
-            self.model_config = self.model_config.truncated(cfg.num_layers)
+            self.model_config = model_config.truncated(cfg.num_layers)
         self.dtype = resolve_dtype(cfg.dtype, self.model_config)
         if cfg.tp_invariant and self.device.type != "cpu":
             raise ValueError(f"tp_invariant runs on CPU only (the {self.device.type} kernels "

@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from freetoken.config import EngineConfig
+from freetoken.config import EngineConfig, ModelConfig
 from freetoken.distributed import RankContext, RankGroup, choose_placement, get_tp_info
 from freetoken.engine.core import EngineCore
 from freetoken.engine.driver import Driver, LLMClosed
-from freetoken.engine.options import engine_config
+from freetoken.engine.options import check_launch, engine_config
 from freetoken.engine.requests import Limits, check_request, split_prompts, token_ids
 from freetoken.engine.resolve import resolve_model
 from freetoken.engine.sequence import GenerationResult, Request, SamplingParams, default_seed
@@ -25,6 +25,8 @@ from freetoken.loading.screen import screen_checkpoint
 from freetoken.loading.validate import validate_checkpoint
 from freetoken.models.registry import check_tp, load_config
 
+DEFAULT_TIMEOUT = 600.0
+"""Seconds a rank group waits for a rank to start or answer before it names the hung rank."""
 STEPS_PER_CALL = 8
 """Engine steps the ranks run per round trip (fewer when a request finishes sooner): a
 request submitted meanwhile waits at most this many steps to join the batch."""
@@ -39,11 +41,13 @@ class LLM:
 
     def __init__(self, model: str | Path, tp: int = 1, device: str = "auto",
                  dtype: str = "auto", oversubscribe: bool = False, in_process: bool | None = None,
-                 **engine_options: Any):
+                 timeout: float = DEFAULT_TIMEOUT, **engine_options: Any):
         self.folder = resolve_model(model)
+        # Parsed and validated once, here; the ranks get this object, not the file.
         self.model_config = load_config(self.folder)
-        self.config = engine_config(str(self.folder), self.model_config, tp, device, dtype,
-                                    oversubscribe, engine_options)
+        check_launch(tp, oversubscribe, timeout)
+        self.tp = tp
+        self.config = engine_config(self.model_config, dtype, engine_options)
         check_tp(self.model_config, tp)
         validate_checkpoint(self.folder)
         screen_checkpoint(self.folder, self.model_config.quantization)
@@ -54,12 +58,13 @@ class LLM:
         self._core: EngineCore | None = None
         self._group: RankGroup | None = None
         if tp == 1 and in_process is not False:
-            self._core = EngineCore(self.folder, self.config, self.placement.device_for(0))
+            self._core = EngineCore(self.folder, self.model_config, self.config,
+                                    self.placement.device_for(0))
         else:
-            self._group = RankGroup(tp, self.placement, timeout=self.config.timeout)
+            self._group = RankGroup(tp, self.placement, timeout=timeout)
             self._group.start()
             try:
-                self._group.run(_start_core, self.folder, self.config)
+                self._group.run(_start_core, self.folder, self.model_config, self.config)
             except BaseException:
                 self._group.close(force=True)
                 raise
@@ -155,13 +160,15 @@ class LLM:
 
 
 def check_generate(model: str | Path, prompts: Any, params: SamplingParams, tp: int = 1,
-                   dtype: str = "auto", **engine_options: Any) -> None:
+                   dtype: str = "auto", timeout: float = DEFAULT_TIMEOUT,
+                   **engine_options: Any) -> None:
     """The checks `LLM(model, tp, ...).generate(prompts, params)` makes in the parent, made
     before any rank starts or any weight loads (a 35B checkpoint takes minutes): ValueError
     naming the option, the TP size or the prompt (ids outside the vocabulary, too long)."""
     folder = resolve_model(model)
     model_config = load_config(folder)
-    config = engine_config(str(folder), model_config, tp, "auto", dtype, False, engine_options)
+    check_launch(tp, False, timeout)
+    config = engine_config(model_config, dtype, engine_options)
     check_tp(model_config, tp)
     prompts = split_prompts(prompts)
     tokenizer = _load_tokenizer(folder) if any(isinstance(p, str) for p in prompts) else None
@@ -173,7 +180,7 @@ def check_generate(model: str | Path, prompts: Any, params: SamplingParams, tp: 
     check_request(ids, [params] * len(ids), _limits(config, model_config))
 
 
-def _limits(cfg: EngineConfig, model_config) -> Limits:
+def _limits(cfg: EngineConfig, model_config: ModelConfig) -> Limits:
     blocks = cfg.num_kv_blocks or cfg.max_num_seqs * -(-cfg.max_model_len // cfg.block_size)
     max_len = min(cfg.max_model_len, model_config.max_position_embeddings)
     return Limits(model_config.vocab_size, max_len, blocks, cfg.block_size)
@@ -195,8 +202,9 @@ def _kill_ranks(group: RankGroup) -> None:
             proc.kill()
 
 
-def _start_core(ctx: RankContext, folder: Path, config: EngineConfig) -> None:
-    ctx.state["core"] = EngineCore(folder, config, ctx.device)
+def _start_core(ctx: RankContext, folder: Path, model_config: ModelConfig,
+                config: EngineConfig) -> None:
+    ctx.state["core"] = EngineCore(folder, model_config, config, ctx.device)
 
 
 def _on_core(ctx: RankContext, fn: Callable[..., Any], args: tuple) -> Any:

@@ -3,7 +3,12 @@ declared by each model's shard plan (`freetoken.loading.plan`). A layer built wi
 format (`fmt`, from the quantization config) gets a quantization method that creates its
 parameters and computes the GEMM (`freetoken.layers.quantization.linear_method`: on CUDA a
 weight-only Triton GEMM, elsewhere its dequantized weight and F.linear); the layer tells it
-how its rows and inputs are split."""
+how its rows and inputs are split.
+
+The TP-local sizes of each parallel layer are computed in one place, the layer's own `layout`
+(`local_out`, `local_in`) taking the TP size as an argument: the layer sizes its weight from
+it, and the shard rules take their slots (and the TP checks their divisibility) from the same
+call, so a slot cannot drift from the parameter it fills."""
 
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from freetoken.distributed import divide, get_communicator, get_tp_info
 from freetoken.kernels import gemv
 from freetoken.layers import invariant
 from freetoken.layers.activation import silu_and_mul
+from freetoken.layers.layout import GATE_UP, LocalRows
 from freetoken.layers.quantization import Split, linear_method
 
 WHOLE = Split.whole
@@ -93,7 +99,13 @@ class ColumnParallelLinear(LinearBase):
     def __init__(self, full_in: int, full_out: int, bias: bool = False, what: str = "out_features",
                  fmt=None):
         quant = linear_method(fmt, [Split(full_out)], WHOLE(full_in))
-        super().__init__(full_in, divide(full_out, get_tp_info().size, what), bias, quant)
+        super().__init__(full_in, self.local_out(full_out, get_tp_info().size, what), bias,
+                         quant)
+
+    @staticmethod
+    def local_out(full_out: int, tp: int, what: str = "out_features") -> int:
+        """Output rows per rank at `tp` ranks (ValueError naming `what` unless they split)."""
+        return divide(full_out, tp, what)
 
 
 class MergedColumnParallelLinear(LinearBase):
@@ -101,11 +113,17 @@ class MergedColumnParallelLinear(LinearBase):
     split on its own, so rank r holds [seg0_r | seg1_r | ...]."""
 
     def __init__(self, full_in: int, full_sizes: list[int], bias: bool = False,
-                 what: str = "out_features", fmt=None):
-        size = get_tp_info().size
-        self.local_sizes = [divide(s, size, what) for s in full_sizes]
+                 what: str = "out_features", fmt=None, names: tuple[str, ...] = GATE_UP):
+        rows = self.layout(full_sizes, get_tp_info().size, what, names)
+        self.local_sizes = list(rows.sizes)
         quant = linear_method(fmt, [Split(s) for s in full_sizes], WHOLE(full_in))
-        super().__init__(full_in, sum(self.local_sizes), bias, quant)
+        super().__init__(full_in, rows.total, bias, quant)
+
+    @staticmethod
+    def layout(full_sizes: list[int], tp: int, what: str = "out_features",
+               names: tuple[str, ...] = GATE_UP) -> LocalRows:
+        """The local rows at `tp` ranks: each segment (`names`) split on its own."""
+        return LocalRows(tuple(names), tuple(divide(s, tp, what) for s in full_sizes))
 
     def forward_gated(self, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
         """`silu(gate) * up` of `self(norm(x))` for a [gate | up] pair of equal segments;
@@ -125,14 +143,21 @@ class QKVParallelLinear(LinearBase):
 
     def __init__(self, hidden: int, head_dim: int, total_num_heads: int,
                  total_num_kv_heads: int, bias: bool = False, fmt=None):
-        size = get_tp_info().size
-        self.num_heads = divide(total_num_heads, size, "num_attention_heads")
-        self.num_kv_heads = local_kv_heads(total_num_kv_heads, size)
+        rows = self.layout(head_dim, total_num_heads, total_num_kv_heads, get_tp_info().size)
+        self.num_heads, self.num_kv_heads = rows.size("q") // head_dim, rows.size("k") // head_dim
         self.head_dim = head_dim
-        self.local_sizes = [self.num_heads * head_dim] + [self.num_kv_heads * head_dim] * 2
+        self.local_sizes = list(rows.sizes)
         kv = Split(total_num_kv_heads * head_dim, heads=total_num_kv_heads)
         quant = linear_method(fmt, [Split(total_num_heads * head_dim), kv, kv], WHOLE(hidden))
-        super().__init__(hidden, sum(self.local_sizes), bias, quant)
+        super().__init__(hidden, rows.total, bias, quant)
+
+    @staticmethod
+    def layout(head_dim: int, total_num_heads: int, total_num_kv_heads: int, tp: int
+               ) -> LocalRows:
+        """`[q | k | v]` rows at `tp` ranks: this rank's query heads, then its KV head(s)."""
+        q = divide(total_num_heads, tp, "num_attention_heads") * head_dim
+        kv = local_kv_heads(total_num_kv_heads, tp) * head_dim
+        return LocalRows(("q", "k", "v"), (q, kv, kv))
 
 
 def local_kv_heads(total_num_kv_heads: int, tp_size: int) -> int:
@@ -154,8 +179,13 @@ class RowParallelLinear(LinearBase):
     def __init__(self, full_in: int, full_out: int, bias: bool = False, what: str = "in_features",
                  reduce: bool = True, fmt=None):
         quant = linear_method(fmt, [WHOLE(full_out)], Split(full_in))
-        super().__init__(divide(full_in, get_tp_info().size, what), full_out, bias, quant)
+        super().__init__(self.local_in(full_in, get_tp_info().size, what), full_out, bias, quant)
         self.reduce = reduce
+
+    @staticmethod
+    def local_in(full_in: int, tp: int, what: str = "in_features") -> int:
+        """Input columns per rank at `tp` ranks (ValueError naming `what` unless they split)."""
+        return divide(full_in, tp, what)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.canonical is not None:

@@ -12,6 +12,7 @@ from freetoken.distributed import divide, get_tp_info
 from freetoken.kernels import fused_moe
 from freetoken.layers import invariant
 from freetoken.layers.activation import silu_and_mul
+from freetoken.layers.layout import GATE_UP, LocalRows
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype):
@@ -33,12 +34,18 @@ class FusedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden: int, full_intermediate: int):
         super().__init__()
         self.num_experts = num_experts
-        self.local_intermediate = divide(full_intermediate, get_tp_info().size,
-                                         "moe_intermediate_size")
-        i = self.local_intermediate
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * i, hidden), requires_grad=False)
+        rows = self.layout(full_intermediate, get_tp_info().size)
+        i = self.local_intermediate = rows.size("gate")
+        self.w13 = nn.Parameter(torch.empty(num_experts, rows.total, hidden),
+                                requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, i), requires_grad=False)
         self.canonical = invariant.active_reductions()
+
+    @staticmethod
+    def layout(full_intermediate: int, tp: int) -> LocalRows:
+        """Each expert's w13 `[gate | up]` rows at `tp` ranks (w2's inputs are one of them)."""
+        i = divide(full_intermediate, tp, "moe_intermediate_size")
+        return LocalRows(GATE_UP, (i, i))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 sum_slots: bool = True) -> torch.Tensor:

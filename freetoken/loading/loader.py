@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from freetoken.distributed import get_tp_info
+from freetoken.distributed import TPInfo, get_tp_info
 from freetoken.formats.quant.format import QUANTIZED_DTYPES
 from freetoken.formats.shard import ShardPieces, ShardSpec, write_pieces
 from freetoken.loading import staging
@@ -94,9 +94,11 @@ def load_weights(model: nn.Module, reader: CheckpointReader, plan: ShardPlan,
     """Fill `model`'s parameters with this rank's shards, then run `POST_LOAD_HOOKS`; returns
     bytes read per tensor kind.
 
-    Rank-dependent: each rank writes its own shard of every tensor.
+    Rank-dependent: each rank writes its own shard of every tensor. `plan` must be made for
+    this rank's TP size (LoadError naming both sizes and the rank otherwise).
     """
     tp = get_tp_info()
+    _check_plan_size(plan, tp)
     params = dict(model.named_parameters())
     device = next((p.device for p in params.values() if p.is_cuda), None)
     mapped = MappedCheckpoint(reader) if device is not None else None
@@ -114,7 +116,7 @@ def load_weights(model: nn.Module, reader: CheckpointReader, plan: ShardPlan,
                    disable=not (progress and tp.is_first and _on_a_terminal()), leave=False)
         spans = _spans(jobs, threads)
         with ThreadPoolExecutor(max_workers=len(spans) or 1, thread_name_prefix="load") as pool:
-            for done in [pool.submit(_copy_span, span, reader, tp.rank, tp.size, bar, mapped)
+            for done in [pool.submit(_copy_span, span, reader, bar, mapped)
                          for span in spans]:
                 done.result()
     finally:
@@ -128,6 +130,14 @@ def load_weights(model: nn.Module, reader: CheckpointReader, plan: ShardPlan,
         hook(model, reader, plan)
     reader.close()
     return {p: sum(v.values()) for p, v in filled.items()}
+
+
+def _check_plan_size(plan: ShardPlan, tp: TPInfo) -> None:
+    """The plan's slots are cut for its TP size and each shard for the rank's: told apart
+    here, once, a mismatch is not left to surface as some tensor's shape error."""
+    if plan.tp_size != tp.size:
+        raise LoadError(f"rank {tp.rank}: the shard plan is for tp_size={plan.tp_size}, but "
+                        f"this rank is one of tp_size={tp.size}")
 
 
 def _plan(params: dict, reader: CheckpointReader, plan: ShardPlan, rank: int, size: int,
@@ -178,13 +188,13 @@ def _spans(jobs: list[_Job], threads: int) -> list[list[_Job]]:
     return spans
 
 
-def _copy_span(span: list[_Job], reader: CheckpointReader, rank: int, size: int, bar,
+def _copy_span(span: list[_Job], reader: CheckpointReader, bar,
                mapped: MappedCheckpoint | None = None) -> None:
     """Copy one run of tensors into their slots (runs in a loader thread)."""
     stager = _make_stager(span, reader, mapped)
     if stager is None:
         for job in span:
-            _copy_job(job, rank, size, None)
+            _copy_job(job, None)
             bar.update(1)
         return
     runs, singles = _small_runs(span, stager.buffer_bytes)
@@ -193,7 +203,7 @@ def _copy_span(span: list[_Job], reader: CheckpointReader, rank: int, size: int,
             _copy_run(run, stager)
             bar.update(len(run))
         for job in singles:
-            _copy_job(job, rank, size, stager)
+            _copy_job(job, stager)
             bar.update(1)
     stager.finish()
     # Staged copies run on the stager's stream: checked once they have all landed.
@@ -239,9 +249,9 @@ def _in_flight(name: str) -> Iterator[None]:
         observe(name, True)
 
 
-def _copy_job(job: _Job, rank: int, size: int, stager: PinnedStager | None) -> None:
+def _copy_job(job: _Job, stager: PinnedStager | None) -> None:
     with _in_flight(job.name):
-        _copy_shard(job, rank, size, stager)
+        _copy_shard(job, stager)
 
 
 def _copy_run(run: list[_Job], stager: PinnedStager) -> None:
@@ -279,7 +289,7 @@ def _small_runs(span: list[_Job], most: int) -> tuple[list[list[_Job]], list[_Jo
     return runs, [job for job in span if id(job) not in batched]
 
 
-def _copy_shard(job: _Job, rank: int, size: int, stager: PinnedStager | None) -> None:
+def _copy_shard(job: _Job, stager: PinnedStager | None) -> None:
     """The one copy of a shard: from the mapped checkpoint into its slot (the pieces were
     made and checked by `_plan`)."""
     if stager is None:

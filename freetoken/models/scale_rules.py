@@ -18,6 +18,7 @@ from freetoken.formats.fp8.tensor import ScalarScale
 from freetoken.formats.nvfp4.specs import PACKED, SCALE, GlobalScale, InputSplit
 from freetoken.formats.quant.format import FP8_BLOCK, FP8_TENSOR, MODELOPT, NVFP4, ModuleFormat
 from freetoken.formats.specs import Heads, InterleavedHeads, PaddedSplit, Split
+from freetoken.layers.moe import FusedExperts
 from freetoken.loading.plan import Rule
 
 
@@ -169,14 +170,14 @@ def fp8_expert_rules(expert: str, dest: str, full_intermediate: int, tp: int,
     expert's prefix with a group `e`; `dest`: the experts module's parameter prefix): gate
     then up rows and their own scale rows into w13, down's inputs and their scale columns
     into w2, split on the intermediate dimension (ranks may share a block)."""
-    i = full_intermediate // tp
+    layout = FusedExperts.layout(full_intermediate, tp)
     rows = BlockScaleSplit(0, fmt.block[0], full_intermediate)
     nb, scale = rows.blocks(tp), _scale_suffix(fmt)
     rules = []
-    for index, part in enumerate(("gate", "up")):
+    for index, part in enumerate(layout.names):
         src = rf"{expert}\.{part}_proj\."
         rules += [Rule(src + "weight", Split(0), f"{dest}.w13_weight",
-                       ("e", slice(index * i, (index + 1) * i))),
+                       ("e", layout.slot(part))),
                   Rule(src + scale, rows, f"{dest}.w13_weight_scale",
                        ("e", slice(index * nb, (index + 1) * nb)))]
     src = rf"{expert}\.down_proj\."

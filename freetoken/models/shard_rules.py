@@ -5,12 +5,13 @@ machinery is `freetoken.loading.plan`; the specs are `freetoken.formats`."""
 from __future__ import annotations
 
 from freetoken.config import ModelConfig
-from freetoken.distributed import divide
 from freetoken.formats.nvfp4.checkpoint import COMPRESSED_TENSORS, tensor_suffixes
 from freetoken.formats.nvfp4.specs import PACKED, SCALE, GlobalScale, InputSplit, local_inputs
 from freetoken.formats.quant import FP8_BLOCK, NVFP4
 from freetoken.formats.specs import Heads, PaddedSplit, Replicate, Split
-from freetoken.layers.linear import local_kv_heads
+from freetoken.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+from freetoken.layers.moe import FusedExperts
+from freetoken.layers.quantization.nvfp4.moe import NVFP4FusedExperts
 from freetoken.loading.plan import Rule, ShardPlan
 from freetoken.models.decoder_modules import experts_format
 from freetoken.models.scale_rules import (
@@ -26,18 +27,15 @@ LAYER = r"(?P<p>model\.layers\.\d+)"
 def attention_rules(cfg: ModelConfig, tp: int, prefix: str = LAYER) -> list[Rule]:
     """q, k, v into the fused qkv_proj (k and v by KV head, replicated when fewer than ranks),
     o_proj split on its input."""
-    hd = cfg.head_dim
-    q = cfg.num_attention_heads // tp * hd
-    kv_rows = local_kv_heads(cfg.num_key_value_heads, tp) * hd
+    rows = QKVParallelLinear.layout(cfg.head_dim, cfg.num_attention_heads,
+                                    cfg.num_key_value_heads, tp)
     attn = prefix + r"\.self_attn"
-    slots = {"q": slice(0, q), "k": slice(q, q + kv_rows),
-             "v": slice(q + kv_rows, q + 2 * kv_rows)}
     kv = Heads(cfg.num_key_value_heads)
     specs = {"q": Split(0), "k": kv, "v": kv}
     kinds = ["weight", "bias"] if cfg.attention_bias else ["weight"]
     rules = [
         Rule(rf"{attn}\.{x}_proj\.{kind}", specs[x], rf"\g<p>.self_attn.qkv_proj.{kind}",
-             (slots[x],))
+             (rows.slot(x),))
         for x in "qkv" for kind in kinds
     ]
     rules.append(Rule(rf"{attn}\.o_proj\.weight", Split(1)))
@@ -50,13 +48,13 @@ def attention_rules(cfg: ModelConfig, tp: int, prefix: str = LAYER) -> list[Rule
 
 def dense_mlp_rules(intermediate: int, tp: int, prefix: str = LAYER) -> list[Rule]:
     """gate and up split separately into the merged gate_up_proj; down split on its input."""
-    i = intermediate // tp
+    rows = MergedColumnParallelLinear.layout([intermediate] * 2, tp, "intermediate_size")
     mlp = prefix + r"\.mlp"
     return [
         Rule(rf"{mlp}\.gate_proj\.weight", Split(0), r"\g<p>.mlp.gate_up_proj.weight",
-             (slice(0, i),)),
+             (rows.slot("gate"),)),
         Rule(rf"{mlp}\.up_proj\.weight", Split(0), r"\g<p>.mlp.gate_up_proj.weight",
-             (slice(i, 2 * i),)),
+             (rows.slot("up"),)),
         Rule(rf"{mlp}\.down_proj\.weight", Split(1)),
     ]
 
@@ -74,22 +72,22 @@ def expert_rules(expert: str, dest: str, full_intermediate: int, tp: int,
     and [e, 1]; input scales are not used by W4A16 and are ignored."""
     if producer is not None:
         return _nvfp4_expert_rules(expert, dest, full_intermediate, tp, producer)
-    i = full_intermediate // tp
+    rows = FusedExperts.layout(full_intermediate, tp)
     return [
-        Rule(rf"{expert}\.gate_proj\.weight", Split(0), f"{dest}.w13", ("e", slice(0, i))),
-        Rule(rf"{expert}\.up_proj\.weight", Split(0), f"{dest}.w13", ("e", slice(i, 2 * i))),
+        Rule(rf"{expert}\.gate_proj\.weight", Split(0), f"{dest}.w13", ("e", rows.slot("gate"))),
+        Rule(rf"{expert}\.up_proj\.weight", Split(0), f"{dest}.w13", ("e", rows.slot("up"))),
         Rule(rf"{expert}\.down_proj\.weight", Split(1), f"{dest}.w2", ("e",)),
     ]
 
 
 def _nvfp4_expert_rules(expert: str, dest: str, full_intermediate: int, tp: int,
                         producer: str) -> list[Rule]:
-    i = local_inputs(full_intermediate, tp, "moe_intermediate_size")
+    layout = NVFP4FusedExperts.layout(full_intermediate, tp)
     names = {field: suffix for suffix, field in tensor_suffixes(producer).items()}
     glob = GlobalScale((1,) if producer == COMPRESSED_TENSORS else ())
     rules = []
-    for index, (part, rows) in enumerate((("gate", slice(0, i)), ("up", slice(i, 2 * i)))):
-        src = rf"{expert}\.{part}_proj\."
+    for index, part in enumerate(layout.names):
+        src, rows = rf"{expert}\.{part}_proj\.", layout.slot(part)
         rules += [Rule(src + names["weight"], Split(0), f"{dest}.w13_weight", ("e", rows)),
                   Rule(src + names["weight_scale"], Split(0), f"{dest}.w13_weight_scale",
                        ("e", rows)),
@@ -139,15 +137,15 @@ def decoder_plan(cfg: ModelConfig, tp: int) -> ShardPlan:
 def check_decoder_tp(cfg: ModelConfig, tp: int) -> None:
     """ValueError naming the first dimension of a Llama-style decoder `tp` ranks cannot split
     (attention heads, KV heads unless replicated, dense and expert intermediate sizes)."""
-    divide(cfg.num_attention_heads, tp, "num_attention_heads")
-    local_kv_heads(cfg.num_key_value_heads, tp)
+    QKVParallelLinear.layout(cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads,
+                             tp)
     if any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
-        divide(cfg.intermediate_size, tp, "intermediate_size")
+        MergedColumnParallelLinear.layout([cfg.intermediate_size] * 2, tp, "intermediate_size")
     if cfg.num_experts:
-        divide(cfg.moe_intermediate_size, tp, "moe_intermediate_size")
+        FusedExperts.layout(cfg.moe_intermediate_size, tp)
         fmt = experts_format(cfg)
         if fmt is not None and fmt.kind == NVFP4:
-            local_inputs(cfg.moe_intermediate_size, tp, "moe_intermediate_size")
+            NVFP4FusedExperts.layout(cfg.moe_intermediate_size, tp)
     check_nvfp4_inputs(cfg, tp, {"self_attn.o_proj": (cfg.num_attention_heads * cfg.head_dim,
                                                       "num_attention_heads x head_dim"),
                                  "mlp.down_proj": (cfg.intermediate_size,

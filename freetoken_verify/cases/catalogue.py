@@ -385,7 +385,7 @@ class Case:
 
     def engine_args(self, options) -> dict:
         """What a rank needs to build this model's engine under `options`."""
-        return {"folder": str(self.folder), "device": options.device, "dtype": options.dtype,
+        return {"folder": str(self.folder), "dtype": options.dtype,
                 "num_layers": options.num_layers}
 
 

@@ -8,6 +8,7 @@ import gc
 from freetoken.config import EngineConfig
 from freetoken.distributed import RankContext
 from freetoken.engine.core import EngineCore
+from freetoken.models.registry import load_config
 
 
 def _key(engine_args: dict) -> tuple:
@@ -25,9 +26,13 @@ def build_engine(rank_ctx: RankContext, engine_args: dict) -> EngineCore:
     """A freshly loaded engine for `engine_args`, made the rank's resident engine."""
     release_engine(rank_ctx)
     args = dict(engine_args)
-    cfg = EngineConfig(args.pop("folder"), tp=rank_ctx.size, progress=False, max_num_seqs=8,
-                       **args)
-    rank_ctx.state["engine"] = EngineCore(cfg.model, cfg, rank_ctx.device)
+    folder = args.pop("folder")
+    # Parsed on the rank, as the launcher does in its process: the quantization-config faults
+    # (`freetoken_verify.faults.quant_config`) patch that reading in the ranks only, so that
+    # the parent's reading, which the checks compare with, stays right.
+    model_config = load_config(folder)
+    cfg = EngineConfig(progress=False, max_num_seqs=8, **args)
+    rank_ctx.state["engine"] = EngineCore(folder, model_config, cfg, rank_ctx.device)
     rank_ctx.state["engine_key"] = _key(engine_args)
     return rank_ctx.state["engine"]
 

@@ -33,8 +33,9 @@ def double_copy_load() -> None:
     copied twice and the host holds one shard more than the parameters (on a GPU, the whole
     shard in pageable memory), every shard on its own (no batched small runs)."""
 
-    def copy(job, rank, size, stager):
-        job.dest.copy_(job.spec.shard(job.full, rank, size, job.name))
+    def copy(job, stager):
+        tp = get_tp_info()
+        job.dest.copy_(job.spec.shard(job.full, tp.rank, tp.size, job.name))
 
     loader._copy_shard = copy
     loader.SMALL_RUN_BYTES = 0

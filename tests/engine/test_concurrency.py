@@ -70,7 +70,7 @@ def test_concurrent_callers_get_their_own_outputs(shared_llm):
     to the same call made alone."""
     calls = [_make_call(k) for k in range(_THREADS)]
     alone = [[r.token_ids for r in shared_llm.generate(*call)] for call in calls]
-    label = f"TP {shared_llm.config.tp}"
+    label = f"TP {shared_llm.tp}"
     for _ in range(2):  # the second round starts with the driver thread already running
         _assert_own_outputs(alone, _run_threads(shared_llm, calls), label)
 
@@ -83,7 +83,7 @@ def test_bad_values_refused_in_the_parent_and_the_llm_keeps_serving(shared_llm):
     with pytest.raises(ValueError, match="need 26 cache blocks, the cache has 24"):
         shared_llm.generate([[1] * 10], SamplingParams(max_tokens=400))
     result = shared_llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))
-    assert len(result[0].token_ids) == 2, f"TP {shared_llm.config.tp}: {result}"
+    assert len(result[0].token_ids) == 2, f"TP {shared_llm.tp}: {result}"
 
 
 def test_tensor_prompts(shared_llm):

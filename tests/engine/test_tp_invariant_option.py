@@ -44,9 +44,9 @@ def test_generate_tp_invariant_same_tokens_at_tp1_and_tp2():
 def test_tp_invariant_refuses_a_non_cpu_device():
     """An engine in the tp_invariant mode on a device other than the CPU raises before
     building anything, naming the option and the device."""
-    cfg = EngineConfig(str(CASE), device="cpu", progress=False, tp_invariant=True)
+    cfg = EngineConfig(progress=False, tp_invariant=True)
     with pytest.raises(ValueError, match="tp_invariant runs on CPU only .*meta"):
-        EngineCore(CASE, cfg, torch.device("meta"))
+        EngineCore(CASE, load_config(CASE), cfg, torch.device("meta"))
 
 
 @pytest.mark.parametrize("tp_invariant", [False, True])

@@ -14,6 +14,7 @@ from freetoken.config import EngineConfig
 from freetoken.distributed import RankGroup, choose_placement, get_tp_info
 from freetoken.engine.core import EngineCore
 from freetoken.engine.sequence import SamplingParams
+from freetoken.models.registry import load_config
 
 CASES = ["tiny-llama", "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3.5-moe",
          "tiny-qwen3.5-moe-nvfp4"]
@@ -25,9 +26,9 @@ DEFAULT_CASE = ("tiny-qwen3-moe", "float32")
 
 def _make_core(ctx, case: str, dtype: str, tp_invariant: bool) -> EngineCore:
     folder = GOLDEN / case
-    cfg = EngineConfig(str(folder), tp=ctx.size, device="cpu", dtype=dtype, progress=False,
-                       tp_invariant=tp_invariant, max_num_seqs=4, max_model_len=128)
-    return EngineCore(folder, cfg, ctx.device)
+    cfg = EngineConfig(dtype=dtype, progress=False, tp_invariant=tp_invariant, max_num_seqs=4,
+                       max_model_len=128)
+    return EngineCore(folder, load_config(folder), cfg, ctx.device)
 
 
 def _rank_outputs(ctx, runs: list[tuple[str, str, bool]]):

@@ -23,7 +23,7 @@ from freetoken.formats.specs import (
     Segments,
     Split,
 )
-from freetoken.loading import CheckpointReader, load_weights, loader
+from freetoken.loading import CheckpointReader, LoadError, load_weights, loader
 from freetoken.loading.staging import FileReader, _row_pieces, fill
 from freetoken.models.registry import build_model, load_config, shard_plan
 from freetoken_verify.cases.catalogue import CASES, GOLDEN
@@ -211,7 +211,7 @@ def test_small_runs_assemble_bitwise_the_shard_path(case):
                 assert all(j.nbytes <= loader.SMALL_RUN_BYTES for j in run)
                 loader._copy_run(run, _HostStager())
             for job in singles:
-                loader._copy_job(job, rank, tp, None)
+                loader._copy_job(job, None)
             batched_somewhere |= bool(runs)
             got = {n: p.detach().clone() for n, p in model.named_parameters()}
             _assert_bitwise_same(got, want, f"{case} batched tp={tp} rank={rank}")
@@ -228,7 +228,7 @@ def test_finite_screen_per_parameter_names_the_tensor():
     cfg = load_config(folder)
     _, jobs = _planned(folder, cfg, 1, 0)
     for job in jobs:
-        loader._copy_job(job, 0, 1, None)
+        loader._copy_job(job, None)
     groups = loader._finite_groups(jobs)
     assert sorted(n for _, parts in groups for n, _ in parts) == sorted(j.name for j in jobs)
     assert len(groups) < len(jobs) / 2, f"{len(groups)} screens for {len(jobs)} tensors"
@@ -309,3 +309,18 @@ def _staged(spec, full, rank, size, name, dtype, files, rows=3):
         fill(stage, pieces, first, stop, files, origin)
         out[first:stop] = stage
     return out
+
+
+def test_a_plan_for_another_tp_size_is_refused_naming_both_sizes_and_the_rank():
+    """Rank 1 of 2 handed the plan of TP 4 stops before anything is planned or copied, with
+    an error naming the plan's size, the rank's and the rank."""
+    folder = GOLDEN / "tiny-llama"
+    cfg = load_config(folder)
+    set_tp_info(TPInfo(1, 2))
+    try:
+        model = _build(cfg, torch.float32)
+        with pytest.raises(LoadError, match=r"rank 1: the shard plan is for tp_size=4, but "
+                                            r"this rank is one of tp_size=2"):
+            load_weights(model, CheckpointReader(folder), shard_plan(cfg, 4), progress=False)
+    finally:
+        reset_tp_info()

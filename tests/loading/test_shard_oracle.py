@@ -40,9 +40,10 @@ EXACT_FP32 = 2**24
 def _rank_load(ctx, folder: str) -> dict[str, torch.Tensor]:
     from freetoken.config import EngineConfig
     from freetoken.engine.core import EngineCore
+    from freetoken.models.registry import load_config
 
-    cfg = EngineConfig(folder, tp=ctx.size, device="cpu", dtype="float32", progress=False)
-    core = EngineCore(folder, cfg, "cpu")
+    cfg = EngineConfig(dtype="float32", progress=False)
+    core = EngineCore(folder, load_config(folder), cfg, "cpu")
     return {name: p.detach().clone() for name, p in core.model.named_parameters()}
 
 

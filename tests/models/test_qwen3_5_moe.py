@@ -68,15 +68,16 @@ def test_preempted_sequence_recomputes_its_state(monkeypatch, bundled):
     from freetoken.config import EngineConfig
     from freetoken.engine.core import EngineCore
     from freetoken.engine.scheduler import Scheduler
+    from freetoken.models.registry import load_config
 
     folder, prompts, ref = bundled
     preempted = []
     original = Scheduler._preempt
     monkeypatch.setattr(Scheduler, "_preempt",
                         lambda self, seq: (preempted.append(seq.seq_id), original(self, seq)))
-    cfg = EngineConfig(str(folder), device="cpu", dtype="float32", block_size=8,
-                       num_kv_blocks=13, max_num_seqs=3, progress=False)
-    core = EngineCore(folder, cfg, torch.device("cpu"))
+    cfg = EngineConfig(dtype="float32", block_size=8, num_kv_blocks=13, max_num_seqs=3,
+                       progress=False)
+    core = EngineCore(folder, load_config(folder), cfg, torch.device("cpu"))
     params = _params(return_logits=True, return_prompt_logits=True)
     results = core.generate(prompts, [params] * len(prompts))
     assert preempted, "the cache was expected to force a preemption"

@@ -4,13 +4,15 @@ errors name the architecture or the file."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import pickle
 
 import pytest
 
 from freetoken.config import ConfigError
 from freetoken.models.registry import ARCHITECTURES, architecture, config_from_hf, load_config
-from freetoken_verify.cases.catalogue import resolve_case
+from freetoken_verify.cases.catalogue import CASES, bundled_folder, resolve_case
 
 
 def _make_hf(case: str, **changes) -> dict:
@@ -68,3 +70,16 @@ def test_load_config_names_the_file(tmp_path):
                                                                vocab_size=None)))
     with pytest.raises(ConfigError, match=r"config\.json: missing key 'vocab_size'"):
         load_config(tmp_path)
+
+
+@pytest.mark.parametrize("case", sorted(c for c in CASES if bundled_folder(c) is not None))
+def test_the_parsed_config_is_frozen_and_survives_the_trip_to_a_rank(case):
+    """The launcher sends its parsed ModelConfig to the ranks (pickled through their pipes)
+    instead of each rank reading config.json: the copy equals it field for field, its
+    resolved module formats and raw config included, and neither can be changed."""
+    cfg = load_config(bundled_folder(case))
+    copy = pickle.loads(pickle.dumps(cfg))
+    assert type(copy) is type(cfg) and copy == cfg, case
+    assert copy.module_formats == cfg.module_formats and copy.raw == cfg.raw, case
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        copy.num_hidden_layers = 1

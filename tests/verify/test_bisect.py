@@ -12,6 +12,7 @@ import torch
 from freetoken.config import EngineConfig
 from freetoken.engine.core import EngineCore
 from freetoken.engine.sequence import SamplingParams
+from freetoken.models.registry import load_config
 from freetoken_verify.activations.engine import FULL, PARTIAL, Recorder, flat, unshard
 from freetoken_verify.activations.hf import NameMap
 from freetoken_verify.cases.catalogue import GOLDEN
@@ -167,8 +168,8 @@ def test_hf_decode_rows_are_left_out_when_hf_consumed_another_token():
 def _record_prefill(case: str, prompt: list[int]) -> dict:
     """Every module's capture of one TP=1 prefill of `prompt` on bundled `case`, by key."""
     folder = GOLDEN / case
-    core = EngineCore(folder, EngineConfig(str(folder), device="cpu", dtype="float32",
-                                           progress=False, max_num_seqs=1),
+    core = EngineCore(folder, load_config(folder),
+                      EngineConfig(dtype="float32", progress=False, max_num_seqs=1),
                       torch.device("cpu"))
     recorder = Recorder(core.model, core.model_config, 1)
     recorder.phase("prefill", len(prompt))

@@ -78,9 +78,8 @@ def test_trace_attributes_each_call_to_its_module():
     whose site predicts it, once per step, with the predicted shape and dtype (the embedding
     and the sampler's broadcast skip the Communicator at TP=1 and are not expected there)."""
     folder = GOLDEN / "tiny-qwen3-moe"
-    cfg = EngineConfig(str(folder), device="cpu", dtype="float32", progress=False,
-                       max_num_seqs=2)
-    core = EngineCore(folder, cfg, torch.device("cpu"))
+    cfg = EngineConfig(dtype="float32", progress=False, max_num_seqs=2)
+    core = EngineCore(folder, load_config(folder), cfg, torch.device("cpu"))
     steps = trace_generation(core, [3, 1, 4, 1, 5])
     sites = expected_sites(core.model, torch.float32, batch=1)
     assert len(steps) == 2, f"prefill + decode expected, got {len(steps)} steps"

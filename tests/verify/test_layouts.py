@@ -103,7 +103,7 @@ def _audit(tp: int, rank: int = 0) -> dict:
     the TP identity, set for the call and forgotten after)."""
     from freetoken.distributed import TPInfo, reset_tp_info, set_tp_info
 
-    engine_args = {"folder": str(CASE), "device": "cpu", "dtype": "auto", "num_layers": None}
+    engine_args = {"folder": str(CASE), "dtype": "auto", "num_layers": None}
     reset_tp_info()
     set_tp_info(TPInfo(rank, tp))
     try:

@@ -43,7 +43,7 @@ def folders(tmp_path_factory) -> dict:
 def _audit(folder, tp: int, rank: int = 0, loaded: bool = False) -> list[str]:
     """Rank `rank` of `tp`'s shards failures, in this process; `loaded`: with the rank's
     model loaded by the engine's loader first (as after memory or golden)."""
-    engine_args = {"folder": str(folder), "device": "cpu", "dtype": "auto", "num_layers": None}
+    engine_args = {"folder": str(folder), "dtype": "auto", "num_layers": None}
     reset_tp_info()
     set_tp_info(TPInfo(rank, tp))
     try:

@@ -7,10 +7,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from freetoken.distributed import divide, get_tp_info
+from freetoken.distributed import get_tp_info
 from freetoken.layers.attention import PagedAttention
 from freetoken.layers.invariant import elementwise
-from freetoken.layers.linear import LinearBase, RowParallelLinear, local_kv_heads
+from freetoken.layers.layout import LocalRows
+from freetoken.layers.linear import LinearBase, QKVParallelLinear, RowParallelLinear
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.quantization import Split, linear_method
 from freetoken.layers.rotary import RotaryEmbedding
@@ -24,11 +25,10 @@ class QGateKVParallelLinear(LinearBase):
     `freetoken.formats.fp8.interleaved`), so they move with their heads whatever head_dim."""
 
     def __init__(self, cfg: Qwen35MoeConfig, fmt=None):
-        size = get_tp_info().size
-        self.num_heads = divide(cfg.num_attention_heads, size, "num_attention_heads")
-        self.num_kv_heads = local_kv_heads(cfg.num_key_value_heads, size)
-        q, kv = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
-        self.local_sizes = [q, q, kv, kv]
+        rows = self.layout(cfg, get_tp_info().size)
+        self.num_heads = rows.size("q") // cfg.head_dim
+        self.num_kv_heads = rows.size("k") // cfg.head_dim
+        self.local_sizes = list(rows.sizes)
         full_q = cfg.num_attention_heads * cfg.head_dim
         full_kv = Split(cfg.num_key_value_heads * cfg.head_dim, heads=cfg.num_key_value_heads,
                         group=1)
@@ -36,8 +36,15 @@ class QGateKVParallelLinear(LinearBase):
         quant = linear_method(fmt, [q_rows, q_rows, full_kv,
                                     Split(full_kv.full_size, full_kv.heads, group=2)],
                               Split.whole(cfg.hidden_size))
-        super().__init__(cfg.hidden_size, sum(self.local_sizes), bias=cfg.attention_bias,
-                         quant=quant)
+        super().__init__(cfg.hidden_size, rows.total, bias=cfg.attention_bias, quant=quant)
+
+    @staticmethod
+    def layout(cfg: Qwen35MoeConfig, tp: int) -> LocalRows:
+        """`[q | gate | k | v]` rows at `tp` ranks (q_proj's shard fills q through gate)."""
+        qkv = QKVParallelLinear.layout(cfg.head_dim, cfg.num_attention_heads,
+                                       cfg.num_key_value_heads, tp)
+        q, kv = qkv.size("q"), qkv.size("k")
+        return LocalRows(("q", "gate", "k", "v"), (q, q, kv, kv))
 
 
 class GatedAttention(nn.Module):

@@ -28,9 +28,13 @@ from freetoken.layers.delta_rule import (
     recurrent_gated_delta_rule,
 )
 from freetoken.layers.gated_norm import GatedRMSNorm
+from freetoken.layers.layout import LocalRows
 from freetoken.layers.linear import LinearBase, RowParallelLinear
 from freetoken.layers.quantization import Split, linear_method
 from freetoken.models.qwen3_5_moe.config import Qwen35MoeConfig
+
+GDN_SEGMENTS = ("q", "k", "v", "z", "b", "a")
+"""The fused in_proj's row segments, in order (in_proj_qkv's three, then z, b and a)."""
 
 
 class GatedDeltaNet(nn.Module):
@@ -38,16 +42,13 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, cfg: Qwen35MoeConfig, prefix: str = ""):
         super().__init__()
-        size = get_tp_info().size
-        self.num_k_heads = divide(cfg.linear_num_key_heads, size, "linear_num_key_heads")
-        self.num_v_heads = divide(cfg.linear_num_value_heads, size, "linear_num_value_heads")
+        rows = self.in_proj_layout(cfg, get_tp_info().size)
         self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        self.key_dim = self.num_k_heads * self.head_k_dim
-        self.value_dim = self.num_v_heads * self.head_v_dim
-        conv_dim = 2 * self.key_dim + self.value_dim
-        # Rank-local [q | k | v | z | b | a].
+        self.key_dim, self.value_dim = rows.size("q"), rows.size("v")
+        self.num_k_heads, self.num_v_heads = self.key_dim // self.head_k_dim, rows.size("b")
+        conv_dim = rows.size("q", "v")
         self.local_sizes = [conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads]
-        self.in_proj, self.in_proj_ba = in_projections(cfg, prefix, self.local_sizes)
+        self.in_proj, self.in_proj_ba = in_projections(cfg, prefix, rows)
         self.conv1d = CausalConv1d(conv_dim, cfg.linear_conv_kernel_dim)
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
@@ -57,6 +58,17 @@ class GatedDeltaNet(nn.Module):
                                           fmt=cfg.format_of(f"{prefix}.out_proj"))
         self.conv_state = torch.empty(0)
         self.recurrent_state = torch.empty(0)
+
+    @staticmethod
+    def in_proj_layout(cfg: Qwen35MoeConfig, tp: int) -> LocalRows:
+        """The rank-local `[q | k | v | z | b | a]` rows of the fused in_proj at `tp` ranks:
+        its key heads' q and k, its value heads' v and z, one b and one a row per value
+        head (q through v are also conv1d's channels)."""
+        key = divide(cfg.linear_num_key_heads, tp, "linear_num_key_heads") * \
+            cfg.linear_key_head_dim
+        heads = divide(cfg.linear_num_value_heads, tp, "linear_num_value_heads")
+        value = heads * cfg.linear_value_head_dim
+        return LocalRows(GDN_SEGMENTS, (key, key, value, value, heads, heads))
 
     def allocate_state(self, num_slots: int, dtype: torch.dtype, device) -> None:
         """Conv state [slots, local channels, kernel - 1] in the activation dtype (as HF
@@ -177,20 +189,20 @@ class GatedDeltaNet(nn.Module):
         return q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2), v
 
 
-def in_projections(cfg: Qwen35MoeConfig, prefix: str, local_sizes: list[int]):
-    """(in_proj, in_proj_ba): one unquantized GEMM over [qkv | z | b | a] (in_proj_ba None),
-    or, where the config quantizes in_proj_qkv and in_proj_z (b and a never are), in_proj
-    over [qkv | z] in that format, each of q, k, v and z with its own scale rows, and an
-    unquantized in_proj_ba over [b | a]."""
+def in_projections(cfg: Qwen35MoeConfig, prefix: str, rows: LocalRows):
+    """(in_proj, in_proj_ba) over the local `rows`: one unquantized GEMM over [qkv | z | b |
+    a] (in_proj_ba None), or, where the config quantizes in_proj_qkv and in_proj_z (b and a
+    never are), in_proj over [qkv | z] in that format, each of q, k, v and z with its own
+    scale rows, and an unquantized in_proj_ba over [b | a]."""
     fmt = cfg.format_of(f"{prefix}.in_proj", 0)
     if fmt is None:
-        return LinearBase(cfg.hidden_size, sum(local_sizes)), None
+        return LinearBase(cfg.hidden_size, rows.total), None
     key = cfg.linear_num_key_heads * cfg.linear_key_head_dim
     value = cfg.linear_num_value_heads * cfg.linear_value_head_dim
     total = 2 * key + value
-    rows = [Split(key, start=0, total=total, group=0),
-            Split(key, start=key, total=total, group=0),
-            Split(value, start=2 * key, total=total, group=0), Split(value, group=1)]
-    quant = linear_method(fmt, rows, Split.whole(cfg.hidden_size))
-    return (LinearBase(cfg.hidden_size, sum(local_sizes[:2]), quant=quant),
-            LinearBase(cfg.hidden_size, sum(local_sizes[2:])))
+    splits = [Split(key, start=0, total=total, group=0),
+              Split(key, start=key, total=total, group=0),
+              Split(value, start=2 * key, total=total, group=0), Split(value, group=1)]
+    quant = linear_method(fmt, splits, Split.whole(cfg.hidden_size))
+    return (LinearBase(cfg.hidden_size, rows.size("q", "z"), quant=quant),
+            LinearBase(cfg.hidden_size, rows.size("b", "a")))

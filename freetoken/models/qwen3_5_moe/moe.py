@@ -14,9 +14,12 @@ from freetoken.formats.quant import FP8_BLOCK
 from freetoken.kernels import gemv
 from freetoken.layers import invariant
 from freetoken.layers.activation import silu_and_mul
+from freetoken.layers.layout import LocalRows
 from freetoken.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from freetoken.layers.moe import FusedExperts, route
 from freetoken.models.qwen3_5_moe.config import Qwen35MoeConfig
+
+SHARED = "shared_expert_intermediate_size"
 
 
 class SharedExpert(nn.Module):
@@ -24,11 +27,16 @@ class SharedExpert(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, formats: tuple = (None, None)):
         super().__init__()
-        what = "shared_expert_intermediate_size"
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, what=what,
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, what=SHARED,
                                                        fmt=formats[0])
-        self.down_proj = RowParallelLinear(intermediate, hidden, what=what, reduce=False,
+        self.down_proj = RowParallelLinear(intermediate, hidden, what=SHARED, reduce=False,
                                            fmt=formats[1])
+
+    @staticmethod
+    def layout(intermediate: int, tp: int) -> LocalRows:
+        """gate_up_proj's `[gate | up]` rows at `tp` ranks (down_proj's inputs are one of
+        them)."""
+        return MergedColumnParallelLinear.layout([intermediate] * 2, tp, SHARED)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if uses_kernels():

@@ -7,9 +7,7 @@ from __future__ import annotations
 import math
 import re
 
-from freetoken.distributed import divide
 from freetoken.formats.nvfp4.format import GROUP
-from freetoken.formats.nvfp4.specs import local_inputs
 from freetoken.formats.quant import FP8_BLOCK
 from freetoken.formats.specs import (
     Heads,
@@ -19,9 +17,13 @@ from freetoken.formats.specs import (
     Segments,
     Split,
 )
-from freetoken.layers.linear import local_kv_heads
+from freetoken.layers.layout import LocalRows
+from freetoken.layers.quantization.nvfp4.moe import NVFP4FusedExperts
 from freetoken.loading.plan import Rule, ShardPlan
+from freetoken.models.qwen3_5_moe.attention import QGateKVParallelLinear
 from freetoken.models.qwen3_5_moe.config import Qwen35MoeConfig
+from freetoken.models.qwen3_5_moe.gdn import GatedDeltaNet
+from freetoken.models.qwen3_5_moe.moe import SharedExpert
 from freetoken.models.scale_rules import (
     block_scale_rules,
     fp8_expert_rules,
@@ -58,14 +60,13 @@ def qwen3_5_moe_plan(cfg: Qwen35MoeConfig, tp: int) -> ShardPlan:
 def attention_rules(cfg: Qwen35MoeConfig, tp: int, layer: str) -> list[Rule]:
     """q_proj (per-head [q | gate] rows) by head into the q and gate slots of the fused
     projection; k and v by KV head, replicated when fewer than ranks; o_proj on its input."""
-    hd, src, dest = cfg.head_dim, rf"{layer}\.self_attn", rf"{DEST}.self_attn"
-    q = cfg.num_attention_heads // tp * hd
-    kv = local_kv_heads(cfg.num_key_value_heads, tp) * hd
+    src, dest = rf"{layer}\.self_attn", rf"{DEST}.self_attn"
+    rows = QGateKVParallelLinear.layout(cfg, tp)
     kinds = ["weight", "bias"] if cfg.attention_bias else ["weight"]
     q_gate = InterleavedHeads(cfg.num_attention_heads, names=("q", "gate"))
-    specs = {"q": (q_gate, slice(0, 2 * q)),
-             "k": (Heads(cfg.num_key_value_heads), slice(2 * q, 2 * q + kv)),
-             "v": (Heads(cfg.num_key_value_heads), slice(2 * q + kv, 2 * q + 2 * kv))}
+    specs = {"q": (q_gate, rows.slot("q", "gate")),
+             "k": (Heads(cfg.num_key_value_heads), rows.slot("k")),
+             "v": (Heads(cfg.num_key_value_heads), rows.slot("v"))}
     rules = [Rule(rf"{src}\.{x}_proj\.{kind}", spec, f"{dest}.qkv_proj.{kind}", (slot,))
              for x, (spec, slot) in specs.items() for kind in kinds]
     rules.append(Rule(rf"{src}\.o_proj\.weight", Split(1), f"{dest}.o_proj.weight"))
@@ -89,17 +90,14 @@ def gdn_rules(cfg: Qwen35MoeConfig, tp: int, layer: str) -> list[Rule]:
     fused in_proj; conv1d per segment; A_log and dt_bias by value head; out_proj on its input;
     the gated norm (over one head's dv channels) replicated."""
     src, dest = rf"{layer}\.linear_attn", rf"{DEST}.linear_attn"
-    key = cfg.linear_num_key_heads // tp * cfg.linear_key_head_dim
-    heads = cfg.linear_num_value_heads // tp
-    value = heads * cfg.linear_value_head_dim
-    slots, start = {}, 0
-    for name, width in (("qkv", 2 * key + value), ("z", value), ("b", heads), ("a", heads)):
-        slots[name], start = (slice(start, start + width),), start + width
+    rows = GatedDeltaNet.in_proj_layout(cfg, tp)
     packed = gdn_packed_spec(cfg)
     return [
-        Rule(rf"{src}\.in_proj_qkv\.weight", packed, f"{dest}.in_proj.weight", slots["qkv"]),
-        Rule(rf"{src}\.in_proj_z\.weight", Split(0), f"{dest}.in_proj.weight", slots["z"]),
-        *_ba_rules(cfg, slots, dest),
+        Rule(rf"{src}\.in_proj_qkv\.weight", packed, f"{dest}.in_proj.weight",
+             (rows.slot("q", "v"),)),
+        Rule(rf"{src}\.in_proj_z\.weight", Split(0), f"{dest}.in_proj.weight",
+             (rows.slot("z"),)),
+        *_ba_rules(cfg, rows, dest),
         Rule(rf"{src}\.conv1d\.weight", packed, f"{dest}.conv1d.weight"),
         Rule(rf"{src}\.(?P<n>A_log|dt_bias)", Split(0), rf"{dest}.\g<n>"),
         Rule(rf"{src}\.norm\.weight", Replicate(), f"{dest}.norm.weight"),
@@ -107,25 +105,23 @@ def gdn_rules(cfg: Qwen35MoeConfig, tp: int, layer: str) -> list[Rule]:
     ]
 
 
-def _ba_rules(cfg: Qwen35MoeConfig, slots: dict, dest: str) -> list[Rule]:
+def _ba_rules(cfg: Qwen35MoeConfig, rows: LocalRows, dest: str) -> list[Rule]:
     """in_proj_b and in_proj_a by value head: into the fused in_proj after q|k|v|z, or, in
     layers whose qkv|z is quantized, into the unquantized in_proj_ba of their own."""
     split = [i for i in range(cfg.num_hidden_layers)
              if cfg.gemm_count(f"model.layers.{i}.linear_attn.in_proj") > 1]
     fused = [i for i in range(cfg.num_hidden_layers)
              if cfg.is_linear_layer(i) and i not in split]
-    heads = slots["b"][0].stop - slots["b"][0].start
     rules = []
-    for layers, param, base in ((fused, "in_proj", slots["b"][0].start),
-                                (split, "in_proj_ba", 0)):
+    for layers, param, held in ((fused, "in_proj", rows), (split, "in_proj_ba",
+                                                           rows.select("b", "a"))):
         if not layers:
             continue
         pattern = (rf"{re.escape(cfg.checkpoint_prefix)}\.layers\."
                    rf"(?P<l>{'|'.join(map(str, layers))})\.linear_attn")
         rules += [Rule(rf"{pattern}\.in_proj_{x}\.weight", Split(0),
-                       f"{dest}.{param}.weight",
-                       (slice(base + k * heads, base + (k + 1) * heads),))
-                  for k, x in enumerate("ba")]
+                       f"{dest}.{param}.weight", (held.slot(x),))
+                  for x in "ba"]
     return rules
 
 
@@ -134,15 +130,15 @@ def moe_rules(cfg: Qwen35MoeConfig, tp: int, layer: str) -> list[Rule]:
     up split separately into gate_up_proj, down on its input); per-expert keys into the
     stacked w13 / w2, split on the intermediate dimension."""
     src, dest = rf"{layer}\.mlp", rf"{DEST}.mlp"
-    s = cfg.shared_expert_intermediate_size // tp
+    shared = SharedExpert.layout(cfg.shared_expert_intermediate_size, tp)
     expert = rf"{src}\.experts\.(?P<e>\d+)"
     return [
         Rule(rf"{src}\.(?P<n>gate|shared_expert_gate)\.weight", Replicate(),
              rf"{dest}.\g<n>.weight"),
         Rule(rf"{src}\.shared_expert\.gate_proj\.weight", Split(0),
-             f"{dest}.shared_expert.gate_up_proj.weight", (slice(0, s),)),
+             f"{dest}.shared_expert.gate_up_proj.weight", (shared.slot("gate"),)),
         Rule(rf"{src}\.shared_expert\.up_proj\.weight", Split(0),
-             f"{dest}.shared_expert.gate_up_proj.weight", (slice(s, 2 * s),)),
+             f"{dest}.shared_expert.gate_up_proj.weight", (shared.slot("up"),)),
         Rule(rf"{src}\.shared_expert\.down_proj\.weight", Split(1),
              f"{dest}.shared_expert.down_proj.weight"),
     ] + _experts(cfg, expert, f"{dest}.experts", tp)
@@ -162,13 +158,12 @@ def check_qwen3_5_moe_tp(cfg: Qwen35MoeConfig, tp: int) -> None:
     GatedDeltaNet heads and the shared expert; NVFP4 experts split their inputs (down_proj's)
     on 16-element group boundaries, checked before any rank starts."""
     check_decoder_tp(cfg, tp)
-    divide(cfg.linear_num_key_heads, tp, "linear_num_key_heads")
-    divide(cfg.linear_num_value_heads, tp, "linear_num_value_heads")
-    divide(cfg.shared_expert_intermediate_size, tp, "shared_expert_intermediate_size")
+    GatedDeltaNet.in_proj_layout(cfg, tp)
+    SharedExpert.layout(cfg.shared_expert_intermediate_size, tp)
     check_nvfp4_inputs(cfg, tp, {"shared_expert.down_proj": (
         cfg.shared_expert_intermediate_size, "shared_expert_intermediate_size")})
     if cfg.nvfp4_experts:
         if cfg.hidden_size % GROUP:
             raise ValueError(f"hidden_size={cfg.hidden_size} is not a multiple of the "
                              f"{GROUP}-element NVFP4 group")
-        local_inputs(cfg.moe_intermediate_size, tp, "moe_intermediate_size")
+        NVFP4FusedExperts.layout(cfg.moe_intermediate_size, tp)

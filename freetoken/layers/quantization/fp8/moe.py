@@ -19,12 +19,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from freetoken.context import uses_kernels
-from freetoken.distributed import divide, get_tp_info
+from freetoken.distributed import get_tp_info
 from freetoken.formats.fp8.block import FP8, dequantize
 from freetoken.formats.fp8.specs import BlockScaleSplit
 from freetoken.kernels import fused_moe, quant_gemm
 from freetoken.layers import invariant
 from freetoken.layers.activation import silu_and_mul
+from freetoken.layers.moe import FusedExperts
 from freetoken.layers.quantization.weight_only import row_index
 
 
@@ -41,8 +42,8 @@ class BlockFP8FusedExperts(nn.Module):
         super().__init__()
         tp = get_tp_info()
         self.num_experts, self.block, self.tp = num_experts, block, tp
-        i = self.local_intermediate = divide(full_intermediate, tp.size,
-                                             "moe_intermediate_size")
+        i = self.local_intermediate = FusedExperts.layout(full_intermediate,
+                                                          tp.size).size("gate")
         self.rows = BlockScaleSplit(0, block[0], full_intermediate)
         self.cols = BlockScaleSplit(1, block[1], full_intermediate)
         h_rows, h_cols = -(-hidden // block[0]), -(-hidden // block[1])

@@ -10,6 +10,7 @@ from freetoken.distributed import get_tp_info
 from freetoken.formats.nvfp4.format import GROUP
 from freetoken.formats.nvfp4.specs import local_inputs
 from freetoken.layers import invariant
+from freetoken.layers.layout import GATE_UP, LocalRows
 from freetoken.layers.quantization.nvfp4.backend import TRITON, choose_backend
 from freetoken.layers.quantization.nvfp4.reference import reference_moe, reference_moe_leaves
 
@@ -38,18 +39,25 @@ class NVFP4FusedExperts(nn.Module):
             raise ValueError(f"hidden_size={hidden} is not a multiple of the {GROUP}-element "
                              "NVFP4 group")
         self.num_experts, self.hidden = num_experts, hidden
-        self.local_intermediate = i = local_inputs(full_intermediate, get_tp_info().size,
-                                                   "moe_intermediate_size")
+        rows = self.layout(full_intermediate, get_tp_info().size)
+        self.local_intermediate = i = rows.size("gate")
         self.backend = backend
         self.global_scale_is_reciprocal = global_scale_is_reciprocal
         e, fp8 = num_experts, torch.float8_e4m3fn
-        self.w13_weight = _param(e, 2 * i, hidden // 2, dtype=torch.uint8)
-        self.w13_weight_scale = _param(e, 2 * i, hidden // GROUP, dtype=fp8)
+        self.w13_weight = _param(e, rows.total, hidden // 2, dtype=torch.uint8)
+        self.w13_weight_scale = _param(e, rows.total, hidden // GROUP, dtype=fp8)
         self.w13_weight_scale_2 = _param(e, 2, dtype=torch.float32)
         self.w2_weight = _param(e, hidden, i // 2, dtype=torch.uint8)
         self.w2_weight_scale = _param(e, hidden, i // GROUP, dtype=fp8)
         self.w2_weight_scale_2 = _param(e, dtype=torch.float32)
         self.canonical = invariant.active_reductions()
+
+    @staticmethod
+    def layout(full_intermediate: int, tp: int) -> LocalRows:
+        """Each expert's w13 `[gate | up]` rows at `tp` ranks (w2's inputs are one of them):
+        ShardError unless every rank's share is whole 16-element groups."""
+        i = local_inputs(full_intermediate, tp, "moe_intermediate_size")
+        return LocalRows(GATE_UP, (i, i))
 
     def global_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13 [E, 2], w2 [E]) global scales as multipliers, float32."""
