@@ -118,7 +118,7 @@ def _use_mode(ctx, mode: str) -> None:
     """Switch the loader to `mode`'s path in this rank process."""
     from freetoken.formats import specs
     from freetoken.formats.nvfp4 import specs as nvfp4_specs
-    from freetoken_verify.faults import double_copy_load
+    from freetoken_verify.faults.memory import double_copy_load
 
     if mode == "fast":
         return
