@@ -93,20 +93,35 @@ def test_shipping_layouts_resolve_or_are_refused_naming_module_and_format():
         _parse(block)
 
 
-def test_gdn_ba_quantized_and_fused_names_are_refused():
+def test_gdn_ba_quantized_is_refused_and_fused_names_exclude_their_parts():
     """in_proj_b left out of modules_to_not_convert (block FP8 would quantize its per-head
-    rows) is refused naming it and why; an ignore list using vLLM's fused `in_proj_ba` name,
-    which no checkpoint module has, is refused naming the entry."""
+    rows) is refused naming it and why. An exclusion naming vLLM's fused `in_proj_ba` /
+    `in_proj_qkvz` (Qwen3-Next's own names) excludes the split modules it packs (HF's and
+    compressed-tensors' matching rules); a fused-looking name the model has no parts for is still
+    refused naming the entry."""
     block = {"quant_method": "fp8", "weight_block_size": [16, 16],
              "modules_to_not_convert": ["lm_head", "mlp", "self_attn", "in_proj_qkv",
                                         "in_proj_z", "out_proj", "in_proj_a"]}
     with pytest.raises(ConfigError, match=rf"{P}\.0\.linear_attn\.in_proj_b is FP8 block .*"
                                           r"one row per value head"):
         _parse(block)
+    block["modules_to_not_convert"][-1:] = ["linear_attn.in_proj_ba", "mlp.gate",
+                                            "mlp.shared_expert_gate"]
+    in_proj = _parse(block).module_formats["model.layers.0.linear_attn.in_proj"]
+    assert [(len(g.parts), g.format.kind) for g in in_proj] == [(4, BF16)], in_proj
     fused = {"quant_method": "compressed-tensors",
-             "ignore": [*_redhat_ignore(_make_hf()), f"{P}.0.linear_attn.in_proj_ba"],
-             "config_groups": {"group_0": {"targets": ["re:.*experts.*"], **NVFP4_GROUP}}}
-    with pytest.raises(ConfigError, match=rf"ignore names '{P}\.0\.linear_attn\.in_proj_ba'"):
+             "ignore": [f"{P}.{i}.linear_attn.in_proj_{x}"
+                        for i, kind in enumerate(_make_hf()["text_config"]["layer_types"])
+                        if kind == "linear_attention" for x in ("qkvz", "ba")],
+             "config_groups": {"group_0": {"targets": ["re:.*(linear_attn|experts).*"],
+                                           "weights": {"num_bits": 8, "type": "float",
+                                                       "strategy": "block",
+                                                       "block_structure": [16, 16]}}}}
+    formats = _parse(fused).module_formats
+    assert formats["model.layers.0.linear_attn.in_proj"][0].format.kind == BF16
+    assert formats["model.layers.0.linear_attn.out_proj"][0].format.kind == "fp8-block"
+    fused["ignore"].append(f"{P}.0.mlp.in_proj_ba")
+    with pytest.raises(ConfigError, match=rf"ignore names '{P}\.0\.mlp\.in_proj_ba'"):
         _parse(fused)
 
 

@@ -83,17 +83,20 @@ def test_refused_formats_name_the_module_and_why():
 
 
 def test_entries_naming_no_module_are_refused_and_foreign_ones_allowed():
-    """A config entry naming a module the model does not have (vLLM's fused `in_proj_ba`, a
-    layer past the last) is refused naming the key and the entry; non-Linear modules
-    (`linear_attn`, `linear_attn.norm`), containers, and the vision tower / MTP head (not
-    run by the engine) are accepted."""
+    """A config entry naming a module the model does not have (a layer past the last, a
+    fused name over modules the model lacks) is refused naming the key and the entry;
+    non-Linear modules (`linear_attn`, `linear_attn.norm`), containers, vLLM's fused name
+    of modules the model has (`in_proj_ba`) and the vision tower / MTP head (not run by the
+    engine) are accepted."""
     ok = {"quant_method": "compressed-tensors", "ignore": [
-        GDN, f"{GDN}.norm", f"{GDN}.in_proj_b", "model.visual.blocks.0.attn.qkv",
+        GDN, f"{GDN}.norm", f"{GDN}.in_proj_b", f"{GDN}.in_proj_ba",
+        "model.visual.blocks.0.attn.qkv",
         "mtp.layers.0.mlp.gate", *PARTS],
         "config_groups": {"g": {"targets": ["Linear"], "weights": {
             "num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}}}}
     resolve(parse_quant_config(ok, "config.json"), _make_table())
-    for entry in (f"{GDN}.in_proj_ba", "model.layers.7.linear_attn.in_proj_qkv"):
+    for entry in ("model.layers.7.linear_attn.in_proj_ba",
+                  "model.layers.7.linear_attn.in_proj_qkv"):
         bad = dict(ok, ignore=[*ok["ignore"], entry])
         with pytest.raises(QuantConfigError, match=rf"config.json: ignore names '{entry}', "
                                                    "which is none of the model's"):

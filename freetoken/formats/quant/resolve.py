@@ -4,7 +4,8 @@ table. Checkpoints name HF's modules (`q_proj`, `in_proj_qkv`, `in_proj_b`, per-
 `in_proj`, stacked experts). A destination whose parts differ in format is split into GEMMs
 that each have one format where the model allows it (`Destination.splittable`), else
 refused; so is a config entry naming a module the model does not have, and a format a module
-cannot take. Messages name the module and the config."""
+cannot take. Messages name the module and the config. An exclusion may name a packed
+module by its fused vLLM name (`freetoken.formats.quant.scheme.PACKED`)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from freetoken.formats.quant.scheme import (
     MODELOPT_STYLE,
     QuantScheme,
     normalise,
+    packed_parts,
     prefixes,
 )
 
@@ -84,9 +86,11 @@ def _check_entries(scheme: QuantScheme, table: ModuleTable) -> None:
     if style == MODELOPT_STYLE:
         known = known | {normalise(k) for k in known}
     for key, entry in scheme.entries:
-        if entry in known or _foreign(entry):
+        # A fused name (`in_proj_ba`) names the model's modules it packs (scheme.PACKED).
+        names = [entry] + packed_parts(entry)
+        if any(n in known for n in names) or _foreign(entry):
             continue
-        if style == HF_STYLE and any(k.endswith(entry) for k in known):
+        if style == HF_STYLE and any(k.endswith(n) for k in known for n in names):
             continue
         what = "modules" if style != CT_STYLE else "module names"
         raise QuantConfigError(f"{scheme.source}: {key} names {entry!r}, which is none of the "

@@ -12,7 +12,12 @@ pattern keeps its producer's rule (`Pattern.style`):
   to a module boundary, or as a plain suffix of the name.
 
 Exact names are kept in sets: an expanded ignore list has hundreds of entries and a 35B
-checkpoint tens of thousands of expert modules."""
+checkpoint tens of thousands of expert modules.
+
+An exclusion may also name a packed module by the fused name vLLM gives it (`PACKED`:
+`linear_attn.in_proj_ba`, `in_proj_qkvz`, `self_attn.qkv_proj`, `mlp.gate_up_proj`; Qwen3-Next's
+own checkpoints use the GatedDeltaNet ones): it excludes each module packed under that
+name, as vLLM's `packed_modules_mapping` reads it."""
 
 from __future__ import annotations
 
@@ -27,6 +32,26 @@ _MULTIMODAL = "model.language_model."
 _WILDCARDS = re.compile(r"[*?\[]")
 _HF_BOUNDARY = r"(?:(?<=\.)|(?=\.|$))"
 _HF_REGEX = re.compile(r"[\\^$*+?{}\[\]|()]")
+PACKED = {"in_proj_qkv": "in_proj_qkvz", "in_proj_z": "in_proj_qkvz",
+          "in_proj_b": "in_proj_ba", "in_proj_a": "in_proj_ba",
+          "q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+          "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+"""A split module's last name -> the fused name packing it."""
+
+
+def packed_name(module: str) -> str | None:
+    """The fused name packing `module` (`...linear_attn.in_proj_b` -> `...in_proj_ba`), or
+    None."""
+    parent, _, last = module.rpartition(".")
+    fused = PACKED.get(last)
+    return f"{parent}.{fused}" if fused and parent else None
+
+
+def packed_parts(name: str) -> list[str]:
+    """The split modules a fused `name` packs (`...in_proj_ba` -> `...in_proj_b`,
+    `...in_proj_a`); [] for a name that is not a fused one."""
+    parent, _, last = name.rpartition(".")
+    return [f"{parent}.{split}" for split, fused in PACKED.items() if fused == last and parent]
 
 
 def _is_exact(entry: str, style: str) -> bool:
@@ -119,7 +144,8 @@ class QuantScheme:
     def format_of(self, module: str) -> ModuleFormat:
         """The format of linear module `module` (a checkpoint name, e.g.
         `model.layers.0.mlp.experts.3.gate_proj`)."""
-        if self.exclude.matches(module):
+        fused = packed_name(module)
+        if self.exclude.matches(module) or (fused is not None and self.exclude.matches(fused)):
             return UNQUANTIZED
         for rule in self.rules:
             if rule.matches(module):
