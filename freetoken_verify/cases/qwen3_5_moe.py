@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from freetoken_verify.cases.randomise import rerandomise
+from freetoken_verify.cases.realdims import quantize_checkpoint
 from freetoken_verify.cases.tiny import VOCAB
 from freetoken_verify.cases.tokenizer import write_tokenizer
 
@@ -112,8 +113,6 @@ def write_realdims(folder: str | Path, dtype: str = "bfloat16", fmt: str = "bf16
     outputs: verify it with `freetoken-verify --model FOLDER` (HF is run live on bf16, on the
     dequantized twin otherwise). About 2.7e9 parameters at 2 layers: 5.4 GB in bfloat16;
     building it needs roughly twice that in host memory."""
-    from freetoken_verify.cases.realdims import quantize_checkpoint
-
     folder = Path(folder)
     master = folder if fmt == "bf16" else folder.with_name(folder.name + ".bf16")
     master.mkdir(parents=True, exist_ok=True)
