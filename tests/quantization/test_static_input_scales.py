@@ -1,0 +1,145 @@
+"""Stored static input scales of FP8 modules (HF `fp8` `activation_scheme: static`:
+`activation_scale`; compressed-tensors static input activations: `input_scale`): the config
+says which modules store them, the engine loads them whole into `input_scale` parameters
+(one entry per checkpoint tensor, an expert's `[e, gate | up]`), checked finite and above 0
+naming the tensor, and leaves them unused; the harness states and counts them from the
+config, and the dequantized twin drops them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import GOLDEN
+from safetensors.torch import load_file, save_file
+
+import freetoken.engine.core as core
+from freetoken.distributed import TPInfo, reset_tp_info, set_tp_info
+from freetoken.formats.fp8.convert import write_block_fp8
+from freetoken.formats.quant import FP8_BLOCK, FP8_TENSOR, parse_quant_config, read_quant_config
+from freetoken.formats.quant.format import QuantConfigError
+from freetoken.formats.quant.twin import write_dequantized_twin
+from freetoken.loading import CheckpointReader
+from freetoken.models.registry import build_model, load_config, shard_plan
+from freetoken_verify.cli import main
+
+L = "model.language_model.layers"
+BLOCK = (24, 40)
+KEEP = ("lm_head", "embed_tokens", "mlp.gate", "shared_expert_gate", "in_proj_b", "in_proj_a")
+FP8_BLOCK_WEIGHTS = {"num_bits": 8, "type": "float", "strategy": "block",
+                     "block_structure": [24, 40]}
+FP8_INPUTS = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
+
+
+@pytest.fixture(scope="module")
+def static(tmp_path_factory):
+    """Qwen's block FP8 over the bundled Qwen3.5-MoE, with static activation scales."""
+    return write_block_fp8(GOLDEN / "tiny-qwen3.5-moe", tmp_path_factory.mktemp("q") / "s",
+                           BLOCK, KEEP, static_inputs=True)
+
+
+def _ct(weights: dict, inputs: dict | None) -> dict:
+    group = {"targets": ["Linear"], "weights": weights}
+    if inputs is not None:
+        group["input_activations"] = inputs
+    return {"quant_method": "compressed-tensors", "config_groups": {"group_0": group}}
+
+
+def test_configs_say_which_modules_store_input_scales():
+    """HF `static` and compressed-tensors `dynamic: false` inputs store them; `dynamic` and
+    no input_activations do not; ModelOpt FP8 always does; the format's name says so."""
+    hf = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    static = parse_quant_config({**hf, "activation_scheme": "static"}).format_of("m.q_proj")
+    dynamic = parse_quant_config({**hf, "activation_scheme": "dynamic"}).format_of("m.q_proj")
+    assert static.kind == FP8_BLOCK and static.input_scales and not dynamic.input_scales
+    assert static.describe() == "FP8 block 128x128 (fp8, static input scales)"
+    assert parse_quant_config(_ct(FP8_BLOCK_WEIGHTS, FP8_INPUTS)).format_of("x").input_scales
+    tensor = {"num_bits": 8, "type": "float", "strategy": "tensor"}
+    ct_static = parse_quant_config(_ct(tensor, FP8_INPUTS)).format_of("x")
+    assert ct_static.kind == FP8_TENSOR and ct_static.input_scales
+    for inputs in (None, {**FP8_INPUTS, "dynamic": True}):
+        assert not parse_quant_config(_ct(FP8_BLOCK_WEIGHTS, inputs)).format_of("x") \
+            .input_scales
+    modelopt = {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8"}}
+    assert parse_quant_config(modelopt).format_of("x").input_scales
+    with pytest.raises(QuantConfigError, match="input_activations is not an object"):
+        parse_quant_config(_ct(FP8_BLOCK_WEIGHTS, "static"))
+
+
+def _load(folder, tp: int = 1, rank: int = 0):
+    reset_tp_info()
+    set_tp_info(TPInfo(rank, tp))
+    try:
+        cfg = load_config(folder)
+        model = build_model(cfg)
+        core.load_weights(model, CheckpointReader(folder, None), shard_plan(cfg, tp),
+                          progress=False)
+        return dict(model.named_parameters())
+    finally:
+        reset_tp_info()
+
+
+def test_static_block_fp8_loads_its_input_scales_whole_per_tensor(static):
+    """Each checkpoint tensor's scale in its own entry: q | k | v, GDN qkv | z, the shared
+    expert's gate | up, each routed expert's gate | up and down; at TP 2 every rank holds
+    them whole."""
+    stored = load_file(static / "model.safetensors")
+    for rank in (0, 1):
+        params = _load(static, 2, rank)
+        attn = params["model.layers.3.self_attn.qkv_proj.input_scale"]
+        want = [stored[f"{L}.3.self_attn.{x}_proj.activation_scale"] for x in "qkv"]
+        assert torch.equal(attn, torch.stack(want).float())
+        gdn = params["model.layers.0.linear_attn.in_proj.input_scale"]
+        assert torch.equal(gdn, torch.stack([
+            stored[f"{L}.0.linear_attn.in_proj_{x}.activation_scale"] for x in ("qkv", "z")]))
+        w13 = params["model.layers.2.mlp.experts.w13_input_scale"]
+        assert tuple(w13.shape) == (8, 2)
+        assert float(w13[5, 1]) == float(stored[f"{L}.2.mlp.experts.5.up_proj.activation_scale"])
+        w2 = params["model.layers.2.mlp.experts.w2_input_scale"]
+        assert float(w2[3]) == float(stored[f"{L}.2.mlp.experts.3.down_proj.activation_scale"])
+
+
+def test_static_block_fp8_passes_shards_and_memory_at_tp_1_and_2(capsys, tmp_path, static):
+    """shards states every activation_scale from the config (none ignored) and memory counts
+    its float32 bytes, at TP 1 and 2."""
+    report = tmp_path / "r.json"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", str(static), "--tp", "1,2", "--checks", "memory,shards",
+              "--report-json", str(report)])
+    capsys.readouterr()
+    rows = json.loads(report.read_text())["results"]
+    assert exit_info.value.code == 0, [r["message"] for r in rows if r["status"] != "pass"]
+    assert len(rows) == 4 and all(r["status"] == "pass" for r in rows), rows
+    scales = sum(n.endswith(".activation_scale")
+                 for n in load_file(static / "model.safetensors"))
+    for r in rows:
+        if r["check"] == "shards":
+            m = r["metrics"]
+            assert m["stated"] == m["tensors"] - m["ignored"] and m["ignored"] < scales, m
+
+
+@pytest.mark.parametrize("value", [float("nan"), 0.0, -0.5], ids=["nan", "zero", "negative"])
+def test_a_bad_input_scale_is_refused_naming_the_tensor(static, tmp_path, value):
+    """A NaN, zero or negative stored input scale fails the load naming the tensor; the twin
+    refuses it too, naming the module."""
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in static.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(bad / "model.safetensors")
+    name = f"{L}.3.self_attn.k_proj.activation_scale"
+    tensors[name] = torch.tensor(value)
+    save_file(tensors, bad / "model.safetensors")
+    with pytest.raises(Exception, match=f"{name}: per-tensor FP8 scale .* is not finite and "
+                                        "above 0"):
+        _load(bad)
+    with pytest.raises(QuantConfigError, match=f"{L}.3.self_attn.k_proj input scale"):
+        write_dequantized_twin(bad, tmp_path / "twin", read_quant_config(bad))
+
+
+def test_the_twin_drops_the_input_scales(static, tmp_path):
+    """The dequantized twin keeps no activation_scale (HF never sees one)."""
+    twin = write_dequantized_twin(static, tmp_path / "twin", read_quant_config(static))
+    names = load_file(twin / "model.safetensors")
+    assert names and not any(n.endswith(".activation_scale") for n in names)
