@@ -7,6 +7,7 @@ every test that needs one (the harness checks, the shards layouts, the twin refe
   24 x 40 blocks, so heads cut through blocks, in_proj_qkv's k starts mid-block, at TP 8
   ranks share blocks and last blocks are partial; optionally with static activation scales;
 - ModelOpt FP8 per tensor and ModelOpt NVFP4 on every tiny-llama projection but lm_head;
+- compressed-tensors FP8 (block or per tensor) with static input scales on the same;
 - NVIDIA's ModelOpt mixed layout (`modelopt_mixed`): NVFP4 routed experts and lm_head, FP8
   per tensor attention and GDN qkv / z / out, the shared expert FP8 or NVFP4, b / a bf16;
 - RedHatAI's compressed-tensors NVFP4 (`compressed_tensors_nvfp4`, divisor globals):
@@ -73,6 +74,39 @@ def block_fp8(case: str, dst: Path, static_inputs: bool = False) -> Path:
 
 def modelopt_fp8_llama(dst: Path) -> Path:
     return write_modelopt_fp8(GOLDEN / "tiny-llama", dst)
+
+
+def compressed_tensors_fp8_llama(dst: Path, strategy: str) -> Path:
+    """compressed-tensors FP8 on every tiny-llama projection but lm_head, `strategy` `block`
+    (24 x 40) or `tensor`, with static input activations: each module's `weight`, its
+    `weight_scale` and a 0-d `input_scale` (the block layout renamed from Qwen's, the tensor
+    one from ModelOpt's, whose scales are the same)."""
+    if strategy == "block":
+        src = write_block_fp8(GOLDEN / "tiny-llama", dst.with_name(dst.name + "-hf"), BLOCK,
+                              ("lm_head",), static_inputs=True)
+        renames = {"weight_scale_inv": "weight_scale", "activation_scale": "input_scale"}
+        weights = {"strategy": "block", "block_structure": list(BLOCK)}
+    else:
+        src = write_modelopt_fp8(GOLDEN / "tiny-llama", dst.with_name(dst.name + "-modelopt"))
+        renames, weights = {}, {"strategy": "tensor"}
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("model.safetensors",
+                                                            "hf_quant_config.json"))
+    tensors = {}
+    for name, t in load_file(src / "model.safetensors").items():
+        module, _, suffix = name.rpartition(".")
+        tensors[f"{module}.{renames.get(suffix, suffix)}"] = t
+    save_file(tensors, dst / "model.safetensors")
+    shutil.rmtree(src)
+    fp8 = {"num_bits": 8, "type": "float", "symmetric": True}
+    group = {"targets": ["Linear"], "weights": {**fp8, **weights, "dynamic": False},
+             "input_activations": {**fp8, "strategy": "tensor", "dynamic": False}}
+    config = json.loads((dst / "config.json").read_text())
+    config.pop("quantization_config", None)
+    config["quantization_config"] = {"quant_method": "compressed-tensors",
+                                     "format": "float-quantized", "ignore": ["lm_head"],
+                                     "config_groups": {"group_0": group}}
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
 
 
 def modelopt_nvfp4_llama(dst: Path) -> Path:

@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from quant_folders import block_fp8
+from quant_folders import block_fp8, compressed_tensors_fp8_llama
 from safetensors.torch import load_file, save_file
 
 import freetoken.engine.core as core
@@ -34,6 +34,13 @@ def static(tmp_path_factory):
     """Qwen's block FP8 over the bundled Qwen3.5-MoE, with static activation scales."""
     return block_fp8("tiny-qwen3.5-moe", tmp_path_factory.mktemp("q") / "s",
                      static_inputs=True)
+
+
+@pytest.fixture(scope="module")
+def ct_static(tmp_path_factory):
+    """compressed-tensors FP8 block and per tensor on tiny-llama, static input scales."""
+    root = tmp_path_factory.mktemp("ct")
+    return {s: compressed_tensors_fp8_llama(root / s, s) for s in ("block", "tensor")}
 
 
 def _ct(weights: dict, inputs: dict | None) -> dict:
@@ -97,44 +104,79 @@ def test_static_block_fp8_loads_its_input_scales_whole_per_tensor(static):
         assert float(w2[3]) == float(stored[f"{L}.2.mlp.experts.3.down_proj.activation_scale"])
 
 
-def test_static_block_fp8_passes_shards_and_memory_at_tp_1_and_2(capsys, tmp_path, static):
-    """shards states every activation_scale from the config (none ignored) and memory counts
-    its float32 bytes, at TP 1 and 2."""
+def test_compressed_tensors_static_fp8_loads_its_input_scales(ct_static):
+    """Block and per tensor: q | k | v and gate | up each their own entry, o / down one."""
+    for strategy, folder in ct_static.items():
+        stored = load_file(folder / "model.safetensors")
+        params = _load(folder, 2, 1)
+        qkv = params["model.layers.1.self_attn.qkv_proj.input_scale"]
+        want = [stored[f"model.layers.1.self_attn.{x}_proj.input_scale"] for x in "qkv"]
+        assert torch.equal(qkv, torch.stack(want).float().reshape(3)), strategy
+        down = params["model.layers.0.mlp.down_proj.input_scale"]
+        assert float(down) == float(stored["model.layers.0.mlp.down_proj.input_scale"])
+
+
+def test_static_fp8_passes_shards_and_memory_at_tp_1_and_2(capsys, tmp_path, static,
+                                                           ct_static):
+    """shards states every stored input scale from the config (none ignored) and memory
+    counts its float32 bytes, at TP 1 and 2: Qwen's block FP8 (`activation_scale`) on
+    Qwen3.5-MoE, compressed-tensors block and per tensor (`input_scale`) on Llama."""
+    folders = {"input_scale": list(ct_static.values()), "activation_scale": [static]}
+    models = [str(f) for group in folders.values() for f in group]
     report = tmp_path / "r.json"
     with pytest.raises(SystemExit) as exit_info:
-        main(["--model", str(static), "--tp", "1,2", "--checks", "memory,shards",
-              "--report-json", str(report)])
+        main([*[a for f in models for a in ("--model", f)], "--tp", "1,2",
+              "--checks", "memory,shards", "--report-json", str(report)])
     capsys.readouterr()
     rows = json.loads(report.read_text())["results"]
     assert exit_info.value.code == 0, [r["message"] for r in rows if r["status"] != "pass"]
-    assert len(rows) == 4 and all(r["status"] == "pass" for r in rows), rows
+    assert len(rows) == 4 * len(models) and all(r["status"] == "pass" for r in rows), rows
     # shards passing means its statements agree with the plan, which loads every scale.
-    plan = shard_plan(load_config(static), 2)
-    scales = [n for n in load_file(static / "model.safetensors")
-              if n.endswith(".activation_scale")]
-    assert scales and all(plan.resolve(n).param.endswith("input_scale") for n in scales)
+    for suffix, group in folders.items():
+        for folder in group:
+            plan = shard_plan(load_config(folder), 2)
+            scales = [n for n in load_file(folder / "model.safetensors")
+                      if n.endswith(f".{suffix}")]
+            assert scales and all(plan.resolve(n).param.endswith("input_scale")
+                                  for n in scales), folder
     for r in rows:
         m = r["metrics"]
         assert r["check"] == "memory" or m["stated"] == m["tensors"] - m["ignored"], m
+
+
+def _with_scale(folder, dst, name: str, value: float):
+    """A copy of `folder` with tensor `name` set to `value`."""
+    dst.mkdir()
+    for f in folder.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(dst / "model.safetensors")
+    tensors[name] = torch.full_like(tensors[name], value)
+    save_file(tensors, dst / "model.safetensors")
+    return dst
+
+
+def _refused(folder, name: str) -> None:
+    with pytest.raises(Exception, match=f"{name}: per-tensor FP8 scale .* is not finite and "
+                                        "above 0"):
+        _load(folder)
 
 
 @pytest.mark.parametrize("value", [float("nan"), 0.0, -0.5], ids=["nan", "zero", "negative"])
 def test_a_bad_input_scale_is_refused_naming_the_tensor(static, tmp_path, value):
     """A NaN, zero or negative stored input scale fails the load naming the tensor; the twin
     refuses it too, naming the module."""
-    bad = tmp_path / "bad"
-    bad.mkdir()
-    for f in static.iterdir():
-        (bad / f.name).write_bytes(f.read_bytes())
-    tensors = load_file(bad / "model.safetensors")
     name = f"{L}.3.self_attn.k_proj.activation_scale"
-    tensors[name] = torch.tensor(value)
-    save_file(tensors, bad / "model.safetensors")
-    with pytest.raises(Exception, match=f"{name}: per-tensor FP8 scale .* is not finite and "
-                                        "above 0"):
-        _load(bad)
+    bad = _with_scale(static, tmp_path / "bad", name, value)
+    _refused(bad, name)
     with pytest.raises(QuantConfigError, match=f"{L}.3.self_attn.k_proj input scale"):
         write_dequantized_twin(bad, tmp_path / "twin", read_quant_config(bad))
+
+
+def test_a_bad_compressed_tensors_input_scale_is_refused_naming_the_tensor(ct_static,
+                                                                         tmp_path):
+    for strategy, folder in ct_static.items():
+        name = "model.layers.1.mlp.up_proj.input_scale"
+        _refused(_with_scale(folder, tmp_path / strategy, name, 0.0), name)
 
 
 def test_the_twin_drops_the_input_scales(static, tmp_path):
