@@ -161,6 +161,18 @@ def _refused(folder, name: str) -> None:
         _load(folder)
 
 
+def test_the_kernels_check_holds_the_input_scales_its_format_stores(capsys, tmp_path, static):
+    """The quantized GEMM cases of a static block-FP8 model (linears and routed experts)
+    give their layers the stored input scales the format defines, and pass."""
+    report = tmp_path / "r.json"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", str(static), "--tp", "1", "--checks", "kernels",
+              "--report-json", str(report)])
+    capsys.readouterr()
+    rows = json.loads(report.read_text())["results"]
+    assert exit_info.value.code == 0 and [r["status"] for r in rows] == ["pass"], rows
+
+
 @pytest.mark.parametrize("value", [float("nan"), 0.0, -0.5], ids=["nan", "zero", "negative"])
 def test_a_bad_input_scale_is_refused_naming_the_tensor(static, tmp_path, value):
     """A NaN, zero or negative stored input scale fails the load naming the tensor; the twin
