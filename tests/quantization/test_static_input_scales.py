@@ -7,7 +7,9 @@ config, and the dequantized twin drops them."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,12 +18,16 @@ from safetensors.torch import load_file, save_file
 
 import freetoken.engine.core as core
 from freetoken.distributed import TPInfo, reset_tp_info, set_tp_info
+from freetoken.formats.fp8.tensor import ScalarScale
 from freetoken.formats.quant import FP8_BLOCK, FP8_TENSOR, parse_quant_config, read_quant_config
 from freetoken.formats.quant.format import QuantConfigError
 from freetoken.formats.quant.twin import write_dequantized_twin
 from freetoken.loading import CheckpointReader
+from freetoken.models import registry
 from freetoken.models.registry import build_model, load_config, shard_plan
+from freetoken_verify.checks.shards import check as shards
 from freetoken_verify.cli import main
+from freetoken_verify.faults._patch import rewrite_plans
 
 L = "model.language_model.layers"
 FP8_BLOCK_WEIGHTS = {"num_bits": 8, "type": "float", "strategy": "block",
@@ -171,6 +177,37 @@ def test_the_kernels_check_holds_the_input_scales_its_format_stores(capsys, tmp_
     capsys.readouterr()
     rows = json.loads(report.read_text())["results"]
     assert exit_info.value.code == 0 and [r["status"] for r in rows] == ["pass"], rows
+
+
+def _shards_failures(folder, tp: int, rank: int) -> list[str]:
+    engine_args = {"folder": str(folder), "dtype": "auto", "num_layers": None}
+    reset_tp_info()
+    set_tp_info(TPInfo(rank, tp))
+    try:
+        return shards._audit(SimpleNamespace(rank=rank, size=tp, state={}),
+                             engine_args)["failures"]
+    finally:
+        reset_tp_info()
+
+
+def test_input_scales_written_into_the_first_entry_fail_shards(monkeypatch, static):
+    """An injected plan bug writing every fused destination's input scales into its first
+    entry (vLLM #38517 for input scales) fails shards naming k's tensor and both slots."""
+    monkeypatch.setattr(registry, "ARCHITECTURES", dict(registry.ARCHITECTURES))
+    assert not _shards_failures(static, 2, 0), "fails before the bug"
+
+    def first_entry(rule):
+        if isinstance(rule.spec, ScalarScale) and rule.pattern.endswith("activation_scale") \
+                and rule.slot and not isinstance(rule.slot[0], str):
+            return dataclasses.replace(rule, slot=(0,))
+        return rule
+
+    rewrite_plans(first_entry)
+    failures = _shards_failures(static, 2, 0)
+    k = f"{L}.3.self_attn.k_proj.activation_scale"
+    assert any(f.startswith(f"{k}: the plan writes it to model.layers.3.self_attn.qkv_proj"
+                            ".input_scale[0], the layout says model.layers.3.self_attn"
+                            ".qkv_proj.input_scale[1]") for f in failures), failures
 
 
 @pytest.mark.parametrize("value", [float("nan"), 0.0, -0.5], ids=["nan", "zero", "negative"])
