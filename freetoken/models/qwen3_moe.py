@@ -41,7 +41,7 @@ def _routed_experts(cfg: ModelConfig, fmt) -> nn.Module:
         return NVFP4FusedExperts(*sizes, global_scale_is_reciprocal=fmt.global_scale_is_reciprocal)
     from freetoken.layers.quantization.fp8.moe import BlockFP8FusedExperts
 
-    return BlockFP8FusedExperts(*sizes, fmt.block)
+    return BlockFP8FusedExperts(*sizes, fmt.block, fmt.input_scales)
 
 
 class MoeDecoderLayer(DecoderLayer):

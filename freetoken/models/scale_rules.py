@@ -4,7 +4,10 @@ same specs), their scales follow the format. Block FP8: each checkpoint module's
 `weight_scale_inv` (HF) or `weight_scale` (compressed-tensors) goes, split by a
 `BlockScaleSplit` like its weight, into its own scale rows of the destination's
 `weight_scale`: one slot per segment (q | k | v, gate | up), so no segment reads another's
-scale. Rules are grouped by layer where the layers' formats agree."""
+scale. Stored static input scales (FP8 per tensor and block, `ModuleFormat.input_scales`)
+go whole into their own entry of the destination's `input_scale`, checked finite and above 0
+by `ScalarScale` and unused by the weight-only GEMM. Rules are grouped by layer where the
+layers' formats agree."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from freetoken.formats.fp8.interleaved import InterleavedBlockRows
 from freetoken.formats.fp8.specs import BlockScaleSegments, BlockScaleSplit
 from freetoken.formats.fp8.tensor import ScalarScale
 from freetoken.formats.nvfp4.specs import PACKED, SCALE, GlobalScale, InputSplit
-from freetoken.formats.quant.format import FP8_BLOCK, FP8_TENSOR, MODELOPT, NVFP4, ModuleFormat
+from freetoken.formats.quant.format import FP8_BLOCK, FP8_TENSOR, NVFP4, ModuleFormat
 from freetoken.formats.specs import Heads, InterleavedHeads, PaddedSplit, Split
 from freetoken.layers.moe import FusedExperts
 from freetoken.loading.plan import Rule
@@ -50,7 +53,7 @@ def _scale_suffix(fmt: ModuleFormat) -> str:
 def block_scale_rules(cfg, layers: range, parts: list[Part], tp: int) -> list[Rule]:
     """Rules for the scales of `parts` in every layer of `layers` whose destination is block
     FP8 or FP8 per tensor (formats from `cfg.format_of`); layers sharing a format share
-    rules. Per tensor: each checkpoint tensor's 0-d `weight_scale` (and ModelOpt's
+    rules. Per tensor: each checkpoint tensor's 0-d `weight_scale` (and a stored
     `input_scale`, checked and unused) into its own entry of the destination's."""
     by_format: dict[tuple, list[int]] = defaultdict(list)
     for layer in layers:
@@ -76,11 +79,18 @@ def block_scale_rules(cfg, layers: range, parts: list[Part], tp: int) -> list[Ru
         spec, rows = _spec_and_rows(part, fmt, tp)
         rules.append(Rule(rf"{src}\.{_scale_suffix(fmt)}", spec, f"{dest}.weight_scale",
                           (slice(start, start + rows),)))
+        if fmt.input_scales:
+            rules.append(Rule(rf"{src}\.{_input_suffix(fmt)}", ScalarScale(),
+                              f"{dest}.input_scale", (part.segment,)))
     return rules
 
 
+def _input_suffix(fmt: ModuleFormat) -> str:
+    return next(s for s, f in fmt.suffixes().items() if f == "input_scale")
+
+
 def _tensor_scale_rules(src: str, dest: str, segment: int, fmt: ModuleFormat) -> list[Rule]:
-    inputs = f"{dest}.input_scale" if fmt.producer == MODELOPT else None
+    inputs = f"{dest}.input_scale" if fmt.input_scales else None
     return [Rule(rf"{src}\.weight_scale", ScalarScale(), f"{dest}.weight_scale", (segment,)),
             Rule(rf"{src}\.input_scale", ScalarScale(), inputs, (segment,) if inputs else ())]
 
@@ -169,7 +179,8 @@ def fp8_expert_rules(expert: str, dest: str, full_intermediate: int, tp: int,
     """Per-expert block-FP8 tensors into `BlockFP8FusedExperts` (`expert`: a regex of one
     expert's prefix with a group `e`; `dest`: the experts module's parameter prefix): gate
     then up rows and their own scale rows into w13, down's inputs and their scale columns
-    into w2, split on the intermediate dimension (ranks may share a block)."""
+    into w2, split on the intermediate dimension (ranks may share a block); stored static
+    input scales whole into `w13_input_scale[e, gate | up]` and `w2_input_scale[e]`."""
     layout = FusedExperts.layout(full_intermediate, tp)
     rows = BlockScaleSplit(0, fmt.block[0], full_intermediate)
     nb, scale = rows.blocks(tp), _scale_suffix(fmt)
@@ -180,10 +191,16 @@ def fp8_expert_rules(expert: str, dest: str, full_intermediate: int, tp: int,
                        ("e", layout.slot(part))),
                   Rule(src + scale, rows, f"{dest}.w13_weight_scale",
                        ("e", slice(index * nb, (index + 1) * nb)))]
+        if fmt.input_scales:
+            rules.append(Rule(src + _input_suffix(fmt), ScalarScale(),
+                              f"{dest}.w13_input_scale", ("e", index)))
     src = rf"{expert}\.down_proj\."
     rules += [Rule(src + "weight", Split(1), f"{dest}.w2_weight", ("e",)),
               Rule(src + scale, BlockScaleSplit(1, fmt.block[1], full_intermediate),
                    f"{dest}.w2_weight_scale", ("e",))]
+    if fmt.input_scales:
+        rules.append(Rule(src + _input_suffix(fmt), ScalarScale(), f"{dest}.w2_input_scale",
+                          ("e",)))
     return rules
 
 

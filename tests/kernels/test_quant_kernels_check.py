@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 from conftest import GOLDEN
-from quant_folders import make_quantized_folders
+from quant_folders import harness_folders
 
 from freetoken.layers.quantization import Split
 from freetoken.layers.quantization.fp8 import block_linear
@@ -42,7 +42,7 @@ FP8_TENSOR, FP8_BLOCK = "FP8 per-tensor (modelopt)", "FP8 block 24x40 (fp8)"
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    return make_quantized_folders(tmp_path_factory.mktemp("quantized"))
+    return harness_folders(tmp_path_factory.mktemp("quantized"))
 
 
 @pytest.fixture()

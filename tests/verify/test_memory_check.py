@@ -140,9 +140,9 @@ def test_split_part_compared_with_tp1_over_n():
 
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory):
-    from quant_folders import make_quantized_folders
+    from quant_folders import harness_folders
 
-    return make_quantized_folders(tmp_path_factory.mktemp("quantized"))
+    return harness_folders(tmp_path_factory.mktemp("quantized"))
 
 
 def test_quantized_bytes_follow_the_format_rules(quantized):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import GOLDEN
-from quantized_folders import block_fp8_config, modelopt_mixed_config, redhat_config
+from quant_folders import block_fp8_config, modelopt_mixed_config, redhat_config
 
 from freetoken.formats.quant import parse_quant_config
 from freetoken_verify.checks.shards.layout_book import LayoutBook, read_text_config

@@ -1,6 +1,7 @@
-"""The shards check on quantized checkpoints in every shipping layout (`quantized_folders`):
-without faults every tensor has a statement from the config alone and every rank's planned
-and loaded shard is what it states, bit for bit (fp8 bytes included), at TP 1, 2, 4 and 8.
+"""The shards check on quantized checkpoints in every shipping layout
+(`quant_folders.layout_folders`): without faults every tensor has a statement from the config
+alone and every rank's planned and loaded shard is what it states, bit for bit (fp8 bytes
+included), at TP 1, 2, 4 and 8.
 With each scale-layout bug injected (`freetoken_verify.faults.scales`) the check fails
 naming the tensor, the rank, the engine parameter slot and what was expected; TP-only bugs
 leave TP 1 green. A float8 checkpoint that lost its quantization config, and a module whose
@@ -18,7 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from quantized_folders import make_all
+from quant_folders import layout_folders
 
 import freetoken.engine.core as core
 from freetoken.distributed import TPInfo, reset_tp_info, set_tp_info
@@ -37,7 +38,7 @@ L = "model.language_model.layers"
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict:
-    return make_all(tmp_path_factory.mktemp("quantized"))
+    return layout_folders(tmp_path_factory.mktemp("quantized"))
 
 
 def _audit(folder, tp: int, rank: int = 0, loaded: bool = False) -> list[str]:

@@ -16,13 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 from cli_run import assert_refused, failure_message, run_cli
+from quant_folders import block_fp8, compressed_tensors_nvfp4, modelopt_mixed, split_in_two
 from safetensors.torch import load_file, save_file
-from twin_folders import (
-    make_block_fp8,
-    make_compressed_tensors_nvfp4,
-    make_modelopt_mixed,
-    split_in_two,
-)
 
 import freetoken_verify.reference.twin as twin_cache
 from freetoken.formats.quant import read_quant_config
@@ -41,9 +36,9 @@ SCALE = "model.language_model.layers.0.linear_attn.in_proj_qkv.weight_scale_inv"
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("quantized")
-    return {"block-fp8": make_block_fp8(root / "fp8"),
-            "modelopt-mixed": make_modelopt_mixed(root / "mixed"),
-            "ct-nvfp4": make_compressed_tensors_nvfp4(root / "ct")}
+    return {"block-fp8": block_fp8("tiny-qwen3.5-moe", root / "fp8"),
+            "modelopt-mixed": modelopt_mixed(root / "mixed"),
+            "ct-nvfp4": compressed_tensors_nvfp4(root / "ct")}
 
 
 def _report(path: Path) -> dict:

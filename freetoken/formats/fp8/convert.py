@@ -25,15 +25,20 @@ included), never embeddings, norms or the LM head."""
 
 def write_block_fp8(src: str | Path, dst: str | Path, block: tuple[int, int],
                     not_convert: tuple[str, ...] = ("lm_head",), modules: str = LINEAR,
-                    scale_dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> Path:
+                    scale_dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
+                    static_inputs: bool = False) -> Path:
     """Copy the checkpoint folder `src` (one `model.safetensors`) to `dst` with every 2-D
     `weight` of a module fully matching `modules` that the written config quantizes stored
     as block FP8. config.json gets `quantization_config` with `weight_block_size` `block`
     and `modules_to_not_convert` `not_convert` (transformers' matching: an entry matches a
-    module from the start up to a boundary, or as a suffix). `device`: where the quantizer
-    runs (a GPU for real-dimension checkpoints). Returns `dst`."""
+    module from the start up to a boundary, or as a suffix). `static_inputs`: the
+    `activation_scheme` is `static` and every quantized module stores a 0-d float32
+    `activation_scale` (stand-ins, no calibration: positive, different per module).
+    `device`: where the quantizer runs (a GPU for real-dimension checkpoints). Returns
+    `dst`."""
     src, dst = Path(src), Path(dst)
-    quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+    scheme_name = "static" if static_inputs else "dynamic"
+    quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": scheme_name,
              "weight_block_size": list(block), "modules_to_not_convert": list(not_convert)}
     scheme = parse_quant_config(quant, "quantization_config")
     shutil.copytree(src, dst)
@@ -45,6 +50,8 @@ def write_block_fp8(src: str | Path, dst: str | Path, block: tuple[int, int],
                 and scheme.is_quantized(module)):
             codes, scale = quantize(t.to(device), block, scale_dtype)
             out[name], out[f"{module}.weight_scale_inv"] = codes.cpu(), scale.cpu()
+            if static_inputs:
+                out[f"{module}.activation_scale"] = torch.tensor(0.01 * (1 + len(out) % 7))
         else:
             out[name] = t
     save_file(out, dst / "model.safetensors")

@@ -9,9 +9,14 @@ writes per module (`M.<suffix>`), by producer:
 - FP8 per tensor, ModelOpt or compressed-tensors: `weight` e4m3 [out, in], 0-d
   `weight_scale` (a multiplier), `input_scale`;
 - FP8 block, HF `fp8`: `weight` e4m3 [out, in], `weight_scale_inv` [ceil(out/B),
-  ceil(in/B)] (a multiplier despite its name);
+  ceil(in/B)] (a multiplier despite its name), and with `activation_scheme: static` a
+  scalar `activation_scale`;
 - FP8 block, compressed-tensors: `weight` e4m3, `weight_scale` (the same grid, a
-  multiplier).
+  multiplier), and with static input activations a scalar `input_scale`.
+
+Which FP8 modules store an input scale comes from the config (`static_inputs`; ModelOpt's
+FP8 always does), never from the tensors present: the engine keeps them as float32
+parameters, checked finite and above 0, unused by its weight-only GEMM.
 
 Every suffix maps onto a normalised field (`weight`, `weight_scale`, `weight_scale_2`,
 `input_scale`), so the layers never see a producer's naming."""
@@ -57,11 +62,14 @@ class QuantConfigError(ValueError):
 @dataclass(frozen=True)
 class ModuleFormat:
     """One module's storage format: `kind` (bf16, nvfp4, fp8-tensor, fp8-block), the
-    `producer` whose tensor naming it uses, and for FP8 block the block shape (rows, inputs)."""
+    `producer` whose tensor naming it uses, for FP8 block the block shape (rows, inputs), and
+    for FP8 whether the config declares static input activations (`static_inputs`: one
+    stored input scale per module)."""
 
     kind: str = BF16
     producer: str = ""
     block: tuple[int, int] | None = None
+    static_inputs: bool = False
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -73,10 +81,19 @@ class ModuleFormat:
         if (self.kind == FP8_BLOCK) != (self.block is not None):
             raise QuantConfigError(f"{_NAMES[self.kind]}: block shape {self.block!r} given "
                                    "wrongly (FP8 block needs one, other formats none)")
+        if self.static_inputs and self.kind not in (FP8_TENSOR, FP8_BLOCK):
+            raise QuantConfigError(f"{_NAMES[self.kind]}: static input scales are read for "
+                                   "FP8 formats only")
 
     @property
     def quantized(self) -> bool:
         return self.kind != BF16
+
+    @property
+    def input_scales(self) -> bool:
+        """True when each module stores a static input scale the engine loads (kept,
+        checked, unused): FP8 with static input activations, ModelOpt's FP8 always."""
+        return self.static_inputs or (self.kind == FP8_TENSOR and self.producer == MODELOPT)
 
     @property
     def global_scale_is_reciprocal(self) -> bool:
@@ -98,7 +115,8 @@ class ModuleFormat:
         if self.kind == BF16:
             return _NAMES[BF16]
         block = f" {self.block[0]}x{self.block[1]}" if self.block else ""
-        return f"{_NAMES[self.kind]}{block} ({self.producer})"
+        inputs = ", static input scales" if self.static_inputs else ""
+        return f"{_NAMES[self.kind]}{block} ({self.producer}{inputs})"
 
 
 UNQUANTIZED = ModuleFormat()

@@ -5,9 +5,10 @@
   engine is weight-only anyway), FP8 (per tensor), or MIXED_PRECISION with `quantized_layers`
   keyed by module or by a container such as `...mlp.experts`; `exclude_modules`.
 - compressed-tensors: `config_groups` (each with `targets` and `weights`: NVFP4
-  `tensor_group` of 16, FP8 `tensor` or `block`), `ignore` (expanded names or `re:`).
+  `tensor_group` of 16, FP8 `tensor` or `block`; an FP8 group's `input_activations` with
+  `dynamic: false` stores static input scales), `ignore` (expanded names or `re:`).
 - HF `fp8` (Qwen's block-FP8 releases): `fmt` e4m3, `weight_block_size`,
-  `modules_to_not_convert`, `activation_scheme`.
+  `modules_to_not_convert`, `activation_scheme` (`static` stores activation scales).
 
 Anything else is refused naming the file and key: a config read wrongly loads garbage."""
 
@@ -156,14 +157,28 @@ def _ct_format(name: str, group: dict, source: str) -> ModuleFormat:
         size = _int(weights.get("group_size") or NVFP4_GROUP, "group_size", source)
         if size == NVFP4_GROUP:
             return ModuleFormat(NVFP4, COMPRESSED_TENSORS)
+    static = _ct_static_inputs(name, group, source)
     if (bits, kind, strategy) == (8, "float", "tensor"):
-        return ModuleFormat(FP8_TENSOR, COMPRESSED_TENSORS)
+        return ModuleFormat(FP8_TENSOR, COMPRESSED_TENSORS, static_inputs=static)
     if (bits, kind, strategy) == (8, "float", "block"):
         return ModuleFormat(FP8_BLOCK, COMPRESSED_TENSORS,
-                            _block(weights.get("block_structure"), "block_structure", source))
+                            _block(weights.get("block_structure"), "block_structure", source),
+                            static)
     raise QuantConfigError(f"{source}: compressed-tensors group {name!r} (weights "
                            f"{weights}) is neither NVFP4 (4-bit float tensor_group of 16) nor "
                            "FP8 (8-bit float, tensor or block)")
+
+
+def _ct_static_inputs(name: str, group: dict, source: str) -> bool:
+    """Whether a compressed-tensors group quantizes its inputs statically (`dynamic: false`),
+    which stores one calibrated `input_scale` per module; dynamic or absent stores none."""
+    inputs = group.get("input_activations")
+    if inputs is None:
+        return False
+    if not isinstance(inputs, dict):
+        raise QuantConfigError(f"{source}: compressed-tensors group {name!r} "
+                               f"input_activations is not an object: {inputs!r}")
+    return inputs.get("dynamic", False) is False
 
 
 def _compressed_tensors(q: dict, source: str) -> QuantScheme:
@@ -208,6 +223,6 @@ def _hf_fp8(q: dict, source: str) -> QuantScheme:
     block = _block(q["weight_block_size"], "weight_block_size", source)
     exclude = Patterns.of(_names(q.get("modules_to_not_convert") or [],
                                  "modules_to_not_convert", source), HF_STYLE)
-    rules = (FormatRule(None, ModuleFormat(FP8_BLOCK, HF_FP8, block)),)
+    rules = (FormatRule(None, ModuleFormat(FP8_BLOCK, HF_FP8, block, scheme == "static")),)
     return QuantScheme(HF_FP8, source, rules, exclude,
                        _entries("modules_to_not_convert", exclude))

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from freetoken.distributed import get_tp_info
 from freetoken.formats.fp8.specs import BlockScaleSplit
-from freetoken.formats.quant.format import FP8_BLOCK, FP8_TENSOR, MODELOPT, NVFP4, ModuleFormat
+from freetoken.formats.quant.format import FP8_BLOCK, FP8_TENSOR, NVFP4, ModuleFormat
 from freetoken.layers.quantization.fp8.block_linear import BlockFP8Linear
 from freetoken.layers.quantization.fp8.tensor_linear import FP8TensorLinear
 from freetoken.layers.quantization.nvfp4.linear import NVFP4Linear
@@ -60,7 +60,7 @@ def method_for(fmt: ModuleFormat | None, rows: list[Split], cols: Split, tp_rank
     groups = tuple(i if r.group is None else r.group for i, r in enumerate(rows))
     local = tuple(r.local(tp_size) for r in rows)
     if fmt.kind == FP8_TENSOR:
-        return FP8TensorLinear(local, groups, fmt.producer == MODELOPT)
+        return FP8TensorLinear(local, groups, fmt.input_scales)
     if fmt.kind == NVFP4:
         return NVFP4Linear(local, groups, fmt.global_scale_is_reciprocal)
     if fmt.kind != FP8_BLOCK:
@@ -70,4 +70,4 @@ def method_for(fmt: ModuleFormat | None, rows: list[Split], cols: Split, tp_rank
                           tuple(BlockScaleSplit(0, 1 if r.per_row else b_rows, r.full_size,
                                                 r.heads, r.start, r.total) for r in rows),
                           BlockScaleSplit(1, b_cols, cols.full_size, cols.heads),
-                          tp_rank, tp_size)
+                          tp_rank, tp_size, max(groups) + 1 if fmt.input_scales else 0)

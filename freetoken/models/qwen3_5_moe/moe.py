@@ -57,7 +57,7 @@ def _routed_experts(cfg: Qwen35MoeConfig, fmt) -> nn.Module:
         from freetoken.layers.quantization.fp8.moe import BlockFP8FusedExperts
 
         return BlockFP8FusedExperts(cfg.num_experts, cfg.hidden_size,
-                                    cfg.moe_intermediate_size, fmt.block)
+                                    cfg.moe_intermediate_size, fmt.block, fmt.input_scales)
     if not cfg.nvfp4_experts:
         return FusedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
     from freetoken.layers.quantization.nvfp4 import NVFP4FusedExperts

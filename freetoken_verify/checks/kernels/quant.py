@@ -39,10 +39,6 @@ from freetoken_verify.checks.kernels.quant_data import experts_data, linear_data
 from freetoken_verify.checks.quant_layout import Experts, rows_on
 
 FAMILY = "quantized"
-OPTIONAL = ("input_scale",)
-"""Parameters a layer may or may not hold (ModelOpt's FP8 keeps its static input scales)."""
-
-
 class LayoutMismatch(ValueError):
     """The layer's parameters are not the rank-local tensors its format documents."""
 
@@ -72,7 +68,8 @@ def _build(case: QuantCase):
     if isinstance(case.layout, Experts):
         e = case.layout
         if case.fmt.kind == FP8_BLOCK:
-            return BlockFP8FusedExperts(e.experts, e.hidden, e.intermediate, case.fmt.block)
+            return BlockFP8FusedExperts(e.experts, e.hidden, e.intermediate, case.fmt.block,
+                                        case.fmt.input_scales)
         return NVFP4FusedExperts(e.experts, e.hidden, e.intermediate,
                                  global_scale_is_reciprocal=case.fmt.global_scale_is_reciprocal)
     layout = case.layout
@@ -93,8 +90,6 @@ def fill(layer: torch.nn.Module, params: dict[str, torch.Tensor]) -> None:
                              "define")
     for name, value in params.items():
         if name not in have:
-            if name in OPTIONAL:
-                continue
             raise LayoutMismatch(f"the layer holds no {name}")
         param = have[name]
         if tuple(param.shape) != tuple(value.shape):

@@ -148,12 +148,15 @@ def _cut(fmt, layout, tensors, row_slices, rank, tp) -> dict[str, torch.Tensor]:
                                                for p in parts])}
     weight = torch.cat(rows)[:, c0:c0 + m]
     if fmt.kind == FP8_TENSOR:
-        scales = torch.stack([tensors[p]["weight_scale"].reshape(()) for p in parts])
-        return {"weight": weight, "weight_scale": scales,
-                "input_scale": torch.tensor([0.01 * (p + 1) for p in parts],
-                                            device=weight.device)}
-    return {"weight": weight, "weight_scale": _block_scales(fmt, layout, tensors, row_slices,
-                                                            rank, tp)}
+        held = {"weight": weight, "weight_scale": torch.stack(
+            [tensors[p]["weight_scale"].reshape(()) for p in parts])}
+    else:
+        held = {"weight": weight, "weight_scale": _block_scales(fmt, layout, tensors,
+                                                                row_slices, rank, tp)}
+    if fmt.input_scales:  # stored static input scales: held whole, one per tensor, unused
+        held["input_scale"] = torch.tensor([0.01 * (p + 1) for p in parts],
+                                           device=weight.device)
+    return held
 
 
 def _block_scales(fmt, layout, tensors, row_slices, rank, tp) -> torch.Tensor:
@@ -178,7 +181,8 @@ def experts_data(fmt: ModuleFormat, experts: Experts, rank: int, tp: int,
     """(rank `rank`'s routed-expert parameters in `fmt`, by name; the oracle's float64
     gate | up and down weights of that rank per expert)."""
     fields = {k: [] for k in ("w13_weight", "w13_weight_scale", "w13_weight_scale_2",
-                              "w2_weight", "w2_weight_scale", "w2_weight_scale_2")}
+                              "w13_input_scale", "w2_weight", "w2_weight_scale",
+                              "w2_weight_scale_2", "w2_input_scale")}
     w13, w2 = {}, {}
     for e in range(experts.experts):
         spread = float(torch.empty((), device=gen.device).log_normal_(0.0, 0.5, generator=gen))
@@ -191,6 +195,7 @@ def experts_data(fmt: ModuleFormat, experts: Experts, rank: int, tp: int,
                 if prefix + name in fields:
                     fields[prefix + name].append(value)
     params = {k: torch.stack(v) for k, v in fields.items() if v}
-    if "w2_weight_scale_2" in params:
-        params["w2_weight_scale_2"] = params["w2_weight_scale_2"].reshape(-1)
+    for single in ("w2_weight_scale_2", "w2_input_scale"):  # one per expert: [E]
+        if single in params:
+            params[single] = params[single].reshape(-1)
     return params, w13, w2

@@ -7,12 +7,16 @@ should not then holds other bytes than these.
 - NVFP4: the packed weight, rows x inputs / 2 bytes; the e4m3 block scales, rows x inputs / 16
   bytes; the global scale (and a stored input scale the engine keeps), 4 bytes each, on every
   rank (one per checkpoint tensor, fused destinations included);
-- FP8 per tensor: the e4m3 weight, rows x inputs bytes; `weight_scale` and `input_scale`,
-  4 bytes each (float32), on every rank;
+- FP8 per tensor: the e4m3 weight, rows x inputs bytes; `weight_scale` and a stored static
+  `input_scale`, 4 bytes each (float32), on every rank;
 - FP8 block: the e4m3 weight, rows x inputs bytes; the scale in float32 (bf16 in Qwen's
   checkpoints, held as float32), per output segment the block rows covering the rank's rows
   and the block columns covering its inputs, a block two ranks share counted on both, every
-  rank holding the most any rank needs; Qwen3.5's q_proj one scale row per weight row."""
+  rank holding the most any rank needs; Qwen3.5's q_proj one scale row per weight row; a
+  stored static input scale (`activation_scale`, CT `input_scale`) 4 bytes on every rank.
+
+A stored input scale the config declares unused (dynamic inputs, NVFP4) is not loaded, so
+costs nothing (the engine's plan ignores it)."""
 
 from __future__ import annotations
 

@@ -11,14 +11,17 @@ and keeps, per segment (`Part`) of a destination, its own rows in every tensor:
 - NVFP4 packed `weight` / `weight_packed` and `weight_scale`: rows as the weight's; a split
   input dim by whole 16-input groups (8 packed bytes, 1 scale column);
 - NVFP4 `weight_scale_2` / `weight_global_scale`: whole, entry k of `weight_scale_2` (part k);
-- FP8 per tensor 0-d `weight_scale` and ModelOpt's `input_scale`: whole, entry k of the
-  destination's `weight_scale` / `input_scale`;
+- FP8 per tensor 0-d `weight_scale`, and the `input_scale` (HF `fp8`: `activation_scale`)
+  of FP8 per tensor or block whose config stores static input scales (ModelOpt's FP8 always,
+  HF `activation_scheme: static`, compressed-tensors static input activations): whole,
+  entry k of the destination's `weight_scale` / `input_scale` (an expert's: `[e, k]`);
 - FP8 block `weight_scale_inv` (CT `weight_scale`): the blocks covering the part's rows
   (columns) on the rank, padded to the most any rank holds, into the part's scale rows;
   q_proj's interleaved heads one scale row per weight row (expanded at load).
 
-Input scales of NVFP4, compressed-tensors FP8 and block FP8 are unused by the weight-only
-engine and not loaded. A tensor whose dtype does not fit its module's declared format, or a
+Input scales of NVFP4, and of FP8 whose config declares dynamic inputs, are unused by the
+weight-only engine and not loaded; the stored static FP8 ones are loaded (and checked) but
+unused too. A tensor whose dtype does not fit its module's declared format, or a
 suffix the format does not write, is a LayoutError naming the tensor."""
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ import torch
 from freetoken.formats.quant.format import (
     FP8_BLOCK,
     FP8_TENSOR,
-    MODELOPT,
     NVFP4,
     QUANTIZED_DTYPES,
     UNQUANTIZED,
@@ -137,7 +139,7 @@ def _build(name: str, field: str, gemm: Gemm, k: int, tp: int) -> Statement:
     fmt, part = gemm.format, gemm.parts[k]
     if field in ("weight_scale_2", "input_scale") or (field == "weight_scale"
                                                        and fmt.kind == FP8_TENSOR):
-        if field == "input_scale" and not (fmt.kind == FP8_TENSOR and fmt.producer == MODELOPT):
+        if field == "input_scale" and not fmt.input_scales:
             return ignored(name)
         return Statement(name, gemm.param(field), gemm.scalar_slot(k), shapes=SCALAR)
     if field == "bias" and part.dim == 1:

@@ -1,7 +1,10 @@
 """Weight-only block FP8 for the parallel linear layers: the e4m3 weight is dequantized to the
 activation dtype in the GEMM's place and multiplied with unquantized activations (how an
-engine without FP8 activations serves Qwen's FP8 releases; the checkpoint's dynamic
-activation scheme stores no activation scales).
+engine without FP8 activations serves Qwen's FP8 releases, whose dynamic activation scheme
+stores no activation scales). A checkpoint with static activations (HF `fp8`
+`activation_scheme: static`, compressed-tensors static input activations) stores one scalar
+per module: kept as `input_scale` float32 [tensors], checked finite and above 0 at load,
+unused by the GEMM.
 
 Parameters of a layer with this method (TP-local): `weight` float8_e4m3fn [local_out,
 local_in] and `weight_scale` float32 [scale rows, scale columns], the checkpoint's
@@ -41,18 +44,23 @@ class BlockFP8Linear(WeightOnlyMethod):
     cols: BlockScaleSplit
     tp_rank: int
     tp_size: int
+    input_scales: int = 0
+    """How many checkpoint tensors' static input scales the layer keeps (0: none stored)."""
 
     def scale_shape(self) -> tuple[int, int]:
         """The rank-local `weight_scale` shape: every segment's scale rows, stacked."""
         return (sum(r.blocks(self.tp_size) for r in self.rows), self.cols.blocks(self.tp_size))
 
     def create_weights(self, layer: nn.Module, local_in: int, local_out: int) -> None:
-        """Register the layer's fp8 `weight`, float32 `weight_scale` and the derived
-        `weight_scale_row` buffer."""
+        """Register the layer's fp8 `weight`, float32 `weight_scale` (and `input_scale`, one
+        per checkpoint tensor, when stored) and the derived `weight_scale_row` buffer."""
         layer.weight = nn.Parameter(torch.empty(local_out, local_in, dtype=FP8),
                                     requires_grad=False)
         layer.weight_scale = nn.Parameter(torch.empty(self.scale_shape(), dtype=torch.float32),
                                           requires_grad=False)
+        if self.input_scales:
+            layer.input_scale = nn.Parameter(torch.empty(self.input_scales, dtype=torch.float32),
+                                             requires_grad=False)
         row_index(layer, "weight_scale_row", self.scale_rows())
 
     def scale_rows(self) -> torch.Tensor:

@@ -9,8 +9,10 @@ scale row.
 Parameters (I = TP-local intermediate size, B the block): `w13_weight` e4m3 [E, 2I, H] (gate
 rows, then up rows), `w13_weight_scale` float32 [E, gate blocks + up blocks, ceil(H / B1)],
 each of gate and up with its own scale rows; `w2_weight` e4m3 [E, H, I], `w2_weight_scale`
-float32 [E, ceil(H / B0), blocks of I]. At TP 8 on Qwen3.5-35B (I = 64 < 128) ranks share a
-block; each dequantizes from its offset inside it."""
+float32 [E, ceil(H / B0), blocks of I]; with static input activations (`input_scales`) each
+expert's stored scalar input scales, `w13_input_scale` float32 [E, 2] (gate, up) and
+`w2_input_scale` float32 [E], checked finite and above 0 at load and unused. At TP 8 on
+Qwen3.5-35B (I = 64 < 128) ranks share a block; each dequantizes from its offset inside it."""
 
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ class BlockFP8FusedExperts(nn.Module):
     this rank's partial sum."""
 
     def __init__(self, num_experts: int, hidden: int, full_intermediate: int,
-                 block: tuple[int, int]):
+                 block: tuple[int, int], input_scales: bool = False):
         super().__init__()
         tp = get_tp_info()
         self.num_experts, self.block, self.tp = num_experts, block, tp
@@ -54,6 +56,9 @@ class BlockFP8FusedExperts(nn.Module):
         self.w2_weight = _param(e, hidden, i, dtype=FP8)
         self.w2_weight_scale = _param(e, h_rows, self.cols.blocks(tp.size),
                                       dtype=torch.float32)
+        if input_scales:
+            self.w13_input_scale = _param(e, 2, dtype=torch.float32)
+            self.w2_input_scale = _param(e, dtype=torch.float32)
         gate_rows = (self.rows.offset(tp.rank, tp.size) + torch.arange(i)) // block[0]
         row_index(self, "w13_scale_row",
                   torch.cat([gate_rows, gate_rows + self.rows.blocks(tp.size)]))

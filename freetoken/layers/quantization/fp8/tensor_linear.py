@@ -29,7 +29,8 @@ class FP8TensorLinear(WeightOnlyMethod):
     rows: tuple[int, ...]
     groups: tuple[int, ...]
     input_scales: bool = True
-    """Whether the checkpoint stores static input scales (ModelOpt does, always)."""
+    """Whether the checkpoint stores static input scales (`ModuleFormat.input_scales`:
+    ModelOpt always, compressed-tensors with static input activations)."""
 
     def create_weights(self, layer: nn.Module, local_in: int, local_out: int) -> None:
         """Register the fp8 `weight` and one `weight_scale` / `input_scale` per tensor."""
