@@ -42,8 +42,10 @@ def _twin_cache(tmp_path_factory, monkeypatch):
 
 def assert_matches_hf(results, ref: dict, label: str, decode_logits: bool = False) -> None:
     """Engine results agree with an HF reference (`freetoken_verify.cases.catalogue.hf_reference`):
-    prefill logits
-    within rtol=atol=1e-4, greedy ids exactly, and optionally the decode-step logits."""
+    prefill logits within rtol=atol=1e-4, greedy ids exactly, and optionally the decode-step
+    logits within rtol 1e-4, atol 2e-4: 24 steps through the recurrent state add fp32
+    rounding, and under torch's scalar kernels (ATEN_CPU_CAPABILITY=default) one step logit
+    of an 81-token prompt differed from HF's by 1.1e-4."""
     for i, result in enumerate(results):
         torch.testing.assert_close(result.prompt_logits, ref[f"prefill_logits_{i}"], rtol=1e-4,
                                    atol=1e-4, msg=lambda m, i=i: f"{label} prompt {i}: {m}")
@@ -52,7 +54,7 @@ def assert_matches_hf(results, ref: dict, label: str, decode_logits: bool = Fals
             f"{ref[f'greedy_ids_{i}'].tolist()}")
         if decode_logits:
             torch.testing.assert_close(result.logits, ref[f"greedy_logits_{i}"], rtol=1e-4,
-                                       atol=1e-4,
+                                       atol=2e-4,
                                        msg=lambda m, i=i: f"{label} prompt {i} decode: {m}")
 
 

@@ -100,13 +100,16 @@ def test_row_parallel_tree_does_not_depend_on_tp(dtype):
     ("softplus", F.softplus, torch.float32),
     ("rsqrt", lambda t: torch.rsqrt(t.abs() + 0.1), torch.bfloat16)])
 def test_pointwise_has_no_length_dependent_tail(name, fn, dtype):
-    """`fn` over the first n elements differs from the same elements of a longer launch for
-    some n (the scalar tail loop); through `pointwise` it never does."""
+    """With torch's vector kernels, `fn` over the first n elements differs from the same
+    elements of a longer launch for some n (the scalar tail loop); through `pointwise` it
+    never does, whatever the kernels. Under ATEN_CPU_CAPABILITY=default every element takes
+    the scalar loop, so the plain op has no tail to differ in."""
     x = _make(4096, dtype=dtype, seed=5)
     full, canonical = fn(x), invariant.pointwise(fn, x)
     lengths = range(1, 200)
-    assert any(not torch.equal(fn(x[:n].clone()), full[:n]) for n in lengths), \
-        f"{name} never differed between launch lengths"
+    if torch.backends.cpu.get_cpu_capability() != "DEFAULT":
+        assert any(not torch.equal(fn(x[:n].clone()), full[:n]) for n in lengths), \
+            f"{name} never differed between launch lengths"
     for n in lengths:
         _assert_bits(invariant.pointwise(fn, x[:n]), canonical[:n], f"{name} n={n}")
 

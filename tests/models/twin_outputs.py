@@ -23,8 +23,10 @@ def generate(folder: Path, tp: int) -> list:
         return llm.generate(PROMPTS, params)
 
 
-def assert_same_outputs(got: list, want: list, label: str, atol: float = 1e-5) -> None:
-    """Equal tokens; prompt and step logits within rtol 1e-5 and `atol`."""
+def assert_same_outputs(got: list, want: list, label: str, atol: float = 2e-5) -> None:
+    """Equal tokens; prompt and step logits within rtol 1e-5 and `atol` (fp32 reduction
+    order: under torch's scalar kernels, ATEN_CPU_CAPABILITY=default, the NVFP4 case's
+    prompt logits differed from its twin's by 1.4e-5)."""
     for i, (a, b) in enumerate(zip(got, want)):
         assert a.token_ids == b.token_ids, f"{label} prompt {i}: {a.token_ids} != {b.token_ids}"
         for what in ("prompt_logits", "logits"):
