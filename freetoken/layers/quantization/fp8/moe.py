@@ -59,10 +59,13 @@ class BlockFP8FusedExperts(nn.Module):
         if input_scales:
             self.w13_input_scale = _param(e, 2, dtype=torch.float32)
             self.w2_input_scale = _param(e, dtype=torch.float32)
-        gate_rows = (self.rows.offset(tp.rank, tp.size) + torch.arange(i)) // block[0]
+        # The indices are computed on CPU: arithmetic under the model's device context
+        # (meta while the engine builds) would import torch._dynamo, seconds per process.
+        gate_rows = (self.rows.offset(tp.rank, tp.size) + torch.arange(i, device="cpu")) \
+            // block[0]
         row_index(self, "w13_scale_row",
                   torch.cat([gate_rows, gate_rows + self.rows.blocks(tp.size)]))
-        row_index(self, "w2_scale_row", torch.arange(hidden) // block[0])
+        row_index(self, "w2_scale_row", torch.arange(hidden, device="cpu") // block[0])
         self.canonical = invariant.active_reductions()
 
     def dequantize_w13(self, e: int, dtype: torch.dtype) -> torch.Tensor:
