@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from freetoken.kernels.moe_align import align_by_expert
+from freetoken.kernels.quant_gemm import block_step
 
 
 @dataclass(frozen=True)
@@ -133,21 +134,16 @@ def _check_scales(weight: torch.Tensor, scales: ExpertBlockScales | None, name: 
 
 def _scale_args(scales: ExpertBlockScales | None, block_k: int, weight: torch.Tensor
                 ) -> tuple[dict, int]:
-    """(the kernel's scale arguments, its K step): SCALE 0 without scales; 1 with the
-    largest step of at least 16 inputs (at most `block_k`) that divides the column block
-    and the offset (the scale is constant over the step); else 2 with `block_k`."""
+    """(the kernel's scale arguments, its K step): SCALE 0 without scales; 1 with
+    `quant_gemm.block_step`'s step (the scale is constant over it); else 2 with `block_k`."""
     if scales is None:
         return dict(scale_ptr=weight, scale_row_ptr=weight, col_offset=0,
                     stride_scale_expert=0, stride_scale_row=0, SCALE=0, BLOCK_COLS=1), block_k
     args = dict(scale_ptr=scales.scale, scale_row_ptr=scales.rows,
                 col_offset=scales.col_offset, stride_scale_expert=scales.scale.stride(0),
                 stride_scale_row=scales.scale.stride(1), BLOCK_COLS=scales.block_cols)
-    step = block_k
-    while step >= 16:
-        if scales.block_cols % step == 0 and scales.col_offset % step == 0:
-            return dict(args, SCALE=1), step
-        step //= 2
-    return dict(args, SCALE=2), block_k
+    step = block_step(scales.block_cols, scales.col_offset, block_k)
+    return (dict(args, SCALE=2), block_k) if step is None else (dict(args, SCALE=1), step)
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype

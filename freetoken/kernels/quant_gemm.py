@@ -180,19 +180,26 @@ def _takes_mma(x: torch.Tensor, rows: int, global_scale: torch.Tensor) -> bool:
             and x.is_cuda and not interpreting() and x.dtype in (torch.bfloat16, torch.float16))
 
 
-def _fp8_scale_mode(in_features: int, block_cols: int, col_offset: int, block_k: int
-                    ) -> tuple[int, int]:
-    """(SCALE, BLOCK_K) of an FP8 launch: 0 when one column block covers every input (per
-    tensor), 1 with the largest step of at least 16 inputs (at most `block_k`) that divides
-    the column block and the offset, else 2 with `block_k`."""
-    if col_offset + in_features <= block_cols:
-        return 0, block_k
+def block_step(block_cols: int, col_offset: int, block_k: int) -> int | None:
+    """The largest K step of at least 16 inputs (at most `block_k`) that divides the column
+    block and the shard's offset inside it, so one scale column serves each whole step;
+    None when there is none (the scale then applies per element)."""
     step = block_k
     while step >= 16:
         if block_cols % step == 0 and col_offset % step == 0:
-            return 1, step
+            return step
         step //= 2
-    return 2, block_k
+    return None
+
+
+def _fp8_scale_mode(in_features: int, block_cols: int, col_offset: int, block_k: int
+                    ) -> tuple[int, int]:
+    """(SCALE, BLOCK_K) of an FP8 launch: 0 when one column block covers every input (per
+    tensor), 1 with `block_step`'s step, else 2 with `block_k`."""
+    if col_offset + in_features <= block_cols:
+        return 0, block_k
+    step = block_step(block_cols, col_offset, block_k)
+    return (2, block_k) if step is None else (1, step)
 
 
 def _launch(kernel, x, rows, in_features, bias, tiles, block_k, args) -> torch.Tensor:

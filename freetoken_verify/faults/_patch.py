@@ -25,6 +25,13 @@ def after_load(patch: Callable[[nn.Module, CheckpointReader, ShardPlan], None]) 
     loader.POST_LOAD_HOOKS.append(patch)
 
 
+def checkpoint_name(names: list[str], suffix: str) -> str:
+    """The checkpoint name ending in `suffix` (`layers.0.linear_attn.in_proj_z.weight`),
+    whatever prefix the checkpoint puts before `layers`: what a patch reads from the
+    reader's `names()`."""
+    return next(n for n in names if n.endswith("." + suffix) or n == suffix)
+
+
 def rewrite_plans(rewrite: Callable[[Rule], Rule], families: Iterable[str] | None = None
                   ) -> None:
     """Build the shard plan of every family in `families` (every registered one when None)

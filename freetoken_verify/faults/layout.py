@@ -11,7 +11,7 @@ from freetoken.distributed import get_tp_info
 from freetoken.formats.nvfp4 import specs
 from freetoken.formats.specs import Split
 from freetoken.models.qwen3_5_moe.gdn import GatedDeltaNet
-from freetoken_verify.faults._patch import after_load, respec
+from freetoken_verify.faults._patch import after_load, checkpoint_name, respec
 from freetoken_verify.faults.registry import Entry, fault
 
 
@@ -35,12 +35,6 @@ def gdn_heads_from_first() -> None:
     respec("qwen3_5_moe", ("A_log",), lambda spec: _FirstChunk())
 
 
-def _checkpoint_name(names: list[str], suffix: str) -> str:
-    """The checkpoint name ending in `suffix` (`layers.0.linear_attn.in_proj_z.weight`),
-    whatever prefix the checkpoint puts before `layers`."""
-    return next(n for n in names if n.endswith("." + suffix) or n == suffix)
-
-
 @fault("plain-chunk-gdn-zba",
        Entry("GDN z|b|a packed and cut in plain chunks", "tiny-qwen3.5-moe", (2,),
              ("golden", "shards"), r"in_proj_[zba]\.weight rank"))
@@ -55,7 +49,7 @@ def plain_chunk_gdn_zba() -> None:
             if not isinstance(module, GatedDeltaNet):
                 continue
             layer = name.split(".")[2]
-            packed = torch.cat([reader.get(_checkpoint_name(
+            packed = torch.cat([reader.get(checkpoint_name(
                 names, f"layers.{layer}.linear_attn.in_proj_{x}.weight")) for x in "zba"])
             chunk = Split(0).shard(packed, tp.rank, tp.size)
             module.in_proj.weight.data[-chunk.shape[0]:].copy_(chunk)
@@ -76,7 +70,7 @@ def plain_chunk_shared_gate_up() -> None:
             if not name.endswith("mlp.shared_expert"):
                 continue
             layer = name.split(".")[2]
-            packed = torch.cat([reader.get(_checkpoint_name(
+            packed = torch.cat([reader.get(checkpoint_name(
                 names, f"layers.{layer}.mlp.shared_expert.{x}_proj.weight"))
                 for x in ("gate", "up")])
             module.gate_up_proj.weight.data.copy_(Split(0).shard(packed, tp.rank, tp.size))

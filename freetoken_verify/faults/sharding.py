@@ -10,7 +10,7 @@ from freetoken.formats import specs
 from freetoken.formats.specs import Heads, Split
 from freetoken.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from freetoken.layers.moe import FusedExperts
-from freetoken_verify.faults._patch import after_load, respec
+from freetoken_verify.faults._patch import after_load, checkpoint_name, respec
 from freetoken_verify.faults.registry import Entry, fault
 
 
@@ -98,8 +98,7 @@ def plain_chunk_expert_gate_up() -> None:
                 continue
             layer = name.split(".")[2]
             for e in range(module.num_experts):
-                gate = next(n for n in names if n.endswith(
-                    f"layers.{layer}.mlp.experts.{e}.gate_proj.weight"))
+                gate = checkpoint_name(names, f"layers.{layer}.mlp.experts.{e}.gate_proj.weight")
                 packed = torch.cat([reader.get(gate), reader.get(gate.replace("gate_", "up_"))])
                 module.w13.data[e].copy_(Split(0).shard(packed, tp.rank, tp.size))
 
