@@ -163,7 +163,10 @@ def nvfp4_gemm(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tensor,
     words = packed.view(torch.int32)
     asm = int(x.is_cuda and not interpreting()
               and os.environ.get("FREETOKEN_NVFP4_PTX", "1") != "0")
-    kw = max(2, tiles.block_k // 8)
+    # At least 4 words (32 inputs) a step: with 2 (a 16-input layer, e.g. a tiny model's
+    # row-parallel shard at TP 8) the GPU build's decoded tile came out wrong on an H200;
+    # the masks cover the inputs past K.
+    kw = max(4, tiles.block_k // 8)
     return _launch(jit_module("quant_gemm_jit").nvfp4_gemm_kernel, x, rows, in_features, bias,
                    tiles, 8 * kw, dict(
                        weight_ptr=words, scale_ptr=block_scale.view(torch.uint8),
