@@ -60,9 +60,6 @@ class EngineCore:
         if cfg.num_layers is not None:
             self.model_config = model_config.truncated(cfg.num_layers)
         self.dtype = resolve_dtype(cfg.dtype, self.model_config)
-        if cfg.tp_invariant and self.device.type != "cpu":
-            raise ValueError(f"tp_invariant runs on CPU only (the {self.device.type} kernels "
-                             "are not TP-invariant yet); use device='cpu'")
         self.model = self._build()
         load_weights(self.model, CheckpointReader(folder, cfg.num_layers),
                      shard_plan(self.model_config, get_tp_info().size), progress=cfg.progress)
@@ -205,11 +202,13 @@ class EngineCore:
             device=device))
         try:
             hidden = self.model(torch.tensor(ids, **as_long), torch.tensor(positions, **as_long))
+            # The LM head runs inside the step's context too, so that it takes the same path
+            # (Triton or torch) as in a graph replay, which captures it with the forward.
+            last = torch.tensor(qlens, device=self.device).cumsum(0) - 1
+            logits = self.model.compute_logits(hidden[last]).float()
+            self._keep_prompt_logits(batch, hidden, qlens, prefill)
         finally:
             set_forward_context(None)
-        last = torch.tensor(qlens, device=self.device).cumsum(0) - 1
-        logits = self.model.compute_logits(hidden[last]).float()
-        self._keep_prompt_logits(batch, hidden, qlens, prefill)
         return logits
 
     def _keep_prompt_logits(self, batch, hidden, qlens, prefill) -> None:
