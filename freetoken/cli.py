@@ -107,15 +107,11 @@ def _generate(prompts, model, tp, device, dtype, oversubscribe, sampling: dict, 
     """The LLM run (`modes`: EngineConfig switches); exits 2 on bad input (ours or a
     rank's), 1 on a rank failure."""
     from freetoken import LLM, SamplingParams
-    from freetoken.distributed import choose_placement
     from freetoken.engine.llm import check_generate
 
     try:
         params = SamplingParams(**sampling)
         check_generate(model, prompts, params, tp=tp, dtype=dtype)
-        if modes.get("tp_invariant") and choose_placement(device, tp, oversubscribe).is_cuda:
-            raise ValueError("--tp-invariant runs on the CPU only (the CUDA kernels are not "
-                             "TP-invariant yet): add --device cpu")
         # Progress bars redraw with carriage returns: only for a person at a terminal.
         with LLM(model, tp=tp, device=device, dtype=dtype, oversubscribe=oversubscribe,
                  progress=sys.stderr.isatty(), **modes) as llm:

@@ -73,43 +73,111 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: to
     with their `w13_scales` and `w2_scales`."""
     tokens, hidden = x.shape
     top_k = ids.shape[1]
-    inter = w2.shape[2]
-    pairs = tokens * top_k
     if tokens == 0:
         return x.new_zeros(0, hidden) if sum_slots else x.new_zeros(0, top_k, hidden,
                                                                       dtype=torch.float32)
+    h, layout = _gate_up(x, ids, w13, w13_scales, tiles)
+    inter = w2.shape[2]
+    down_k = min(layout.tiles.block_k, _pow2(inter))
+    out = _down(h, weights, w2, w2_scales, layout, 1, down_k, block_step_ok=True)[0]
+    out = out.view(tokens, top_k, hidden)
+    return out.sum(dim=1).to(x.dtype) if sum_slots else out
+
+
+def fused_moe_leaves(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                     w13: torch.Tensor, w2: torch.Tensor, chunks: int,
+                     w13_scales: ExpertBlockScales | None = None,
+                     w2_scales: ExpertBlockScales | None = None) -> torch.Tensor:
+    """The `tp_invariant` mode's routed experts: this rank's float32 leaves [chunks, T, H],
+    leaf c each token's weighted slots of the down projection over the c-th of `chunks`
+    equal chunks of the TP-local I, the slots added in slot order (routing is replicated,
+    so the order is the same at every TP size). The chunks are canonical (the same length
+    at every TP size) and every tile, K step and scale mode is chosen from that length,
+    never from the TP-local I, so each leaf is the same bits as TP=1's leaf of that chunk.
+    Same tensors as `fused_moe`."""
+    tokens, hidden = x.shape
+    top_k = ids.shape[1]
+    inter = w2.shape[2]
+    if inter % chunks:
+        raise ValueError(f"fused_moe_leaves: the local intermediate size {inter} does not "
+                         f"split into {chunks} canonical chunks")
+    if tokens == 0:
+        return x.new_zeros(chunks, 0, hidden, dtype=torch.float32)
+    h, layout = _gate_up(x, ids, w13, w13_scales, None)
+    down_k = min(layout.tiles.block_k, _pow2(inter // chunks))
+    slots = _down(h, weights, w2, w2_scales, layout, chunks, down_k,
+                  block_step_ok=False).view(chunks, tokens, top_k, hidden)
+    leaves = slots[:, :, 0]
+    for slot in range(1, top_k):
+        leaves = leaves + slots[:, :, slot]
+    return leaves
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """The (token, slot) pairs sorted into blocks by expert, and the tiles they take."""
+
+    rows: torch.Tensor
+    block_expert: torch.Tensor
+    tiles: MoeTiles
+    launch: dict
+
+
+def _gate_up(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
+             w13_scales: ExpertBlockScales | None, tiles: MoeTiles | None
+             ) -> tuple[torch.Tensor, _Layout]:
+    """h = SiLU(gate) * up [pairs, I] in x's dtype, and the pairs' layout."""
+    tokens, hidden = x.shape
+    top_k = ids.shape[1]
+    pairs = tokens * top_k
+    inter = w13.shape[1] // 2
     tiles = tiles or (DECODE_TILES if pairs <= DECODE_MAX_PAIRS else PREFILL_TILES)
     if tokens == 1:
         rows, block_expert = one_token_layout(ids, tiles.block_m)
     else:
         align = align_small if pairs <= ALIGN_MAX_PAIRS else align_by_expert
         rows, block_expert = align(ids.reshape(-1), w13.shape[0], tiles.block_m)
-    blocks = block_expert.shape[0]
+    layout = _Layout(rows, block_expert, tiles,
+                     dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
     x = x.contiguous()
-    jit, precision = _jit(), _precision(x.dtype)
-    launch = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     _check_scales(w13, w13_scales, "w13")
-    _check_scales(w2, w2_scales, "w2")
     gate_up_scale, gate_up_k = _scale_args(w13_scales, tiles.block_k, w13)
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-    jit.gate_up_kernel[(blocks, triton_cdiv(inter, tiles.gate_up_n))](
+    _jit().gate_up_kernel[(block_expert.shape[0], triton_cdiv(inter, tiles.gate_up_n))](
         x_ptr=x, w13_ptr=w13, h_ptr=h, rows_ptr=rows, block_expert_ptr=block_expert,
         num_pairs=pairs, hidden=hidden, inter=inter, top_k=top_k,
         stride_x_token=x.stride(0), stride_w13_expert=w13.stride(0),
         stride_w13_row=w13.stride(1), stride_h_pair=h.stride(0),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.gate_up_n, BLOCK_K=gate_up_k,
-        PRECISION=precision, **gate_up_scale, **launch)
-    out = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
-    down_scale, down_k = _scale_args(w2_scales, min(tiles.block_k, _pow2(inter)), w2)
-    jit.down_kernel[(blocks, triton_cdiv(hidden, tiles.down_n))](
+        PRECISION=_precision(x.dtype), **gate_up_scale, **layout.launch)
+    return h, layout
+
+
+def _down(h: torch.Tensor, weights: torch.Tensor, w2: torch.Tensor,
+          w2_scales: ExpertBlockScales | None, layout: _Layout, chunks: int, block_k: int,
+          block_step_ok: bool) -> torch.Tensor:
+    """float32 [chunks, pairs, H]: each pair's routing weight times h . w2 over each of
+    `chunks` equal chunks of I, K steps of `block_k`. Without `block_step_ok` block scales
+    multiply each weight element (SCALE 2): the per-step mode's step depends on the shard's
+    offset inside its block, so it would differ between ranks."""
+    pairs, inter = h.shape
+    hidden = w2.shape[1]
+    _check_scales(w2, w2_scales, "w2")
+    down_scale, down_k = _scale_args(w2_scales, block_k, w2)
+    if not block_step_ok and down_scale["SCALE"] == 1:
+        down_scale, down_k = dict(down_scale, SCALE=2), block_k
+    out = torch.empty(chunks, pairs, hidden, dtype=torch.float32, device=h.device)
+    tiles = layout.tiles
+    _jit().down_kernel[(layout.block_expert.shape[0], triton_cdiv(hidden, tiles.down_n),
+                        chunks)](
         h_ptr=h, w2_ptr=w2, weights_ptr=weights.reshape(-1).contiguous(), out_ptr=out,
-        rows_ptr=rows, block_expert_ptr=block_expert, num_pairs=pairs, hidden=hidden,
-        inter=inter, stride_h_pair=h.stride(0), stride_w2_expert=w2.stride(0),
-        stride_w2_row=w2.stride(1), stride_out_pair=out.stride(0),
+        rows_ptr=layout.rows, block_expert_ptr=layout.block_expert, num_pairs=pairs,
+        hidden=hidden, k_chunk=inter // chunks, stride_h_pair=h.stride(0),
+        stride_w2_expert=w2.stride(0), stride_w2_row=w2.stride(1),
+        stride_out_chunk=out.stride(0), stride_out_pair=out.stride(1),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_n, BLOCK_K=down_k,
-        PRECISION=precision, **down_scale, **launch)
-    out = out.view(tokens, top_k, hidden)
-    return out.sum(dim=1).to(x.dtype) if sum_slots else out
+        PRECISION=_precision(h.dtype), **down_scale, **layout.launch)
+    return out
 
 
 def _check_scales(weight: torch.Tensor, scales: ExpertBlockScales | None, name: str) -> None:

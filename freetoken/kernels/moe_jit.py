@@ -13,9 +13,11 @@ block size and offset). The codes are exact in the activations' dtype.
 
 - `gate_up_kernel`: program (block, columns) computes a tile of gate and the matching tile of
   up for its block's pairs and writes h = SiLU(gate) * up, rounded once to h's dtype.
-- `down_kernel`: program (block, columns) computes a tile of h W_down^T for its block's
-  pairs, times each pair's routing weight, and writes it in float32 (the launcher sums each
-  token's slots in float32 and rounds once, as the torch reference does).
+- `down_kernel`: program (block, columns, chunk) computes a tile of h W_down^T over one
+  chunk of the inputs for its block's pairs, times each pair's routing weight, and writes it
+  in float32 (the launcher sums each token's slots in float32 and rounds once, as the torch
+  reference does). One chunk of every input is the whole product; the `tp_invariant` mode
+  launches the model's canonical chunks, one float32 leaf each.
 Blocks whose expert is -1 (the unused tail of the upper-bound grid) return at once.
 """
 
@@ -128,12 +130,13 @@ def down_kernel(
     # sizes
     num_pairs,
     hidden,
-    inter,
+    k_chunk,
     col_offset,
     # strides
     stride_h_pair,
     stride_w2_expert,
     stride_w2_row,
+    stride_out_chunk,
     stride_out_pair,
     stride_scale_expert,
     stride_scale_row,
@@ -145,8 +148,10 @@ def down_kernel(
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """out[pair, n] = weight[pair] * (h[pair] . w2[e, n]) in float32 for the BLOCK_M pairs of
-    block program_id(0) and BLOCK_N output columns n of program_id(1)."""
+    """out[c, pair, n] = weight[pair] * (h[pair] . w2[e, n]) over the inputs of chunk c in
+    float32 for the BLOCK_M pairs of block program_id(0), BLOCK_N output columns n of
+    program_id(1) and chunk c = program_id(2) of `k_chunk` inputs (one chunk of all of
+    them: the whole product)."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert < 0:
@@ -159,10 +164,13 @@ def down_kernel(
     if SCALE > 0:
         s_rows = (scale_ptr + expert.to(tl.int64) * stride_scale_expert
                   + tl.load(scale_row_ptr + cols, mask=col_ok, other=0) * stride_scale_row)
+    chunk = tl.program_id(2)
+    k_begin = chunk * k_chunk
+    k_end = k_begin + k_chunk
     acc = tl.full((BLOCK_M, BLOCK_N), 0, dtype=tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
+    for k0 in range(k_begin, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < inter
+        k_ok = ks < k_end
         a = tl.load(h_ptr + pairs[:, None] * stride_h_pair + ks[None, :],
                     mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
         b_mask = k_ok[:, None] & col_ok[None, :]
@@ -173,7 +181,8 @@ def down_kernel(
             acc = _scaled_dot(a, b, s_rows, acc, k0, ks, col_offset, b_mask, SCALE,
                               BLOCK_COLS, PRECISION)
     weight = tl.load(weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + pairs[:, None] * stride_out_pair + cols[None, :], acc * weight[:, None],
+    out = out_ptr + chunk.to(tl.int64) * stride_out_chunk + pairs[:, None] * stride_out_pair
+    tl.store(out + cols[None, :], acc * weight[:, None],
              mask=pair_ok[:, None] & col_ok[None, :])
 
 

@@ -19,6 +19,11 @@ so TP=N logits are bit-identical to TP=1 (CPU torch paths, fp32 and bf16).
   alignment, so the output is computed in tiles of `tile` weight rows, each tile one GEMM of
   the same shape on freshly allocated (equally aligned) operands at every TP size; the last
   tile is zero-padded. tests/layers/test_invariant.py holds the proof of both effects.
+- Steps that take the CUDA (Triton) paths compute the column-parallel GEMMs and the leaves
+  with `freetoken.kernels.canonical_gemm` instead (one fixed tiling, so an element does not
+  depend on the launch's shape: no padding or fresh copies needed), and the routed experts
+  with `freetoken.kernels.fused_moe.fused_moe_leaves`. Their elementwise kernels compute each
+  element alone, and `pointwise`'s padding leaves them as they are.
 
 Layers read the mode once, at construction (`active_reductions`), as they read the TP info.
 """
@@ -33,7 +38,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from freetoken.context import uses_kernels
 from freetoken.distributed.comm import get_communicator, tree_sum
+from freetoken.kernels import canonical_gemm
 
 TILE = 64
 POINTWISE_BLOCK = 128
@@ -121,6 +128,11 @@ def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """`x W^T (+ b)` in x's dtype, each output element computed by a GEMM whose shape does
     not depend on how many rows `weight` has: [.., K] x [K, tile] per tile of weight rows."""
     rows, inputs = weight.shape
+    if uses_kernels():
+        flat = x.reshape(-1, inputs)
+        y = canonical_gemm.chunk_products(flat, weight, 1, x.dtype)[0]
+        y = y.reshape(*x.shape[:-1], rows)
+        return y + bias if bias is not None else y
     padded = torch.zeros(rows + -rows % tile, inputs, dtype=weight.dtype, device=weight.device)
     padded[:rows] = weight
     flat = fresh(x.reshape(-1, inputs))
@@ -139,6 +151,9 @@ def chunk_leaves(x: torch.Tensor, weight: torch.Tensor, local_chunks: int) -> to
                          f" does not split into {local_chunks} canonical chunks")
     size = inputs // local_chunks
     flat = x.reshape(-1, inputs)
+    if uses_kernels():
+        leaves = canonical_gemm.chunk_products(flat, weight, local_chunks, torch.float32)
+        return leaves.reshape(local_chunks, *x.shape[:-1], weight.shape[0])
     leaves = [F.linear(fresh(flat[:, c * size : (c + 1) * size], torch.float32),
                        fresh(weight[:, c * size : (c + 1) * size], torch.float32))
               for c in range(local_chunks)]

@@ -73,10 +73,11 @@ class LinearBase(nn.Module):
 
 def _gemv_tiles(layer: LinearBase, x: torch.Tensor, **fused) -> gemv.GemvTiles | None:
     """The decode-step linear kernel's tiles for this call (`freetoken.kernels.gemv`), or
-    None where the unfused path runs: a quantized layer, no kernels, a batch too large, or
-    the measured tile table found the GEMM and the separate small kernels faster."""
-    if layer.quant is not None or not (uses_kernels() and gemv.enabled()
-                                       and gemv.fits(x, layer.weight)):
+    None where the unfused path runs: a quantized layer, the tp_invariant mode (its tiles
+    follow the shape), no kernels, a batch too large, or the measured tile table found the
+    GEMM and the separate small kernels faster."""
+    if layer.quant is not None or layer.canonical is not None or \
+            not (uses_kernels() and gemv.enabled() and gemv.fits(x, layer.weight)):
         return None
     return gemv.tiles_for(x, layer.weight, **fused)
 

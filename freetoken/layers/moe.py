@@ -72,6 +72,9 @@ class FusedExperts(nn.Module):
         """tp_invariant mode: this rank's fp32 leaves [local chunks, T, H] of the weighted
         expert sum (`invariant.expert_leaves`), for the MoE block's canonical reduction."""
         canonical = self.canonical
+        if uses_kernels():
+            return fused_moe.fused_moe_leaves(x, weights, ids, self.w13, self.w2,
+                                              canonical.local_chunks)
 
         def expert_mlp(e: int, rows: torch.Tensor) -> torch.Tensor:
             h = silu_and_mul(invariant.column_linear(rows, self.w13[e], None, canonical.tile),

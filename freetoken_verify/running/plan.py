@@ -246,10 +246,7 @@ def resolve_bitwise(asked: bool | None, cases, tp_sizes: list[int],
         raise UsageError(f"bitwise: {asked!r} is not True, False or None")
     if asked is False:
         return False
-    device = choose_placement(options.device, max(tp_sizes), options.oversubscribe).device_for(0)
     why = None
-    if not str(device).startswith("cpu"):
-        why = f"the engine's tp_invariant mode runs on CPU ranks only (this run: {device})"
     for case in cases:
         cfg = case.model_config if options.num_layers is None else \
             case.model_config.truncated(options.num_layers)

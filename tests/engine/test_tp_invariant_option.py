@@ -12,8 +12,6 @@ import pytest
 import torch
 from conftest import GOLDEN
 
-from freetoken.config import EngineConfig
-from freetoken.engine.core import EngineCore
 from freetoken.layers.linear import LinearBase
 from freetoken.models.registry import build_model, load_config
 
@@ -41,14 +39,6 @@ def test_generate_tp_invariant_same_tokens_at_tp1_and_tp2():
     assert tp1 == tp2, f"--tp-invariant: tp=1 {tp1} != tp=2 {tp2}"
 
 
-def test_tp_invariant_refuses_a_non_cpu_device():
-    """An engine in the tp_invariant mode on a device other than the CPU raises before
-    building anything, naming the option and the device."""
-    cfg = EngineConfig(progress=False, tp_invariant=True)
-    with pytest.raises(ValueError, match="tp_invariant runs on CPU only .*meta"):
-        EngineCore(CASE, load_config(CASE), cfg, torch.device("meta"))
-
-
 @pytest.mark.parametrize("tp_invariant", [False, True])
 def test_only_the_option_switches_layers(tp_invariant):
     """Every linear layer of a model built with tp_invariant carries the canonical reductions
@@ -62,20 +52,3 @@ def test_only_the_option_switches_layers(tp_invariant):
             assert module.canonical is not None and module.canonical.chunks == 8, name
         else:
             assert module.canonical is None, name
-
-
-def test_generate_tp_invariant_on_cuda_is_a_one_line_usage_error(monkeypatch):
-    """`--tp-invariant` where the placement would be CUDA exits 2 with one line naming the
-    option, before any engine or rank starts (placement faked as CUDA: no GPU needed)."""
-    from click.testing import CliRunner
-
-    import freetoken.distributed as distributed
-    from freetoken import cli
-    from freetoken.distributed import Placement
-
-    monkeypatch.setattr(distributed, "choose_placement",
-                        lambda device, tp, oversubscribe=False: Placement("cuda-nccl", tp))
-    result = CliRunner().invoke(cli.main, ["generate", "--model", str(CASE), "--tp-invariant",
-                                           "--prompt-ids", "1,2"])
-    assert result.exit_code == 2, result.output
-    assert "--tp-invariant runs on the CPU only" in result.output, result.output

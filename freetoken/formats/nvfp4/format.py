@@ -13,6 +13,8 @@ value = E2M1[code] * weight_scale[row, col // 16] * weight_scale_2. Codes 0..7 a
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 GROUP = 16
@@ -28,7 +30,13 @@ class NVFP4FormatError(ValueError):
 
 
 def e2m1_table(device=None) -> torch.Tensor:
-    """The 16 code values as float32, indexed by code."""
+    """The 16 code values as float32, indexed by code: one tensor per device, made on first
+    use, so a CUDA graph that dequantizes captures no host-to-device copy (read it only)."""
+    return _e2m1_table(torch.device("cpu" if device is None else device))
+
+
+@functools.cache
+def _e2m1_table(device: torch.device) -> torch.Tensor:
     return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
 
 

@@ -46,6 +46,7 @@ class GatedDeltaNet(nn.Module):
         self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.key_dim, self.value_dim = rows.size("q"), rows.size("v")
         self.num_k_heads, self.num_v_heads = self.key_dim // self.head_k_dim, rows.size("b")
+        self.total_k_heads = cfg.linear_num_key_heads
         conv_dim = rows.size("q", "v")
         self.local_sizes = [conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads]
         self.in_proj, self.in_proj_ba = in_projections(cfg, prefix, rows)
@@ -167,26 +168,56 @@ class GatedDeltaNet(nn.Module):
         Returns [B, T, value heads, dv] in qkv's dtype."""
         mixed, conv_state = self.conv1d(qkv, None if fresh else self.conv_state[slots])
         self.conv_state[slots] = conv_state.to(self.conv_state.dtype)
-        q, k, v = self._heads(mixed)
+        pad = self._padded_heads()
+        q, k, v = self._heads(mixed, pad)
         initial = None if fresh else self.recurrent_state[slots]
+        if pad:
+            g, beta = (_pad_heads(t, pad * self.group) for t in (g, beta))
+            initial = None if initial is None else _pad_heads(initial, pad * self.group, dim=1)
         # As HF: the recurrent rule for a single continuing token, the chunked rule otherwise.
         rule = recurrent_gated_delta_rule if qkv.shape[1] == 1 and not fresh \
             else chunk_gated_delta_rule
         out, state = rule(q, k, v, g, beta, initial, exp=self._exp)
-        self.recurrent_state[slots] = state
-        return out.to(qkv.dtype)
+        self.recurrent_state[slots] = state[:, :self.num_v_heads]
+        return out[:, :, :self.num_v_heads].to(qkv.dtype)
 
-    def _heads(self, mixed: torch.Tensor):
+    @property
+    def group(self) -> int:
+        """Value heads per key head."""
+        return self.num_v_heads // self.num_k_heads
+
+    def _padded_heads(self) -> int:
+        """Key heads of zeros appended to this rank's for the delta rule: in the tp_invariant
+        mode on the CUDA path, up to the model's count, so that the rule's batched GEMMs,
+        triangular solves and norms have TP=1's shapes at every TP size (cuBLAS picks its
+        algorithm by shape, batch count included, and a head's result moves with it; a
+        zero head's result is zeros and is dropped). None elsewhere (0)."""
+        if self.out_proj.canonical is None or not uses_kernels():
+            return 0
+        return self.total_k_heads - self.num_k_heads
+
+    def _heads(self, mixed: torch.Tensor, pad: int = 0):
         """q, k: fp32 [B, T, value heads, dk], L2-normalised (q also scaled by dk^-0.5) and
-        repeated so value head j sees key head j // group; v: [B, T, value heads, dv]."""
+        repeated so value head j sees key head j // group; v: [B, T, value heads, dv]; each
+        with `pad` key heads' worth of zero heads appended (`_padded_heads`)."""
         batch, length, _ = mixed.shape
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         shape = (batch, length, self.num_k_heads, self.head_k_dim)
-        q = l2norm(q.reshape(shape).float()) * self.head_k_dim**-0.5
-        k = l2norm(k.reshape(shape).float())
-        group = self.num_v_heads // self.num_k_heads
-        v = v.reshape(batch, length, self.num_v_heads, self.head_v_dim)
-        return q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2), v
+        q, k = (_pad_heads(t.reshape(shape).float(), pad) for t in (q, k))
+        q = l2norm(q) * self.head_k_dim**-0.5
+        k = l2norm(k)
+        v = _pad_heads(v.reshape(batch, length, self.num_v_heads, self.head_v_dim),
+                       pad * self.group)
+        return q.repeat_interleave(self.group, dim=2), k.repeat_interleave(self.group, dim=2), v
+
+
+def _pad_heads(t: torch.Tensor, pad: int, dim: int = 2) -> torch.Tensor:
+    """`t` with `pad` zero heads appended along its heads dimension `dim` (as is for 0)."""
+    if not pad:
+        return t
+    shape = list(t.shape)
+    shape[dim] = pad
+    return torch.cat([t, t.new_zeros(shape)], dim=dim)
 
 
 def in_projections(cfg: Qwen35MoeConfig, prefix: str, rows: LocalRows):

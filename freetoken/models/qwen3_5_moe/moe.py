@@ -102,8 +102,10 @@ class SparseMoeBlock(nn.Module):
     def _combines(self, x: torch.Tensor) -> bool:
         """Whether the CUDA path sums the routed slots, the gated shared expert and the
         gate itself in one launch (`freetoken.kernels.gemv.moe_combine`): 16-bit or
-        float32 routed experts (`FusedExperts`) and a decode batch."""
-        return type(self.experts) is FusedExperts and gemv.enabled() and \
+        float32 routed experts (`FusedExperts`) outside the tp_invariant mode and a decode
+        batch."""
+        return type(self.experts) is FusedExperts and self.experts.canonical is None and \
+            gemv.enabled() and \
             gemv.fits(x, self.shared_expert.gate_up_proj.weight)
 
     def _forward_combined(self, x: torch.Tensor) -> torch.Tensor:

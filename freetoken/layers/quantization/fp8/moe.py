@@ -105,8 +105,13 @@ class BlockFP8FusedExperts(nn.Module):
 
     def leaves(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """tp_invariant mode: this rank's fp32 leaves [local chunks, T, H] of the weighted
-        expert sum, on the dequantized weights (`invariant.expert_leaves`)."""
+        expert sum: the grouped kernels' canonical chunks where the step takes the CUDA
+        paths, else the dequantized weights (`invariant.expert_leaves`)."""
         canonical = self.canonical
+        if uses_kernels():
+            w13_scales, w2_scales = self.block_scales()
+            return fused_moe.fused_moe_leaves(x, weights, ids, self.w13_weight, self.w2_weight,
+                                              canonical.local_chunks, w13_scales, w2_scales)
 
         def expert_mlp(e: int, rows: torch.Tensor) -> torch.Tensor:
             w13 = self.dequantize_w13(e, rows.dtype)

@@ -46,9 +46,9 @@ class FP8TensorLinear(WeightOnlyMethod):
             torch.tensor(self.groups, device="cpu"), torch.tensor(self.rows, device="cpu")))
 
     def dequantize(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-        """The rank-local weight in `dtype`, each segment times its tensor's scale."""
-        per_row = torch.repeat_interleave(layer.weight_scale[list(self.groups)],
-                                          torch.tensor(self.rows, device=layer.weight.device))
+        """The rank-local weight in `dtype`, each segment times its tensor's scale (through
+        the device's row index: no host data, so a CUDA graph can capture it)."""
+        per_row = layer.weight_scale[layer.weight_scale_group.long()]
         return (layer.weight.float() * per_row[:, None]).to(dtype)
 
     def kernel(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None

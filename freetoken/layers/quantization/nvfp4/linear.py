@@ -51,11 +51,11 @@ class NVFP4Linear(WeightOnlyMethod):
             torch.tensor(self.groups, device="cpu"), torch.tensor(self.rows, device="cpu")))
 
     def dequantize(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-        """The rank-local weight in `dtype`, each segment with its tensor's global."""
+        """The rank-local weight in `dtype`, each segment with its tensor's global (through
+        the device's row index: no host data, so a CUDA graph can capture it)."""
         g = layer.weight_scale_2.float()
         g = 1.0 / g if self.reciprocal else g
-        per_row = torch.repeat_interleave(g[list(self.groups)],
-                                          torch.tensor(self.rows, device=g.device))
+        per_row = g[layer.weight_scale_2_group.long()]
         ones = torch.ones((), dtype=torch.float32, device=g.device)
         values = dequantize(layer.weight, layer.weight_scale, ones, "weight")
         return (values * per_row[:, None]).to(dtype)

@@ -6,9 +6,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from freetoken.context import uses_kernels
 from freetoken.distributed import get_tp_info
-from freetoken.formats.nvfp4.format import GROUP
+from freetoken.formats.nvfp4.format import GROUP, dequantize
 from freetoken.formats.nvfp4.specs import local_inputs
+from freetoken.kernels import fused_moe
 from freetoken.layers import invariant
 from freetoken.layers.layout import GATE_UP, LocalRows
 from freetoken.layers.quantization.nvfp4.backend import TRITON, choose_backend
@@ -76,10 +78,25 @@ class NVFP4FusedExperts(nn.Module):
         return (self.w13_weight, self.w13_weight_scale, g13, self.w2_weight,
                 self.w2_weight_scale, g2)
 
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every expert's weights in float32: w13 [E, 2I, H] (gate and up each with its own
+        global scale) and w2 [E, H, I]."""
+        w13, s13, g13, w2, s2, g2 = self._tensors()
+        i = self.local_intermediate
+        gate = dequantize(w13[:, :i], s13[:, :i], g13[:, 0], "w13 gate")
+        up = dequantize(w13[:, i:], s13[:, i:], g13[:, 1], "w13 up")
+        return torch.cat([gate, up], dim=1), dequantize(w2, s2, g2, "w2")
+
     def leaves(self, x: torch.Tensor, topk_weights: torch.Tensor,
                topk_ids: torch.Tensor) -> torch.Tensor:
         """tp_invariant mode: this rank's fp32 leaves [local chunks, T, H] of the routed
-        sum, from the torch reference (the Triton kernels are not TP-invariant)."""
+        sum, computed in float32 on the dequantized experts: by the grouped kernels'
+        canonical chunks where the step takes the CUDA paths (the NVFP4 kernels' tiling
+        follows the TP-local shape, so they are not TP-invariant), else by the torch
+        reference."""
+        if uses_kernels():
+            return fused_moe.fused_moe_leaves(x.to(torch.float32), topk_weights, topk_ids,
+                                              *self.dequantized(), self.canonical.local_chunks)
         return reference_moe_leaves(x, topk_weights, topk_ids, *self._tensors(),
                                     self.canonical)
 
