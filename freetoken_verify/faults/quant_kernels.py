@@ -20,12 +20,18 @@ from freetoken.layers.quantization.nvfp4.moe import NVFP4FusedExperts
 from freetoken_verify.faults.registry import Entry, fault
 
 
-def _first_segment_for_all(method_class) -> None:
+def _first_segment_for_all(method_class, index: str) -> None:
+    """`method_class` dequantizes with its row-to-scale index buffer `index` pointing every
+    row at the first segment's scale."""
     original = method_class.dequantize
 
     def dequantize(self, layer, dtype):
-        wrong = dataclasses.replace(self, groups=(self.groups[0],) * len(self.groups))
-        return original(wrong, layer, dtype)
+        rows = layer._buffers[index]
+        layer._buffers[index] = torch.full_like(rows, self.groups[0])
+        try:
+            return original(self, layer, dtype)
+        finally:
+            layer._buffers[index] = rows
 
     method_class.dequantize = dequantize
 
@@ -38,7 +44,7 @@ def _first_segment_for_all(method_class) -> None:
 def fp8_tensor_first_scale_for_all() -> None:
     """FP8 per-tensor linears dequantize every output segment of a fused layer (q | k | v,
     gate | up, in_proj_qkv | in_proj_z) with the first segment's `weight_scale`."""
-    _first_segment_for_all(FP8TensorLinear)
+    _first_segment_for_all(FP8TensorLinear, "weight_scale_group")
 
 
 @fault("nvfp4-linear-first-global-for-all",
@@ -49,7 +55,7 @@ def fp8_tensor_first_scale_for_all() -> None:
 def nvfp4_linear_first_global_for_all() -> None:
     """NVFP4 dense linears apply the first checkpoint tensor's global scale to every output
     segment of a fused layer (producers usually make them equal; nothing guarantees it)."""
-    _first_segment_for_all(NVFP4Linear)
+    _first_segment_for_all(NVFP4Linear, "weight_scale_2_group")
 
 
 @fault("nvfp4-divisor-as-multiplier",

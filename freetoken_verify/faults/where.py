@@ -23,12 +23,12 @@ def gdn_split_global_sizes() -> None:
     right at TP=1, `split_with_sizes` fails inside the layer at TP > 1."""
     original = gdn.GatedDeltaNet._heads
 
-    def heads(self, mixed):
+    def heads(self, mixed, *args):
         size = get_tp_info().size
         local = self.key_dim, self.value_dim
         self.key_dim, self.value_dim = local[0] * size, local[1] * size
         try:
-            return original(self, mixed)
+            return original(self, mixed, *args)
         finally:
             self.key_dim, self.value_dim = local
 
