@@ -80,7 +80,7 @@ def main() -> None:
 @click.option("--ignore-eos", is_flag=True)
 @click.option("--enforce-eager", is_flag=True, help="no CUDA graphs for decode steps")
 @click.option("--tp-invariant", is_flag=True,
-              help="canonical TP-split sums: logits bit-identical at every TP size (CPU, slower)")
+              help="canonical TP-split sums: logits bit-identical at every TP size (slower)")
 def generate(model, tp, device, dtype, oversubscribe, prompts, prompt_ids, max_tokens,
              temperature, top_k, top_p, seed, ignore_eos, enforce_eager, tp_invariant) -> None:
     """Generate a continuation for each prompt."""

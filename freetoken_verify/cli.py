@@ -143,7 +143,8 @@ def _print_list(ctx: click.Context, _param, value: bool) -> None:
                    "downloaded (never otherwise)")
 @click.option("--bitwise/--no-bitwise", default=None,
               help="golden runs the engine's tp_invariant mode and requires TP=N to equal "
-                   "TP=1 bit for bit  [default: on where that mode runs: CPU ranks]")
+                   "TP=1 bit for bit  [default: on where that mode runs: TP sizes dividing "
+                   "the model's canonical chunk count]")
 @click.option("--allow-skips", is_flag=True,
               help="exit 0 when every row was skipped (by default a run that verified nothing "
                    "exits 1)")

@@ -170,7 +170,7 @@ def build_plan(models: Sequence[str] = (), tp: Sequence[int] | int = DEFAULT_TP,
     `save_reference`; `prompts_file`, `seed` and `max_new_tokens` choose the reference prompts
     and continuation (see `freetoken-verify --help`). `bitwise`: golden runs the engine's
     tp_invariant mode and requires TP=N to equal TP=1 bit for bit; None (default) turns it on
-    where that mode runs (CPU ranks, TP sizes dividing each model's canonical chunk count).
+    where that mode runs (TP sizes dividing each model's canonical chunk count).
     `keyword` (`-k`) and `only` ((model, check, tp) rows, `--rerun-failed`) select rows;
     `maxfail` stops the run after that many failed rows.
 

@@ -29,6 +29,12 @@ def _operands(rows, inputs, tokens, dtype, seed=0):
     return torch.randn(tokens, inputs, **kw), torch.randn(rows, inputs, **kw) * inputs**-0.5
 
 
+def _shards(size: int, tp: int):
+    """(rank, the slice of `size` elements that rank holds) for each rank of TP `tp`."""
+    local = size // tp
+    return [(rank, slice(rank * local, (rank + 1) * local)) for rank in range(tp)]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 16, 300])
 @pytest.mark.parametrize("name", COLUMN_SHAPES)
@@ -39,9 +45,7 @@ def test_columns_at_every_tp_size(name, tokens, dtype):
     want = (x.double() @ w.double().T)
     assert float((whole.double() - want).norm() / want.norm()) < 1e-2
     for tp in TP_SIZES:
-        local = rows // tp
-        for rank in range(tp):
-            part = slice(rank * local, (rank + 1) * local)
+        for rank, part in _shards(rows, tp):
             got = canonical_gemm.chunk_products(x, w[part], 1, dtype)[0]
             assert torch.equal(got, whole[:, part]), f"{name} tp={tp} rank {rank}"
     # Columns that start off a tile boundary.
@@ -56,12 +60,10 @@ def test_chunks_at_every_tp_size(name, tokens, dtype):
     x, w = _operands(rows, inputs, tokens, dtype)
     whole = canonical_gemm.chunk_products(x, w, CHUNKS, torch.float32)
     for tp in TP_SIZES:
-        width, local = inputs // tp, CHUNKS // tp
-        for rank in range(tp):
-            part = slice(rank * width, (rank + 1) * width)
-            got = canonical_gemm.chunk_products(x[:, part], w[:, part], local, torch.float32)
-            assert torch.equal(got, whole[rank * local:(rank + 1) * local]), \
-                f"{name} tp={tp} rank {rank}"
+        for (rank, part), (_, chunks) in zip(_shards(inputs, tp), _shards(CHUNKS, tp)):
+            got = canonical_gemm.chunk_products(x[:, part], w[:, part], CHUNKS // tp,
+                                                torch.float32)
+            assert torch.equal(got, whole[chunks]), f"{name} tp={tp} rank {rank}"
 
 
 @pytest.mark.parametrize("tokens", [1, 16, 300])
@@ -79,13 +81,11 @@ def test_expert_leaves_at_realdims(tokens):
     weights = weights.bfloat16()
     whole = fused_moe.fused_moe_leaves(x, weights, ids, w13, w2, CHUNKS)
     for tp in TP_SIZES:
-        local, width = CHUNKS // tp, inter // tp
-        for rank in range(tp):
-            part = slice(rank * width, (rank + 1) * width)
+        for (rank, part), (_, chunks) in zip(_shards(inter, tp), _shards(CHUNKS, tp)):
             r13 = torch.cat([w13[:, :inter][:, part], w13[:, inter:][:, part]], 1).contiguous()
             got = fused_moe.fused_moe_leaves(x, weights, ids, r13,
-                                             w2[:, :, part].contiguous(), local)
-            assert torch.equal(got, whole[rank * local:(rank + 1) * local]), \
+                                             w2[:, :, part].contiguous(), CHUNKS // tp)
+            assert torch.equal(got, whole[chunks]), \
                 f"tokens={tokens} tp={tp} rank {rank}"
 
 
