@@ -42,8 +42,10 @@ def test_cpu_matmul_depends_on_the_launch_shape():
 
 
 def test_cpu_matmul_depends_on_operand_alignment():
-    """The premise of `fresh`: the same fp32 product from operands that start 4 bytes off
-    the allocator's alignment gives other bits for some shape."""
+    """The premise of `fresh`: on some CPUs (MKL on an AMD EPYC) the same fp32 product from
+    operands that start 4 bytes off the allocator's alignment gives other bits for some
+    shape. Others (MKL on an Intel Xeon with AVX-512) keep the bits: `fresh` then guards
+    against nothing, and the test says so by skipping."""
     def shifted(t: torch.Tensor, offset: int) -> torch.Tensor:
         store = torch.empty(t.numel() + offset, dtype=t.dtype)
         store[offset:] = t.flatten()
@@ -52,7 +54,8 @@ def test_cpu_matmul_depends_on_operand_alignment():
     moved = [(F.linear(shifted(x, off), shifted(w, off)), F.linear(x, w))
              for k in (16, 64, 100, 192, 1024) for m in (1, 3, 17)
              for x, w in [(_make(m, k), _make(64, k, seed=2))] for off in range(1, 16)]
-    assert any(not torch.equal(a, b) for a, b in moved), "alignment never changed the bits"
+    if all(torch.equal(a, b) for a, b in moved):
+        pytest.skip("this CPU's fp32 GEMM gives the same bits from unaligned operands")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
