@@ -13,7 +13,8 @@ every test that needs one (the harness checks, the shards layouts, the twin refe
 - RedHatAI's compressed-tensors NVFP4 (`compressed_tensors_nvfp4`, divisor globals):
   attention, routed experts (and the shared expert unless ignored) NVFP4, an expanded
   split-name ignore list over linear_attn, routers, shared-expert gates and lm_head;
-- `split_in_two`: a folder's weights split into two files with an index.
+- `split_in_two`: a folder's weights split into two files with an index;
+- `with_tensor`: a folder's copy with one tensor set (or added), e.g. a broken input scale.
 
 The NVFP4 layouts start from the bundled NVFP4 case, as stored or from its dequantized twin
 (`nvfp4_base`), whose shared expert may be widened from 48 to 128 intermediate rows (new
@@ -194,6 +195,21 @@ def compressed_tensors_nvfp4(dst: Path, base: Path | None = None) -> Path:
     out = write_nvfp4(base, dst, redhat_config(ignore_shared_expert=True))
     shutil.rmtree(base)
     return out
+
+
+def with_tensor(folder: Path, dst: Path, name: str, value: float,
+                shape: tuple[int, ...] | None = None) -> Path:
+    """A copy of checkpoint folder `folder` (one `model.safetensors`) at `dst` with tensor
+    `name` set to `value` everywhere: its own shape and dtype when it exists, else a new
+    float32 tensor of `shape` (default 0-d), as a producer that stores it would write it."""
+    shutil.copytree(folder, dst)
+    tensors = load_file(dst / "model.safetensors")
+    if name in tensors and shape is None:
+        tensors[name] = torch.full_like(tensors[name], value)
+    else:
+        tensors[name] = torch.full(shape or (), value, dtype=torch.float32)
+    save_file(tensors, dst / "model.safetensors")
+    return dst
 
 
 def split_in_two(src: Path, dst: Path) -> Path:

@@ -43,7 +43,9 @@ def describe_tensor(plan: ShardPlan, name: str, shape: tuple[int, ...]) -> Tenso
     target = plan.resolve(name)
     spec = target.rule.spec
     if target.param is None:
-        return TensorLayout(name, shape, target.rule.pattern, "-", "ignored", ())
+        checked = target.rule.checked
+        return TensorLayout(name, shape, target.rule.pattern,
+                            "-" if checked is None else f"checked by {checked!r}", "ignored", ())
     ranks = tuple(_holdings(spec, name, shape, rank, plan.tp_size)
                   for rank in range(plan.tp_size))
     return TensorLayout(name, shape, target.rule.pattern, repr(spec),

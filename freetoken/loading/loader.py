@@ -142,13 +142,16 @@ def _check_plan_size(plan: ShardPlan, tp: TPInfo) -> None:
 
 def _plan(params: dict, reader: CheckpointReader, plan: ShardPlan, rank: int, size: int,
           planned: Callable[[str], None] | None = None) -> tuple[list[_Job], dict]:
-    """Every tensor's destination, checked (rule, parameter, shape, dtype, each slot once)
-    before anything is copied; `planned(name)` is told of each tensor that will be copied."""
+    """Every tensor's destination, checked (rule, parameter, shape, dtype, each slot once; a
+    dropped tensor by its rule's `checked`) before anything is copied; `planned(name)` is
+    told of each tensor that will be copied."""
     jobs, filled = [], defaultdict(dict)
     data = {}  # `.data` makes a new tensor object per call: one per parameter
     for name in reader.names():
         target = plan.resolve(name)
         if target.param is None:
+            if target.rule.checked is not None:
+                target.rule.check_dropped(reader.get(name), rank, size, name)
             continue
         if target.param not in params:
             raise LoadError(f"checkpoint tensor {name!r} maps to parameter {target.param!r}, "

@@ -16,12 +16,26 @@ from freetoken.formats.specs import Replicate
 class Rule:
     """`pattern` (a full-match regex over checkpoint names) -> shard with `spec`, write to
     `param` (a `re` expansion template) at `slot` (indices into the parameter's leading dims:
-    ints, slices, or names of regex groups holding an int). `param=None` ignores the tensor."""
+    ints, slices, or names of regex groups holding an int). `param=None` drops the tensor,
+    after the checks of `checked` when it is given (a stored scale the engine does not use is
+    still refused when it could not be one: `ScalarScale`'s finite and above 0)."""
 
     pattern: str
     spec: ShardSpec = field(default_factory=Replicate)
     param: str | None = r"\g<0>"
     slot: tuple = ()
+    checked: ShardSpec | None = None
+
+    def __post_init__(self):
+        if self.checked is not None and self.param is not None:
+            raise ValueError(f"shard rule {self.pattern!r}: `checked` is for a tensor it "
+                             f"drops, but it loads it into {self.param!r} (its spec checks it)")
+
+    def check_dropped(self, full, rank: int, size: int, name: str) -> None:
+        """Run `checked`'s checks on checkpoint tensor `name`, which this rule drops (a
+        ShardError naming it); nothing for a rule without one."""
+        if self.checked is not None:
+            self.checked.pieces(full, rank, size, name)
 
     def destination(self, match: re.Match) -> tuple[str | None, tuple]:
         if self.param is None:

@@ -6,8 +6,10 @@ same specs), their scales follow the format. Block FP8: each checkpoint module's
 `weight_scale`: one slot per segment (q | k | v, gate | up), so no segment reads another's
 scale. Stored static input scales (FP8 per tensor and block, `ModuleFormat.input_scales`)
 go whole into their own entry of the destination's `input_scale`, checked finite and above 0
-by `ScalarScale` and unused by the weight-only GEMM. Rules are grouped by layer where the
-layers' formats agree."""
+by `ScalarScale` and unused by the weight-only GEMM; the input scales the engine does not
+keep (NVFP4's, dynamic-input FP8's) are dropped after the same check (`Rule.checked`), so a
+broken export is refused whichever it is. Rules are grouped by layer where the layers'
+formats agree."""
 
 from __future__ import annotations
 
@@ -23,6 +25,10 @@ from freetoken.formats.quant.format import FP8_BLOCK, FP8_TENSOR, NVFP4, ModuleF
 from freetoken.formats.specs import Heads, InterleavedHeads, PaddedSplit, Split
 from freetoken.layers.moe import FusedExperts
 from freetoken.loading.plan import Rule
+
+NVFP4_INPUT = ScalarScale(what="NVFP4 input scale")
+"""The check of an NVFP4 input scale (ModelOpt `input_scale` 0-d or [1], compressed-tensors'
+divisor `input_global_scale` [1]), dropped: W4A16 leaves activations unquantized."""
 
 
 @dataclass(frozen=True)
@@ -54,7 +60,8 @@ def block_scale_rules(cfg, layers: range, parts: list[Part], tp: int) -> list[Ru
     """Rules for the scales of `parts` in every layer of `layers` whose destination is block
     FP8 or FP8 per tensor (formats from `cfg.format_of`); layers sharing a format share
     rules. Per tensor: each checkpoint tensor's 0-d `weight_scale` (and a stored
-    `input_scale`, checked and unused) into its own entry of the destination's."""
+    `input_scale`, checked and unused) into its own entry of the destination's. A stored
+    input scale the config does not declare (dynamic inputs) is checked and dropped."""
     by_format: dict[tuple, list[int]] = defaultdict(list)
     for layer in layers:
         for index, part in enumerate(parts):
@@ -79,9 +86,8 @@ def block_scale_rules(cfg, layers: range, parts: list[Part], tp: int) -> list[Ru
         spec, rows = _spec_and_rows(part, fmt, tp)
         rules.append(Rule(rf"{src}\.{_scale_suffix(fmt)}", spec, f"{dest}.weight_scale",
                           (slice(start, start + rows),)))
-        if fmt.input_scales:
-            rules.append(Rule(rf"{src}\.{_input_suffix(fmt)}", ScalarScale(),
-                              f"{dest}.input_scale", (part.segment,)))
+        rules.append(_input_rule(rf"{src}\.{_input_suffix(fmt)}", fmt,
+                                 f"{dest}.input_scale", (part.segment,)))
     return rules
 
 
@@ -89,10 +95,20 @@ def _input_suffix(fmt: ModuleFormat) -> str:
     return next(s for s, f in fmt.suffixes().items() if f == "input_scale")
 
 
+def _input_rule(pattern: str, fmt: ModuleFormat, param: str, slot: tuple) -> Rule:
+    """A stored FP8 input scale into `param` at `slot` when the config declares static
+    inputs (`fmt.input_scales`), else checked the same way and dropped."""
+    spec = ScalarScale(what=f"{'FP8 block' if fmt.kind == FP8_BLOCK else 'FP8 per-tensor'} "
+                            "input scale")
+    if fmt.input_scales:
+        return Rule(pattern, spec, param, slot)
+    return Rule(pattern, param=None, checked=spec)
+
+
 def _tensor_scale_rules(src: str, dest: str, segment: int, fmt: ModuleFormat) -> list[Rule]:
-    inputs = f"{dest}.input_scale" if fmt.input_scales else None
-    return [Rule(rf"{src}\.weight_scale", ScalarScale(), f"{dest}.weight_scale", (segment,)),
-            Rule(rf"{src}\.input_scale", ScalarScale(), inputs, (segment,) if inputs else ())]
+    return [Rule(rf"{src}\.weight_scale", ScalarScale(what="FP8 per-tensor weight scale"),
+                 f"{dest}.weight_scale", (segment,)),
+            _input_rule(rf"{src}\.input_scale", fmt, f"{dest}.input_scale", (segment,))]
 
 
 def _local_rows(part: Part, tp: int) -> int:
@@ -104,8 +120,9 @@ def _nvfp4_rules(src: str, dest: str, part: Part, parts: list[Part], fmt: Module
                  tp: int) -> list[Rule]:
     """NVFP4 tensors of one part: packed weight and block scale split like an unquantized
     weight (rows per row; inputs on 16-element groups), into the part's rows of the
-    destination; its global scale into its own entry of `weight_scale_2`; input scales,
-    unused by W4A16, ignored. ModelOpt's packed `weight` is read by the weight rules."""
+    destination; its global scale into its own entry of `weight_scale_2`; its input scale,
+    unused by W4A16, checked finite and above 0 and dropped (`NVFP4_INPUT`). ModelOpt's
+    packed `weight` is read by the weight rules."""
     names = {f: s for s, f in fmt.suffixes().items()}
     if part.rows[1] == 1:
         weight, scale, slot = InputSplit(PACKED, 1), InputSplit(SCALE, 1), ()
@@ -119,7 +136,7 @@ def _nvfp4_rules(src: str, dest: str, part: Part, parts: list[Part], fmt: Module
     rules = [Rule(rf"{src}\.{names['weight_scale']}", scale, f"{dest}.weight_scale", slot),
              Rule(rf"{src}\.{names['weight_scale_2']}", glob, f"{dest}.weight_scale_2",
                   (part.segment,)),
-             Rule(rf"{src}\.{names['input_scale']}", param=None)]
+             Rule(rf"{src}\.{names['input_scale']}", param=None, checked=NVFP4_INPUT)]
     if names["weight"] != "weight":
         rules.append(Rule(rf"{src}\.{names['weight']}", weight, f"{dest}.weight", slot))
     return rules
@@ -159,7 +176,8 @@ def decoder_parts(cfg) -> list[Part]:
 
 def lm_head_rules(cfg) -> list[Rule]:
     """An NVFP4 lm_head's block scales padded with zero rows like its packed weight (which
-    `lm_head.weight` / CT's `weight_packed` fill), its global scale, input scale ignored."""
+    `lm_head.weight` / CT's `weight_packed` fill), its global scale; its input scale checked
+    and dropped."""
     fmt = cfg.format_of("lm_head")
     if fmt is None or fmt.kind != NVFP4:
         return []
@@ -167,7 +185,7 @@ def lm_head_rules(cfg) -> list[Rule]:
     glob = GlobalScale((1,) if fmt.global_scale_is_reciprocal else ())
     rules = [Rule(rf"lm_head\.{names['weight_scale']}", PaddedSplit(cfg.vocab_size)),
              Rule(rf"lm_head\.{names['weight_scale_2']}", glob, "lm_head.weight_scale_2", (0,)),
-             Rule(rf"lm_head\.{names['input_scale']}", param=None)]
+             Rule(rf"lm_head\.{names['input_scale']}", param=None, checked=NVFP4_INPUT)]
     if names["weight"] != "weight":
         rules.append(Rule(rf"lm_head\.{names['weight']}", PaddedSplit(cfg.vocab_size),
                           "lm_head.weight"))
@@ -180,7 +198,8 @@ def fp8_expert_rules(expert: str, dest: str, full_intermediate: int, tp: int,
     expert's prefix with a group `e`; `dest`: the experts module's parameter prefix): gate
     then up rows and their own scale rows into w13, down's inputs and their scale columns
     into w2, split on the intermediate dimension (ranks may share a block); stored static
-    input scales whole into `w13_input_scale[e, gate | up]` and `w2_input_scale[e]`."""
+    input scales whole into `w13_input_scale[e, gate | up]` and `w2_input_scale[e]` (with
+    dynamic inputs, a stored one checked and dropped)."""
     layout = FusedExperts.layout(full_intermediate, tp)
     rows = BlockScaleSplit(0, fmt.block[0], full_intermediate)
     nb, scale = rows.blocks(tp), _scale_suffix(fmt)
@@ -191,16 +210,13 @@ def fp8_expert_rules(expert: str, dest: str, full_intermediate: int, tp: int,
                        ("e", layout.slot(part))),
                   Rule(src + scale, rows, f"{dest}.w13_weight_scale",
                        ("e", slice(index * nb, (index + 1) * nb)))]
-        if fmt.input_scales:
-            rules.append(Rule(src + _input_suffix(fmt), ScalarScale(),
-                              f"{dest}.w13_input_scale", ("e", index)))
+        rules.append(_input_rule(src + _input_suffix(fmt), fmt, f"{dest}.w13_input_scale",
+                                 ("e", index)))
     src = rf"{expert}\.down_proj\."
     rules += [Rule(src + "weight", Split(1), f"{dest}.w2_weight", ("e",)),
               Rule(src + scale, BlockScaleSplit(1, fmt.block[1], full_intermediate),
                    f"{dest}.w2_weight_scale", ("e",))]
-    if fmt.input_scales:
-        rules.append(Rule(src + _input_suffix(fmt), ScalarScale(), f"{dest}.w2_input_scale",
-                          ("e",)))
+    rules.append(_input_rule(src + _input_suffix(fmt), fmt, f"{dest}.w2_input_scale", ("e",)))
     return rules
 
 

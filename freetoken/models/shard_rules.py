@@ -15,6 +15,7 @@ from freetoken.layers.quantization.nvfp4.moe import NVFP4FusedExperts
 from freetoken.loading.plan import Rule, ShardPlan
 from freetoken.models.decoder_modules import experts_format
 from freetoken.models.scale_rules import (
+    NVFP4_INPUT,
     block_scale_rules,
     decoder_parts,
     fp8_expert_rules,
@@ -69,7 +70,7 @@ def expert_rules(expert: str, dest: str, full_intermediate: int, tp: int,
     into `FusedExperts` (`w13`, `w2`). Else the NVFP4 producer (`modelopt`,
     `compressed-tensors`): weights and block scales into `NVFP4FusedExperts`, down's inputs
     split on 16-element groups, gate's and up's global scales into w13_weight_scale_2[e, 0]
-    and [e, 1]; input scales are not used by W4A16 and are ignored."""
+    and [e, 1]; input scales, unused by W4A16, are checked finite and above 0 and dropped."""
     if producer is not None:
         return _nvfp4_expert_rules(expert, dest, full_intermediate, tp, producer)
     rows = FusedExperts.layout(full_intermediate, tp)
@@ -98,7 +99,8 @@ def _nvfp4_expert_rules(expert: str, dest: str, full_intermediate: int, tp: int,
               Rule(src + names["weight_scale"], InputSplit(SCALE, 1), f"{dest}.w2_weight_scale",
                    ("e",)),
               Rule(src + names["weight_scale_2"], glob, f"{dest}.w2_weight_scale_2", ("e",))]
-    rules.append(Rule(rf"{expert}\.(gate|up|down)_proj\.{names['input_scale']}", param=None))
+    rules.append(Rule(rf"{expert}\.(gate|up|down)_proj\.{names['input_scale']}", param=None,
+                      checked=NVFP4_INPUT))
     return rules
 
 

@@ -100,6 +100,6 @@ def test_a_zero_input_scale_is_refused_naming_the_tensor(tmp_path):
     tensors = load_file(fp8 / "model.safetensors")
     tensors[name] = torch.tensor(0.0)
     save_file(tensors, fp8 / "model.safetensors")
-    with pytest.raises(ShardError, match=rf"{name}: per-tensor FP8 scale 0.0 is not finite "
-                                         "and above 0"):
+    with pytest.raises(ShardError, match=rf"{name}: FP8 per-tensor input scale 0.0 is not "
+                                         "finite and above 0"):
         generate(fp8, 1)

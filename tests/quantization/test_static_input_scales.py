@@ -13,8 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from quant_folders import block_fp8, compressed_tensors_fp8_llama
-from safetensors.torch import load_file, save_file
+from quant_folders import block_fp8, compressed_tensors_fp8_llama, with_tensor
+from safetensors.torch import load_file
 
 import freetoken.engine.core as core
 from freetoken.distributed import TPInfo, reset_tp_info, set_tp_info
@@ -150,20 +150,9 @@ def test_static_fp8_passes_shards_and_memory_at_tp_1_and_2(capsys, tmp_path, sta
         assert r["check"] == "memory" or m["stated"] == m["tensors"] - m["ignored"], m
 
 
-def _with_scale(folder, dst, name: str, value: float):
-    """A copy of `folder` with tensor `name` set to `value`."""
-    dst.mkdir()
-    for f in folder.iterdir():
-        (dst / f.name).write_bytes(f.read_bytes())
-    tensors = load_file(dst / "model.safetensors")
-    tensors[name] = torch.full_like(tensors[name], value)
-    save_file(tensors, dst / "model.safetensors")
-    return dst
-
-
 def _refused(folder, name: str) -> None:
-    with pytest.raises(Exception, match=f"{name}: per-tensor FP8 scale .* is not finite and "
-                                        "above 0"):
+    with pytest.raises(Exception, match=f"{name}: FP8 (block|per-tensor) input scale .* is "
+                                        "not finite and above 0"):
         _load(folder)
 
 
@@ -215,7 +204,7 @@ def test_a_bad_input_scale_is_refused_naming_the_tensor(static, tmp_path, value)
     """A NaN, zero or negative stored input scale fails the load naming the tensor; the twin
     refuses it too, naming the module."""
     name = f"{L}.3.self_attn.k_proj.activation_scale"
-    bad = _with_scale(static, tmp_path / "bad", name, value)
+    bad = with_tensor(static, tmp_path / "bad", name, value)
     _refused(bad, name)
     with pytest.raises(QuantConfigError, match=f"{L}.3.self_attn.k_proj input scale"):
         write_dequantized_twin(bad, tmp_path / "twin", read_quant_config(bad))
@@ -225,7 +214,7 @@ def test_a_bad_compressed_tensors_input_scale_is_refused_naming_the_tensor(ct_st
                                                                          tmp_path):
     for strategy, folder in ct_static.items():
         name = "model.layers.1.mlp.up_proj.input_scale"
-        _refused(_with_scale(folder, tmp_path / strategy, name, 0.0), name)
+        _refused(with_tensor(folder, tmp_path / strategy, name, 0.0), name)
 
 
 def test_the_twin_drops_the_input_scales(static, tmp_path):

@@ -5,7 +5,9 @@ a 0-d `weight_scale` (a multiplier: value = float(weight) * weight_scale), plus 
 one scale per checkpoint tensor, never one for all (vLLM #38517 wrote only the first).
 
 `ScalarScale` is the shard spec of both scales: replicated, float32, checked finite and
-above 0 (a zero or NaN scale silently zeroes or poisons the module)."""
+above 0 (a zero or NaN scale silently zeroes or poisons the module). It is also the check of
+the stored per-tensor scales the engine drops (NVFP4 input scales, dynamic-input FP8 ones:
+`Rule.checked`), whose errors say which scale it is (`what`)."""
 
 from __future__ import annotations
 
@@ -21,19 +23,21 @@ from freetoken.formats.shard import ShardError, fresh, whole
 @dataclass(frozen=True)
 class ScalarScale:
     """A per-tensor scale, () or (1,) in the checkpoint: every rank holds it whole as a
-    float32 scalar; `shape` is the checkpoint's, which the inverse restores."""
+    float32 scalar; `shape` is the checkpoint's, which the inverse restores; `what` names the
+    scale in errors (`NVFP4 input scale`, `FP8 per-tensor weight scale`)."""
 
     shape: tuple[int, ...] = ()
+    what: str = "per-tensor FP8 scale"
 
     def _check(self, full: torch.Tensor, name: str) -> None:
         if not full.dtype.is_floating_point or tuple(full.shape) not in ((), (1,)):
-            raise ShardError(f"{name}: a per-tensor FP8 scale is a float scalar, got "
+            raise ShardError(f"{name}: {self.what} must be a float scalar, got "
                              f"{full.dtype} {tuple(full.shape)}")
         if full.is_meta:
             return
         value = float(full)
         if not math.isfinite(value) or value <= 0:
-            raise ShardError(f"{name}: per-tensor FP8 scale {value} is not finite and above 0")
+            raise ShardError(f"{name}: {self.what} {value} is not finite and above 0")
 
     def shard(self, full, rank, size, name=""):
         self._check(full, name)

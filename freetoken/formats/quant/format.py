@@ -16,7 +16,8 @@ writes per module (`M.<suffix>`), by producer:
 
 Which FP8 modules store an input scale comes from the config (`static_inputs`; ModelOpt's
 FP8 always does), never from the tensors present: the engine keeps them as float32
-parameters, checked finite and above 0, unused by its weight-only GEMM.
+parameters, checked finite and above 0, unused by its weight-only GEMM. Input scales it does
+not keep (NVFP4's, a dynamic-input FP8 module's) are checked the same way and dropped.
 
 Every suffix maps onto a normalised field (`weight`, `weight_scale`, `weight_scale_2`,
 `input_scale`), so the layers never see a producer's naming."""

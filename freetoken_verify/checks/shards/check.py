@@ -5,7 +5,8 @@ independently of the plan (`freetoken_verify.checks.shards.layout_book`).
 Per tensor: its dtype and shape are what its module's declared format stores (the format is
 the quantization config's answer, never guessed from the dtype); exactly one rule matches; a
 layout statement covers it, names the same engine parameter and slot as the plan, and agrees
-on whether the engine loads it; each rank's shard
+on whether the engine loads it; a tensor the plan drops passes its rule's checks (a stored
+input scale finite and above 0, `Rule.checked`); each rank's shard
 is a fresh tensor (a view would pin the whole checkpoint tensor); it fits the rank's parameter
 slot (shapes from a model built on the meta device); every rank's shard holds exactly the
 global rows (columns) the statement gives that rank, in the stated local order, bit for bit
@@ -116,6 +117,7 @@ class _Audit:
         statement = self._statement(name, stated, target)
         if target.param is None:
             self.ignored += 1
+            target.rule.check_dropped(full, self.rank, self.size, name)
             return
         spec = target.rule.spec
         ranks = range(self.size) if self.rank == 0 else [self.rank]

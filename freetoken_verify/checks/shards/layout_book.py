@@ -168,7 +168,7 @@ class LayoutBook:
                               f"{', '.join(fmt.suffixes())}; {suffix!r} is none of them")
         check_dtype(name, fmt, field, dtype, self._declared)
         if field == "input_scale":
-            return ignored(name)
+            return ignored(name, SCALAR)
         if field == "weight_scale_2":
             return Statement(name, "lm_head.weight_scale_2", (0,), shapes=SCALAR)
         per_column = {"weight": 2, "weight_scale": NVFP4_GROUP}[field] if fmt.quantized else 1

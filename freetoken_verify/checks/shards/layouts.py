@@ -182,13 +182,11 @@ class Statement:
     def check_shape(self, shape: tuple[int, ...]) -> None:
         """LayoutError when the checkpoint tensor's shape (or its split dim) disagrees with
         the config and the format."""
-        if self.ignored:
-            return
         if self.shapes and tuple(shape) not in self.shapes:
             allowed = " or ".join(str(s) for s in self.shapes)
             raise LayoutError(f"{self.name}: shape {tuple(shape)}, the config and its format "
                               f"give {allowed}")
-        if self.dim is None:
+        if self.ignored or self.dim is None:
             return
         have = shape[self.dim] if len(shape) > self.dim else None
         if have != self.extent:
@@ -235,6 +233,7 @@ def replicated(name: str, param: str, slot: tuple = ()) -> Statement:
     return Statement(name, param, slot)
 
 
-def ignored(name: str) -> Statement:
-    """The engine does not load the tensor."""
-    return Statement(name, None)
+def ignored(name: str, shapes: tuple[tuple[int, ...], ...] = ()) -> Statement:
+    """The engine does not load the tensor (`shapes`: the full shapes it may still have, as
+    for an input scale it drops, a scalar)."""
+    return Statement(name, None, shapes=shapes)

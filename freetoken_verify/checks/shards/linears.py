@@ -20,9 +20,10 @@ and keeps, per segment (`Part`) of a destination, its own rows in every tensor:
   q_proj's interleaved heads one scale row per weight row (expanded at load).
 
 Input scales of NVFP4, and of FP8 whose config declares dynamic inputs, are unused by the
-weight-only engine and not loaded; the stored static FP8 ones are loaded (and checked) but
-unused too. A tensor whose dtype does not fit its module's declared format, or a
-suffix the format does not write, is a LayoutError naming the tensor."""
+weight-only engine and not loaded, stated as dropped scalars (`()` / `[1]`); the stored static
+FP8 ones are loaded but unused too. Both are checked finite and above 0 by the plan's rule.
+A tensor whose dtype does not fit its module's declared format, or a suffix the format does
+not write, is a LayoutError naming the tensor."""
 
 from __future__ import annotations
 
@@ -140,7 +141,7 @@ def _build(name: str, field: str, gemm: Gemm, k: int, tp: int) -> Statement:
     if field in ("weight_scale_2", "input_scale") or (field == "weight_scale"
                                                        and fmt.kind == FP8_TENSOR):
         if field == "input_scale" and not fmt.input_scales:
-            return ignored(name)
+            return ignored(name, SCALAR)
         return Statement(name, gemm.param(field), gemm.scalar_slot(k), shapes=SCALAR)
     if field == "bias" and part.dim == 1:
         return Statement(name, gemm.param(field), gemm.lead())
