@@ -61,7 +61,8 @@ def assert_matches_hf(results, ref: dict, label: str, decode_logits: bool = Fals
 def case_differences(written: Path, golden: Path) -> list[str]:
     """How a freshly written golden case differs from the committed one. Configs, weights
     (meta.json records their SHA-256) and token ids must be the same bytes; the float tensors
-    of reference.safetensors (HF's fp32 logits) may differ by what another CPU's SIMD kernels
+    of reference.safetensors and bisect.safetensors (HF's fp32 logits and module outputs)
+    may differ by what another CPU's SIMD kernels
     round differently (atol 1e-4 + rtol 1e-5: observed 5e-6 on logits of magnitude 4), and
     meta.json's bf16 / fp16 baselines by 0.05 absolute or 10 % relative per number (the
     positions of their maxima not compared): `make golden` pins its numerics
@@ -95,18 +96,18 @@ def case_differences(written: Path, golden: Path) -> list[str]:
             close(a.pop("baselines", None), b.pop("baselines", None), "meta.baselines", problems)
             if a != b:
                 problems.append("meta.json differs outside its baselines")
-        elif name == "reference.safetensors":
+        elif name in ("reference.safetensors", "bisect.safetensors"):
             a, b = load_file(new), load_file(old)
             if sorted(a) != sorted(b):
-                problems.append(f"reference tensors {sorted(a)} != {sorted(b)}")
+                problems.append(f"{name} tensors {sorted(a)} != {sorted(b)}")
             for k in sorted(a.keys() & b.keys()):
                 x, y = a[k], b[k]
                 if x.dtype != y.dtype or x.shape != y.shape:
-                    problems.append(f"reference {k}: {x.dtype} {tuple(x.shape)} != "
+                    problems.append(f"{name} {k}: {x.dtype} {tuple(x.shape)} != "
                                     f"{y.dtype} {tuple(y.shape)}")
                 elif not (torch.allclose(x, y, rtol=1e-5, atol=1e-4) if x.is_floating_point()
                           else torch.equal(x, y)):
-                    problems.append(f"reference {k} differs")
+                    problems.append(f"{name} {k} differs")
         elif new.read_bytes() != old.read_bytes():
             problems.append(f"{name} differs")
     return problems

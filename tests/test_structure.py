@@ -36,10 +36,12 @@ VERIFY_RANK = {
 }
 """Each top-level part of the harness (`freetoken_verify`) and its height."""
 SIDEWAYS = {("loading", "distributed"), ("config", "formats"), ("cli", "freetoken"),
-            ("cli", "freetoken_verify"), ("pytest_plugin", "freetoken_verify")}
+            ("cli", "freetoken_verify"), ("pytest_plugin", "freetoken_verify"),
+            ("cases", "activations")}
 """Imports allowed between parts of one height (the loader asks the rank for its TP info;
 the config reads the checkpoint's NVFP4 quantization config; the command lines and the
-pytest plugin use their package's public API)."""
+pytest plugin use their package's public API; the bundled cases' writer records HF's
+per-module activations)."""
 PACKAGES = {"freetoken": RANK, "freetoken_verify": VERIFY_RANK}
 
 

@@ -32,6 +32,7 @@ from freetoken.engine.resolve import ModelNotFound, resolve_checkpoint
 from freetoken.formats.quant import read_quant_config
 from freetoken.formats.quant.twin import write_dequantized_twin
 from freetoken.models.registry import load_config
+from freetoken_verify.cases import bisect_file
 from freetoken_verify.cases.numerics import check_pinned, pinned_env
 from freetoken_verify.cases.nvfp4 import quantize_experts
 from freetoken_verify.cases.quantized import (
@@ -338,7 +339,8 @@ def write_quantized(spec: CaseSpec, folder: Path, tmp: Path):
 
 
 def _write_reference(spec: CaseSpec, folder: Path, model, quantization) -> None:
-    """HF's reference outputs of `model` (reference.safetensors) and meta.json."""
+    """HF's reference outputs of `model` (reference.safetensors), its per-module activations
+    on the bisect prompt (bisect.safetensors, `bisect_file`) and meta.json."""
     # transformers costs seconds to import; only writing cases and HF references need it.
     import transformers
 
@@ -351,10 +353,29 @@ def _write_reference(spec: CaseSpec, folder: Path, model, quantization) -> None:
         "prompts": prompts, "num_greedy": spec.num_greedy,
         "weights_sha256": weights_sha256(folder),
         "baselines": low_precision_baselines(model, prompts, reference),
+        # HF's modules on the bisect prompt, in float32: bisect runs no HF for the case.
+        "bisect": _write_bisect(folder, prompts, reference),
     }
     if quantization is not None:
         meta["quantization"] = quantization
     (folder / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+
+
+def _write_bisect(folder: Path, prompts: list[list[int]], reference: dict) -> dict:
+    """HF's float32 activations on the bisect prompt into `folder`'s bisect.safetensors, from
+    HF loaded as the bisect check loads it (the folder itself, or for a quantized case its
+    dequantized twin in float32, so the modules have the names and weights it would see);
+    the meta.json entry."""
+    from transformers import AutoModelForCausalLM
+
+    scheme = read_quant_config(folder)
+    logits = [reference[f"prefill_logits_{i}"] for i in range(len(prompts))]
+    with tempfile.TemporaryDirectory() as tmp:
+        source = folder if scheme is None else \
+            write_dequantized_twin(folder, Path(tmp) / "twin", scheme)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+        prompt, token, acts = bisect_file.record(model, prompts, logits)
+    return bisect_file.save(folder, prompt, token, {"float32": acts})
 
 
 def load_reference(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -13,6 +13,8 @@ import torch
 
 from freetoken.engine.core import resolve_dtype
 from freetoken_verify.activations.hf import hf_activations
+from freetoken_verify.cases import bisect_file
+from freetoken_verify.cases.bisect_file import bisect_prompt_of
 from freetoken_verify.cases.catalogue import (
     NUM_GREEDY,
     PROMPT_LENS,
@@ -29,22 +31,18 @@ from freetoken_verify.reference.prompts import (
     read_prompts_file,
     tokenize_prompts,
 )
-from freetoken_verify.reference.store import read_meta, stored_reference
+from freetoken_verify.reference.store import (
+    read_bisect,
+    read_meta,
+    stored_bisect,
+    stored_reference,
+)
 from freetoken_verify.reference.twin import hf_folder, is_quantized, twin_for
 
-__all__ = ["Reference"]  # re-exported: checks import it from here
+__all__ = ["Reference", "bisect_prompt_of"]  # re-exported: checks import them from here
 
 
 LIVE_CHOICES = ("auto", "golden", "hf")
-MAX_BISECT_PROMPT = 32
-"""The bisect prompt's most tokens: one prefill step takes it whole."""
-
-
-def bisect_prompt_of(prompts: list[list[int]]) -> list[int]:
-    """The prompt bisect captures: the longest reference prompt of at most
-    MAX_BISECT_PROMPT tokens (else the first one, cut to that length)."""
-    fitting = [p for p in prompts if len(p) <= MAX_BISECT_PROMPT]
-    return list(max(fitting, key=len) if fitting else prompts[0][:MAX_BISECT_PROMPT])
 
 
 def stored_dir(options) -> str | None:
@@ -147,6 +145,22 @@ def golden_reference(case, options) -> Reference:
     return ref
 
 
+def kept_bisect(case, options, state) -> BisectActivations | None:
+    """HF's bisect activations that the run's reference keeps, read once per folder through
+    `state` (`CheckState`): a saved reference's, or a bundled case's stored golden's (in
+    float32: at another dtype the bisect check runs HF for its low-precision bound); None
+    where it keeps none."""
+    source = reference_source(case, options)
+    if source == "stored":
+        folder = stored_dir(options)
+        return state.saved_bisect(folder, lambda: stored_bisect(folder))
+    if source != "golden" or resolve_dtype(options.dtype, case.model_config) != torch.float32:
+        return None
+    folder = case.folder
+    return state.saved_bisect(folder, lambda: read_bisect(folder, json.loads(
+        (folder / "meta.json").read_text()).get("bisect")))
+
+
 def hf_model(case, options, dtype, device):
     """HF's model of `case` at `dtype` on `device`, truncated as `options.num_layers` asks;
     for a quantized checkpoint, HF on its dequantized twin (`freetoken_verify.reference.twin`,
@@ -228,9 +242,6 @@ def live_hf_reference(case, options, device, with_bisect: bool = False) -> Refer
 
 
 def _bisect_activations(model, ref: Reference) -> BisectActivations:
-    """HF's activations in float32 on the bisect prompt and HF's greedy token after it (read
-    off the reference's prefill logits: the bisect prompt is a prefix of a reference prompt)."""
-    prompt = bisect_prompt_of(ref.prompts)
-    i = next(i for i, p in enumerate(ref.prompts) if p[: len(prompt)] == prompt)
-    token = int(ref.prefill_logits[i][len(prompt) - 1].argmax())
-    return BisectActivations(prompt, token, {"float32": hf_activations(model, prompt + [token])})
+    """HF's activations in float32 on the bisect prompt and HF's greedy token after it."""
+    prompt, token, acts = bisect_file.record(model, ref.prompts, ref.prefill_logits)
+    return BisectActivations(prompt, token, {"float32": acts})

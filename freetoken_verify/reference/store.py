@@ -36,6 +36,8 @@ from safetensors.torch import load_file, save_file
 
 from freetoken.engine.core import resolve_dtype
 from freetoken.loading.files import CheckpointError, read_header
+from freetoken_verify.cases import bisect_file
+from freetoken_verify.cases.bisect_file import BISECT
 from freetoken_verify.cases.catalogue import sha256_file
 from freetoken_verify.compare import LogitMetrics
 from freetoken_verify.reference.data import BisectActivations, Reference
@@ -43,7 +45,6 @@ from freetoken_verify.reference.data import BisectActivations, Reference
 FORMAT = 1
 META = "reference.json"
 TENSORS = "reference.safetensors"
-BISECT = "bisect.safetensors"
 FULL_HASH_LIMIT = 1 << 30
 SAMPLES = 256
 SAMPLE_BYTES = 1 << 16
@@ -274,29 +275,30 @@ def save_reference(ref: Reference, case, options, device, folder: str | Path) ->
     umask_mode(folder / TENSORS)
     (folder / BISECT).unlink(missing_ok=True)
     if ref.bisect is not None:
-        acts = ref.bisect.by_dtype
-        save_file({f"{d}/{name}": t.contiguous() for d, by_name in acts.items()
-                   for name, t in by_name.items()}, folder / BISECT)
-        umask_mode(folder / BISECT)
-        meta["bisect"] = {"prompt": ref.bisect.prompt, "token": ref.bisect.token,
-                          "dtypes": sorted(acts)}
+        meta["bisect"] = write_bisect(folder, ref.bisect)
     (folder / META).write_text(json.dumps(meta, indent=1) + "\n")
     return folder
+
+
+def write_bisect(folder: Path, bisect: BisectActivations) -> dict:
+    """HF's bisect activations into `folder` (`bisect_file.save`), with the user's umask;
+    returns the metadata entry that `read_bisect` takes back."""
+    info = bisect_file.save(folder, bisect.prompt, bisect.token, bisect.by_dtype)
+    umask_mode(folder / BISECT)
+    return info
 
 
 def stored_bisect(folder: str | Path) -> BisectActivations | None:
     """HF's saved activations for the bisect check, or None where the store has none (saved
     before they were kept: bisect then runs HF)."""
+    return read_bisect(folder, read_meta(folder).get("bisect"))
 
-    info = read_meta(folder).get("bisect")
-    path = Path(folder) / BISECT
-    if not isinstance(info, dict) or not path.is_file():
-        return None
-    by_dtype: dict[str, dict[str, torch.Tensor]] = {d: {} for d in info["dtypes"]}
-    for key, t in load_file(path).items():
-        dtype, _, name = key.partition("/")
-        by_dtype.setdefault(dtype, {})[name] = t
-    return BisectActivations(list(info["prompt"]), int(info["token"]), by_dtype)
+
+def read_bisect(folder: str | Path, info) -> BisectActivations | None:
+    """The activations kept in `folder` with metadata entry `info` (a saved reference's
+    reference.json, a bundled case's meta.json); None where there are none."""
+    found = bisect_file.load(folder, info)
+    return None if found is None else BisectActivations(*found)
 
 
 def stored_reference(folder: str | Path, case, options) -> Reference:

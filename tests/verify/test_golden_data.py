@@ -13,10 +13,13 @@ import torch
 import transformers
 from conftest import BUNDLED, GOLDEN, case_differences
 
+from freetoken_verify.activations.hf import hf_activations
+from freetoken_verify.cases import bisect_file
 from freetoken_verify.cases.catalogue import (
     CASES,
     hf_reference,
     load_reference,
+    resolve_case,
     sha256_file,
     write_pinned,
 )
@@ -126,3 +129,29 @@ def test_bundled_cases_are_package_data():
     for name in CASES:
         for file in ("config.json", "model.safetensors", "reference.safetensors", "meta.json"):
             assert (cases.GOLDEN / name / file).is_file(), f"{name}/{file} missing from package"
+
+
+@pytest.mark.parametrize("case", sorted(p.name for p in GOLDEN.iterdir()
+                                        if (p / "meta.json").is_file()))
+def test_stored_bisect_activations_are_live_hf(case):
+    """Every bundled case keeps HF's float32 module outputs on the bisect prompt and HF's
+    greedy token after it (bisect compares with them instead of running HF): HF run now
+    through the harness's own loader (on the dequantized twin for a quantized case) picks
+    the same prompt and token and gives the same outputs within fp32 noise (2e-5 observed
+    between thread counts)."""
+    from freetoken_verify.checks.base import VerifyOptions
+    from freetoken_verify.reference.sources import hf_model
+
+    meta, stored = load_reference(GOLDEN / case)
+    kept = bisect_file.load(GOLDEN / case, meta.get("bisect"))
+    assert kept is not None, f"{case}: no stored bisect activations"
+    prompt, token, by_dtype = kept
+    assert by_dtype.keys() == {"float32"}, by_dtype.keys()
+    model = hf_model(resolve_case(case), VerifyOptions(), torch.float32, torch.device("cpu"))
+    logits = [stored[f"prefill_logits_{i}"] for i in range(len(meta["prompts"]))]
+    assert bisect_file.record(model, meta["prompts"], logits)[:2] == (prompt, token)
+    live = hf_activations(model, prompt + [token])
+    assert live.keys() == by_dtype["float32"].keys(), f"{case}: other HF modules"
+    for name, tensor in by_dtype["float32"].items():
+        torch.testing.assert_close(live[name], tensor, rtol=1e-4, atol=1e-4,
+                                   msg=lambda m, name=name: f"{case} bisect {name}: {m}")

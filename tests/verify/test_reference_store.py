@@ -26,7 +26,7 @@ def _make_checkpoint(tmp_path: Path, name: str = "ckpt") -> Path:
     """tiny-llama as a plain checkpoint folder (no bundled golden)."""
     folder = tmp_path / name
     shutil.copytree(GOLDEN / "tiny-llama", folder)
-    for stored in ("meta.json", "reference.safetensors"):
+    for stored in ("meta.json", "reference.safetensors", "bisect.safetensors"):
         (folder / stored).unlink()
     return folder
 

@@ -35,10 +35,9 @@ from freetoken_verify.checks.bisect.table import Bisection, Row, row_distance
 from freetoken_verify.reference.sources import (
     bisect_prompt_of,
     hf_model,
+    kept_bisect,
     prompts_for,
-    stored_dir,
 )
-from freetoken_verify.reference.store import stored_bisect
 from freetoken_verify.report.formats import CheckResult
 
 __all__ = ["Bisection", "Row", "row_distance", "run", "localise", "first_divergence"]
@@ -136,9 +135,9 @@ def capture(ctx: CheckContext, prompt: list[int]) -> tuple[dict, int]:
 def _hf_references(ctx: CheckContext, prompt: list[int], token: int):
     """HF's activations on `prompt` + `token` in float32 and, for a low-precision engine, at
     its dtype (None where HF has none at that dtype), and whether the decode step's rows
-    are comparable: from a saved reference when it holds them (its token is HF's own first
-    greedy token: where the engine chose another, only the prefill rows compare), else from
-    HF run now."""
+    are comparable: from the ones the reference keeps (a saved reference's, a bundled case's
+    golden in float32: `kept_bisect`; their token is HF's own first greedy token, so where
+    the engine chose another only the prefill rows compare), else from HF run now."""
     saved = _saved_activations(ctx, prompt)
     if saved is not None:
         hf, hf_low, saved_token = saved
@@ -153,12 +152,9 @@ def hf_run(ctx: CheckContext, ids: list[int]):
 
 
 def _saved_activations(ctx: CheckContext, prompt: list[int]):
-    """(HF in float32, HF at the engine's dtype or None, HF's token) from the run's saved
-    reference; None where it has none for this prompt."""
-    folder = stored_dir(ctx.options)
-    if folder is None:
-        return None
-    saved = ctx.state.saved_bisect(folder, lambda: stored_bisect(folder))
+    """(HF in float32, HF at the engine's dtype or None, HF's token) that the run's reference
+    keeps; None where it keeps none for this prompt."""
+    saved = kept_bisect(ctx.case, ctx.options, ctx.state)
     if saved is None or saved.prompt != prompt:
         return None
     cfg = ctx.case.model_config
