@@ -43,9 +43,10 @@ SAMPLING_SEED = 1234
 def run(ctx: CheckContext) -> CheckResult:
     start = time.monotonic()
     prompts, num_greedy = prompts_for(ctx.case, ctx.options)
-    records = ctx.runner.run(_engine_outputs, compared_engine_args(ctx), prompts,
-                             num_greedy, sampling_seed(ctx.options))
     ref = reference_for(ctx)
+    records = ctx.runner.run(_engine_outputs, compared_engine_args(ctx), prompts,
+                             num_greedy, sampling_seed(ctx.options),
+                             _temperature(ref.prefill_logits))
     outputs = records[0].value
     dtype = resolve_dtype(ctx.options.dtype, ctx.case.model_config)
     metrics, numeric = _against_reference(outputs, ref, dtype)
@@ -115,30 +116,33 @@ def sampling_seed(options) -> int:
 
 def _temperature(prompt_logits: list[torch.Tensor]) -> float:
     """A sampling temperature that leaves several tokens likely: the spread (std) of the last
-    prompt positions' logits, at least 0.8, rounded to two digits so that TP sizes whose logits
-    differ in the last bits sample at the same temperature. Tiny re-randomised models have
-    logits tens apart, where temperature 0.8 would sample the argmax whatever the seed, and
-    ranks sampling independently would agree by accident."""
+    prompt positions' logits in the reference (so every TP size samples at the same one), at
+    least 0.8, rounded to two digits. Tiny re-randomised models have logits tens apart, where
+    temperature 0.8 would sample the argmax whatever the seed, and ranks sampling
+    independently would agree by accident."""
     last = torch.stack([logits[-1].float() for logits in prompt_logits])
     return max(0.8, float(f"{float(last.std(dim=-1).mean()):.2g}"))
 
 
-def _engine_outputs(rank_ctx, engine_args: dict, prompts, num_greedy: int, seed: int) -> dict:
-    """Runs on every rank: prompt logits and greedy continuation for each prompt. Rank 0 sends
-    the tensors; other ranks send a digest of theirs (every rank must hold the same logits)."""
+def _engine_outputs(rank_ctx, engine_args: dict, prompts, num_greedy: int, seed: int,
+                    temperature: float) -> dict:
+    """Runs on every rank: prompt logits and greedy continuation for each prompt, and in the
+    same generation each prompt again sampled at `temperature` with seed `seed + i`. Rank 0
+    sends the tensors; other ranks send a digest of theirs (every rank must hold the same
+    logits)."""
 
     core = engine_on_rank(rank_ctx, engine_args)
-    params = SamplingParams(max_tokens=num_greedy, ignore_eos=True, return_logits=True,
+    greedy = SamplingParams(max_tokens=num_greedy, ignore_eos=True, return_logits=True,
                             return_prompt_logits=True)
-    results = core.generate(prompts, [params] * len(prompts))
+    sampling = [SamplingParams(max_tokens=SAMPLED_TOKENS, ignore_eos=True,
+                               temperature=temperature, seed=seed + i)
+                for i in range(len(prompts))]
+    results = core.generate(prompts + prompts, [greedy] * len(prompts) + sampling)
     out = [{"prompt_logits": r.prompt_logits, "step_logits": r.logits, "ids": r.token_ids}
-           for r in results]
+           for r in results[:len(prompts)]]
     digest = [float(o["prompt_logits"].double().sum() + o["step_logits"].double().sum())
               for o in out]
-    temperature = _temperature([o["prompt_logits"] for o in out])
-    sampled = [r.token_ids for r in core.generate(prompts, [
-        SamplingParams(max_tokens=SAMPLED_TOKENS, ignore_eos=True, temperature=temperature,
-                       seed=seed + i) for i in range(len(prompts))])]
+    sampled = [r.token_ids for r in results[len(prompts):]]
     return {"digest": digest, "outputs": out if rank_ctx.rank == 0 else None,
             "sampled": sampled, "graphs": core.graphs is not None,
             "graph_replay": graph_replay_mismatch(core, prompts, num_greedy)}
