@@ -43,10 +43,18 @@ SAMPLING_SEED = 1234
 def run(ctx: CheckContext) -> CheckResult:
     start = time.monotonic()
     prompts, num_greedy = prompts_for(ctx.case, ctx.options)
-    ref = reference_for(ctx)
+    # The sampling temperature comes from the reference, so it is built first; where that
+    # fails (HF on a broken checkpoint) the ranks still run, and a rank failure, which names
+    # the rank and tensor, is the row's error before the reference's.
+    try:
+        ref, missing = reference_for(ctx), None
+    except Exception as e:  # raised again below, once the ranks have run
+        ref, missing = None, e
+    temperature = _temperature(ref.prefill_logits) if ref is not None else 1.0
     records = ctx.runner.run(_engine_outputs, compared_engine_args(ctx), prompts,
-                             num_greedy, sampling_seed(ctx.options),
-                             _temperature(ref.prefill_logits))
+                             num_greedy, sampling_seed(ctx.options), temperature)
+    if missing is not None:
+        raise missing
     outputs = records[0].value
     dtype = resolve_dtype(ctx.options.dtype, ctx.case.model_config)
     metrics, numeric = _against_reference(outputs, ref, dtype)
