@@ -9,8 +9,10 @@ kernel mode is fixed (`freetoken.kernels.interpreting`) and defines, for that mo
 - compiled: `tl.reduce` / `tl.associative_scan` with the combiners below, the same IR as
   triton.language's own reductions;
 - interpreted: reductions as a tree of builtin `tl.split`s (one numpy operation per level),
-  because the interpreter runs a combiner of ours element by element in Python; the scan
-  keeps `tl.associative_scan` (it serves short expert-count vectors only).
+  because the interpreter runs a combiner of ours element by element in Python; they and the
+  sigmoid are plain Python functions (a call to a @jit function costs the interpreter a
+  re-patch of triton.language); the scan keeps `tl.associative_scan` (it serves short
+  expert-count vectors only).
 Block shapes are powers of two, which the tree relies on.
 """
 
@@ -42,12 +44,11 @@ def cumsum(x, axis: tl.constexpr):
     return tl.associative_scan(x, axis, _add)
 
 
-@triton.jit
-def sigmoid(x):
-    return 1.0 / (1.0 + tl.exp(-x))
-
-
 if not interpreting():
+
+    @triton.jit
+    def sigmoid(x):
+        return 1.0 / (1.0 + tl.exp(-x))
 
     @triton.jit
     def sum_(x, axis: tl.constexpr):
@@ -62,8 +63,11 @@ if not interpreting():
         return tl.reduce(x, axis, _minimum)
 
 else:
+    # Plain Python here: the interpreter runs a kernel's calls to other @jit functions by
+    # patching triton.language again (an `inspect.getmembers` over its modules) on every call,
+    # and a tree makes log2(n) of them; a plain function runs under the calling kernel's patch.
+    # It was about half of an interpreted engine step's time.
 
-    @triton.jit
     def _tree(x, axis, combine):
         """`x` reduced over `axis` by `combine` in a pairwise tree (interpreter only: the
         shapes are plain Python here)."""
@@ -81,14 +85,14 @@ else:
             return a
         return combine(a, b)
 
-    @triton.jit
-    def sum_(x, axis: tl.constexpr):
-        return _tree(x, axis, _add)
+    def sum_(x, axis):
+        return _tree(x, axis, lambda a, b: a + b)
 
-    @triton.jit
-    def max_(x, axis: tl.constexpr):
-        return _tree(x, axis, _maximum)
+    def max_(x, axis):
+        return _tree(x, axis, lambda a, b: tl.maximum(a, b))
 
-    @triton.jit
-    def min_(x, axis: tl.constexpr):
-        return _tree(x, axis, _minimum)
+    def min_(x, axis):
+        return _tree(x, axis, lambda a, b: tl.minimum(a, b))
+
+    def sigmoid(x):
+        return 1.0 / (1.0 + tl.exp(-x))
