@@ -179,10 +179,23 @@ def hf_model(case, options, dtype, device):
     if not cached:
         config.use_cache = text.use_cache = False
     with _hf_bars_off():
-        model = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=dtype,
+                                                     **_attention(dtype, device))
     if not cached:
         model.generation_config.use_cache = False
     return model.to(device).eval()
+
+
+def _attention(dtype, device) -> dict:
+    """HF's attention implementation where its default cannot run: torch's fused CPU attention
+    in bf16 / fp16 packs its operands for AMX, which it refuses under the scalar kernels
+    (`ATEN_CPU_CAPABILITY=default` on a CPU with AMX: "pack_vnni2 is only supported when
+    avx512 is supported"); HF's eager attention computes the same softmax attention unfused.
+    Elsewhere HF's default."""
+    if torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16) and \
+            torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        return {"attn_implementation": "eager"}
+    return {}
 
 
 @contextmanager

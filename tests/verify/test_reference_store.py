@@ -296,3 +296,18 @@ def test_bisect_localises_against_the_saved_activations_without_hf(capsys, tmp_p
     save_file(acts, store / reference_store.BISECT)
     code, out, err = run_cli(capsys, *args)
     assert code == 1 and "model.layers.1.mlp.down_proj" in out, out + err
+
+
+def test_hf_runs_eager_attention_in_low_precision_under_scalar_kernels(monkeypatch):
+    """Under ATEN_CPU_CAPABILITY=default torch's fused CPU attention refuses bf16 / fp16 on a
+    CPU with AMX (it packs for AMX without the capability), so HF's model is loaded with its
+    eager attention there; float32, the vector kernels and CUDA keep HF's default."""
+    from freetoken_verify.reference.sources import _attention
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    assert _attention(torch.bfloat16, cpu) == _attention(torch.float16, "cpu") == {
+        "attn_implementation": "eager"}
+    assert _attention(torch.float32, cpu) == _attention(torch.bfloat16, "cuda") == {}
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert _attention(torch.bfloat16, cpu) == {}
