@@ -149,3 +149,20 @@ def short_tmpdir(tmp_path: Path) -> Path:
     folder.mkdir(exist_ok=True)
     return folder
 
+
+def shards_audit(folder, tp: int, rank: int = 0) -> dict:
+    """The shards check's audit (`failures` and counts) of rank `rank` of `tp` on checkpoint
+    `folder`, in this process: parameter shapes follow the TP identity, set for the call and
+    forgotten after."""
+    from types import SimpleNamespace
+
+    from freetoken.distributed import TPInfo, reset_tp_info, set_tp_info
+    from freetoken_verify.checks.shards import check as shards
+
+    engine_args = {"folder": str(folder), "dtype": "auto", "num_layers": None}
+    reset_tp_info()
+    set_tp_info(TPInfo(rank, tp))
+    try:
+        return shards._audit(SimpleNamespace(rank=rank, size=tp, state={}), engine_args)
+    finally:
+        reset_tp_info()

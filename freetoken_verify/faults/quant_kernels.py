@@ -26,12 +26,12 @@ def _first_segment_for_all(method_class, index: str) -> None:
     original = method_class.dequantize
 
     def dequantize(self, layer, dtype):
-        rows = layer._buffers[index]
-        layer._buffers[index] = torch.full_like(rows, self.groups[0])
+        rows = getattr(layer, index)
+        setattr(layer, index, torch.full_like(rows, self.groups[0]))
         try:
             return original(self, layer, dtype)
         finally:
-            layer._buffers[index] = rows
+            setattr(layer, index, rows)
 
     method_class.dequantize = dequantize
 

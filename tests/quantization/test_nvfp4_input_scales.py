@@ -15,11 +15,10 @@ import math
 import re
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import GOLDEN
+from conftest import GOLDEN, shards_audit
 from quant_folders import compressed_tensors_fp8_llama, modelopt_nvfp4_llama, with_tensor
 from safetensors.torch import load_file
 
@@ -34,7 +33,6 @@ from freetoken.loading import CheckpointReader
 from freetoken.loading.plan import Rule
 from freetoken.models import registry
 from freetoken.models.registry import build_model, load_config, shard_plan
-from freetoken_verify.checks.shards import check as shards
 from freetoken_verify.cli import main
 from freetoken_verify.faults._patch import rewrite_plans
 
@@ -171,14 +169,7 @@ def test_a_good_input_scale_loads_and_changes_nothing(folders, tmp_path, case):
 
 
 def _shards_failures(folder, tp: int, rank: int) -> list[str]:
-    engine_args = {"folder": str(folder), "dtype": "auto", "num_layers": None}
-    reset_tp_info()
-    set_tp_info(TPInfo(rank, tp))
-    try:
-        return shards._audit(SimpleNamespace(rank=rank, size=tp, state={}),
-                             engine_args)["failures"]
-    finally:
-        reset_tp_info()
+    return shards_audit(folder, tp, rank)["failures"]
 
 
 @pytest.mark.parametrize("case", ["modelopt-dense", "ct-shared-expert", "lm-head",

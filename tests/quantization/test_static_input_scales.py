@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import shards_audit
 from quant_folders import block_fp8, compressed_tensors_fp8_llama, with_tensor
 from safetensors.torch import load_file
 
@@ -25,7 +25,6 @@ from freetoken.formats.quant.twin import write_dequantized_twin
 from freetoken.loading import CheckpointReader
 from freetoken.models import registry
 from freetoken.models.registry import build_model, load_config, shard_plan
-from freetoken_verify.checks.shards import check as shards
 from freetoken_verify.cli import main
 from freetoken_verify.faults._patch import rewrite_plans
 
@@ -169,14 +168,7 @@ def test_the_kernels_check_holds_the_input_scales_its_format_stores(capsys, tmp_
 
 
 def _shards_failures(folder, tp: int, rank: int) -> list[str]:
-    engine_args = {"folder": str(folder), "dtype": "auto", "num_layers": None}
-    reset_tp_info()
-    set_tp_info(TPInfo(rank, tp))
-    try:
-        return shards._audit(SimpleNamespace(rank=rank, size=tp, state={}),
-                             engine_args)["failures"]
-    finally:
-        reset_tp_info()
+    return shards_audit(folder, tp, rank)["failures"]
 
 
 def test_input_scales_written_into_the_first_entry_fail_shards(monkeypatch, static):

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import shards_audit
 
 from freetoken.formats.quant import parse_quant_config
-from freetoken_verify.checks.shards import check as shards
 from freetoken_verify.checks.shards.layout_book import LayoutBook
 from freetoken_verify.checks.shards.layout_compare import mismatch
 from freetoken_verify.checks.shards.layouts import PAD, LayoutError
@@ -99,17 +98,8 @@ def test_plain_chunk_of_conv1d_is_named_row_by_row():
 
 
 def _audit(tp: int, rank: int = 0) -> dict:
-    """The shards audit of rank `rank` of `tp`, in this process (parameter shapes follow
-    the TP identity, set for the call and forgotten after)."""
-    from freetoken.distributed import TPInfo, reset_tp_info, set_tp_info
-
-    engine_args = {"folder": str(CASE), "dtype": "auto", "num_layers": None}
-    reset_tp_info()
-    set_tp_info(TPInfo(rank, tp))
-    try:
-        return shards._audit(SimpleNamespace(rank=rank, size=tp, state={}), engine_args)
-    finally:
-        reset_tp_info()
+    """The shards audit of rank `rank` of `tp` on the case, in this process."""
+    return shards_audit(CASE, tp, rank)
 
 
 def test_a_tensor_the_plan_splits_without_a_statement_fails(monkeypatch):
