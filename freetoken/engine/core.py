@@ -181,14 +181,15 @@ class EngineCore:
             slots += [self.blocks.slot(seq, p) for p in range(start, len(seq))]
             qlens.append(len(seq) - start)
         seq_slots = [self.states.acquire(s) for s in batch]
+        greedy = None
         if not prefill and self.graphs is not None and self.graphs.fits(len(batch)):
-            logits = self.graphs.run(ids, positions, slots, [len(s) for s in batch],
-                                     [s.block_table for s in batch], seq_slots)
+            logits, greedy = self.graphs.run(ids, positions, slots, [len(s) for s in batch],
+                                             [s.block_table for s in batch], seq_slots)
         else:
             logits = self._forward(batch, prefill, ids, positions, slots, qlens, seq_slots)
         for seq in batch:
             seq.num_cached = len(seq)
-        return self._sample(batch, logits)
+        return self._sample(batch, logits, greedy)
 
     def _forward(self, batch, prefill, ids, positions, slots, qlens, seq_slots) -> torch.Tensor:
         """The eager forward: float32 logits at each sequence's last new token."""
@@ -219,11 +220,14 @@ class EngineCore:
                     hidden[start : start + qlen]).float().cpu()
             start += qlen
 
-    def _sample(self, batch: list[Sequence], logits: torch.Tensor) -> list[int]:
+    def _sample(self, batch: list[Sequence], logits: torch.Tensor,
+                greedy: torch.Tensor | None = None) -> list[int]:
+        """Each sequence's next token; `greedy` is the logits' argmax when the step already
+        took it (a decode graph does)."""
         tokens = [0] * len(batch)
         if get_tp_info().is_first:
             # Greedy rows in one argmax and one copy to the host, not one per sequence.
-            greedy = logits.argmax(dim=-1).tolist()
+            greedy = (logits.argmax(dim=-1) if greedy is None else greedy).tolist()
             tokens = [greedy[i] if seq.params.temperature == 0
                       else sample(logits[i], seq.params, seq.generator)
                       for i, seq in enumerate(batch)]

@@ -25,7 +25,13 @@ def buckets(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     """One graph per bucket over shared static buffers; `run` returns float32 logits
-    [batch, vocab] (a view into the bucket's output, valid until the next replay)."""
+    [batch, vocab] and their greedy tokens [batch] (views into the bucket's outputs, valid
+    until the next replay).
+
+    A step costs the host one copy and one replay: its rows are written into a pinned host
+    buffer and copied to a device staging buffer in one asynchronous transfer, and the graph
+    itself unpacks them into the layers' static inputs and takes the greedy argmax of the
+    logits, so neither costs a launch of its own."""
 
     def __init__(self, model: torch.nn.Module, max_batch: int, max_blocks: int,
                  block_size: int, scratch_block: int, scratch_state: int, device):
@@ -34,9 +40,14 @@ class DecodeGraphs:
         self.block_size = block_size
         self.scratch_block, self.scratch_state = scratch_block, scratch_state
         n, self.width = self.buckets[-1], max_blocks
+        device = torch.device(device)
         as_long = dict(dtype=torch.long, device=device)
-        # One int64 staging row per sequence (its fields, then its block table), filled by
-        # one host-to-device copy per step.
+        # One int64 row per sequence (its fields, then its block table): written on the host,
+        # copied whole rows at a time, unpacked on the device inside the graph.
+        self.host = torch.zeros(n, 5 + max_blocks, dtype=torch.long,
+                                pin_memory=device.type == "cuda")
+        self.host_rows = self.host.numpy()
+        self.uploaded = torch.cuda.Event() if device.type == "cuda" else None
         self.staging = torch.zeros(n, 5 + max_blocks, **as_long)
         self.ids, self.positions, self.slot_mapping = (torch.zeros(n, **as_long)
                                                        for _ in range(3))
@@ -46,6 +57,7 @@ class DecodeGraphs:
         self.query_starts = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        self.greedy: dict[int, torch.Tensor] = {}
         self.pool = None
         self.capture_seconds = 0.0
         self.capture_bytes = 0
@@ -55,8 +67,9 @@ class DecodeGraphs:
 
     def run(self, ids: list[int], positions: list[int], slots: list[int],
             context_lens: list[int], block_tables: list[list[int]], seq_slots: list[int]
-            ) -> torch.Tensor:
-        """Logits of one decode step of len(ids) sequences (one token each)."""
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits and greedy tokens of one decode step of len(ids) sequences (one token
+        each)."""
         n = len(ids)
         bucket = next(b for b in self.buckets if b >= n)
         if bucket not in self.graphs:
@@ -64,26 +77,35 @@ class DecodeGraphs:
             self._capture(bucket)
         self._fill(bucket, ids, positions, slots, context_lens, block_tables, seq_slots)
         self.graphs[bucket].replay()
-        return self.logits[bucket][:n]
+        return self.logits[bucket][:n], self.greedy[bucket][:n]
 
     def _fill(self, bucket, ids, positions, slots, context_lens, block_tables, seq_slots):
-        """Real rows first, padding rows (scratch block and state slot) after, in one
-        host-to-device copy. Only the table columns this batch uses are written: the kernel
-        reads no entry past a sequence's context."""
+        """Real rows first, padding rows (scratch block and state slot) after, written into
+        the pinned host rows and sent to the device staging rows in one asynchronous copy.
+        Only the table columns this batch uses are written: the kernel reads no entry past a
+        sequence's context."""
         width = max([len(t) for t in block_tables] + [1])
         rows = [[i, p, s, c, st, *t, *[0] * (width - len(t))] for i, p, s, c, st, t in
                 zip(ids, positions, slots, context_lens, seq_slots, block_tables)]
         pad = [0, 0, self.scratch_block * self.block_size, 1, self.scratch_state,
                self.scratch_block, *[0] * (width - 1)]
         rows += [pad] * (bucket - len(ids))
-        staging = self.staging[:bucket, : 5 + width]
-        staging.copy_(torch.tensor(rows, dtype=torch.long))
+        if self.uploaded is not None:
+            self.uploaded.synchronize()   # the previous step's copy has read the host rows
+        self.host_rows[:bucket, : 5 + width] = rows
+        self.staging[:bucket].copy_(self.host[:bucket], non_blocking=True)
+        if self.uploaded is not None:
+            self.uploaded.record()
+
+    def _unpack(self, bucket: int) -> None:
+        """The staging rows into the layers' static inputs (captured into each graph)."""
+        staging = self.staging[:bucket]
         self.ids[:bucket].copy_(staging[:, 0])
         self.positions[:bucket].copy_(staging[:, 1])
         self.slot_mapping[:bucket].copy_(staging[:, 2])
         self.context_lens[:bucket].copy_(staging[:, 3])
         self.seq_slots[:bucket].copy_(staging[:, 4])
-        self.block_tables[:bucket, :width].copy_(staging[:, 5:])
+        self.block_tables[:bucket].copy_(staging[:, 5:])
 
     def _context(self, bucket: int) -> ForwardContext:
         # Host lists only tell layers that this is a decode step of continuing sequences;
@@ -94,9 +116,11 @@ class DecodeGraphs:
                               [[self.scratch_block]] * bucket, list(range(bucket)),
                               device=device)
 
-    def _forward(self, bucket: int) -> torch.Tensor:
+    def _forward(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self._unpack(bucket)
         hidden = self.model(self.ids[:bucket], self.positions[:bucket])
-        return self.model.compute_logits(hidden).float()
+        logits = self.model.compute_logits(hidden).float()
+        return logits, logits.argmax(dim=-1)
 
     def _capture(self, bucket: int) -> None:
         """Warm up (compiles the kernels) on padding rows, then capture."""
@@ -108,7 +132,7 @@ class DecodeGraphs:
             start = time.perf_counter()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.logits[bucket] = self._forward(bucket)
+                self.logits[bucket], self.greedy[bucket] = self._forward(bucket)
             torch.cuda.synchronize()
         finally:
             set_forward_context(None)

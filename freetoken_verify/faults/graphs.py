@@ -11,15 +11,16 @@ from freetoken_verify.faults.registry import Entry, fault
              r"CUDA graph replay differs from eager decode at batch \d+: prompt \d+ "
              r"step \d+", tp1_green=False, device="cuda"))
 def graph_stale_positions() -> None:
-    """The decode graph runner stops refreshing its static positions buffer once a bucket's
-    graph is captured: every replay after the first rotates the keys at the old positions."""
+    """The decode graph runner stops refreshing the positions column of its device staging
+    rows once a bucket's graph is captured: every replay after the first unpacks the old
+    positions and rotates the keys at them."""
 
     fill = DecodeGraphs._fill
 
     def stale_fill(self, bucket, *rows):
-        kept = self.positions.clone()
+        kept = self.staging[:, 1].clone()
         fill(self, bucket, *rows)
         if bucket in self.graphs:
-            self.positions.copy_(kept)
+            self.staging[:, 1].copy_(kept)
 
     DecodeGraphs._fill = stale_fill

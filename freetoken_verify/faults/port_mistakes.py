@@ -44,7 +44,7 @@ def sample_per_rank() -> None:
     """Every rank samples its own token from a generator seeded with `seed + rank` instead of
     taking rank 0's broadcast: greedy decoding agrees, sampling at temperature > 0 does not."""
 
-    def _sample(self, batch, logits):
+    def _sample(self, batch, logits, greedy=None):
         rank = get_tp_info().rank
         tokens = []
         for i, seq in enumerate(batch):

@@ -111,10 +111,10 @@ def test_stale_graph_input_is_caught():
         fill = graphs._fill
 
         def stale_fill(bucket, *rows):
-            kept = graphs.positions.clone()
+            kept = graphs.staging[:, 1].clone()
             fill(bucket, *rows)
             if bucket in graphs.graphs:
-                graphs.positions.copy_(kept)
+                graphs.staging[:, 1].copy_(kept)
 
         graphs._fill = stale_fill
         got, want = _decode_logits(graphed, prompts), _decode_logits(eager, prompts)

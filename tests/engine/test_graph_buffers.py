@@ -1,6 +1,7 @@
 """Decode graphs' static inputs (CPU-checkable part of `freetoken.engine.graphs`): buckets
 are powers of two covering the batch limit, every step's rows land in the static buffers,
-and padding rows point only at the scratch cache block and scratch state slot."""
+and padding rows point only at the scratch cache block and scratch state slot; the
+graph's own unpacking of the staging rows is what fills them."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ def test_fill_writes_real_rows_then_scratch_padding():
     g = _make_graphs()
     g._fill(4, [11, 12, 13], [5, 0, 8], [21, 2, 33], [6, 1, 9], [[5, 1], [0], [3, 8, 2]],
             [2, 0, 1])
+    g._unpack(4)
     assert g.ids[:4].tolist() == [11, 12, 13, 0]
     assert g.positions[:4].tolist() == [5, 0, 8, 0]
     assert g.slot_mapping[:4].tolist() == [21, 2, 33, 36]
@@ -36,8 +38,22 @@ def test_fill_writes_real_rows_then_scratch_padding():
     assert g.seq_slots[:4].tolist() == [2, 0, 1, 7]
     assert g.block_tables[:4, :3].tolist() == [[5, 1, 0], [0, 0, 0], [3, 8, 2], [9, 0, 0]]
     g._fill(2, [40], [6], [22], [7], [[5, 1]], [3])
+    g._unpack(2)
     assert g.ids[:2].tolist() == [40, 0]
     assert g.slot_mapping[:2].tolist() == [22, 36]
     assert g.context_lens[:2].tolist() == [7, 1]
     assert g.seq_slots[:2].tolist() == [3, 7]
     assert g.block_tables[:2, :2].tolist() == [[5, 1], [9, 0]]
+
+
+def test_rows_reach_the_inputs_only_through_the_unpacking():
+    """`_fill` writes the host rows and the device staging rows; the layers' inputs change
+    only when `_unpack` (captured into each graph) runs, so a graph that did not unpack
+    would replay stale inputs."""
+    g = _make_graphs()
+    g._fill(2, [40], [6], [22], [7], [[5, 1]], [3])
+    assert g.staging[:2, :7].tolist() == g.host[:2, :7].tolist()
+    assert g.staging[0, :7].tolist() == [40, 6, 22, 7, 3, 5, 1]
+    assert g.ids[:2].tolist() == [0, 0]
+    g._unpack(2)
+    assert g.ids[:2].tolist() == [40, 0]
