@@ -90,7 +90,8 @@ def step_kernels(launches: list[tuple[float, float, str]], steps: int
     last = max(once, key=lambda n: time_of[n])
     ends = [i for i, (_, _, name) in enumerate(launches) if name == last]
     middle = len(ends) // 2
-    return launches[ends[middle - 1] + 1: ends[middle] + 1]
+    # The previous step's last kernel too: the gap after it is the host's share of a step.
+    return launches[ends[middle - 1]: ends[middle] + 1]
 
 
 def print_timeline(launches: list[tuple[float, float, str]], steps: int) -> None:
@@ -98,6 +99,8 @@ def print_timeline(launches: list[tuple[float, float, str]], steps: int) -> None
     if not step:
         print("timeline: no kernel runs once per step; cannot cut the stream into steps")
         return
+    host_gap = step[1][0] - step[0][1]
+    step = step[1:]
     rows, previous_end, busy, idle = [], None, 0.0, 0.0
     for start, end, name in step:
         gap = 0.0 if previous_end is None else start - previous_end
@@ -106,7 +109,9 @@ def print_timeline(launches: list[tuple[float, float, str]], steps: int) -> None
         idle += max(gap, 0.0)
         previous_end = end
     print(f"\none decode step: {len(step)} kernels, {busy:.1f} us busy, {idle:.1f} us idle "
-          f"between them, {step[-1][1] - step[0][0]:.1f} us first start to last end")
+          f"between them, {step[-1][1] - step[0][0]:.1f} us first start to last end; "
+          f"{host_gap:.1f} us from the previous step's last kernel to this step's first "
+          f"(the host's step: sampling, scheduling, the input copies)")
     print(tabulate(rows, headers=["kernel", "us", "gap_us"], floatfmt=".1f"))
 
 

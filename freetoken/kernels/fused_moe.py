@@ -48,7 +48,7 @@ class ExpertBlockScales:
 DECODE_MAX_PAIRS = 1024
 """Up to this many (token, slot) pairs take DECODE_TILES."""
 ALIGN_MAX_PAIRS = 1024
-"""Up to this many pairs are sorted by `align_small` (one program), more by torch ops."""
+"""Up to this many pairs are sorted by `align_small` (one launch), more by torch ops."""
 
 
 def _jit():
@@ -250,16 +250,22 @@ def one_token_layout(ids: torch.Tensor, block_m: int) -> tuple[torch.Tensor, tor
 
 def align_small(ids: torch.Tensor, num_experts: int, block_m: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`moe_align.align_by_expert`'s result (same rows, same block experts) from one
-    program; for up to ALIGN_MAX_PAIRS pairs."""
+    """`moe_align.align_by_expert`'s result (same rows, same block experts) in one launch of
+    one program per expert; for up to ALIGN_MAX_PAIRS pairs."""
     n = ids.numel()
+    if n > ALIGN_MAX_PAIRS:
+        raise ValueError(f"align_small: {n} pairs, at most {ALIGN_MAX_PAIRS}")
     num_blocks = -(-n // block_m) + min(num_experts, n)
     rows = torch.empty(num_blocks * block_m, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=ids.device)
-    _jit().align_kernel[(1,)](
+    expert_blocks = -(-n // block_m)
+    _jit().align_kernel[(num_experts,)](
         ids_ptr=ids.reshape(-1).contiguous(), rows_ptr=rows, block_expert_ptr=block_expert,
-        num_pairs=n, num_blocks=num_blocks, BLOCK_M=block_m, BLOCK_E=_pow2(num_experts),
-        CHUNK=64, num_warps=4)
+        num_pairs=n, num_blocks=num_blocks, expert_blocks=expert_blocks, BLOCK_M=block_m,
+        BLOCK_E=_pow2(num_experts), BLOCK_P=_pow2(n),
+        BLOCK_B=min(16, _pow2(expert_blocks)),
+        TAIL_ROWS=_pow2(-(-num_blocks * block_m // num_experts)),
+        TAIL_BLOCKS=_pow2(-(-num_blocks // num_experts)), num_warps=4)
     return rows, block_expert
 
 

@@ -239,47 +239,51 @@ def align_kernel(
     # sizes
     num_pairs,
     num_blocks,
+    expert_blocks,
     # meta
     BLOCK_M: tl.constexpr,
     BLOCK_E: tl.constexpr,
-    CHUNK: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    TAIL_ROWS: tl.constexpr,
+    TAIL_BLOCKS: tl.constexpr,
 ):
-    """One program: the layout of `moe_align.align_by_expert` (pairs sorted by expert,
-    stably, each expert's run padded to BLOCK_M rows; unused rows hold num_pairs, unused
-    blocks expert -1) in one launch instead of a sort and a dozen small kernels. Ranks
-    come from comparing pairs chunk by chunk, so it is meant for decode-sized batches."""
+    """Program e, one per expert: the layout of `moe_align.align_by_expert` (pairs sorted by
+    expert, stably, each expert's run padded to BLOCK_M rows; unused rows hold num_pairs,
+    unused blocks expert -1). Every program counts all pairs by expert (a histogram of the
+    BLOCK_P <= 1024 pairs), so it knows where expert e's run starts, then writes that run:
+    its pairs in order (ranks from a prefix sum of `ids == e`), the run's padding rows and
+    its blocks' expert. The rows and blocks past the last run are cut into one slice per
+    program (TAIL_ROWS rows, TAIL_BLOCKS blocks). Runs and slices are disjoint, so no
+    program waits for another."""
+    e = tl.program_id(0)
+    pairs = tl.arange(0, BLOCK_P)
+    ok = pairs < num_pairs
+    # Padding lanes count into the last bin and are taken out of it again.
+    ids = tl.load(ids_ptr + pairs, mask=ok, other=BLOCK_E - 1).to(tl.int32)
     experts = tl.arange(0, BLOCK_E)
-    counts = tl.full((BLOCK_E,), 0, dtype=tl.int32)
-    for start in range(0, num_pairs, CHUNK):
-        pairs = start + tl.arange(0, CHUNK)
-        e = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
-        counts += ops.sum_((e[None, :] == experts[:, None]).to(tl.int32), axis=1)
+    counts = tl.histogram(ids, BLOCK_E)
+    counts -= tl.where(experts == BLOCK_E - 1, BLOCK_P - num_pairs, 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    padded_end = ops.cumsum(padded, axis=0)
-    padded_start = padded_end - padded
+    ends = ops.cumsum(padded, axis=0)
     total = ops.sum_(padded, axis=0)
-    for start in range(0, num_blocks * BLOCK_M, CHUNK):
-        rows = start + tl.arange(0, CHUNK)
-        tl.store(rows_ptr + rows, tl.full((CHUNK,), 0, dtype=tl.int32) + num_pairs,
-                 mask=rows < num_blocks * BLOCK_M)
-    for start in range(0, num_blocks, CHUNK):
-        blocks = start + tl.arange(0, CHUNK)
-        first = blocks * BLOCK_M
-        expert = ops.sum_((padded_end[None, :] <= first[:, None]).to(tl.int32), axis=1)
-        tl.store(block_expert_ptr + blocks, tl.where(first < total, expert, -1),
-                 mask=blocks < num_blocks)
-    # The sentinel rows above must land before the pairs overwrite theirs.
-    tl.debug_barrier()
-    for start in range(0, num_pairs, CHUNK):
-        pairs = start + tl.arange(0, CHUNK)
-        ok = pairs < num_pairs
-        e = tl.load(ids_ptr + pairs, mask=ok, other=-1)
-        rank = tl.full((CHUNK,), 0, dtype=tl.int32)
-        for earlier in range(0, start + CHUNK, CHUNK):
-            others = earlier + tl.arange(0, CHUNK)
-            f = tl.load(ids_ptr + others, mask=others < num_pairs, other=-2)
-            same = (f[None, :] == e[:, None]) & (others[None, :] < pairs[:, None])
-            rank += ops.sum_(same.to(tl.int32), axis=1)
-        base = ops.sum_(tl.where(experts[None, :] == e[:, None], padded_start[None, :], 0),
-                      axis=1)
-        tl.store(rows_ptr + base + rank, pairs.to(tl.int32), mask=ok)
+    this = experts == e
+    count = ops.sum_(tl.where(this, counts, 0), axis=0)
+    run = ops.sum_(tl.where(this, padded, 0), axis=0)
+    first = ops.sum_(tl.where(this, ends, 0), axis=0) - run
+    mine = ok & (ids == e)
+    rank = ops.cumsum(mine.to(tl.int32), axis=0) - 1
+    tl.store(rows_ptr + first + rank, pairs.to(tl.int32), mask=mine)
+    pad = count + tl.arange(0, BLOCK_M)
+    tl.store(rows_ptr + first + pad, tl.full((BLOCK_M,), 0, dtype=tl.int32) + num_pairs,
+             mask=pad < run)
+    for b0 in range(0, expert_blocks, BLOCK_B):
+        blocks = b0 + tl.arange(0, BLOCK_B)
+        tl.store(block_expert_ptr + first // BLOCK_M + blocks,
+                 tl.full((BLOCK_B,), 0, dtype=tl.int32) + e, mask=blocks * BLOCK_M < run)
+    rows = e * TAIL_ROWS + tl.arange(0, TAIL_ROWS)
+    tl.store(rows_ptr + rows, tl.full((TAIL_ROWS,), 0, dtype=tl.int32) + num_pairs,
+             mask=(rows >= total) & (rows < num_blocks * BLOCK_M))
+    blocks = e * TAIL_BLOCKS + tl.arange(0, TAIL_BLOCKS)
+    tl.store(block_expert_ptr + blocks, tl.full((TAIL_BLOCKS,), -1, dtype=tl.int32),
+             mask=(blocks * BLOCK_M >= total) & (blocks < num_blocks))

@@ -42,6 +42,23 @@ def test_fused_moe_bf16_at_realdims(tp, tokens):
     assert err < 1e-2, f"tp={tp} tokens={tokens}: relative L2 {err:.2e}"
 
 
+@pytest.mark.parametrize("pairs, experts, block_m", [(2, 256, 16), (16, 256, 16),
+                                                     (128, 256, 16), (1000, 256, 16),
+                                                     (1024, 256, 64), (333, 8, 16)])
+def test_one_launch_alignment_equals_torch_alignment(pairs, experts, block_m):
+    """The compiled one-launch expert alignment (one program per expert, a histogram each)
+    gives exactly the torch alignment's rows and block experts at decode batches of the real
+    expert count, up to the largest batch it takes."""
+    from freetoken.kernels.fused_moe import align_small
+    from freetoken.kernels.moe_align import align_by_expert
+
+    gen = torch.Generator(device="cuda").manual_seed(pairs)
+    ids = torch.randint(0, experts, (pairs,), device="cuda", generator=gen)
+    got, want = align_small(ids, experts, block_m), align_by_expert(ids, experts, block_m)
+    assert torch.equal(got[0], want[0]), "rows differ"
+    assert torch.equal(got[1], want[1]), "block experts differ"
+
+
 # (heads, kv heads, head dim): medium Llama and qwen3.5-moe-realdims full attention.
 @pytest.mark.parametrize("tp", TP_SIZES)
 @pytest.mark.parametrize("shape", [(16, 4, 64), (16, 2, 256)])

@@ -142,11 +142,13 @@ def test_write_kv_matches_index_put(tp):
     assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
 
 
-@pytest.mark.parametrize("pairs, experts, block_m", [(1, 8, 16), (24, 8, 16), (130, 256, 16),
-                                                     (300, 64, 4)])
+@pytest.mark.parametrize("pairs, experts, block_m", [(1, 8, 16), (24, 8, 16), (7, 3, 16),
+                                                     (130, 256, 16), (300, 64, 4),
+                                                     (1024, 32, 16)])
 def test_align_small_equals_torch_alignment(pairs, experts, block_m):
-    """The one-program alignment gives exactly the torch alignment's rows and block experts
-    (pairs spanning several 64-pair chunks, experts hit several times, unused blocks)."""
+    """The one-launch alignment gives exactly the torch alignment's rows and block experts
+    (fewer experts than histogram bins, experts hit many times and not at all, runs of
+    several blocks, the unused tail of the upper-bound grid, the largest batch it takes)."""
     from freetoken.kernels.fused_moe import align_small
     from freetoken.kernels.moe_align import align_by_expert
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from freetoken.distributed import divide
+from freetoken.kernels.fused_moe import ALIGN_MAX_PAIRS
 from freetoken.layers.linear import local_kv_heads
 from freetoken.models.qwen3_5_moe.config import qwen3_5_moe_config
 from freetoken_verify.cases.catalogue import CASES, resolve_case
@@ -33,7 +34,7 @@ FAMILIES = {"paged_attention": "paged_attention", "write_kv": "paged_attention",
 # a program's queries; decode contexts of one position, a block boundary and several blocks.
 DECODE_CONTEXTS = {"cpu": (1, 16, 37), "cuda": (1, 16, 37, 300)}
 PREFILL = {"cpu": ((7, 3, 37), (7, 19, 37)), "cuda": ((7, 3, 300), (7, 19, 300))}
-# MoE tokens: one token (its own layout), decode tiles with the one-program alignment, and more
+# MoE tokens: one token (its own layout), decode tiles with the one-launch alignment, and more
 # than 1024 (token, slot) pairs (the torch alignment and the prefill tiles).
 MOE_TOKENS = {"cpu": (1, 7, 40, 600), "cuda": (1, 7, 64, 600)}
 
@@ -117,8 +118,11 @@ def local_shapes(cfg, tp: int, device_type: str) -> list[tuple[str, tuple]]:
                                ("tokens", t))) for t in MOE_TOKENS[device_type]]
         out.append(("route", (("experts", cfg.num_experts),
                               ("top_k", cfg.num_experts_per_tok), ("tokens", 9))))
+        # Several blocks per expert where the experts are few, at most what the one-launch
+        # alignment takes (the engine sorts more pairs with torch ops).
         out.append(("align", (("experts", cfg.num_experts),
-                              ("pairs", 130 * cfg.num_experts_per_tok), ("block", 16))))
+                              ("pairs", min(130 * cfg.num_experts_per_tok, ALIGN_MAX_PAIRS)),
+                              ("block", 16))))
     if qwen35:
         out += _gdn_shapes(cfg, tp)
     return out
