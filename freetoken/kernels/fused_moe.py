@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from freetoken.kernels.moe_align import align_by_expert
+from freetoken.kernels.moe_align import align_pairs
 from freetoken.kernels.quant_gemm import block_step
 
 
@@ -47,8 +47,6 @@ class ExpertBlockScales:
 
 DECODE_MAX_PAIRS = 1024
 """Up to this many (token, slot) pairs take DECODE_TILES."""
-ALIGN_MAX_PAIRS = 1024
-"""Up to this many pairs are sorted by `align_small` (one launch), more by torch ops."""
 
 
 def _jit():
@@ -135,8 +133,7 @@ def _gate_up(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
     if tokens == 1:
         rows, block_expert = one_token_layout(ids, tiles.block_m)
     else:
-        align = align_small if pairs <= ALIGN_MAX_PAIRS else align_by_expert
-        rows, block_expert = align(ids.reshape(-1), w13.shape[0], tiles.block_m)
+        rows, block_expert = align_pairs(ids.reshape(-1), w13.shape[0], tiles.block_m)
     layout = _Layout(rows, block_expert, tiles,
                      dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
     x = x.contiguous()
@@ -246,27 +243,6 @@ def one_token_layout(ids: torch.Tensor, block_m: int) -> tuple[torch.Tensor, tor
         rows[:, 0] = torch.arange(top_k, dtype=torch.int32, device=ids.device)
         _ONE_TOKEN_ROWS[key] = rows.reshape(-1)
     return _ONE_TOKEN_ROWS[key], ids.reshape(-1).to(torch.int32)
-
-
-def align_small(ids: torch.Tensor, num_experts: int, block_m: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`moe_align.align_by_expert`'s result (same rows, same block experts) in one launch of
-    one program per expert; for up to ALIGN_MAX_PAIRS pairs."""
-    n = ids.numel()
-    if n > ALIGN_MAX_PAIRS:
-        raise ValueError(f"align_small: {n} pairs, at most {ALIGN_MAX_PAIRS}")
-    num_blocks = -(-n // block_m) + min(num_experts, n)
-    rows = torch.empty(num_blocks * block_m, dtype=torch.int32, device=ids.device)
-    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=ids.device)
-    expert_blocks = -(-n // block_m)
-    _jit().align_kernel[(num_experts,)](
-        ids_ptr=ids.reshape(-1).contiguous(), rows_ptr=rows, block_expert_ptr=block_expert,
-        num_pairs=n, num_blocks=num_blocks, expert_blocks=expert_blocks, BLOCK_M=block_m,
-        BLOCK_E=_pow2(num_experts), BLOCK_P=_pow2(n),
-        BLOCK_B=min(16, _pow2(expert_blocks)),
-        TAIL_ROWS=_pow2(-(-num_blocks * block_m // num_experts)),
-        TAIL_BLOCKS=_pow2(-(-num_blocks // num_experts)), num_warps=4)
-    return rows, block_expert
 
 
 def reference_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,

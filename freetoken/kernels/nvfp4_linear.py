@@ -8,7 +8,7 @@ import torch
 
 from freetoken.formats.nvfp4.format import check_shapes
 from freetoken.kernels import nvfp4_launch, nvfp4_mma_launch
-from freetoken.kernels.moe_align import align_by_expert
+from freetoken.kernels.moe_align import align_pairs
 
 
 def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tensor,
@@ -37,7 +37,7 @@ def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tenso
     elif rows:
         ids = torch.zeros(rows, dtype=torch.int32, device=device)
         ones = torch.ones(rows, dtype=torch.float32, device=device)
-        sorted_pairs, block_expert = align_by_expert(ids, 1, tiles.prefill_m)
+        sorted_pairs, block_expert = align_pairs(ids, 1, tiles.prefill_m)
         nvfp4_launch.down_prefill_launch(x2, sorted_pairs, block_expert, ones, w, s, g, out,
                                          num_pairs=rows, k_inputs=k_inputs, tiles=tiles)
     if bias is not None:

@@ -12,7 +12,7 @@ import torch
 
 from freetoken.formats.nvfp4.format import GROUP, NVFP4FormatError
 from freetoken.kernels import nvfp4_launch, nvfp4_mma_launch
-from freetoken.kernels.moe_align import align_by_expert
+from freetoken.kernels.moe_align import align_pairs
 
 
 def _local_intermediate(w13: torch.Tensor, w2: torch.Tensor) -> int:
@@ -104,7 +104,7 @@ def _prefill(x, topk_ids, topk_weights, w13, s13, g13, w2, s2, g2, intermediate,
              tiles, out):
     """The prefill path: pairs sorted by expert, gate_up then down per block of pairs."""
     pairs = topk_ids.numel()
-    sorted_pairs, block_expert = align_by_expert(topk_ids, w13.shape[0], tiles.prefill_m)
+    sorted_pairs, block_expert = align_pairs(topk_ids, w13.shape[0], tiles.prefill_m)
     h = nvfp4_launch.gate_up_prefill_launch(
         x, sorted_pairs, block_expert, w13, s13, g13, num_pairs=pairs,
         intermediate=intermediate, top_k=top_k, tiles=tiles)

@@ -44,13 +44,14 @@ def test_fused_moe_bf16_at_realdims(tp, tokens):
 
 @pytest.mark.parametrize("pairs, experts, block_m", [(2, 256, 16), (16, 256, 16),
                                                      (128, 256, 16), (1000, 256, 16),
-                                                     (1024, 256, 64), (333, 8, 16)])
+                                                     (1024, 256, 64), (333, 8, 16),
+                                                     (1000, 1, 64)])
 def test_one_launch_alignment_equals_torch_alignment(pairs, experts, block_m):
     """The compiled one-launch expert alignment (one program per expert, a histogram each)
-    gives exactly the torch alignment's rows and block experts at decode batches of the real
-    expert count, up to the largest batch it takes."""
-    from freetoken.kernels.fused_moe import align_small
-    from freetoken.kernels.moe_align import align_by_expert
+    gives exactly the torch alignment's rows and block experts for batches of the real
+    expert count up to the largest it takes, and for the dense NVFP4 linear's single
+    expert (its prefill rows)."""
+    from freetoken.kernels.moe_align import align_by_expert, align_small
 
     gen = torch.Generator(device="cuda").manual_seed(pairs)
     ids = torch.randint(0, experts, (pairs,), device="cuda", generator=gen)

@@ -144,13 +144,13 @@ def test_write_kv_matches_index_put(tp):
 
 @pytest.mark.parametrize("pairs, experts, block_m", [(1, 8, 16), (24, 8, 16), (7, 3, 16),
                                                      (130, 256, 16), (300, 64, 4),
-                                                     (1024, 32, 16)])
+                                                     (1024, 32, 16), (600, 1, 64)])
 def test_align_small_equals_torch_alignment(pairs, experts, block_m):
     """The one-launch alignment gives exactly the torch alignment's rows and block experts
     (fewer experts than histogram bins, experts hit many times and not at all, runs of
-    several blocks, the unused tail of the upper-bound grid, the largest batch it takes)."""
-    from freetoken.kernels.fused_moe import align_small
-    from freetoken.kernels.moe_align import align_by_expert
+    several blocks, the unused tail of the upper-bound grid, a decode batch's largest, one
+    expert: the dense NVFP4 linear's prefill rows)."""
+    from freetoken.kernels.moe_align import align_by_expert, align_small
 
     ids = torch.randint(0, experts, (pairs,), generator=torch.Generator().manual_seed(pairs))
     got, want = align_small(ids, experts, block_m), align_by_expert(ids, experts, block_m)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from freetoken.distributed import divide
-from freetoken.kernels.fused_moe import ALIGN_MAX_PAIRS
+from freetoken.kernels.moe_align import ALIGN_MAX_PAIRS
 from freetoken.layers.linear import local_kv_heads
 from freetoken.models.qwen3_5_moe.config import qwen3_5_moe_config
 from freetoken_verify.cases.catalogue import CASES, resolve_case

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from freetoken.kernels import delta_rule, norm_rope
 from freetoken.kernels import fused_moe as moe
 from freetoken.kernels import paged_attention as attention
-from freetoken.kernels.moe_align import align_by_expert
+from freetoken.kernels.moe_align import align_by_expert, align_small
 from freetoken.layers.activation import silu_and_mul as torch_silu_and_mul
 from freetoken.layers.causal_conv import CausalConv1d
 from freetoken.layers.delta_rule import l2norm, recurrent_gated_delta_rule
@@ -178,7 +178,7 @@ def route(case: EngineCase, inp: _Inputs) -> list[Output]:
 def align(case: EngineCase, inp: _Inputs) -> list[Output]:
     experts = case["experts"]
     ids = torch.randint(0, experts, (case["pairs"],), generator=inp.gen, device=inp.device)
-    got, want = moe.align_small(ids, experts, case["block"]), align_by_expert(
+    got, want = align_small(ids, experts, case["block"]), align_by_expert(
         ids, experts, case["block"])
     return [Output("rows", got[0], want[0], exact=True),
             Output("block experts", got[1], want[1], exact=True)]
