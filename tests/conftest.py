@@ -26,6 +26,12 @@ BUNDLED = ["tiny-llama", "tiny-qwen3", "tiny-qwen3-moe"]
 def pytest_configure(config):
     # Two xdist workers on two cores: more intra-op threads only contend.
     torch.set_num_threads(1)
+    # The ranks of every group a test starts (the engine's, the harness's, the tests' own)
+    # fork from one forkserver per test process: it imports what they import, once.
+    from freetoken.distributed import preload_in_ranks
+    from freetoken_verify.checks.ranks import RANK_MODULES
+
+    preload_in_ranks(*RANK_MODULES)
 
 
 @pytest.fixture(scope="session")

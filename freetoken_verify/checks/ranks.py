@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from freetoken.distributed import Placement, RankError, RankGroup, RankTimeout
+from freetoken.distributed import Placement, RankError, RankGroup, RankTimeout, preload_in_ranks
 from freetoken_verify.checks.engine_cache import resident_model
 from freetoken_verify.checks.locate import annotate, location
 
@@ -54,6 +54,12 @@ class RankFailure(RuntimeError):
         return cls(records, e.rank, str(e))
 
 
+RANK_MODULES = ("freetoken.engine.core", "freetoken.models.registry", "freetoken_verify.faults",
+                *(f"freetoken_verify.checks.{name}.check"
+                  for name in ("golden", "shards", "memory", "kernels", "bisect", "collectives")))
+"""What the checks' rank functions import: preloaded by the ranks' forkserver."""
+
+
 class RankRunner:
     """Runs check functions on `tp_size` ranks with `placement`; the group starts on first
     use and after a failure. `setup` (if given) runs on every rank right after start."""
@@ -90,6 +96,7 @@ class RankRunner:
         return [RankRecord(r, v) for r, v in enumerate(values)]
 
     def _start(self) -> None:
+        preload_in_ranks(*RANK_MODULES)
         group = RankGroup(self.tp_size, self.placement, self.timeout, self.env)
         self._group = group
         try:
