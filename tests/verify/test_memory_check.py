@@ -50,6 +50,12 @@ def _make_deep_llama(folder, layers=4, hidden=512, inter=2048, vocab=32768):
     return folder
 
 
+@pytest.fixture(scope="module")
+def deep_llama(tmp_path_factory):
+    """`_make_deep_llama`'s checkpoint, written once for the tests that only read it."""
+    return _make_deep_llama(tmp_path_factory.mktemp("deep"))
+
+
 def test_bundled_cases_within_budget_at_every_tp(capsys, tmp_path):
     """Every bundled case loads within budget at TP 1, 2, 4 and 8 and owns all its storage;
     each result reports expected and measured bytes for every rank."""
@@ -72,11 +78,11 @@ def test_pinned_views_fail_ownership_naming_the_parameter(capsys, tmp_path):
     assert "model." in results[0]["message"] or "lm_head" in results[0]["message"]
 
 
-def test_kept_shard_copies_blow_the_budget(capsys, tmp_path):
+def test_kept_shard_copies_blow_the_budget(capsys, tmp_path, deep_llama):
     """A loader that keeps its shards after copying them holds the weights twice: on a ~190
     MiB checkpoint at TP 2 measured growth exceeds the budget (b) and the message says by how
     much, while the honest loader stays inside it."""
-    folder = _make_deep_llama(tmp_path / "deep")
+    folder = deep_llama
     code, results = _memory_results(capsys, tmp_path, "--model", str(folder), "--tp", "2")
     assert code == 0, results[0]["message"]
     code, results = _memory_results(capsys, tmp_path, "--model", str(folder), "--tp", "2",
@@ -86,11 +92,11 @@ def test_kept_shard_copies_blow_the_budget(capsys, tmp_path):
     assert "host memory grew" in results[0]["message"], results[0]["message"]
 
 
-def test_double_copy_fails_naming_the_tensor_at_the_peak(capsys, tmp_path):
+def test_double_copy_fails_naming_the_tensor_at_the_peak(capsys, tmp_path, deep_llama):
     """The loader copies each shard straight into its parameter, so host growth stays within
     the expected bytes plus slack; the old path (build each shard, then copy it) overshoots by
     the largest shard, and the message names the tensor being copied at the peak."""
-    folder = _make_deep_llama(tmp_path / "deep")
+    folder = deep_llama
     code, results = _memory_results(capsys, tmp_path, "--model", str(folder), "--tp", "1")
     assert code == 0, results[0]["message"]
     code, results = _memory_results(capsys, tmp_path, "--model", str(folder), "--tp", "1",
