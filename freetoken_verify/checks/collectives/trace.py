@@ -120,13 +120,13 @@ class Trace:
     def sampler(self, sample: Callable) -> Callable:
         """`sample` (an engine's bound `_sample`) with its calls attributed to SAMPLER and
         the tokens it returns kept."""
-        def traced(batch, logits):
+        def traced(batch, logits, *rest):
             if self.steps:
                 runs = self.steps[-1].runs
                 runs[SAMPLER] = runs.get(SAMPLER, 0) + 1
             self._stack.append(SAMPLER)
             try:
-                tokens = sample(batch, logits)
+                tokens = sample(batch, logits, *rest)
             finally:
                 self._stack.pop()
             self.tokens.append(list(tokens))
