@@ -30,10 +30,10 @@ def align_small(ids: torch.Tensor, num_experts: int, block_m: int
     n = ids.numel()
     if n > ALIGN_MAX_PAIRS:
         raise ValueError(f"align_small: {n} pairs, at most {ALIGN_MAX_PAIRS}")
-    num_blocks = -(-n // block_m) + min(num_experts, n)
+    expert_blocks = -(-n // block_m)   # the most blocks one expert's run can take
+    num_blocks = expert_blocks + min(num_experts, n)
     rows = torch.empty(num_blocks * block_m, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=ids.device)
-    expert_blocks = -(-n // block_m)
     jit_module("moe_jit").align_kernel[(num_experts,)](
         ids_ptr=ids.reshape(-1).contiguous(), rows_ptr=rows, block_expert_ptr=block_expert,
         num_pairs=n, num_blocks=num_blocks, expert_blocks=expert_blocks, BLOCK_M=block_m,
