@@ -48,6 +48,10 @@ SHAPES = {
 L2_BYTES = 60 * 2**20
 SWEEP = dict(block_n=(16, 32), block_k=(128, 256), num_warps=(4,), num_stages=(4,),
              split=(1, 2, 4, 8))
+# the row kernel (`gemv_rows_jit`), swept at one token: its programs take one token each
+ROW_SWEEP = dict(block_n=(1, 2, 4), block_k=(512, 1024, 2048, 4096), num_warps=(4, 8),
+                 num_stages=(1, 2), split=(1, 2))
+ROW_SWEEP_TOKENS = 1
 
 
 
@@ -86,19 +90,28 @@ def graph_equals_eager(fn) -> bool:
     return torch.equal(out, eager)
 
 
+def _candidates(sweep: str, tokens: int):
+    """The tiles a sweep times: the 16-token dot tiles (`dot`), the row kernel's at one
+    token (`rows`), or both (`all`)."""
+    if sweep in ("all", "dot"):
+        yield from (gemv.GemvTiles(*v) for v in itertools.product(*SWEEP.values()))
+    if sweep in ("all", "rows") and tokens <= ROW_SWEEP_TOKENS:
+        yield from (gemv.GemvTiles(*v, rows=True) for v in itertools.product(*ROW_SWEEP.values()))
+
+
 def bench_shape(name, tokens, copy_gbs, sweep, gen):
-    """One shape's row: error, graph equality and time of the launcher's tiles (with
+    """One shape's row: error, graph equality and time of the shipped table's tiles (with
     `sweep`: of the fastest choice), against the unfused launches."""
     x, weights, fused = make_case(name, tokens, gen)
     w = weights[0]
     rows, in_features, norm, gated, residual = SHAPES[name]
-    tiles = gemv.choose_tiles(rows // 2 if gated else rows, in_features, x.dtype)
+    tiles = (gemv.tiles_for(x, w, **fused)
+             or gemv.choose_tiles(rows // 2 if gated else rows, in_features, x.dtype))
     t_old = graph_us([lambda w=w: unfused(x, w, **fused) for w in weights])
     t_fused = graph_us([lambda w=w: gemv.linear(x, w, **fused, tiles=tiles) for w in weights])
     choice, best_us = tiles, t_fused
     if sweep:
-        for values in itertools.product(*SWEEP.values()):
-            t = gemv.GemvTiles(*values)
+        for t in _candidates(sweep, tokens):
             if t.block_k * t.split > in_features:
                 continue
             try:
@@ -143,10 +156,14 @@ def bench_combine(tokens, copy_gbs, gen):
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int_list, default=[1, 16])
-    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--sweep", nargs="?", const="all", default=None,
+                   choices=("all", "dot", "rows"),
+                   help="time every tile choice: the dot tiles, the row kernel's (at one "
+                        "token), or both (the default)")
     p.add_argument("--only", type=lambda t: t.split(","), default=None)
     p.add_argument("--write", type=Path, default=None,
-                   help="with --sweep: write the chosen tiles as a JSON tile table")
+                   help="with --sweep: write the chosen tiles as a JSON tile table (the "
+                        "engine's table with the swept entries replaced)")
     args = p.parse_args()
     if args.write and not args.sweep:
         p.error("--write needs --sweep")
@@ -164,7 +181,8 @@ def main() -> int:
           f"{copy_gbs:.0f} GB/s; times per call in CUDA graphs, weights not in L2")
     print(tabulate(rows, headers="keys", floatfmt=".3g"))
     if args.write:
-        table = {r["key"]: r["choice"] for r in rows if r["key"] != "-"}
+        table = dict(gemv._table())
+        table.update({r["key"]: r["choice"] for r in rows if r["key"] != "-"})
         args.write.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
         print(f"tile table ({len(table)} entries) written to {args.write}")
     bad = [r["name"] for r in rows if r["rel_l2"] > 1e-2 or not r["graph_eq"]]

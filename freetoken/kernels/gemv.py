@@ -18,6 +18,8 @@ from freetoken.kernels.tile_table import read_tile_table
 MAX_TOKENS = 16
 """Up to this many tokens a linear layer takes `gemv_kernel`; more go to the GEMM."""
 REDUCE_BLOCK_N = 256
+NORM_BLOCK = 4096
+"""The row kernel's RMSNorm statistics take up to this many inputs per step."""
 
 
 @dataclass(frozen=True)
@@ -33,21 +35,41 @@ class Norm:
 @dataclass(frozen=True)
 class GemvTiles:
     """Output features per program, input features per step, warps, pipeline stages, and
-    into how many parts the inputs are split (more than 1: a second launch adds them)."""
+    into how many parts the inputs are split (more than 1: a second launch adds them).
+    `rows`: the kernel without tensor cores (`gemv_rows_jit`: one token per program, any
+    number of features per program) instead of the 16-token dot tiles of `gemv_jit`."""
 
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 4
     split: int = 1
+    rows: bool = False
 
     def key(self) -> str:
-        return f"{self.block_n}/{self.block_k}/{self.num_warps}/{self.num_stages}/{self.split}"
+        """The tile table's spelling: `block_n/block_k/warps/stages/split`, with an `r`
+        before it for the row kernel."""
+        return (("r" if self.rows else "")
+                + f"{self.block_n}/{self.block_k}/{self.num_warps}/{self.num_stages}/{self.split}")
+
+    @classmethod
+    def parse(cls, entry: str) -> GemvTiles:
+        """The tiles a table entry spells (`key`'s inverse); ValueError naming the entry."""
+        rows = entry.startswith("r")
+        try:
+            return cls(*(int(v) for v in entry[rows:].split("/")), rows=rows)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"gemv tile table: {entry!r} is not "
+                             "[r]block_n/block_k/warps/stages/split") from err
 
 
 def _jit():
     """The kernel module, imported on first use (see `freetoken.kernels.jit_module`)."""
     return jit_module("gemv_jit")
+
+
+def _rows_jit():
+    return jit_module("gemv_rows_jit")
 
 
 @functools.cache
@@ -116,7 +138,7 @@ def tiles_for(x: torch.Tensor, weight: torch.Tensor, *, norm: Norm | None = None
                                    gated, residual is not None))
     if entry is None or entry == "gemm":
         return None
-    return GemvTiles(*(int(v) for v in entry.split("/")))
+    return GemvTiles.parse(entry)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -153,8 +175,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                  stride_residual_token=residual.stride(0) if residual is not None else 0,
                  GATED=gated, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None)
     main = fused if splits == 1 else dict(fused, GATED=False, HAS_BIAS=False, HAS_RESIDUAL=False)
-    _jit().gemv_kernel[(_cdiv(rows if splits > 1 else out_features, tiles.block_n),
-                        _cdiv(tokens, block_m), splits)](
+    args = dict(
         x_ptr=x, weight_ptr=weight, norm_weight_ptr=norm.weight if norm is not None else weight,
         partial_ptr=partial, out_ptr=out, tokens=tokens,
         out_features=rows if splits > 1 else out_features, in_features=in_features,
@@ -162,10 +183,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         stride_x_token=x.stride(0), stride_weight_row=weight.stride(0),
         stride_partial_split=tokens * rows, stride_out_token=out.stride(0),
         NORM=0 if norm is None else (2 if norm.offset else 1), SPLIT=splits > 1,
-        EVEN_K=in_features % tiles.block_k == 0,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        EVEN_K=in_features % tiles.block_k == 0, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **main)
+    features = _cdiv(rows if splits > 1 else out_features, tiles.block_n)
+    if tiles.rows:
+        _rows_jit().gemv_rows_kernel[(features, tokens, splits)](
+            NORM_BLOCK=min(NORM_BLOCK, next_pow2(in_features)), **args)
+    else:
+        _jit().gemv_kernel[(features, _cdiv(tokens, block_m), splits)](
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=block_m, **args)
     if splits > 1:
         reduce_m = min(block_m, next_pow2(tokens))
         _jit().gemv_reduce_kernel[(_cdiv(out_features, REDUCE_BLOCK_N), _cdiv(tokens, reduce_m))](

@@ -29,8 +29,8 @@ def _make_norm(in_features, offset, seed):
     return gemv.Norm(torch.randn(in_features, generator=gen) * 0.5, 1e-6, offset)
 
 
-def _assert_linear(what, x, weight, bias=None, **fused):
-    got = gemv.linear(x, weight, bias, **fused)
+def _assert_linear(what, x, weight, bias=None, tiles=None, **fused):
+    got = gemv.linear(x, weight, bias, tiles=tiles, **fused)
     want = gemv.reference_linear(x, weight, bias, **fused)
     assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     _assert_close(got, want, what)
@@ -77,6 +77,42 @@ def test_residual_epilogue(tokens):
     x, w, b = _make_linear(tokens, 96, 160, tokens, bias=True)
     residual = torch.randn(tokens, 96, generator=torch.Generator().manual_seed(7))
     _assert_linear(f"residual T={tokens}", x, w, b, residual=residual)
+
+
+_ROW_TILES = [gemv.GemvTiles(block_n=1, block_k=64, split=1, rows=True),
+              gemv.GemvTiles(block_n=4, block_k=128, split=1, rows=True),
+              gemv.GemvTiles(block_n=8, block_k=64, split=2, rows=True)]
+# tiles, tokens, out_features, in_features: a ragged input step, whole tiles, a ragged
+# feature block with the inputs split in two
+_ROW_CASES = [(_ROW_TILES[0], 2, 14, 200), (_ROW_TILES[1], 1, 64, 256),
+              (_ROW_TILES[2], 3, 28, 200)]
+
+
+@pytest.mark.parametrize("tiles, tokens, out_features, in_features", _ROW_CASES,
+                         ids=[c[0].key() for c in _ROW_CASES])
+def test_row_kernel(tiles, tokens, out_features, in_features):
+    """The kernel without tensor cores (`rows` tiles) equals the torch steps for every
+    fusion (bias, both norm forms, gated with norm and residual), over whole and ragged
+    feature blocks and input steps, alone and split over the inputs (the second launch
+    adding the parts)."""
+    x, w, b = _make_linear(tokens, out_features, in_features, out_features, bias=True)
+    what = f"{tiles.key()} T={tokens} {out_features}x{in_features}"
+    _assert_linear(f"{what} bias", x, w, b, tiles=tiles)
+    _assert_linear(f"{what} norm", x * 3.0 + 1.0, w, tiles=tiles,
+                   norm=_make_norm(in_features, False, out_features))
+    residual = torch.randn(tokens, out_features // 2,
+                           generator=torch.Generator().manual_seed(out_features))
+    _assert_linear(f"{what} gated+norm+residual", x, w, tiles=tiles, gated=True,
+                   norm=_make_norm(in_features, True, out_features), residual=residual)
+
+
+def test_tile_entries_parse():
+    """A tile table entry names the kernel (`r` for the row kernel) and its five numbers;
+    `key` and `parse` are inverse, and a malformed entry is refused by name."""
+    for tiles in _ROW_TILES + [gemv.GemvTiles(16, 256, 4, 4, 2)]:
+        assert gemv.GemvTiles.parse(tiles.key()) == tiles, tiles.key()
+    with pytest.raises(ValueError, match=r"'r4/x' is not"):
+        gemv.GemvTiles.parse("r4/x")
 
 
 def test_wrong_shapes_are_named():

@@ -1,0 +1,114 @@
+"""The decode-step linear kernel without tensor cores (`gemv_rows_kernel`), for a token or
+two against a whole weight: `gemv_jit.gemv_kernel` pads the tokens to a 16-row dot tile and
+its programs hold at least 16 output features, so a small weight gives few programs and needs
+a split-K launch and a second reduction launch; here a program holds any number of output
+features (1, 2, 4, ...) for one token, multiplies elementwise in float32 and reduces each
+step along the inputs, so a weight of 1024 rows fills the GPU with 256 programs and each
+program issues its whole weight tile in one or two wide steps.
+
+Same fusions and roundings as `gemv_kernel` (the RMSNorm prologue, SiLU-and-mul, bias,
+residual, the split form with `gemv_jit.gemv_reduce_kernel` finishing it): the normalised
+input and the activation are rounded where the torch path rounds them. Every program's
+reduction order is fixed, so a launch gives the same bits each time (graph replay equals
+eager).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from freetoken.kernels import jit_ops as ops
+from freetoken.kernels.gemv_jit import _epilogue, _normalise
+
+
+@triton.jit
+def _row_scale(x_row, in_features, eps, NORM_BLOCK: tl.constexpr):
+    """The RMSNorm scale `1 / sqrt(mean(x^2) + eps)` of one token's row, as a [1] tensor
+    (`NORM_BLOCK` covers the whole row in one step up to 4096 inputs)."""
+    squares = tl.full([NORM_BLOCK], 0, dtype=tl.float32)
+    for k0 in range(0, in_features, NORM_BLOCK):
+        ks = k0 + tl.arange(0, NORM_BLOCK)
+        xv = tl.load(x_row + ks, mask=ks < in_features, other=0.0).to(tl.float32)
+        squares += xv * xv
+    total = ops.sum_(squares, axis=0)
+    return tl.full([1], 0, dtype=tl.float32) + 1.0 / tl.sqrt(total / in_features + eps)
+
+
+@triton.jit
+def gemv_rows_kernel(
+    # pointers
+    x_ptr,
+    weight_ptr,
+    bias_ptr,
+    norm_weight_ptr,
+    residual_ptr,
+    partial_ptr,
+    out_ptr,
+    # sizes
+    tokens,
+    out_features,
+    in_features,
+    split_features,
+    eps,
+    # strides
+    stride_x_token,
+    stride_weight_row,
+    stride_residual_token,
+    stride_partial_split,
+    stride_out_token,
+    # meta
+    NORM: tl.constexpr,
+    GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,
+):
+    """out[t, n] for token t = program_id(1) and the features of block program_id(0). With
+    SPLIT, program_id(2) takes inputs [s * split_features, (s + 1) * split_features) only
+    and stores its float32 sum at partial[s]; `split_features` is a whole number of
+    steps."""
+    token = tl.program_id(1)
+    rows = token + tl.arange(0, 1)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < tokens
+    col_ok = cols < out_features
+    x_row = x_ptr + token.to(tl.int64) * stride_x_token
+    w_rows = weight_ptr + cols.to(tl.int64)[:, None] * stride_weight_row
+    if NORM:
+        scale = _row_scale(x_row, in_features, eps, NORM_BLOCK)
+    k_start = tl.program_id(2) * split_features
+    k_end = tl.minimum(k_start + split_features, in_features)
+    acc = tl.full([BLOCK_N], 0, dtype=tl.float32)
+    acc_up = tl.full([BLOCK_N], 0, dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            w_mask = col_ok[:, None]
+            xv = tl.load(x_row + ks)[None, :]
+        else:
+            k_ok = ks < in_features
+            w_mask = col_ok[:, None] & k_ok[None, :]
+            xv = tl.load(x_row + ks, mask=k_ok, other=0.0)[None, :]
+        if NORM:
+            norm_w = tl.load(norm_weight_ptr + ks, mask=ks < in_features, other=0.0)
+            xv = _normalise(xv.to(tl.float32), scale, norm_w, NORM)
+        w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0)
+        xf = xv.to(w.dtype).to(tl.float32)
+        acc += ops.sum_(w.to(tl.float32) * xf, axis=1)
+        if GATED:
+            w_up = tl.load(w_rows + out_features * stride_weight_row + ks[None, :], mask=w_mask,
+                           other=0.0)
+            acc_up += ops.sum_(w_up.to(tl.float32) * xf, axis=1)
+    if SPLIT:
+        partial = (partial_ptr + tl.program_id(2) * stride_partial_split
+                   + rows.to(tl.int64)[:, None] * out_features + cols[None, :])
+        tl.store(partial, acc[None, :], mask=row_ok[:, None] & col_ok[None, :])
+    else:
+        _epilogue(acc[None, :], acc_up[None, :], rows, cols, row_ok, col_ok, bias_ptr,
+                  residual_ptr, out_ptr, out_features, stride_residual_token, stride_out_token,
+                  GATED, HAS_BIAS, HAS_RESIDUAL)
