@@ -45,6 +45,10 @@ from freetoken.kernels import next_pow2, nvfp4_linear, quant_gemm  # noqa: E402
 
 SWEEP = dict(block_n=(16, 32, 64), num_warps=(4, 8), split=(1, 2, 4, 8, 16))
 SWEEP_K = {"fp8": (128, 256, 512), "nvfp4": (64, 128, 256)}
+# FP8's kernel without tensor cores (`quant_gemm_rows_jit`), swept at one token
+ROW_SWEEP = dict(block_n=(1, 2, 4, 8), block_k=(512, 1024, 2048), num_warps=(4, 8),
+                 split=(1, 2))
+ROW_SWEEP_TOKENS = 1
 TOLERANCE = 1e-2
 
 
@@ -106,16 +110,24 @@ def _with_tiles(method, layer, x, tiles):
                                None, tiles)
 
 
-def sweep_tiles(layer, fmt):
-    """Every decode tile choice of SWEEP and SWEEP_K that fits the layer's inputs."""
+def sweep_tiles(layer, fmt, tokens, which="all"):
+    """Every decode tile choice of SWEEP and SWEEP_K that fits the layer's inputs (`which`:
+    "all" or "dot"), and FP8's row-kernel tiles of ROW_SWEEP at one token ("all" or
+    "rows")."""
     kind = "nvfp4" if fmt.startswith("nvfp4") else "fp8"
     k = layer.weight.shape[1] * (2 if kind == "nvfp4" else 1)
-    for block_k, (block_n, warps, split) in itertools.product(
-            SWEEP_K[kind], itertools.product(*SWEEP.values())):
-        if (block_k > max(16, next_pow2(k)) or
-                (split > 1 and block_k * split > k)):
-            continue
-        yield quant_gemm.QuantTiles(16, block_n, block_k, num_warps=warps, split=split)
+    if which in ("all", "dot"):
+        for block_k, (block_n, warps, split) in itertools.product(
+                SWEEP_K[kind], itertools.product(*SWEEP.values())):
+            if (block_k > max(16, next_pow2(k)) or
+                    (split > 1 and block_k * split > k)):
+                continue
+            yield quant_gemm.QuantTiles(16, block_n, block_k, num_warps=warps, split=split)
+    if which in ("all", "rows") and kind == "fp8" and tokens <= ROW_SWEEP_TOKENS:
+        for block_n, block_k, warps, split in itertools.product(*ROW_SWEEP.values()):
+            if block_k * split <= k:
+                yield quant_gemm.QuantTiles(1, block_n, block_k, num_warps=warps,
+                                            num_stages=2, split=split, rows=True)
 
 
 def bench_row(name, fmt, tp, tokens, copy_gbs, gen, sweep, l2, timing=True,
@@ -138,7 +150,7 @@ def bench_row(name, fmt, tp, tokens, copy_gbs, gen, sweep, l2, timing=True,
     best, best_us = tiles, graph_us([kernel_call(c, x, None) for c in copies])
     row["default_us"] = best_us
     if sweep and tokens <= quant_gemm.DECODE_MAX_TOKENS and time.time() < deadline:
-        for t in sweep_tiles(layer, fmt):
+        for t in sweep_tiles(layer, fmt, tokens, sweep):
             try:
                 us = graph_us([kernel_call(c, x, t) for c in copies], replays=3)
             except Exception as err:  # a tile choice the compiler or the GPU refuses
@@ -168,12 +180,16 @@ def main() -> int:
     p.add_argument("--tokens", type=int_list, default=None)
     p.add_argument("--formats", type=lambda t: t.split(","), default=list(FORMATS))
     p.add_argument("--only", type=lambda t: t.split(","), default=None)
-    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--sweep", nargs="?", const="all", default=None,
+                   choices=("all", "dot", "rows"),
+                   help="time other tiles: the dot tiles, FP8's row kernel (at one token), "
+                        "or both (the default)")
     p.add_argument("--sweep-seconds", type=float, default=float("inf"),
                    help="stop sweeping (default tiles only) after this many seconds")
     p.add_argument("--write", type=Path, default=None,
                    help="with --sweep: write the fastest tiles per decode row as a JSON "
-                        "tile table (`quant_gemm.table_key` keys)")
+                        "tile table (`quant_gemm.table_key` keys; the engine's table with "
+                        "the swept entries replaced)")
     p.add_argument("--check", action="store_true", help="errors and graph equality only")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
@@ -208,7 +224,8 @@ def main() -> int:
         args.json.write_text(json.dumps({"device": head, "copy_GBps": copy_gbs, "rows": rows,
                                          "failures": bad}, indent=1))
     if args.write:
-        table = {r["key"]: r["tiles"] for r in rows if "key" in r}
+        table = dict(quant_gemm._table())
+        table.update({r["key"]: r["tiles"] for r in rows if "key" in r})
         args.write.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
         print(f"tile table ({len(table)} entries) written to {args.write}")
     if bad:

@@ -34,7 +34,9 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 @dataclass(frozen=True)
 class QuantTiles:
     """Tokens, output rows and inputs per program step, warps, pipeline stages, and into
-    how many parts the inputs are split (more than 1: a second launch adds them)."""
+    how many parts the inputs are split (more than 1: a second launch adds them). `rows`
+    (FP8 only): the kernel without tensor cores (`quant_gemm_rows_jit`, one token per
+    program; `block_m` is then 1)."""
 
     block_m: int
     block_n: int
@@ -42,10 +44,23 @@ class QuantTiles:
     num_warps: int = 4
     num_stages: int = 4
     split: int = 1
+    rows: bool = False
 
     def key(self) -> str:
-        return (f"{self.block_m}/{self.block_n}/{self.block_k}/{self.num_warps}/"
-                f"{self.num_stages}/{self.split}")
+        """The tile table's spelling: `tokens/rows/inputs/warps/stages/split`, with an `r`
+        before it for the row kernel."""
+        return (("r" if self.rows else "") + f"{self.block_m}/{self.block_n}/{self.block_k}/"
+                f"{self.num_warps}/{self.num_stages}/{self.split}")
+
+    @classmethod
+    def parse(cls, entry: str) -> QuantTiles:
+        """The tiles a table entry spells (`key`'s inverse); ValueError naming the entry."""
+        rows = entry.startswith("r")
+        try:
+            return cls(*(int(v) for v in entry[rows:].split("/")), rows=rows)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"quantized GEMM tile table: {entry!r} is not "
+                             "[r]tokens/rows/inputs/warps/stages/split") from err
 
 
 @functools.cache
@@ -87,7 +102,7 @@ def tiles_for(tokens: int, rows: int, in_features: int, fmt: str) -> QuantTiles:
     if 0 < tokens <= DECODE_MAX_TOKENS and not interpreting():
         entry = _table().get(table_key(fmt, rows, in_features, tokens))
         if entry is not None:
-            return QuantTiles(*(int(v) for v in entry.split("/")))
+            return QuantTiles.parse(entry)
     return choose_tiles(tokens, rows, in_features, fmt)
 
 
@@ -127,6 +142,8 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     _check_rows(scale_row, weight.shape[0], "fp8_gemm")
     rows = weight.shape[0]
     tiles = tiles or tiles_for(tokens, rows, in_features, "fp8")
+    if tiles.rows:
+        return _fp8_rows(x, weight, scale, scale_row, block_cols, col_offset, bias, tiles)
     mode, block_k = _fp8_scale_mode(in_features, block_cols, col_offset, tiles.block_k)
     return _launch(jit_module("quant_gemm_jit").fp8_gemm_kernel, x, rows, in_features, bias,
                    tiles, block_k, dict(
@@ -134,6 +151,23 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                        col_offset=col_offset, stride_weight_row=weight.stride(0),
                        stride_scale_row=scale.stride(0), SCALE=mode, BLOCK_COLS=block_cols,
                        EVEN_K=in_features % block_k == 0, BLOCK_K=block_k))
+
+
+def _fp8_rows(x, weight, scale, scale_row, block_cols, col_offset, bias, tiles):
+    """`fp8_gemm` through the row kernel: the scale per row (per tensor), per group of
+    `block_step` inputs inside each step, or per element."""
+    in_features = x.shape[1]
+    mode, sub = 0, tiles.block_k
+    if col_offset + in_features > block_cols:
+        step = block_step(block_cols, col_offset, tiles.block_k)
+        mode, sub = (2, tiles.block_k) if step is None else (1, step)
+    return _launch(jit_module("quant_gemm_rows_jit").fp8_gemm_rows_kernel, x,
+                   weight.shape[0], in_features, bias, tiles, tiles.block_k, dict(
+                       weight_ptr=weight, scale_ptr=scale, scale_row_ptr=scale_row,
+                       col_offset=col_offset, stride_weight_row=weight.stride(0),
+                       stride_scale_row=scale.stride(0), SCALE=mode, BLOCK_COLS=block_cols,
+                       SUB=sub, EVEN_K=in_features % tiles.block_k == 0,
+                       BLOCK_K=tiles.block_k))
 
 
 def nvfp4_gemm(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tensor,
@@ -217,13 +251,16 @@ def _launch(kernel, x, rows, in_features, bias, tiles, block_k, args) -> torch.T
     partial = (torch.empty(splits, tokens, rows, dtype=torch.float32, device=x.device)
                if splits > 1 else out)
     block_n = tiles.block_n
-    kernel[(_cdiv(rows, block_n), _cdiv(tokens, tiles.block_m), splits)](
+    if not tiles.rows:
+        args = dict(args, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                    BLOCK_M=tiles.block_m)
+    kernel[(_cdiv(rows, block_n), tokens if tiles.rows else _cdiv(tokens, tiles.block_m),
+            splits)](
         x_ptr=x, bias_ptr=bias if bias is not None else out, partial_ptr=partial, out_ptr=out,
         tokens=tokens, out_features=rows, in_features=in_features, split_features=step,
         stride_x_token=x.stride(0), stride_partial_split=tokens * rows,
         stride_out_token=out.stride(0), HAS_BIAS=bias is not None and splits == 1,
-        SPLIT=splits > 1, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=tiles.block_m, BLOCK_N=block_n, num_warps=tiles.num_warps,
+        SPLIT=splits > 1, BLOCK_N=block_n, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages, **args)
     if splits > 1:
         reduce_m = min(16, next_pow2(tokens))

@@ -96,6 +96,42 @@ def test_fp8_block_kernel_follows_the_definition(shape, block, col_offset, mode,
                    f"{shape} block {block} offset {col_offset} T={tokens}")
 
 
+@pytest.mark.parametrize("shape,block,col_offset,block_k,split,mode", [
+    ((40, 256), (16, 32), 0, 128, 1, 1),   # whole blocks: the scale per 32-input group
+    ((37, 200), (16, 24), 8, 64, 2, 2),    # 24-wide blocks, 8 inputs in: per element, split
+    ((64, 192), (128, 128), 64, 64, 1, 1), # half a block in: groups of 64 inputs
+    ((30, 40), (16, 64), 0, 32, 1, 0),     # one column block: once per output row
+])
+@pytest.mark.parametrize("block_n", [1, 4])
+def test_fp8_row_kernel_follows_the_definition(shape, block, col_offset, block_k, split, mode,
+                                               block_n):
+    """The FP8 kernel without tensor cores (`rows` tiles: one token per program, `block_n`
+    rows each) equals the float64 oracle for every scale placement, over partial row blocks
+    and input steps, with the inputs split and a bias."""
+    rows, cols = shape
+    codes, scale = quantize_block(_weight(rows, cols + col_offset, rows), block)
+    codes = codes[:, col_offset:].contiguous()
+    tiles = quant_gemm.QuantTiles(1, block_n, block_k, split=split, rows=True)
+    step = quant_gemm.block_step(block[1], col_offset, block_k)
+    assert (0 if col_offset + cols <= block[1] else 1 if step else 2) == mode
+    x, bias = _x(3, cols, rows), torch.randn(rows)
+    scale_row = (torch.arange(rows) // block[0]).to(torch.int32)
+    got = quant_gemm.fp8_gemm(x, codes, scale.float(), scale_row, block[1], col_offset,
+                              bias=bias, tiles=tiles)
+    _assert_oracle(got, x, _block_oracle(codes, scale, block, 0, col_offset),
+                   f"rows {tiles.key()} {shape} block {block} offset {col_offset}", bias)
+
+
+def test_quant_tile_entries_parse():
+    """A tile table entry names the kernel (`r` for the row kernel) and its six numbers;
+    `key` and `parse` are inverse, and a malformed entry is refused by name."""
+    for tiles in (quant_gemm.QuantTiles(1, 2, 1024, 8, 2, 1, rows=True),
+                  quant_gemm.QuantTiles(16, 32, 128, 4, 4, 8)):
+        assert quant_gemm.QuantTiles.parse(tiles.key()) == tiles, tiles.key()
+    with pytest.raises(ValueError, match=r"'16/x' is not"):
+        quant_gemm.QuantTiles.parse("16/x")
+
+
 @pytest.mark.parametrize("split", [2, 3])
 def test_split_inputs_with_bias_follow_the_definition(split):
     """Inputs split over programs (a second launch adds the partial sums and the bias)
