@@ -72,6 +72,23 @@ def test_fused_projection_bf16(name, tp, tokens):
                                f"{name} tp={tp} T={tokens}")
 
 
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_row_kernel_bf16(name, tp):
+    """One token through the kernel without tensor cores (`rows` tiles: two features per
+    program, the whole input row in one or two steps, and split over the inputs), against
+    the torch steps; graph replay equal to eager."""
+    x, weight, fused = _make_case(name, tp, 1)
+    step = min(1024, gemv.next_pow2(x.shape[1]))
+    for tiles in (gemv.GemvTiles(2, step, num_stages=2, rows=True),
+                  gemv.GemvTiles(4, max(16, step // 2), num_stages=2, split=2, rows=True)):
+        got = gemv.linear(x, weight, **fused, tiles=tiles)
+        error = _rel_l2(got, gemv.reference_linear(x, weight, **fused))
+        what = f"{name} tp={tp} {tiles.key()}"
+        assert error < 1e-2, f"{what}: relative L2 {error:.2e} >= 1e-2"
+        _assert_graph_equals_eager(lambda t=tiles: gemv.linear(x, weight, **fused, tiles=t), what)
+
+
 @pytest.mark.parametrize("tokens", [1, 16])
 def test_moe_combine_bf16(tokens):
     """The MoE block's combination at realdims (hidden 2048, top 8) against torch."""
