@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from freetoken.kernels import jit_module, next_pow2
+from freetoken.kernels import interpreting, jit_module, next_pow2
 from freetoken.kernels.tile_table import read_tile_table
 
 MAX_TOKENS = 16
@@ -93,8 +93,11 @@ def choose_tiles(out_features: int, in_features: int, dtype: torch.dtype) -> Gem
     16 features per program (the smallest tensor-core tile, so the most programs over a
     small weight), 32 when that still leaves several programs per SM; steps of 256 inputs
     (float32: 128); the inputs split (up to 8 ways, each part at least a step) until
-    there are about two programs per SM of an H200."""
+    there are about two programs per SM of an H200. The interpreter, which pays per program
+    and per operation, takes 64 features per program and no split."""
     block_k = min(128 if dtype == torch.float32 else 256, max(16, next_pow2(in_features)))
+    if interpreting():
+        return GemvTiles(block_n=64, block_k=block_k)
     block_n = 32 if out_features >= 32 * 264 else 16
     programs, split = _cdiv(out_features, block_n), 1
     while split < 8 and programs * split * 2 <= 264 and in_features >= 2 * split * block_k:

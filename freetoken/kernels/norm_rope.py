@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from freetoken.kernels import jit_module, next_pow2
+from freetoken.kernels import interpreting, jit_module, next_pow2
 
 
 def _jit():
@@ -30,12 +30,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) ->
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     tokens, heads, channels = rows.shape
     if tokens:
-        _jit().rms_norm_kernel[(tokens, heads)](
-            x_ptr=rows, weight_ptr=weight, out_ptr=out, channels=channels, eps=eps,
+        block = _rows_per_program(tokens * heads)
+        _jit().rms_norm_kernel[(-(-tokens * heads // block),)](
+            x_ptr=rows, weight_ptr=weight, out_ptr=out, rows=tokens * heads, heads=heads,
+            channels=channels, eps=eps,
             stride_x_token=rows.stride(0), stride_x_head=rows.stride(1),
             stride_out_token=out.stride(0), stride_out_head=out.stride(1),
-            OFFSET=offset, BLOCK_N=next_pow2(channels), num_warps=4 if channels >= 1024 else 1)
+            OFFSET=offset, ROWS=block, BLOCK_N=next_pow2(channels),
+            num_warps=4 if channels >= 1024 else 1)
     return out.view(x.shape)
+
+
+def _rows_per_program(rows: int) -> int:
+    """Rows per program of the norm kernels: one on a GPU (a row's reduction is one
+    program's); up to 64 in the interpreter, which pays per program and per operation."""
+    return min(64, next_pow2(rows)) if interpreting() else 1
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
@@ -47,10 +56,13 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     z = z if z.stride(-1) == 1 else z.contiguous()
     out = torch.empty_like(x)
     if tokens:
-        _jit().gated_rms_norm_kernel[(tokens * heads,)](
-            x_ptr=x, z_ptr=z, weight_ptr=weight, out_ptr=out, channels=channels, eps=eps,
+        block = _rows_per_program(tokens * heads)
+        _jit().gated_rms_norm_kernel[(-(-tokens * heads // block),)](
+            x_ptr=x, z_ptr=z, weight_ptr=weight, out_ptr=out, rows=tokens * heads,
+            channels=channels, eps=eps,
             stride_x_row=channels, stride_z_token=z.stride(0), stride_z_head=z.stride(1),
-            stride_out_row=channels, HEADS=heads, BLOCK_N=next_pow2(channels), num_warps=1)
+            stride_out_row=channels, HEADS=heads, ROWS=block, BLOCK_N=next_pow2(channels),
+            num_warps=1)
     return out
 
 

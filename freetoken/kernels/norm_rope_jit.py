@@ -3,11 +3,13 @@ plain torch spends several (upcast, square, mean, rsqrt, scale, cast; cos, sin, 
 rotation, concatenation). Arithmetic in float32, one rounding to the output dtype at each
 point the torch path rounds.
 
-- `rms_norm_kernel`: program (token, head) normalises one row of N channels:
+- `rms_norm_kernel`: each program normalises ROWS rows (token, head) of N channels (one on
+  a GPU; many in the interpreter, whose cost is per program and per operation):
   `w * (x * rsqrt(mean(x^2) + eps))` (the normalised row rounded to x's dtype before the
   weight, as HF's RMSNorm) or, with OFFSET, `x * rsqrt(...) * (1 + w)` in float32 (Gemma /
   Qwen3.5).
-- `gated_rms_norm_kernel`: GatedDeltaNet's output norm, `w * rms_norm(x)` (rounded to x's
+- `gated_rms_norm_kernel`: GatedDeltaNet's output norm, ROWS rows a program as above,
+  `w * rms_norm(x)` (rounded to x's
   dtype twice, as the torch path) times `silu(z)` in float32, rounded once more.
 - `silu_and_mul_kernel`: program (token, block) writes `silu(gate) * up` for `x = [gate | up]`.
 - `rotary_kernel`: program t rotates the first ROTARY channels of every q and k head of
@@ -30,6 +32,8 @@ def rms_norm_kernel(
     weight_ptr,
     out_ptr,
     # sizes
+    rows,
+    heads,
     channels,
     eps,
     # strides
@@ -39,24 +43,26 @@ def rms_norm_kernel(
     stride_out_head,
     # meta
     OFFSET: tl.constexpr,
+    ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """out[t, h] = rms_norm(x[t, h]) for t = program_id(0), h = program_id(1)."""
-    token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
+    """out[t, h] = rms_norm(x[t, h]) for the ROWS rows r = t * heads + h of block
+    program_id(0)."""
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    token, head = r // heads, r % heads
     cols = tl.arange(0, BLOCK_N)
-    ok = cols < channels
-    x = tl.load(x_ptr + token * stride_x_token + head * stride_x_head + cols, mask=ok,
-                other=0.0).to(tl.float32)
-    scale = 1.0 / tl.sqrt(ops.sum_(x * x, axis=0) / channels + eps)
-    w = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    ok = (r < rows)[:, None] & (cols < channels)[None, :]
+    x = tl.load(x_ptr + (token * stride_x_token + head * stride_x_head)[:, None] + cols[None, :],
+                mask=ok, other=0.0).to(tl.float32)
+    scale = 1.0 / tl.sqrt(ops.sum_(x * x, axis=1) / channels + eps)
+    w = tl.load(weight_ptr + cols, mask=cols < channels, other=0.0).to(tl.float32)[None, :]
     dtype = out_ptr.dtype.element_ty
     if OFFSET:
-        y = x * scale * (1.0 + w)
+        y = x * scale[:, None] * (1.0 + w)
     else:
-        y = (x * scale).to(dtype).to(tl.float32) * w
-    tl.store(out_ptr + token * stride_out_token + head * stride_out_head + cols, y.to(dtype),
-             mask=ok)
+        y = (x * scale[:, None]).to(dtype).to(tl.float32) * w
+    out = out_ptr + (token * stride_out_token + head * stride_out_head)[:, None] + cols[None, :]
+    tl.store(out, y.to(dtype), mask=ok)
 
 
 @triton.jit
@@ -67,6 +73,7 @@ def gated_rms_norm_kernel(
     weight_ptr,
     out_ptr,
     # sizes
+    rows,
     channels,
     eps,
     # strides
@@ -76,22 +83,24 @@ def gated_rms_norm_kernel(
     stride_out_row,
     # meta
     HEADS: tl.constexpr,
+    ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Row program_id(0) (token row // HEADS, head row % HEADS) of x and its gate z."""
-    row = tl.program_id(0).to(tl.int64)
+    """The ROWS rows r of block program_id(0) (token r // HEADS, head r % HEADS) of x and
+    their gates z."""
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
-    ok = cols < channels
-    x = tl.load(x_ptr + row * stride_x_row + cols, mask=ok, other=0.0)
+    ok = (r < rows)[:, None] & (cols < channels)[None, :]
+    x = tl.load(x_ptr + (r * stride_x_row)[:, None] + cols[None, :], mask=ok, other=0.0)
     dtype = x.dtype
     xf = x.to(tl.float32)
-    scale = 1.0 / tl.sqrt(ops.sum_(xf * xf, axis=0) / channels + eps)
-    w = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    h = (w * (xf * scale).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    z = tl.load(z_ptr + (row // HEADS) * stride_z_token + (row % HEADS) * stride_z_head + cols,
-                mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out_row + cols, (h * z * ops.sigmoid(z)).to(dtype),
-             mask=ok)
+    scale = 1.0 / tl.sqrt(ops.sum_(xf * xf, axis=1) / channels + eps)
+    w = tl.load(weight_ptr + cols, mask=cols < channels, other=0.0).to(tl.float32)[None, :]
+    h = (w * (xf * scale[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    z_rows = (r // HEADS) * stride_z_token + (r % HEADS) * stride_z_head
+    z = tl.load(z_ptr + z_rows[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + (r * stride_out_row)[:, None] + cols[None, :],
+             (h * z * ops.sigmoid(z)).to(dtype), mask=ok)
 
 
 @triton.jit

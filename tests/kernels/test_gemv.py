@@ -189,8 +189,12 @@ def test_split_inputs_match_unsplit(split):
 def test_default_tiles_split_a_few_rows_over_many_inputs():
     """Without a measured entry, a router-sized weight (256 x 2048) is split 8 ways and a
     wide projection (12352 rows) is not split: enough programs either way."""
-    assert gemv.choose_tiles(256, 2048, torch.bfloat16).split == 8, "router"
-    assert gemv.choose_tiles(12352, 2048, torch.bfloat16).split == 1, "wide projection"
+    with pytest.MonkeyPatch.context() as patch:   # the compiled choice, not the interpreter's
+        patch.setattr(gemv, "interpreting", lambda: False)
+        assert gemv.choose_tiles(256, 2048, torch.bfloat16).split == 8, "router"
+        assert gemv.choose_tiles(12352, 2048, torch.bfloat16).split == 1, "wide projection"
+    assert gemv.choose_tiles(256, 2048, torch.bfloat16) == gemv.GemvTiles(64, 256), \
+        "interpreted: wide blocks, no split"
 
 
 def test_table_entries_choose_tiles_or_the_gemm(monkeypatch, tmp_path):
