@@ -13,6 +13,7 @@ import time
 import torch
 
 from freetoken.context import DeviceBatch, ForwardContext, set_forward_context
+from freetoken.kernels import step_io
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -30,8 +31,9 @@ class DecodeGraphs:
 
     A step costs the host one copy and one replay: its rows are written into a pinned host
     buffer and copied to a device staging buffer in one asynchronous transfer, and the graph
-    itself unpacks them into the layers' static inputs and takes the greedy argmax of the
-    logits, so neither costs a launch of its own."""
+    itself unpacks them into the layers' static inputs (one launch) and takes the greedy
+    argmax of the logits with their float32 cast (two launches, the argmax spread over the
+    vocab: `freetoken.kernels.step_io`)."""
 
     def __init__(self, model: torch.nn.Module, max_batch: int, max_blocks: int,
                  block_size: int, scratch_block: int, scratch_state: int, device):
@@ -98,14 +100,17 @@ class DecodeGraphs:
             self.uploaded.record()
 
     def _unpack(self, bucket: int) -> None:
-        """The staging rows into the layers' static inputs (captured into each graph)."""
+        """The staging rows into the layers' static inputs (captured into each graph): one
+        launch on CUDA (`step_io.unpack`), its torch steps elsewhere."""
         staging = self.staging[:bucket]
-        self.ids[:bucket].copy_(staging[:, 0])
-        self.positions[:bucket].copy_(staging[:, 1])
-        self.slot_mapping[:bucket].copy_(staging[:, 2])
-        self.context_lens[:bucket].copy_(staging[:, 3])
-        self.seq_slots[:bucket].copy_(staging[:, 4])
-        self.block_tables[:bucket].copy_(staging[:, 5:])
+        inputs = (self.ids[:bucket], self.positions[:bucket], self.slot_mapping[:bucket],
+                  self.context_lens[:bucket], self.seq_slots[:bucket],
+                  self.block_tables[:bucket])
+        if staging.is_cuda:
+            step_io.unpack(staging, *inputs)
+            return
+        for dst, src in zip(inputs, step_io.reference_unpack(staging)):
+            dst.copy_(src)
 
     def _context(self, bucket: int) -> ForwardContext:
         # Host lists only tell layers that this is a decode step of continuing sequences;
@@ -119,8 +124,10 @@ class DecodeGraphs:
     def _forward(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
         self._unpack(bucket)
         hidden = self.model(self.ids[:bucket], self.positions[:bucket])
-        logits = self.model.compute_logits(hidden).float()
-        return logits, logits.argmax(dim=-1)
+        logits = self.model.compute_logits(hidden)
+        if logits.is_cuda:
+            return step_io.float_argmax(logits)
+        return step_io.reference_float_argmax(logits)
 
     def _capture(self, bucket: int) -> None:
         """Warm up (compiles the kernels) on padding rows, then capture."""
