@@ -11,8 +11,8 @@ kernel mode is fixed (`freetoken.kernels.interpreting`) and defines, for that mo
 - interpreted: reductions as a tree of builtin `tl.split`s (one numpy operation per level),
   because the interpreter runs a combiner of ours element by element in Python; they and the
   sigmoid are plain Python functions (a call to a @jit function costs the interpreter a
-  re-patch of triton.language); the scan keeps `tl.associative_scan` (it serves short
-  expert-count vectors only).
+  re-patch of triton.language); the scan (1-d only: expert counts and ranks) is the sum of
+  a lower-triangular selection, for the same reason.
 Block shapes are powers of two, which the tree relies on.
 """
 
@@ -39,12 +39,11 @@ def _minimum(a, b):
     return tl.minimum(a, b)
 
 
-@triton.jit
-def cumsum(x, axis: tl.constexpr):
-    return tl.associative_scan(x, axis, _add)
-
-
 if not interpreting():
+
+    @triton.jit
+    def cumsum(x, axis: tl.constexpr):
+        return tl.associative_scan(x, axis, _add)
 
     @triton.jit
     def sigmoid(x):
@@ -96,3 +95,13 @@ else:
 
     def sigmoid(x):
         return 1.0 / (1.0 + tl.exp(-x))
+
+    def cumsum(x, axis):
+        """Inclusive prefix sum of a 1-d x: the sum of a lower-triangular selection (one
+        numpy operation per tree level; a scan would run our combiner element by
+        element)."""
+        if len(x.shape) != 1 or axis != 0:
+            raise ValueError(f"jit_ops.cumsum: interpreted for 1-d tensors along axis 0, got "
+                             f"shape {x.shape} axis {axis}")
+        i = tl.arange(0, x.shape[0])
+        return sum_(tl.where(i[:, None] >= i[None, :], x[None, :], 0), axis=1)
