@@ -54,12 +54,8 @@ def use_tables(llm: LLM, tables: tuple[str, str]) -> None:
         else:
             os.environ[var] = path
         module._table.cache_clear()
-    graphs = llm._core.graphs
-    if graphs is not None:
-        graphs.graphs.clear()
-        graphs.logits.clear()
-        graphs.greedy.clear()
-        graphs.pool = None   # a pool whose graphs are all gone cannot take a new capture
+    if llm._core.graphs is not None:
+        llm._core.graphs.drop()
 
 
 def step_us(llm: LLM, prompts, new_tokens: int, repeats: int, what: str) -> float:

@@ -67,6 +67,14 @@ class DecodeGraphs:
     def fits(self, batch: int) -> bool:
         return batch <= self.buckets[-1]
 
+    def drop(self) -> None:
+        """Forget every captured graph and its memory pool; the next step of each bucket
+        captures again (with whatever tiles the kernels choose then)."""
+        self.graphs.clear()
+        self.logits.clear()
+        self.greedy.clear()
+        self.pool = None   # a pool whose graphs are all gone cannot take a new capture
+
     def run(self, ids: list[int], positions: list[int], slots: list[int],
             context_lens: list[int], block_tables: list[list[int]], seq_slots: list[int]
             ) -> tuple[torch.Tensor, torch.Tensor]:

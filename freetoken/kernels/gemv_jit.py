@@ -34,7 +34,7 @@ from freetoken.kernels import jit_ops as ops
 
 
 @triton.jit
-def _normalise(x, scale, norm_w, NORM: tl.constexpr):
+def normalise(x, scale, norm_w, NORM: tl.constexpr):
     """x [M, K] (float32) times its row scale and the norm weight, rounded as RMSNorm."""
     dtype = norm_w.dtype
     w = norm_w.to(tl.float32)[None, :]
@@ -44,9 +44,9 @@ def _normalise(x, scale, norm_w, NORM: tl.constexpr):
 
 
 @triton.jit
-def _epilogue(acc, acc_up, rows, cols, row_ok, col_ok, bias_ptr, residual_ptr, out_ptr,
-              out_features, stride_residual_token, stride_out_token,
-              GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+def epilogue(acc, acc_up, rows, cols, row_ok, col_ok, bias_ptr, residual_ptr, out_ptr,
+             out_features, stride_residual_token, stride_out_token,
+             GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
     """Bias, SiLU-and-mul, residual and the store of a finished [M, N] block, each rounded
     where the torch path rounds."""
     dtype = out_ptr.dtype.element_ty
@@ -136,7 +136,7 @@ def gemv_kernel(
         xv = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
         if NORM:
             norm_w = tl.load(norm_weight_ptr + ks, mask=ks < in_features, other=0.0)
-            xv = _normalise(xv.to(tl.float32), scale, norm_w, NORM)
+            xv = normalise(xv.to(tl.float32), scale, norm_w, NORM)
         w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0)
         acc = tl.dot(xv.to(w.dtype), tl.trans(w), acc, input_precision=PRECISION)
         if GATED:
@@ -148,9 +148,9 @@ def gemv_kernel(
                    + rows.to(tl.int64)[:, None] * out_features + cols[None, :])
         tl.store(partial, acc, mask=row_ok[:, None] & col_ok[None, :])
     else:
-        _epilogue(acc, acc_up, rows, cols, row_ok, col_ok, bias_ptr, residual_ptr, out_ptr,
-                  out_features, stride_residual_token, stride_out_token,
-                  GATED, HAS_BIAS, HAS_RESIDUAL)
+        epilogue(acc, acc_up, rows, cols, row_ok, col_ok, bias_ptr, residual_ptr, out_ptr,
+                 out_features, stride_residual_token, stride_out_token,
+                 GATED, HAS_BIAS, HAS_RESIDUAL)
 
 
 @triton.jit
@@ -191,8 +191,8 @@ def gemv_reduce_kernel(
         acc += tl.load(at + split * stride_partial_split, mask=ok, other=0.0)
         if GATED:
             acc_up += tl.load(at + split * stride_partial_split + half, mask=ok, other=0.0)
-    _epilogue(acc, acc_up, rows, cols, row_ok, col_ok, bias_ptr, residual_ptr, out_ptr,
-              half, stride_residual_token, stride_out_token, GATED, HAS_BIAS, HAS_RESIDUAL)
+    epilogue(acc, acc_up, rows, cols, row_ok, col_ok, bias_ptr, residual_ptr, out_ptr,
+             half, stride_residual_token, stride_out_token, GATED, HAS_BIAS, HAS_RESIDUAL)
 
 
 @triton.jit

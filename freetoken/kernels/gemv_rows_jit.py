@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels import jit_ops as ops
-from freetoken.kernels.gemv_jit import _epilogue, _normalise
+from freetoken.kernels.gemv_jit import epilogue, normalise
 
 
 @triton.jit
@@ -96,7 +96,7 @@ def gemv_rows_kernel(
             xv = tl.load(x_row + ks, mask=k_ok, other=0.0)[None, :]
         if NORM:
             norm_w = tl.load(norm_weight_ptr + ks, mask=ks < in_features, other=0.0)
-            xv = _normalise(xv.to(tl.float32), scale, norm_w, NORM)
+            xv = normalise(xv.to(tl.float32), scale, norm_w, NORM)
         w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0)
         xf = xv.to(w.dtype).to(tl.float32)
         acc += ops.sum_(w.to(tl.float32) * xf, axis=1)
@@ -109,6 +109,6 @@ def gemv_rows_kernel(
                    + rows.to(tl.int64)[:, None] * out_features + cols[None, :])
         tl.store(partial, acc[None, :], mask=row_ok[:, None] & col_ok[None, :])
     else:
-        _epilogue(acc[None, :], acc_up[None, :], rows, cols, row_ok, col_ok, bias_ptr,
-                  residual_ptr, out_ptr, out_features, stride_residual_token, stride_out_token,
-                  GATED, HAS_BIAS, HAS_RESIDUAL)
+        epilogue(acc[None, :], acc_up[None, :], rows, cols, row_ok, col_ok, bias_ptr,
+                 residual_ptr, out_ptr, out_features, stride_residual_token, stride_out_token,
+                 GATED, HAS_BIAS, HAS_RESIDUAL)

@@ -38,9 +38,9 @@ from freetoken.kernels.nvfp4_dequant_jit import FP4_UNBIAS, e4m3
 
 
 @triton.jit
-def _store(acc, rows, cols, row_ok, col_ok, bias_ptr, partial_ptr, out_ptr, out_features,
-           stride_partial_split, stride_out_token, HAS_BIAS: tl.constexpr,
-           SPLIT: tl.constexpr):
+def store_block(acc, rows, cols, row_ok, col_ok, bias_ptr, partial_ptr, out_ptr,
+                out_features, stride_partial_split, stride_out_token, HAS_BIAS: tl.constexpr,
+                SPLIT: tl.constexpr):
     """A finished [M, N] block: float32 partial sums (SPLIT), or bias added and one rounding
     to the output's dtype."""
     ok = row_ok[:, None] & col_ok[None, :]
@@ -136,8 +136,8 @@ def fp8_gemm_kernel(
             acc = tl.dot(xv, tl.trans(w.to(dtype)), acc, input_precision=PRECISION)
     if SCALE == 0:
         acc = acc * tl.load(s_rows, mask=col_ok, other=0.0)[None, :]
-    _store(acc, rows, cols, row_ok, col_ok, bias_ptr, partial_ptr, out_ptr, out_features,
-           stride_partial_split, stride_out_token, HAS_BIAS, SPLIT)
+    store_block(acc, rows, cols, row_ok, col_ok, bias_ptr, partial_ptr, out_ptr, out_features,
+                stride_partial_split, stride_out_token, HAS_BIAS, SPLIT)
 
 
 @triton.jit
@@ -210,5 +210,5 @@ def nvfp4_gemm_kernel(
                 other=1.0)
     if RECIPROCAL:
         g = 1.0 / g
-    _store(acc * g[None, :], rows, cols, row_ok, col_ok, bias_ptr, partial_ptr, out_ptr,
-           out_features, stride_partial_split, stride_out_token, HAS_BIAS, SPLIT)
+    store_block(acc * g[None, :], rows, cols, row_ok, col_ok, bias_ptr, partial_ptr, out_ptr,
+                out_features, stride_partial_split, stride_out_token, HAS_BIAS, SPLIT)

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels import jit_ops as ops
-from freetoken.kernels.quant_gemm_jit import _store
+from freetoken.kernels.quant_gemm_jit import store_block
 
 
 @triton.jit
@@ -92,5 +92,5 @@ def fp8_gemm_rows_kernel(
             acc += ops.sum_(prod, axis=1)
     if SCALE == 0:
         acc = acc * tl.load(s_rows, mask=col_ok, other=0.0)
-    _store(acc[None, :], rows, cols, row_ok, col_ok, bias_ptr, partial_ptr, out_ptr,
-           out_features, stride_partial_split, stride_out_token, HAS_BIAS, SPLIT)
+    store_block(acc[None, :], rows, cols, row_ok, col_ok, bias_ptr, partial_ptr, out_ptr,
+                out_features, stride_partial_split, stride_out_token, HAS_BIAS, SPLIT)

@@ -57,3 +57,13 @@ def test_rows_reach_the_inputs_only_through_the_unpacking():
     assert g.ids[:2].tolist() == [0, 0]
     g._unpack(2)
     assert g.ids[:2].tolist() == [40, 0]
+
+
+def test_drop_forgets_graphs_and_their_pool():
+    """`drop` leaves no graph, output or pool behind, so the next step of every bucket
+    captures again into a fresh pool (a pool whose graphs are all freed cannot take a new
+    capture)."""
+    g = _make_graphs()
+    g.graphs[1], g.logits[1], g.greedy[1], g.pool = object(), object(), object(), (0, 1)
+    g.drop()
+    assert (g.graphs, g.logits, g.greedy, g.pool) == ({}, {}, {}, None)
