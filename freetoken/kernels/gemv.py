@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from freetoken.kernels import interpreting, jit_module, next_pow2
-from freetoken.kernels.tile_table import read_tile_table
+from freetoken.kernels.tile_table import parse_tiles, read_tile_table, spell_tiles
 
 MAX_TOKENS = 16
 """Up to this many tokens a linear layer takes `gemv_kernel`; more go to the GEMM."""
@@ -49,18 +49,13 @@ class GemvTiles:
     def key(self) -> str:
         """The tile table's spelling: `block_n/block_k/warps/stages/split`, with an `r`
         before it for the row kernel."""
-        return (("r" if self.rows else "")
-                + f"{self.block_n}/{self.block_k}/{self.num_warps}/{self.num_stages}/{self.split}")
+        return spell_tiles((self.block_n, self.block_k, self.num_warps, self.num_stages,
+                            self.split), self.rows)
 
     @classmethod
     def parse(cls, entry: str) -> GemvTiles:
         """The tiles a table entry spells (`key`'s inverse); ValueError naming the entry."""
-        rows = entry.startswith("r")
-        try:
-            return cls(*(int(v) for v in entry[rows:].split("/")), rows=rows)
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"gemv tile table: {entry!r} is not "
-                             "[r]block_n/block_k/warps/stages/split") from err
+        return parse_tiles(cls, entry, "[r]block_n/block_k/warps/stages/split")
 
 
 def _jit():

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from freetoken.kernels import interpreting, jit_module, next_pow2, nvfp4_linear
-from freetoken.kernels.tile_table import read_tile_table
+from freetoken.kernels.tile_table import parse_tiles, read_tile_table, spell_tiles
 
 DECODE_MAX_TOKENS = 16
 MMA_MIN_ROWS = 16384
@@ -49,18 +49,13 @@ class QuantTiles:
     def key(self) -> str:
         """The tile table's spelling: `tokens/rows/inputs/warps/stages/split`, with an `r`
         before it for the row kernel."""
-        return (("r" if self.rows else "") + f"{self.block_m}/{self.block_n}/{self.block_k}/"
-                f"{self.num_warps}/{self.num_stages}/{self.split}")
+        return spell_tiles((self.block_m, self.block_n, self.block_k, self.num_warps,
+                            self.num_stages, self.split), self.rows)
 
     @classmethod
     def parse(cls, entry: str) -> QuantTiles:
         """The tiles a table entry spells (`key`'s inverse); ValueError naming the entry."""
-        rows = entry.startswith("r")
-        try:
-            return cls(*(int(v) for v in entry[rows:].split("/")), rows=rows)
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"quantized GEMM tile table: {entry!r} is not "
-                             "[r]tokens/rows/inputs/warps/stages/split") from err
+        return parse_tiles(cls, entry, "[r]tokens/rows/inputs/warps/stages/split")
 
 
 @functools.cache

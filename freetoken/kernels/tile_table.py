@@ -20,3 +20,18 @@ def read_tile_table(env_var: str, shipped: Callable[[], dict]) -> dict:
             return json.load(f)
     except (OSError, ValueError) as err:
         raise ValueError(f"{env_var}={path}: not a readable JSON tile table ({err})") from err
+
+
+def spell_tiles(numbers: tuple[int, ...], rows: bool) -> str:
+    """A table entry: the numbers joined by `/`, with an `r` before them for a row kernel."""
+    return ("r" if rows else "") + "/".join(str(n) for n in numbers)
+
+
+def parse_tiles(cls, entry: str, spelling: str):
+    """`cls(*numbers, rows=...)` from an entry `spell_tiles` wrote; ValueError naming the
+    entry and the `spelling` expected."""
+    rows = entry.startswith("r")
+    try:
+        return cls(*(int(v) for v in entry[rows:].split("/")), rows=rows)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"tile table entry {entry!r} is not {spelling}") from err

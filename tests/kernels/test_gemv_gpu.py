@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gpu_checks import assert_graph_equals_eager, rel_l2
 
 from freetoken.kernels import gemv
 
@@ -44,21 +45,6 @@ def _make_case(name, tp, tokens):
     return x, weight, fused
 
 
-def _rel_l2(got, want):
-    return float((got.float() - want.float()).norm() / want.float().norm())
-
-
-def _assert_graph_equals_eager(fn, what):
-    eager = fn()
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager), f"{what}: graph replay differs from the eager call"
-
-
 @pytest.mark.parametrize("tp", TP_SIZES)
 @pytest.mark.parametrize("tokens", [1, 16])
 @pytest.mark.parametrize("name", list(SHAPES))
@@ -66,9 +52,9 @@ def test_fused_projection_bf16(name, tp, tokens):
     """One projection with what the engine fuses into it, against the torch steps."""
     x, weight, fused = _make_case(name, tp, tokens)
     got = gemv.linear(x, weight, **fused)
-    error = _rel_l2(got, gemv.reference_linear(x, weight, **fused))
+    error = rel_l2(got, gemv.reference_linear(x, weight, **fused))
     assert error < 1e-2, f"{name} tp={tp} T={tokens}: relative L2 {error:.2e} >= 1e-2"
-    _assert_graph_equals_eager(lambda: gemv.linear(x, weight, **fused),
+    assert_graph_equals_eager(lambda: gemv.linear(x, weight, **fused),
                                f"{name} tp={tp} T={tokens}")
 
 
@@ -83,10 +69,10 @@ def test_row_kernel_bf16(name, tp):
     for tiles in (gemv.GemvTiles(2, step, num_stages=2, rows=True),
                   gemv.GemvTiles(4, max(16, step // 2), num_stages=2, split=2, rows=True)):
         got = gemv.linear(x, weight, **fused, tiles=tiles)
-        error = _rel_l2(got, gemv.reference_linear(x, weight, **fused))
+        error = rel_l2(got, gemv.reference_linear(x, weight, **fused))
         what = f"{name} tp={tp} {tiles.key()}"
         assert error < 1e-2, f"{what}: relative L2 {error:.2e} >= 1e-2"
-        _assert_graph_equals_eager(lambda t=tiles: gemv.linear(x, weight, **fused, tiles=t), what)
+        assert_graph_equals_eager(lambda t=tiles: gemv.linear(x, weight, **fused, tiles=t), what)
 
 
 @pytest.mark.parametrize("tokens", [1, 16])
@@ -99,7 +85,7 @@ def test_moe_combine_bf16(tokens):
     gate_weight = torch.randn(1, 2048, dtype=torch.bfloat16, **kw) * 2048**-0.5
     shared = torch.randn(tokens, 2048, dtype=torch.bfloat16, **kw)
     got = gemv.moe_combine(slots, x, gate_weight, shared)
-    error = _rel_l2(got, gemv.reference_moe_combine(slots, x, gate_weight, shared))
+    error = rel_l2(got, gemv.reference_moe_combine(slots, x, gate_weight, shared))
     assert error < 1e-2, f"moe_combine T={tokens}: relative L2 {error:.2e} >= 1e-2"
-    _assert_graph_equals_eager(lambda: gemv.moe_combine(slots, x, gate_weight, shared),
+    assert_graph_equals_eager(lambda: gemv.moe_combine(slots, x, gate_weight, shared),
                                f"moe_combine T={tokens}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gpu_checks import assert_graph_equals_eager, rel_l2
 
 from freetoken.kernels import norm_rope
 from freetoken.layers.gated_norm import GatedRMSNorm
@@ -25,18 +26,8 @@ def _module(module, seed):
 
 
 def _assert_close(got, want, what):
-    error = float((got.float() - want.float()).norm() / want.float().norm())
+    error = rel_l2(got, want)
     assert got.shape == want.shape and error < 1e-2, f"{what}: relative L2 {error:.2e}"
-
-
-def _assert_graph_equals_eager(fn, what):
-    eager = fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager), f"{what}: graph replay differs from the eager call"
 
 
 @pytest.mark.parametrize("tokens", [1, 16, 300])
@@ -52,7 +43,7 @@ def test_rms_norms_bf16(tokens, offset):
         what = f"rms_norm T={tokens} {heads}x{channels} offset={offset}"
         fn = lambda x=x, norm=norm: norm_rope.rms_norm(x, norm.weight, 1e-6, offset)  # noqa: E731
         _assert_close(fn(), norm(x), what)
-        _assert_graph_equals_eager(fn, what)
+        assert_graph_equals_eager(fn, what)
 
 
 @pytest.mark.parametrize("tokens", [1, 16, 300])
@@ -65,4 +56,4 @@ def test_gated_rms_norm_bf16(tokens):
     z = torch.randn(tokens, 32 * 128 + 64, **kw)[:, 64:].view(tokens, 32, 128)
     fn = lambda: norm_rope.gated_rms_norm(x, z, norm.weight, 1e-6)  # noqa: E731
     _assert_close(fn(), norm(x, z), f"gated norm T={tokens}")
-    _assert_graph_equals_eager(fn, f"gated norm T={tokens}")
+    assert_graph_equals_eager(fn, f"gated norm T={tokens}")
