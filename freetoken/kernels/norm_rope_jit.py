@@ -8,9 +8,9 @@ point the torch path rounds.
   `w * (x * rsqrt(mean(x^2) + eps))` (the normalised row rounded to x's dtype before the
   weight, as HF's RMSNorm) or, with OFFSET, `x * rsqrt(...) * (1 + w)` in float32 (Gemma /
   Qwen3.5).
-- `gated_rms_norm_kernel`: GatedDeltaNet's output norm, ROWS rows a program as above,
-  `w * rms_norm(x)` (rounded to x's
-  dtype twice, as the torch path) times `silu(z)` in float32, rounded once more.
+- `gated_rms_norm_kernel`: GatedDeltaNet's output norm, ROWS rows a program as above:
+  `w * rms_norm(x)` (rounded to x's dtype twice, as the torch path) times `silu(z)` in
+  float32, rounded once more.
 - `silu_and_mul_kernel`: program (token, block) writes `silu(gate) * up` for `x = [gate | up]`.
 - `rotary_kernel`: program t rotates the first ROTARY channels of every q and k head of
   token t in place (rotate-half layout), with cos and sin of `position * inv_freq` rounded

@@ -189,6 +189,9 @@ def nvfp4_gemm(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tensor,
         g = 1.0 / global_scale if reciprocal else global_scale
         return nvfp4_linear.nvfp4_linear(x, packed, block_scale, g.reshape(()), bias)
     tiles = tiles or tiles_for(tokens, rows, in_features, "nvfp4")
+    if tiles.rows:
+        raise ValueError(f"nvfp4_gemm: tiles {tiles.key()} name the row kernel, which FP8 "
+                         "weights have and NVFP4 weights do not")
     words = packed.view(torch.int32)
     asm = int(x.is_cuda and not interpreting()
               and os.environ.get("FREETOKEN_NVFP4_PTX", "1") != "0")

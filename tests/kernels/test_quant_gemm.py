@@ -124,12 +124,18 @@ def test_fp8_row_kernel_follows_the_definition(shape, block, col_offset, block_k
 
 def test_quant_tile_entries_parse():
     """A tile table entry names the kernel (`r` for the row kernel) and its six numbers;
-    `key` and `parse` are inverse, and a malformed entry is refused by name."""
+    `key` and `parse` are inverse, a malformed entry is refused by name, and row tiles given
+    to an NVFP4 weight (which has no row kernel) are refused, not run as a 1-token dot."""
     for tiles in (quant_gemm.QuantTiles(1, 2, 1024, 8, 2, 1, rows=True),
                   quant_gemm.QuantTiles(16, 32, 128, 4, 4, 8)):
         assert quant_gemm.QuantTiles.parse(tiles.key()) == tiles, tiles.key()
     with pytest.raises(ValueError, match=r"'16/x' is not"):
         quant_gemm.QuantTiles.parse("16/x")
+    q = quantize_nvfp4(_weight(16, 64, 3))
+    with pytest.raises(ValueError, match=r"r1/2/64/4/4/1 name the row kernel"):
+        quant_gemm.nvfp4_gemm(_x(1, 64, 3), q.packed, q.block_scale, q.global_scale.reshape(1),
+                              torch.zeros(16, dtype=torch.int32),
+                              tiles=quant_gemm.QuantTiles(1, 2, 64, rows=True))
 
 
 @pytest.mark.parametrize("split", [2, 3])
