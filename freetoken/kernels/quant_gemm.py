@@ -150,12 +150,10 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 
 def _fp8_rows(x, weight, scale, scale_row, block_cols, col_offset, bias, tiles):
     """`fp8_gemm` through the row kernel: the scale per row (per tensor), per group of
-    `block_step` inputs inside each step, or per element."""
+    `block_step` inputs inside each step, or per element (`_fp8_scale_mode`: its step is the
+    group, the row kernel's step stays `tiles.block_k`)."""
     in_features = x.shape[1]
-    mode, sub = 0, tiles.block_k
-    if col_offset + in_features > block_cols:
-        step = block_step(block_cols, col_offset, tiles.block_k)
-        mode, sub = (2, tiles.block_k) if step is None else (1, step)
+    mode, sub = _fp8_scale_mode(in_features, block_cols, col_offset, tiles.block_k)
     return _launch(jit_module("quant_gemm_rows_jit").fp8_gemm_rows_kernel, x,
                    weight.shape[0], in_features, bias, tiles, tiles.block_k, dict(
                        weight_ptr=weight, scale_ptr=scale, scale_row_ptr=scale_row,

@@ -112,8 +112,7 @@ def test_fp8_row_kernel_follows_the_definition(shape, block, col_offset, block_k
     codes, scale = quantize_block(_weight(rows, cols + col_offset, rows), block)
     codes = codes[:, col_offset:].contiguous()
     tiles = quant_gemm.QuantTiles(1, block_n, block_k, split=split, rows=True)
-    step = quant_gemm.block_step(block[1], col_offset, block_k)
-    assert (0 if col_offset + cols <= block[1] else 1 if step else 2) == mode
+    assert quant_gemm._fp8_scale_mode(cols, block[1], col_offset, block_k)[0] == mode
     x, bias = _x(3, cols, rows), torch.randn(rows)
     scale_row = (torch.arange(rows) // block[0]).to(torch.int32)
     got = quant_gemm.fp8_gemm(x, codes, scale.float(), scale_row, block[1], col_offset,
