@@ -1,13 +1,15 @@
-"""A/B of the decode kernels' tile tables on one engine: the same checkpoint, the same
-process and the same GPU, the arms alternated round by round (A B B A ...), so a slow
-spell of a shared machine hits every arm alike; lent GPUs drift by 10-20 % between runs of
-`bench/engine_decode.py`, more than a table change moves a step.
+"""A/B of the decode kernels' tile tables and of overlapped steps on one engine: the same
+checkpoint, the same process and the same GPU, the arms alternated round by round (A B B A
+...), so a slow spell of a shared machine hits every arm alike; lent GPUs drift by 10-20 %
+between runs of `bench/engine_decode.py`, more than a table change moves a step.
 
     python3 bench/tile_ab.py --model FOLDER --arm old:GEMV.json:QUANT.json \
         --arm new:-:- [--batches 1,16] [--rounds 4] [--new-tokens 16] [--mb 2005.3]
 
-An arm is `name:gemv_table:quant_table`, each table a JSON file that the engine reads
-(`FREETOKEN_GEMV_TABLE`, `FREETOKEN_QUANT_TABLE`) or `-` for the shipped one. Before each
+An arm is `name:gemv_table:quant_table[:overlap]`, each table a JSON file that the engine
+reads (`FREETOKEN_GEMV_TABLE`, `FREETOKEN_QUANT_TABLE`) or `-` for the shipped one, and
+`overlap` `on` (the default: the engine's overlapped steps) or `off` (each step's tokens
+read before the next step is launched, `EngineConfig.overlap_steps=False`). Before each
 arm's run the tables are re-read and the decode graphs dropped, so they are captured
 again with that arm's tiles. A run is one warm-up and `--repeats` timed pairs (one token,
 then `--new-tokens`); the step time is their difference over the decode steps. Prints
@@ -35,19 +37,24 @@ from freetoken.kernels import gemv, quant_gemm  # noqa: E402
 TABLES = (("FREETOKEN_GEMV_TABLE", gemv), ("FREETOKEN_QUANT_TABLE", quant_gemm))
 
 
-def parse_arm(text: str) -> tuple[str, tuple[str, str]]:
+def parse_arm(text: str) -> tuple[str, tuple[str, str, bool]]:
     parts = text.split(":")
-    if len(parts) != 3 or not parts[0]:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected name:gemv_table:quant_table "
-                                         "(- for the shipped table)")
-    for path in parts[1:]:
+    if len(parts) == 3:
+        parts.append("on")
+    if len(parts) != 4 or not parts[0] or parts[3] not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected name:gemv_table:quant_table"
+                                         "[:on|off] (- for the shipped table)")
+    for path in parts[1:3]:
         if path != "-" and not Path(path).is_file():
             raise argparse.ArgumentTypeError(f"{text!r}: no table file {path}")
-    return parts[0], (parts[1], parts[2])
+    return parts[0], (parts[1], parts[2], parts[3] == "on")
 
 
-def use_tables(llm: LLM, tables: tuple[str, str]) -> None:
-    """Point the engine at `tables` and drop its decode graphs (captured again on use)."""
+def use_arm(llm: LLM, arm: tuple[str, str, bool]) -> None:
+    """Point the engine at the arm's tables and overlap, and drop its decode graphs
+    (captured again on use)."""
+    *tables, overlap = arm
+    llm._core.set_overlap(overlap)
     for path, (var, module) in zip(tables, TABLES):
         if path == "-":
             os.environ.pop(var, None)
@@ -91,7 +98,7 @@ def main() -> int:
         for r in range(args.rounds):
             order = list(arms) if r % 2 == 0 else list(reversed(arms))
             for name in order:
-                use_tables(llm, arms[name])
+                use_arm(llm, arms[name])
                 for b in args.batches:
                     prompts = make_prompts(b, args.prompt_len, vocab)
                     times[name, b].append(step_us(llm, prompts, args.new_tokens, args.repeats,

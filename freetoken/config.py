@@ -279,3 +279,8 @@ class EngineConfig:
     tp_invariant: bool = False
     """Compute every TP-split sum in one canonical order (`freetoken.layers.invariant`): TP=N
     logits bit-identical to TP=1, at some cost in speed; CPU torch paths only."""
+    overlap_steps: bool | None = None
+    """Launch a step before the previous step's tokens reach the host, its ids fed back on
+    the device (greedy sequences without per-step logits, TP 1): the host's scheduling and
+    bookkeeping then run while the GPU computes. None: where decode runs as CUDA graphs;
+    True: at TP 1 on any device (eager too); False: never."""

@@ -4,6 +4,7 @@ broadcasts each step's tokens so all ranks stay in lockstep."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -45,12 +46,39 @@ def resolve_dtype(dtype: str, cfg: ModelConfig) -> torch.dtype:
     return DTYPES[name]
 
 
+PENDING = -1
+"""The placeholder an overlapped step leaves in a sequence's output for its token until
+that token reaches the host."""
+
+
+@dataclass
+class _InFlight:
+    """A launched step whose greedy tokens are on their way to the host: its sequences, where
+    each one's placeholder sits in its output, whether that token is its last (its length
+    limit), and the host rows the tokens land in once `ready`."""
+
+    batch: list[Sequence]
+    places: list[int]
+    last: list[bool]
+    landing: torch.Tensor
+    ready: torch.cuda.Event | None
+
+
 class EngineCore:
     """The model, its cache and the generation loop on one rank.
 
     `model_config` is the checkpoint's config as the launcher parsed and validated it (TP
     size included): the rank builds from that object and never reads config.json again;
-    `folder` is where its weights are read from."""
+    `folder` is where its weights are read from.
+
+    Overlapped steps (`EngineConfig.overlap_steps`): when every running sequence is greedy
+    and wants no per-step logits, a step is launched before the previous one's tokens reach
+    the host. Its ids are the previous step's greedy tokens, fed back on the device; its
+    sequences carry a `PENDING` placeholder meanwhile. The host then schedules, fills and
+    launches step n + 1 while the GPU computes step n, and reads step n's tokens (a copy
+    into pinned memory) while step n + 1 runs. A sequence whose token turns out to end it
+    (an end-of-sequence token) has ridden one step more than it needed; that step's row is
+    dropped (and its batch partners ran that step in a batch one row larger)."""
 
     def __init__(self, folder: str | Path, model_config: ModelConfig, cfg: EngineConfig,
                  device: torch.device):
@@ -67,8 +95,11 @@ class EngineCore:
         # The Triton paths (sync-free, graphable) on CUDA; CPU keeps the torch reference.
         self.use_kernels = self.device.type == "cuda"
         self.blocks = self._allocate_cache()
+        self._in_flight: _InFlight | None = None
         self.reset()
         self.graphs = self._decode_graphs() if self.use_graphs else None
+        self.overlap = False
+        self.set_overlap(overlap_allowed(cfg, self.use_graphs))
 
     def _build(self) -> torch.nn.Module:
         previous = torch.get_default_dtype()
@@ -99,6 +130,22 @@ class EngineCore:
             layer.allocate_state(self.cfg.max_num_seqs + scratch, self.dtype, self.device)
         return BlockManager(num_blocks, self.cfg.block_size)
 
+    def set_overlap(self, on: bool) -> None:
+        """Turn overlapped steps on or off (between `generate` calls; TP 1 only)."""
+        if on and get_tp_info().size > 1:
+            raise ValueError(f"overlapped steps need TP 1, this engine runs at TP "
+                             f"{get_tp_info().size}")
+        if on and not hasattr(self, "_fed"):
+            # The device rows every overlapped step's greedy tokens are written to (a decode
+            # graph writes its own there), and two host rows they land in by turns.
+            self._fed = (self.graphs.tokens if self.graphs is not None else torch.zeros(
+                self.cfg.max_num_seqs, dtype=torch.long, device=self.device))
+            pinned = self.device.type == "cuda"
+            self._landings = [torch.zeros(self._fed.numel(), dtype=torch.long,
+                                          pin_memory=pinned) for _ in range(2)]
+            self._turn = 0
+        self.overlap = on
+
     def _decode_graphs(self) -> DecodeGraphs:
         max_blocks = -(-self.cfg.max_model_len // self.cfg.block_size)
         return DecodeGraphs(self.model, self.cfg.max_num_seqs, max_blocks, self.cfg.block_size,
@@ -114,16 +161,24 @@ class EngineCore:
         self.add_requests([Request(i, list(p), sp, default_seed(sp, i))
                            for i, (p, sp) in enumerate(zip(prompts, params))])
         results: dict[int, GenerationResult] = {}
-        while self.scheduler.has_work():
+        while self.has_work():
             results.update(self.run_steps(1))
         return [results[i] for i in range(len(prompts))]
 
     def reset(self) -> None:
-        """Forget every request: all cache blocks and linear-state slots free again."""
+        """Forget every request: all cache blocks and linear-state slots free again (a step
+        still in flight is waited for and dropped)."""
+        if self._in_flight is not None and self._in_flight.ready is not None:
+            self._in_flight.ready.synchronize()
+        self._in_flight = None
         self.blocks = BlockManager(self.blocks.num_blocks, self.blocks.block_size)
         self.states = StatePool(self.cfg.max_num_seqs)
         self.scheduler = Scheduler(self.blocks, self.cfg.max_num_seqs,
                                    self.cfg.max_num_batched_tokens, self.states)
+
+    def has_work(self) -> bool:
+        """Requests waiting or running, or a step whose tokens the host has not read."""
+        return self.scheduler.has_work() or self._in_flight is not None
 
     def add_requests(self, requests: list[Request]) -> None:
         """Queue `requests` behind those in flight; later `run_steps` calls batch them all."""
@@ -135,12 +190,87 @@ class EngineCore:
         finished (its caller is waiting); (request id, result) of each request finished."""
         finished = []
         for _ in range(max_steps):
-            if finished or not self.scheduler.has_work():
+            if finished or not self.has_work():
                 break
+            in_flight, self._in_flight = self._in_flight, None
+            if in_flight is not None:
+                # The next step goes to the GPU before this one's tokens are read.
+                if self._can_chain():
+                    batch, prefill = self.scheduler.schedule()
+                    self._in_flight = self._launch(batch, prefill, in_flight)
+                finished += self._resolve(in_flight)
+                continue
             batch, prefill = self.scheduler.schedule()
+            if self.overlap and all(map(_overlappable, batch)):
+                self._in_flight = self._launch(batch, prefill, None)
+                continue
             for seq, token in zip(batch, self.step(batch, prefill)):
                 if self._append(seq, token):
                     finished.append((seq.seq_id, seq.result()))
+        return finished
+
+    def _can_chain(self) -> bool:
+        """Whether the next step is a decode of the running sequences that may start before
+        the one in flight is read: nothing waits to be admitted, every running sequence is
+        greedy without per-step logits, and the cache holds one more token of each (no
+        sequence with a placeholder may be preempted and recomputed)."""
+        s = self.scheduler
+        if s.waiting or not s.running or not all(map(_overlappable, s.running)):
+            return False
+        needed = sum(self.blocks.blocks_needed(seq, len(seq)) for seq in s.running)
+        return needed <= len(self.blocks.free)
+
+    @torch.inference_mode()
+    def _launch(self, batch: list[Sequence], prefill: bool, previous: _InFlight | None
+                ) -> _InFlight:
+        """Run one step without waiting for it: its greedy tokens go to the fed-back device
+        rows and, asynchronously, to a host landing; each sequence gets a placeholder (and
+        leaves the scheduler at once when that token is its last by length)."""
+        logits, greedy = self._forward_step(batch, prefill, previous)
+        n = len(batch)
+        fed = self._fed[:n]
+        if greedy is None:
+            fed.copy_(logits.argmax(dim=-1))
+        elif greedy.data_ptr() != fed.data_ptr():
+            fed.copy_(greedy)
+        landing = self._landings[self._turn][:n]
+        self._turn ^= 1
+        landing.copy_(fed, non_blocking=True)
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        places, last = [], []
+        for seq in batch:
+            places.append(len(seq.output))
+            seq.output.append(PENDING)
+            last.append(len(seq.output) >= seq.params.max_tokens)
+            if last[-1]:
+                seq.finish_reason = "length"
+                self.scheduler.finish(seq)
+        return _InFlight(batch, places, last, landing, ready)
+
+    def _resolve(self, in_flight: _InFlight) -> list[tuple[int, GenerationResult]]:
+        """Put a launched step's tokens in place of its placeholders (waiting for them);
+        (id, result) of each sequence that step finished. As `_append`, the length limit
+        wins over an end token on the same step."""
+        if in_flight.ready is not None:
+            in_flight.ready.synchronize()
+        finished = []
+        eos = self.model_config.eos_token_ids
+        for seq, place, last, token in zip(in_flight.batch, in_flight.places, in_flight.last,
+                                           in_flight.landing.tolist()):
+            if place >= len(seq.output):
+                continue   # it stopped at an end token the step before: a spare row
+            seq.output[place] = token
+            if not last and not seq.params.ignore_eos and token in eos:
+                del seq.output[place + 1:]
+                if seq.finish_reason is None:   # else a later step already released it
+                    self.scheduler.finish(seq)
+                seq.finish_reason = "stop"
+            elif not last:
+                continue
+            finished.append((seq.seq_id, seq.result()))
         return finished
 
     def _sequence(self, request: Request) -> Sequence:
@@ -173,10 +303,26 @@ class EngineCore:
     @torch.inference_mode()
     def step(self, batch: list[Sequence], prefill: bool) -> list[int]:
         """One forward over `batch`; returns each sequence's next token (same on all ranks)."""
+        logits, greedy = self._forward_step(batch, prefill, None)
+        return self._sample(batch, logits, greedy)
+
+    def _forward_step(self, batch: list[Sequence], prefill: bool,
+                      previous: _InFlight | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward of one step (a decode graph's replay or the eager forward): float32
+        logits at each sequence's last new token, and their greedy tokens when a graph took
+        them. A `PENDING` token is the id `previous` step's row of that sequence fed back
+        (-1 - row, read from the fed-back device rows)."""
+        rows = {id(seq): j for j, seq in enumerate(previous.batch)} if previous else {}
         ids, positions, slots, qlens = [], [], [], []
         for seq in batch:
-            start = seq.num_cached
-            ids += seq.tokens[start:]
+            start, prompt = seq.num_cached, len(seq.prompt)
+            new = seq.output[start - prompt:] if start >= prompt else seq.tokens[start:]
+            if new and new[-1] == PENDING:
+                if len(new) != 1 or id(seq) not in rows:
+                    raise RuntimeError(f"sequence {seq.seq_id}: a pending token outside an "
+                                       "overlapped decode step")
+                new = [-1 - rows[id(seq)]]
+            ids += new
             positions += range(start, len(seq))
             slots += [self.blocks.slot(seq, p) for p in range(start, len(seq))]
             qlens.append(len(seq) - start)
@@ -189,7 +335,7 @@ class EngineCore:
             logits = self._forward(batch, prefill, ids, positions, slots, qlens, seq_slots)
         for seq in batch:
             seq.num_cached = len(seq)
-        return self._sample(batch, logits, greedy)
+        return logits, greedy
 
     def _forward(self, batch, prefill, ids, positions, slots, qlens, seq_slots) -> torch.Tensor:
         """The eager forward: float32 logits at each sequence's last new token."""
@@ -202,7 +348,7 @@ class EngineCore:
             prefill, qlens, context_lens, torch.tensor(slots, **as_long), tables, seq_slots,
             device=device))
         try:
-            hidden = self.model(torch.tensor(ids, **as_long), torch.tensor(positions, **as_long))
+            hidden = self.model(self._ids(ids), torch.tensor(positions, **as_long))
             # The LM head runs inside the step's context too, so that it takes the same path
             # (Triton or torch) as in a graph replay, which captures it with the forward.
             last = torch.tensor(qlens, device=self.device).cumsum(0) - 1
@@ -211,6 +357,15 @@ class EngineCore:
         finally:
             set_forward_context(None)
         return logits
+
+    def _ids(self, ids: list[int]) -> torch.Tensor:
+        """The step's ids on the device, each -1 - j replaced by fed-back token j."""
+        tensor = torch.tensor(ids, dtype=torch.long, device=self.device)
+        fed = [i for i, token in enumerate(ids) if token < 0]
+        if fed:
+            where = torch.tensor(fed, dtype=torch.long, device=self.device)
+            tensor[where] = self._fed[-1 - tensor[where]]
+        return tensor
 
     def _keep_prompt_logits(self, batch, hidden, qlens, prefill) -> None:
         start = 0
@@ -238,6 +393,20 @@ class EngineCore:
             return tokens
         shared = torch.tensor(tokens, dtype=torch.long, device=self.device)
         return get_communicator().broadcast(shared).tolist()
+
+
+def _overlappable(seq: Sequence) -> bool:
+    """A sequence whose steps may overlap: its token is the greedy one the device computes,
+    and no step's logits need reading."""
+    return seq.params.temperature == 0 and not seq.params.return_logits
+
+
+def overlap_allowed(cfg: EngineConfig, use_graphs: bool) -> bool:
+    """`cfg.overlap_steps`, where None means "where decode runs as CUDA graphs at TP 1" (a
+    rank group shares rank 0's tokens through the host)."""
+    if cfg.overlap_steps is None:
+        return use_graphs and get_tp_info().size == 1
+    return cfg.overlap_steps
 
 
 def graphs_allowed(cfg: EngineConfig, device: torch.device) -> bool:

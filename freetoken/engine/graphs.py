@@ -33,7 +33,12 @@ class DecodeGraphs:
     buffer and copied to a device staging buffer in one asynchronous transfer, and the graph
     itself unpacks them into the layers' static inputs (one launch) and takes the greedy
     argmax of the logits with their float32 cast (two launches, the argmax spread over the
-    vocab: `freetoken.kernels.step_io`)."""
+    vocab: `freetoken.kernels.step_io`).
+
+    Every graph writes its greedy tokens into one shared buffer, `tokens`, and a step's id
+    may be given as -1 - j: row j of that buffer, the previous step's token, which the host
+    need not have seen yet (`EngineCore`'s overlapped steps launch step n + 1 before step
+    n's tokens reach the host)."""
 
     def __init__(self, model: torch.nn.Module, max_batch: int, max_blocks: int,
                  block_size: int, scratch_block: int, scratch_state: int, device):
@@ -57,6 +62,7 @@ class DecodeGraphs:
         self.context_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
         self.query_starts = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.tokens = torch.zeros(n, **as_long)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.greedy: dict[int, torch.Tensor] = {}
@@ -79,12 +85,16 @@ class DecodeGraphs:
             context_lens: list[int], block_tables: list[list[int]], seq_slots: list[int]
             ) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits and greedy tokens of one decode step of len(ids) sequences (one token
-        each)."""
+        each; an id -1 - j is `tokens[j]`, the previous step's j-th greedy token)."""
         n = len(ids)
         bucket = next(b for b in self.buckets if b >= n)
         if bucket not in self.graphs:
+            # The warm-up and the capture write their own greedy tokens: keep the fed-back
+            # ones this step's ids may point at.
+            fed = self.tokens.clone()
             self._fill(bucket, [], [], [], [], [], [])
             self._capture(bucket)
+            self.tokens.copy_(fed)
         self._fill(bucket, ids, positions, slots, context_lens, block_tables, seq_slots)
         self.graphs[bucket].replay()
         return self.logits[bucket][:n], self.greedy[bucket][:n]
@@ -115,9 +125,9 @@ class DecodeGraphs:
                   self.context_lens[:bucket], self.seq_slots[:bucket],
                   self.block_tables[:bucket])
         if staging.is_cuda:
-            step_io.unpack(staging, *inputs)
+            step_io.unpack(staging, self.tokens, *inputs)
             return
-        for dst, src in zip(inputs, step_io.reference_unpack(staging)):
+        for dst, src in zip(inputs, step_io.reference_unpack(staging, self.tokens)):
             dst.copy_(src)
 
     def _context(self, bucket: int) -> ForwardContext:
@@ -133,9 +143,12 @@ class DecodeGraphs:
         self._unpack(bucket)
         hidden = self.model(self.ids[:bucket], self.positions[:bucket])
         logits = self.model.compute_logits(hidden)
+        greedy = self.tokens[:bucket]
         if logits.is_cuda:
-            return step_io.float_argmax(logits)
-        return step_io.reference_float_argmax(logits)
+            return step_io.float_argmax(logits, greedy)
+        logits, tokens = step_io.reference_float_argmax(logits)
+        greedy.copy_(tokens)
+        return logits, greedy
 
     def _capture(self, bucket: int) -> None:
         """Warm up (compiles the kernels) on padding rows, then capture."""

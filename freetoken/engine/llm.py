@@ -17,7 +17,7 @@ from freetoken.config import EngineConfig, ModelConfig
 from freetoken.distributed import RankContext, RankGroup, choose_placement, get_tp_info
 from freetoken.engine.core import EngineCore
 from freetoken.engine.driver import Driver, LLMClosed
-from freetoken.engine.options import check_launch, engine_config
+from freetoken.engine.options import check_launch, check_overlap, engine_config
 from freetoken.engine.requests import Limits, check_request, split_prompts, token_ids
 from freetoken.engine.resolve import resolve_model
 from freetoken.engine.sequence import GenerationResult, Request, SamplingParams, default_seed
@@ -49,6 +49,7 @@ class LLM:
         self.tp = tp
         self.config = engine_config(self.model_config, dtype, engine_options)
         check_tp(self.model_config, tp)
+        check_overlap(self.config, tp)
         validate_checkpoint(self.folder)
         screen_checkpoint(self.folder, self.model_config.quantization)
         self.placement = choose_placement(device, tp, oversubscribe)
@@ -170,6 +171,7 @@ def check_generate(model: str | Path, prompts: Any, params: SamplingParams, tp: 
     check_launch(tp, False, timeout)
     config = engine_config(model_config, dtype, engine_options)
     check_tp(model_config, tp)
+    check_overlap(config, tp)
     prompts = split_prompts(prompts)
     tokenizer = _load_tokenizer(folder) if any(isinstance(p, str) for p in prompts) else None
     ids = []

@@ -48,10 +48,20 @@ def engine_config(model_config: ModelConfig, dtype: str, options: dict[str, Any]
             _check_int(name, getattr(cfg, name))
     for name in _FLAGS:
         _check_flag(name, getattr(cfg, name))
+    if cfg.overlap_steps is not None:
+        _check_flag("overlap_steps", cfg.overlap_steps)
     if cfg.num_layers is not None and cfg.num_layers > model_config.num_hidden_layers:
         raise ValueError(f"num_layers={cfg.num_layers} exceeds the model's "
                          f"num_hidden_layers={model_config.num_hidden_layers}")
     return cfg
+
+
+def check_overlap(cfg: EngineConfig, tp: int) -> None:
+    """ValueError when `overlap_steps=True` is asked at a TP size above 1: a rank group
+    shares rank 0's tokens through the host, so a step cannot start before they are known."""
+    if cfg.overlap_steps and tp > 1:
+        raise ValueError(f"overlap_steps=True needs tp=1, got tp={tp} (the ranks share each "
+                         "step's tokens through the host)")
 
 
 def _check_int(name: str, value) -> None:

@@ -3,7 +3,9 @@ launch where torch spends several:
 
 - `unpack_kernel`: program b copies staging row b (int64: token id, position, cache slot,
   context length, state slot, then the block table) into the layers' six static inputs,
-  casting the context length and the block table to int32.
+  casting the context length and the block table to int32. A negative id -1 - j stands for
+  a token the host has not seen yet: row j of `feedback`, the previous step's greedy tokens
+  (an overlapped step's input, fed back on the device).
 - `float_argmax_kernel` + `argmax_finish_kernel`: the logits [batch, vocab] in float32 (a
   copy in the activations' dtype cast up, as `.float()`) and their greedy token, as
   `torch.argmax` picks it: the first index of the largest value, a NaN counting as larger
@@ -24,6 +26,7 @@ from freetoken.kernels import jit_ops as ops
 def unpack_kernel(
     # pointers
     staging_ptr,        # [rows, 5 + width] int64
+    feedback_ptr,       # [>= rows of the previous step] int64
     ids_ptr,            # [rows] int64
     positions_ptr,      # [rows] int64
     slots_ptr,          # [rows] int64
@@ -41,7 +44,9 @@ def unpack_kernel(
     """Staging row program_id(0) into the static inputs."""
     row = tl.program_id(0).to(tl.int64)
     src = staging_ptr + row * stride_staging
-    tl.store(ids_ptr + row, tl.load(src))
+    token = tl.load(src)
+    fed = tl.load(feedback_ptr + tl.maximum(-1 - token, 0))
+    tl.store(ids_ptr + row, tl.where(token < 0, fed, token))
     tl.store(positions_ptr + row, tl.load(src + 1))
     tl.store(slots_ptr + row, tl.load(src + 2))
     tl.store(context_lens_ptr + row, tl.load(src + 3).to(tl.int32))

@@ -5,6 +5,7 @@ on the GPU (kernels and graphs) against the CPU engine on the bundled cases."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -156,3 +157,27 @@ def test_float32_gpu_engine_matches_cpu_engine(case):
             torch.testing.assert_close(getattr(g, name), getattr(c, name), rtol=1e-4,
                                        atol=1e-4, msg=lambda m, n=name, i=i: f"{case} {i} {n}: {m}")
         assert g.token_ids == c.token_ids, f"{case} prompt {i}: {g.token_ids} != {c.token_ids}"
+
+
+@pytest.mark.parametrize("case", ["tiny-llama", "tiny-qwen3.5-moe"])
+def test_overlapped_graph_steps_equal_stepwise(case):
+    """bf16 with decode graphs: overlapped steps (the default there: each step launched
+    before the previous one's tokens reach the host, ids fed back inside the graph) give the
+    tokens and finish reasons of steps run one at a time, with an end token stopping one
+    sequence mid-batch and uneven length limits."""
+    prompts = json.loads((GOLDEN / case / "meta.json").read_text())["prompts"]
+    prompts = (prompts * 4)[:4]
+    options = dict(device="cuda", dtype="bfloat16", progress=False)
+    with LLM(GOLDEN / case, **options) as overlapped, \
+            LLM(GOLDEN / case, overlap_steps=False, **options) as stepwise:
+        assert overlapped._core.overlap and not stepwise._core.overlap
+        params = [SamplingParams(max_tokens=6 + i, ignore_eos=True) for i in range(4)]
+        want = [r.token_ids for r in stepwise.generate(prompts, params)]
+        assert [r.token_ids for r in overlapped.generate(prompts, params)] == want
+        eos = want[1][3]   # the second sequence's fourth token ends it
+        for core in (overlapped._core, stepwise._core):
+            core.model_config = dataclasses.replace(core.model_config, eos_token_ids=(eos,))
+        params = [SamplingParams(max_tokens=8, ignore_eos=i != 1) for i in range(4)]
+        got = [(r.token_ids, r.finish_reason) for r in overlapped.generate(prompts, params)]
+        want = [(r.token_ids, r.finish_reason) for r in stepwise.generate(prompts, params)]
+    assert want[1][1] == "stop" and got == want, f"{case}: {got} != {want}"

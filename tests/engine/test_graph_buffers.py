@@ -46,6 +46,17 @@ def test_fill_writes_real_rows_then_scratch_padding():
     assert g.block_tables[:2, :2].tolist() == [[5, 1], [9, 0]]
 
 
+def test_negative_ids_take_the_previous_steps_tokens():
+    """An id -1 - j is the j-th greedy token of the previous replay (the shared `tokens`
+    rows every graph writes its argmax into): an overlapped step's fed-back input."""
+    g = _make_graphs()
+    g.tokens[:3] = torch.tensor([71, 72, 73])
+    g._fill(4, [-1 - 2, 15, -1], [5, 0, 8], [21, 2, 33], [6, 1, 9], [[5, 1], [0], [3]],
+            [2, 0, 1])
+    g._unpack(4)
+    assert g.ids[:4].tolist() == [73, 15, 71, 0]
+
+
 def test_rows_reach_the_inputs_only_through_the_unpacking():
     """`_fill` writes the host rows and the device staging rows; the layers' inputs change
     only when `_unpack` (captured into each graph) runs, so a graph that did not unpack

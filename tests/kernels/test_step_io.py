@@ -48,14 +48,32 @@ def test_float_argmax_takes_a_strided_view_and_small_vocab():
 
 def test_unpack_equals_torch_copies():
     """Each staging field lands in its input, the context lengths and block tables as
-    int32."""
+    int32; an id -1 - j is the fed-back token j (the previous step's greedy token)."""
     staging = torch.randint(0, 10_000, (4, 5 + 7), generator=torch.Generator().manual_seed(2))
+    staging[1, 0], staging[3, 0] = -1 - 2, -1
+    feedback = torch.tensor([501, 502, 503], dtype=torch.long)
     outs = (torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long),
             torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.int32),
             torch.zeros(4, dtype=torch.long), torch.zeros(4, 7, dtype=torch.int32))
-    step_io.unpack(staging, *outs)
+    step_io.unpack(staging, feedback, *outs)
     names = ("ids", "positions", "slots", "context lengths", "state slots", "block tables")
-    for name, got, want in zip(names, outs, step_io.reference_unpack(staging)):
+    want_all = step_io.reference_unpack(staging, feedback)
+    assert want_all[0][[1, 3]].tolist() == [503, 501]
+    for name, got, want in zip(names, outs, want_all):
         assert got.dtype == want.dtype and torch.equal(got, want), f"{name}: {got} != {want}"
     with pytest.raises(ValueError, match=r"does not fit block tables \(4, 6\)"):
-        step_io.unpack(staging, *outs[:5], torch.zeros(4, 6, dtype=torch.int32))
+        step_io.unpack(staging, feedback, *outs[:5], torch.zeros(4, 6, dtype=torch.int32))
+    with pytest.raises(ValueError, match="feedback must be a non-empty int64 vector"):
+        step_io.unpack(staging, feedback.int(), *outs)
+
+
+def test_float_argmax_writes_the_given_tokens():
+    """The tokens land in the caller's buffer (a decode graph's shared feedback rows);
+    a buffer of the wrong shape is refused by name."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(4))
+    tokens = torch.full((3,), -7, dtype=torch.long)
+    _, greedy = step_io.float_argmax(logits, tokens)
+    assert greedy.data_ptr() == tokens.data_ptr()
+    assert torch.equal(tokens, logits.argmax(-1))
+    with pytest.raises(ValueError, match="greedy must be int64"):
+        step_io.float_argmax(logits, torch.zeros(2, dtype=torch.long))

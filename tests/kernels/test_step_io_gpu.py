@@ -37,9 +37,12 @@ def test_float_argmax_bf16(rows, vocab):
 
 
 def test_unpack_on_the_gpu():
-    """Staging rows into the six inputs, context lengths and tables as int32."""
+    """Staging rows into the six inputs, context lengths and tables as int32; ids -1 - j
+    taken from the fed-back tokens."""
     staging = torch.randint(0, 1 << 20, (16, 5 + 40), device="cuda")
-    outs = [torch.zeros_like(r) for r in step_io.reference_unpack(staging)]
-    step_io.unpack(staging, *outs)
-    for got, want in zip(outs, step_io.reference_unpack(staging)):
+    staging[::3, 0] = -1 - torch.arange(0, 16, 3, device="cuda")
+    feedback = torch.randint(0, 1 << 20, (16,), device="cuda")
+    outs = [torch.zeros_like(r) for r in step_io.reference_unpack(staging, feedback)]
+    step_io.unpack(staging, feedback, *outs)
+    for got, want in zip(outs, step_io.reference_unpack(staging, feedback)):
         assert got.dtype == want.dtype and torch.equal(got, want)
