@@ -81,17 +81,41 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-            inv_freq: torch.Tensor, rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+            inv_freq: torch.Tensor, rotary_dim: int,
+            cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate the first `rotary_dim` channels of q [tokens, q_heads, d] and k
-    [tokens, k_heads, d] in place (rotate-half); returns them."""
-    tokens = q.shape[0]
-    if tokens:
-        half = rotary_dim // 2
-        _jit().rotary_kernel[(tokens,)](
-            q_ptr=q, k_ptr=k, positions_ptr=positions, inv_freq_ptr=inv_freq,
-            q_heads=q.shape[1], k_heads=k.shape[1],
-            stride_q_token=q.stride(0), stride_q_head=q.stride(1),
-            stride_k_token=k.stride(0), stride_k_head=k.stride(1),
-            HALF=half, BLOCK_HALF=next_pow2(half), BLOCK_QH=next_pow2(q.shape[1]),
-            BLOCK_KH=next_pow2(k.shape[1]), num_warps=1)
+    [tokens, k_heads, d] in place (rotate-half); returns them. With `cache` = (v, k_cache,
+    v_cache, slot_mapping) the same launch also stores the rotated k and v [tokens, k_heads,
+    d] at cache slots `slot_mapping` [tokens] of k_cache and v_cache [blocks, block_size,
+    k_heads, d], as `paged_attention.write_kv` does."""
+    tokens, k_heads, head_dim = k.shape
+    if not tokens:
+        return q, k
+    half = rotary_dim // 2
+    v = k_flat = v_flat = slot_mapping = k
+    stride_v, stride_cache = (0, 0), (0, 0)
+    if cache is not None:
+        v, k_cache, v_cache, slot_mapping = cache
+        if v.shape != k.shape or k_cache.shape[-2:] != (k_heads, head_dim) or \
+                v_cache.shape != k_cache.shape or slot_mapping.shape != (tokens,):
+            raise ValueError(f"rotary_: k {tuple(k.shape)}, v {tuple(v.shape)}, caches "
+                             f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)} and slots "
+                             f"{tuple(slot_mapping.shape)} do not fit one cache write")
+        k_flat = k_cache.view(-1, k_heads, head_dim)
+        v_flat = v_cache.view(-1, k_heads, head_dim)
+        v = v if v.stride(-1) == 1 else v.contiguous()
+        stride_v, stride_cache = (v.stride(0), v.stride(1)), (k_flat.stride(0),
+                                                               k_flat.stride(1))
+    _jit().rotary_kernel[(tokens,)](
+        q_ptr=q, k_ptr=k, positions_ptr=positions, inv_freq_ptr=inv_freq, v_ptr=v,
+        k_cache_ptr=k_flat, v_cache_ptr=v_flat, slot_mapping_ptr=slot_mapping,
+        q_heads=q.shape[1], k_heads=k_heads, head_dim=head_dim,
+        stride_q_token=q.stride(0), stride_q_head=q.stride(1),
+        stride_k_token=k.stride(0), stride_k_head=k.stride(1),
+        stride_v_token=stride_v[0], stride_v_head=stride_v[1],
+        stride_cache_slot=stride_cache[0], stride_cache_head=stride_cache[1],
+        HALF=half, BLOCK_HALF=next_pow2(half), BLOCK_QH=next_pow2(q.shape[1]),
+        BLOCK_KH=next_pow2(k_heads), WRITE_KV=cache is not None,
+        BLOCK_D=next_pow2(head_dim), num_warps=1)
     return q, k

@@ -14,7 +14,9 @@ point the torch path rounds.
 - `silu_and_mul_kernel`: program (token, block) writes `silu(gate) * up` for `x = [gate | up]`.
 - `rotary_kernel`: program t rotates the first ROTARY channels of every q and k head of
   token t in place (rotate-half layout), with cos and sin of `position * inv_freq` rounded
-  to the activations' dtype first, as the torch path computes them.
+  to the activations' dtype first, as the torch path computes them; optionally it also
+  stores the token's rotated key and its value at its paged-cache slot (the attention's
+  cache write, one launch fewer per layer).
 """
 
 from __future__ import annotations
@@ -130,9 +132,11 @@ def silu_and_mul_kernel(
 
 
 @triton.jit
-def _rotate_heads(ptr, stride_token, stride_head, token, heads, cos, sin,
-                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """Rotate channels [0, 2 * HALF) of `heads` heads of one token in place."""
+def _rotate_heads(ptr, stride_token, stride_head, token, heads, cos, sin, copy_ptr,
+                  stride_copy_head, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                  BLOCK_HALF: tl.constexpr, COPY: tl.constexpr):
+    """Rotate channels [0, 2 * HALF) of `heads` heads of one token in place; with COPY the
+    rotated channels also go to `copy_ptr` (head h at h * stride_copy_head)."""
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_HALF)
     mask = (h[:, None] < heads) & (d[None, :] < HALF)
@@ -140,8 +144,26 @@ def _rotate_heads(ptr, stride_token, stride_head, token, heads, cos, sin,
     x1 = tl.load(first, mask=mask, other=0.0)
     x2 = tl.load(first + HALF, mask=mask, other=0.0)
     a, b = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(first, (a * cos[None, :] - b * sin[None, :]).to(x1.dtype), mask=mask)
-    tl.store(first + HALF, (b * cos[None, :] + a * sin[None, :]).to(x1.dtype), mask=mask)
+    y1 = (a * cos[None, :] - b * sin[None, :]).to(x1.dtype)
+    y2 = (b * cos[None, :] + a * sin[None, :]).to(x1.dtype)
+    tl.store(first, y1, mask=mask)
+    tl.store(first + HALF, y2, mask=mask)
+    if COPY:
+        dst = copy_ptr + h[:, None] * stride_copy_head + d[None, :]
+        tl.store(dst, y1.to(copy_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF, y2.to(copy_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _copy_heads(src_ptr, stride_src_head, dst_ptr, stride_dst_head, heads, start, channels,
+                BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Channels [start, channels) of `heads` heads from src to dst (cast to dst's dtype)."""
+    h = tl.arange(0, BLOCK_H)
+    d = start + tl.arange(0, BLOCK_D)
+    mask = (h[:, None] < heads) & (d[None, :] < channels)
+    x = tl.load(src_ptr + h[:, None] * stride_src_head + d[None, :], mask=mask)
+    tl.store(dst_ptr + h[:, None] * stride_dst_head + d[None, :],
+             x.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -151,21 +173,34 @@ def rotary_kernel(
     k_ptr,
     positions_ptr,
     inv_freq_ptr,
+    v_ptr,              # WRITE_KV: [tokens, k_heads, head_dim]
+    k_cache_ptr,        # WRITE_KV: [slots, k_heads, head_dim]
+    v_cache_ptr,        # WRITE_KV: [slots, k_heads, head_dim]
+    slot_mapping_ptr,   # WRITE_KV: [tokens]
     # sizes
     q_heads,
     k_heads,
+    head_dim,
     # strides
     stride_q_token,
     stride_q_head,
     stride_k_token,
     stride_k_head,
+    stride_v_token,
+    stride_v_head,
+    stride_cache_slot,
+    stride_cache_head,
     # meta
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_QH: tl.constexpr,
     BLOCK_KH: tl.constexpr,
+    WRITE_KV: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
-    """Token program_id(0): its q and k heads rotated by its position."""
+    """Token program_id(0): its q and k heads rotated by its position; with WRITE_KV its
+    rotated key (the channels past the rotary ones as they are) and its value also stored
+    at its cache slot, as `attention_jit.write_kv_kernel` stores them."""
     token = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)
     inv_freq = tl.load(inv_freq_ptr + d, mask=d < HALF, other=0.0)
@@ -173,7 +208,19 @@ def rotary_kernel(
     dtype = q_ptr.dtype.element_ty
     cos = tl.cos(freqs).to(dtype).to(tl.float32)
     sin = tl.sin(freqs).to(dtype).to(tl.float32)
-    _rotate_heads(q_ptr, stride_q_token, stride_q_head, token, q_heads, cos, sin,
-                  HALF=HALF, BLOCK_H=BLOCK_QH, BLOCK_HALF=BLOCK_HALF)
-    _rotate_heads(k_ptr, stride_k_token, stride_k_head, token, k_heads, cos, sin,
-                  HALF=HALF, BLOCK_H=BLOCK_KH, BLOCK_HALF=BLOCK_HALF)
+    _rotate_heads(q_ptr, stride_q_token, stride_q_head, token, q_heads, cos, sin, q_ptr, 0,
+                  HALF=HALF, BLOCK_H=BLOCK_QH, BLOCK_HALF=BLOCK_HALF, COPY=False)
+    if WRITE_KV:
+        slot = tl.load(slot_mapping_ptr + token).to(tl.int64) * stride_cache_slot
+        _rotate_heads(k_ptr, stride_k_token, stride_k_head, token, k_heads, cos, sin,
+                      k_cache_ptr + slot, stride_cache_head, HALF=HALF, BLOCK_H=BLOCK_KH,
+                      BLOCK_HALF=BLOCK_HALF, COPY=True)
+        _copy_heads(k_ptr + token * stride_k_token, stride_k_head, k_cache_ptr + slot,
+                    stride_cache_head, k_heads, 2 * HALF, head_dim, BLOCK_H=BLOCK_KH,
+                    BLOCK_D=BLOCK_D)
+        _copy_heads(v_ptr + token * stride_v_token, stride_v_head, v_cache_ptr + slot,
+                    stride_cache_head, k_heads, 0, head_dim, BLOCK_H=BLOCK_KH,
+                    BLOCK_D=BLOCK_D)
+    else:
+        _rotate_heads(k_ptr, stride_k_token, stride_k_head, token, k_heads, cos, sin, k_ptr,
+                      0, HALF=HALF, BLOCK_H=BLOCK_KH, BLOCK_HALF=BLOCK_HALF, COPY=False)

@@ -48,6 +48,17 @@ class PagedAttention(nn.Module):
             start += qlen
         return out
 
+    def forward_rotary(self, rotary: nn.Module, positions: torch.Tensor, q: torch.Tensor,
+                       k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """`self(*rotary(positions, q, k), v)`; on the CUDA paths the rotation and the cache
+        write are one launch (`norm_rope.rotary_` with the cache)."""
+        ctx = get_forward_context()
+        if ctx.device is None:
+            q, k = rotary(positions, q, k)
+            return self(q, k, v)
+        q, _ = rotary(positions, q, k, (v, self.k_cache, self.v_cache, ctx.slot_mapping))
+        return self._kernel(q, ctx)
+
     def _kernel(self, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """All sequences in one launch, reading the block tables on the device."""
         work = None

@@ -53,11 +53,16 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                cache: tuple | None = None):
         """`q`, `k`: [tokens, heads, head_dim]; returns both rotated (in place, by one
-        Triton launch, in steps that take the CUDA paths)."""
+        Triton launch, in steps that take the CUDA paths). `cache` (v, k_cache, v_cache,
+        slot_mapping) is written in the same launch, on the CUDA paths only (see
+        `PagedAttention.forward_rotary`)."""
         if uses_kernels():
-            return norm_rope.rotary_(q, k, positions, self.inv_freq, self.rotary_dim)
+            return norm_rope.rotary_(q, k, positions, self.inv_freq, self.rotary_dim, cache)
+        if cache is not None:
+            raise ValueError("RotaryEmbedding: a cache write belongs to the CUDA paths")
         cos, sin = self.cos_sin(positions, q.dtype)
         return _apply(q, cos, sin, self.rotary_dim), _apply(k, cos, sin, self.rotary_dim)
 

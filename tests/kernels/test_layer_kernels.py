@@ -55,6 +55,41 @@ def test_rotary_matches_module(tp, head_dim, rotary_dim):
     _assert_close(got_k, want_k, f"k tp={tp}")
 
 
+@pytest.mark.parametrize("head_dim, rotary_dim", [(16, 16), (64, 16)])
+def test_rotary_writes_the_cache_as_write_kv(head_dim, rotary_dim):
+    """The rotary launch with the cache: q as without it, the rotated key (its unrotated
+    tail included) and the value at their slots of the paged caches exactly as the rotary
+    launch followed by `write_kv`; every other slot untouched. A launch that left the key
+    unrotated in the cache, or wrote the value to the key's cache, is caught."""
+    from freetoken.kernels.norm_rope import rotary_
+    from freetoken.kernels.paged_attention import write_kv
+    from freetoken.layers.rotary import RotaryEmbedding
+
+    rope = RotaryEmbedding(head_dim, rotary_dim, 10000.0)
+    gen = torch.Generator().manual_seed(3)
+    fused = torch.randn(5, (4 + 2 * 2) * head_dim, generator=gen)   # [q | k | v] rows
+    q = fused[:, : 4 * head_dim].view(5, 4, head_dim)
+    k = fused[:, 4 * head_dim : 6 * head_dim].view(5, 2, head_dim)
+    v = fused[:, 6 * head_dim :].view(5, 2, head_dim)
+    positions = torch.tensor([0, 3, 9, 40, 1000])
+    slots = torch.tensor([7, 0, 13, 2, 9])
+    caches = [torch.randn(4, 4, 2, head_dim, generator=gen) for _ in range(2)]
+    want = [c.clone() for c in caches]
+    want_q, want_k = rotary_(q.clone(), k.clone(), positions, rope.inv_freq, rotary_dim)
+    write_kv(want_k, v, want[0], want[1], slots)
+    got_q, _ = rotary_(q.clone(), k.clone(), positions, rope.inv_freq, rotary_dim,
+                       (v, caches[0], caches[1], slots))
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
+    unrotated = [c.clone() for c in want]
+    write_kv(k, v, unrotated[0], unrotated[1], slots)
+    assert not torch.equal(caches[0], unrotated[0])
+    assert not torch.equal(caches[1], caches[0])
+    with pytest.raises(ValueError, match="do not fit one cache write"):
+        rotary_(q.clone(), k.clone(), positions, rope.inv_freq, rotary_dim,
+                (v, caches[0], caches[1], slots[:3]))
+
+
 @pytest.mark.parametrize("tp", TP_SIZES)
 def test_gated_delta_decode_matches_recurrent_rule(tp):
     """One decode step over 16 / tp key heads and 32 / tp value heads (Qwen3.5's ratio)

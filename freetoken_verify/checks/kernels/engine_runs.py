@@ -114,7 +114,20 @@ def rotary(case: EngineCase, inp: _Inputs) -> list[Output]:
     want_q, want_k = rope(positions, _ref(q), _ref(k))
     got_q, got_k = norm_rope.rotary_(q.clone(), k.clone(), positions, rope.inv_freq,
                                      rotary_dim)
-    return [Output("q", got_q, want_q), Output("k", got_k, want_k)]
+    # The same launch storing the rotated key and the value at their cache slots (the
+    # engine's attention layers on the CUDA paths); the cache's other slots stay as they were.
+    v = inp.draw(6, case["kv heads"], dim)
+    caches = [inp.draw(3, 4, case["kv heads"], dim) for _ in range(2)]
+    slots = inp.perm(12)[:6]
+    want_caches = [_ref(c) for c in caches]
+    want_caches[0].view(-1, case["kv heads"], dim)[slots] = want_k
+    want_caches[1].view(-1, case["kv heads"], dim)[slots] = _ref(v)
+    fused_q, _ = norm_rope.rotary_(q.clone(), k.clone(), positions, rope.inv_freq, rotary_dim,
+                                   (v, caches[0], caches[1], slots))
+    return [Output("q", got_q, want_q), Output("k", got_k, want_k),
+            Output("q (cache write)", fused_q, want_q),
+            Output("k cache (cache write)", caches[0], want_caches[0]),
+            Output("v cache (cache write)", caches[1], want_caches[1])]
 
 
 def rms_norm(case: EngineCase, inp: _Inputs) -> list[Output]:
