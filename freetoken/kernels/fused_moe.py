@@ -1,5 +1,7 @@
 """Launcher of the routed-expert kernels for 16-bit, float32 or block-FP8 experts (`moe_jit`):
 the whole routed computation of one rank without a host sync, so decode steps can be graphed.
+One token (the batch-1 decode step) takes the kernels without tensor cores instead
+(`moe_rows`), unless the caller names grouped tiles.
 
 `fused_moe` is checked against `reference_moe`, the per-expert torch loop the engine runs on
 CPU (`freetoken.layers.moe.FusedExperts`; for block FP8 on the dequantized weights,
@@ -13,7 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from freetoken.kernels import moe_rows
 from freetoken.kernels.moe_align import align_pairs
+from freetoken.kernels.moe_rows import RowMoeTiles
 from freetoken.kernels.quant_gemm import block_step
 
 
@@ -60,26 +64,51 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
-              w2: torch.Tensor, tiles: MoeTiles | None = None, sum_slots: bool = True,
-              w13_scales: ExpertBlockScales | None = None,
+              w2: torch.Tensor, tiles: MoeTiles | RowMoeTiles | None = None,
+              sum_slots: bool = True, w13_scales: ExpertBlockScales | None = None,
               w2_scales: ExpertBlockScales | None = None) -> torch.Tensor:
     """Routed-expert partial sum for `x` [T, H]: w13 [E, 2I, H] (gate rows, then up rows),
     w2 [E, H, I], `weights` and `ids` [T, top_k]. Each token's weighted slots are summed in
     float32 and rounded once to x's dtype; with `sum_slots=False` the weighted slots
     themselves, float32 [T, top_k, H], for a caller that sums them in its own launch.
     Rank-dependent through the TP-local I. Block-FP8 experts: w13 and w2 float8_e4m3fn
-    with their `w13_scales` and `w2_scales`."""
+    with their `w13_scales` and `w2_scales`. One token without `tiles`, or any call with
+    `RowMoeTiles` (one token only), takes the row kernels; `MoeTiles` the grouped ones."""
     tokens, hidden = x.shape
     top_k = ids.shape[1]
     if tokens == 0:
         return x.new_zeros(0, hidden) if sum_slots else x.new_zeros(0, top_k, hidden,
                                                                       dtype=torch.float32)
+    if isinstance(tiles, RowMoeTiles) or (tiles is None and tokens == 1):
+        return _rows(x, weights, ids, w13, w2, tiles, sum_slots, w13_scales, w2_scales)
     h, layout = _gate_up(x, ids, w13, w13_scales, tiles)
     inter = w2.shape[2]
     down_k = min(layout.tiles.block_k, _pow2(inter))
     out = _down(h, weights, w2, w2_scales, layout, 1, down_k, block_step_ok=True)[0]
     out = out.view(tokens, top_k, hidden)
     return out.sum(dim=1).to(x.dtype) if sum_slots else out
+
+
+def _rows(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
+          w2: torch.Tensor, tiles: RowMoeTiles | None, sum_slots: bool,
+          w13_scales: ExpertBlockScales | None, w2_scales: ExpertBlockScales | None
+          ) -> torch.Tensor:
+    """`fused_moe` of one token on the row kernels (`moe_rows`)."""
+    tokens, hidden = x.shape
+    if tokens != 1:
+        raise ValueError(f"fused_moe: row tiles serve one token, got {tokens}")
+    if tuple(ids.shape) != tuple(weights.shape):
+        raise ValueError(f"fused_moe: ids {tuple(ids.shape)} and weights "
+                         f"{tuple(weights.shape)} differ in shape")
+    _check_scales(w13, w13_scales, "w13")
+    _check_scales(w2, w2_scales, "w2")
+    inter = w2.shape[2]
+    tiles = tiles or moe_rows.choose_tiles(hidden, inter, ids.shape[1])
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    gate_up_scale, gate_up_k = _scale_args(w13_scales, min(tiles.block_k, _pow2(hidden)), w13)
+    h = moe_rows.gate_up(x, ids, w13, tiles, gate_up_k, gate_up_scale)
+    down_scale, down_k = _scale_args(w2_scales, min(tiles.block_k, _pow2(inter)), w2)
+    return moe_rows.down(h, weights, ids, w2, tiles, down_k, down_scale, sum_slots, x.dtype)
 
 
 def fused_moe_leaves(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,

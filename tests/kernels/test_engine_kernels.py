@@ -174,12 +174,13 @@ def test_route_matches_torch_routing(top_k, renormalize):
 
 
 def test_one_token_layout_computes_the_sorted_layouts_sum():
-    """A single token's pairs, one block each in slot order, give the same routed sum as
-    the sorted layout (its experts are distinct), at TP-local intermediate sizes."""
-    from freetoken.kernels.fused_moe import fused_moe, reference_moe
+    """A single token's pairs on the grouped kernels (named tiles; without them one token
+    takes the row kernels), one block each in slot order, give the same routed sum as the
+    sorted layout (its experts are distinct), at TP-local intermediate sizes."""
+    from freetoken.kernels.fused_moe import DECODE_TILES, fused_moe, reference_moe
 
     for tp in TP_SIZES:
         w13, w2 = _make_experts(16, 48, 64 // tp, seed=tp)
         x, weights, ids = _make_routing(1, 16, 4, 48, seed=tp)
-        _assert_close(fused_moe(x, weights, ids, w13, w2),
+        _assert_close(fused_moe(x, weights, ids, w13, w2, tiles=DECODE_TILES),
                       reference_moe(x, weights, ids, w13, w2), f"tp={tp}")

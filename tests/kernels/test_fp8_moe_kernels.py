@@ -1,14 +1,15 @@
 """The block-FP8 routed experts' CUDA path (`freetoken.kernels.fused_moe` with block scales,
 taken by `BlockFP8FusedExperts` in a step that runs the Triton kernels) in Triton's
 interpreter with float32 activations, against the `kernels` check's float64 oracle computed
-from the format definition, for every rank of TP 1, 2, 4 and 8:
+from the format definition, for every rank of TP 1, 2, 4 and 8, at one token (the row
+kernels, `freetoken.kernels.moe_rows`) and at seven (the grouped kernels):
 
 - 24 x 40 blocks over experts of I = 128 (every dim ends in a partial block; at TP 4 and 8
   ranks share blocks and start inside them): the scale applied to every weight element;
 - 128 x 128 blocks over I = 512 (Qwen3.5-35B-A3B's, 64 a rank at TP 8, half a block): the
   scale applied once per K step, the odd ranks half a block into their column block;
-- injected bugs the comparison must catch: the column offset inside a shared block dropped,
-  the up rows reading the gate's scale rows."""
+- injected bugs the comparison must catch (at one token): the column offset inside a shared
+  block dropped, the up rows reading the gate's scale rows."""
 
 from __future__ import annotations
 

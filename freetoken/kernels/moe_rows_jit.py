@@ -1,0 +1,205 @@
+"""The routed experts of one token without tensor cores (`gate_up_rows_kernel`,
+`down_rows_kernel`), for the batch-1 decode step: `moe_jit`'s grouped kernels give each of
+the token's top_k pairs a 16-row dot tile of its own (15 rows of padding) and at least 16
+output features per program, so the launch has few programs and most of their work is
+padding; here a program holds any number of output features (1, 2, 4, ...) of one token,
+widens its weights to float32 and multiplies them elementwise with the input, so an expert
+of a few hundred rows still fills the GPU. The slots' expert ids are read where the router
+wrote them (int64 [1, top_k]), so nothing is sorted or cast first; each is a valid expert
+(a token's top-k: no -1 such as the grouped layout's unused blocks carry).
+
+Each program computes one dot of ROWS weight rows (`_row_dots`): the products of every step
+are added elementwise into a [ROWS, BLOCK_K] float32 tile and reduced along the inputs once.
+The steps (STEPS, a constexpr) are unrolled and nothing between the loads synchronises the
+program's threads, so all of its weight loads are in flight before the first sum (a sum per
+step, or per slot, waits for the threads to exchange partial sums before the next loads).
+Every program's order of additions is fixed, so a launch gives the same bits each time
+(graph replay equals eager).
+
+Block FP8 (SCALE > 0): weight element (n, k) of expert e is its e4m3 code times
+`scale[e, scale_row[n], (k + col_offset) // BLOCK_COLS]`, as in `moe_jit`. SCALE 1: every K
+step lies inside one column block (BLOCK_K divides BLOCK_COLS and col_offset), so each row
+loads one scale per step; SCALE 2: each weight element loads its own (any block size and
+offset). The scale multiplies the float32 product (`moe_jit` multiplies SCALE 1's step dot,
+and rounds SCALE 2's scaled weight to the activations' dtype for its dot).
+
+- `gate_up_rows_kernel`: grid (top_k, features): program (slot, block) computes BLOCK_N gate
+  features and the matching up features of h[slot] = SiLU(gate) * up over the whole hidden
+  size (rows [gate | up] of one dot), in float32, rounded once to h's dtype as
+  `gate_up_kernel` rounds it.
+- `down_rows_kernel`: grid (features,): program (block) computes BLOCK_N outputs n of every
+  slot (rows (slot, n) of one dot), weight[s] * (h[s] . w2[e_s, n]) in float32, and either
+  adds the slots in slot order and stores the sum rounded once to out's dtype (SUM_SLOTS:
+  the torch path's float32 sum of the slots, with no second launch) or stores each slot's
+  float32 value. The slots stay in one program rather than on a grid axis: their sum then
+  needs no second launch and no atomics (whose order would vary between launches), and
+  hidden / BLOCK_N programs already fill the GPU (512 at 2048 outputs and 4 per program).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from freetoken.kernels import jit_ops as ops
+
+
+@triton.jit
+def _row_dots(x_rows, w_rows, s_rows, length, col_offset, row_ok,
+              SCALE: tl.constexpr, BLOCK_COLS: tl.constexpr, EVEN_K: tl.constexpr,
+              STEPS: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """float32 [ROWS]: row r's input (`x_rows` [ROWS, 1] pointers) . its weight row
+    (`w_rows` [ROWS, 1]) over `length` inputs in STEPS steps, with the row's block scales
+    (`s_rows` [ROWS]: its scale row, SCALE > 0); rows past `row_ok` give 0."""
+    acc = tl.full([ROWS, BLOCK_K], 0, dtype=tl.float32)
+    for step in tl.static_range(STEPS):
+        k0 = step * BLOCK_K
+        ks = (k0 + tl.arange(0, BLOCK_K))[None, :]
+        if EVEN_K:
+            w_mask = row_ok[:, None]
+            xv = tl.load(x_rows + ks)
+        else:
+            w_mask = row_ok[:, None] & (ks < length)
+            xv = tl.load(x_rows + ks, mask=ks < length, other=0.0)
+        w = tl.load(w_rows + ks, mask=w_mask, other=0.0)
+        prod = w.to(tl.float32) * xv.to(tl.float32)
+        if SCALE == 2:
+            prod *= tl.load(s_rows[:, None] + (ks + col_offset) // BLOCK_COLS, mask=w_mask,
+                            other=0.0)
+        elif SCALE == 1:
+            prod *= tl.load(s_rows + (k0 + col_offset) // BLOCK_COLS, mask=row_ok,
+                            other=0.0)[:, None]
+        acc += prod
+    return ops.sum_(acc, axis=1)
+
+
+@triton.jit
+def _pick(values, index, i):
+    """Row `i` of `values` [R, C] as [C], exactly (the other rows add zeros); `index` [R, 1]
+    each row's index."""
+    return ops.sum_(tl.where(index == i, values, 0.0), axis=0)
+
+
+@triton.jit
+def gate_up_rows_kernel(
+    # pointers
+    x_ptr,                  # [1, hidden] the token
+    w13_ptr,                # [E, 2 * inter, hidden] gate rows, then up rows
+    h_ptr,                  # [top_k, inter] out, x's dtype
+    ids_ptr,                # [1, top_k] expert ids (int64)
+    scale_ptr,              # block FP8: [E, scale rows, scale columns] float32
+    scale_row_ptr,          # block FP8: [2 * inter] int32, each w13 row's scale row
+    # sizes
+    hidden,
+    inter,
+    col_offset,
+    # strides
+    stride_ids_slot,
+    stride_w13_expert,
+    stride_w13_row,
+    stride_h_slot,
+    stride_scale_expert,
+    stride_scale_row,
+    # meta
+    SCALE: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    STEPS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """h[s, n] = silu(x . w13[e_s, n]) * (x . w13[e_s, inter + n]) for slot s =
+    program_id(0), its expert e_s = ids[s], and the BLOCK_N features n of block
+    program_id(1): rows [gate features | up features] of one dot."""
+    slot = tl.program_id(0)
+    expert = tl.load(ids_ptr + slot * stride_ids_slot).to(tl.int64)
+    r = tl.arange(0, 2 * BLOCK_N)
+    half = r // BLOCK_N
+    cols = tl.program_id(1) * BLOCK_N + r % BLOCK_N
+    row_ok = cols < inter
+    rows = cols + half * inter
+    w_rows = w13_ptr + expert * stride_w13_expert + rows.to(tl.int64)[:, None] * stride_w13_row
+    s_rows = scale_ptr
+    if SCALE > 0:
+        s_rows = (scale_ptr + expert * stride_scale_expert
+                  + tl.load(scale_row_ptr + rows, mask=row_ok, other=0) * stride_scale_row)
+    # The input is read per row, so that it takes the weight tile's register layout rather
+    # than being moved into it through shared memory at every step.
+    x_rows = x_ptr + tl.zeros([2 * BLOCK_N, 1], dtype=tl.int32)
+    both = tl.reshape(_row_dots(x_rows, w_rows, s_rows, hidden, col_offset, row_ok, SCALE,
+                                BLOCK_COLS, EVEN_K, STEPS, 2 * BLOCK_N, BLOCK_K),
+                      [2, BLOCK_N])
+    index = tl.arange(0, 2)[:, None]
+    gate = _pick(both, index, 0)
+    up = _pick(both, index, 1)
+    h = gate * ops.sigmoid(gate) * up
+    out_cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(h_ptr + slot * stride_h_slot + out_cols, h.to(h_ptr.dtype.element_ty),
+             mask=out_cols < inter)
+
+
+@triton.jit
+def down_rows_kernel(
+    # pointers
+    h_ptr,                  # [top_k, inter] SiLU(gate) * up of each slot
+    w2_ptr,                 # [E, hidden, inter]
+    weights_ptr,            # [1, top_k] routing weights
+    ids_ptr,                # [1, top_k] expert ids (int64)
+    out_ptr,                # SUM_SLOTS: [1, hidden] x's dtype; else [top_k, hidden] float32
+    scale_ptr,              # block FP8: [E, scale rows, scale columns] float32
+    scale_row_ptr,          # block FP8: [hidden] int32, each w2 row's scale row
+    # sizes
+    hidden,
+    inter,
+    col_offset,
+    # strides
+    stride_ids_slot,
+    stride_weights_slot,
+    stride_h_slot,
+    stride_w2_expert,
+    stride_w2_row,
+    stride_out_slot,
+    stride_scale_expert,
+    stride_scale_row,
+    # meta
+    TOP_K: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    SUM_SLOTS: tl.constexpr,
+    SCALE: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    STEPS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """For the BLOCK_N outputs n of block program_id(0) and every slot s (expert e_s =
+    ids[s]): weight[s] * (h[s] . w2[e_s, n]) in float32, one dot of BLOCK_S x BLOCK_N rows
+    (BLOCK_S: TOP_K to a power of two); added over s = 0, 1, ... in that order and stored
+    rounded to out's dtype (SUM_SLOTS), or stored per slot at out[s]."""
+    r = tl.arange(0, BLOCK_S * BLOCK_N)
+    # Padding slots read slot 0's expert and input; their weight rows are masked off.
+    slot = tl.where(r // BLOCK_N < TOP_K, r // BLOCK_N, 0)
+    cols = tl.program_id(0) * BLOCK_N + r % BLOCK_N
+    row_ok = (r // BLOCK_N < TOP_K) & (cols < hidden)
+    expert = tl.load(ids_ptr + slot * stride_ids_slot).to(tl.int64)
+    w_rows = w2_ptr + expert[:, None] * stride_w2_expert + cols.to(tl.int64)[:, None] * \
+        stride_w2_row
+    s_rows = scale_ptr
+    if SCALE > 0:
+        s_rows = (scale_ptr + expert * stride_scale_expert
+                  + tl.load(scale_row_ptr + cols, mask=row_ok, other=0) * stride_scale_row)
+    x_rows = h_ptr + slot[:, None] * stride_h_slot
+    weight = tl.load(weights_ptr + slot * stride_weights_slot).to(tl.float32)
+    values = _row_dots(x_rows, w_rows, s_rows, inter, col_offset, row_ok, SCALE, BLOCK_COLS,
+                       EVEN_K, STEPS, BLOCK_S * BLOCK_N, BLOCK_K) * weight
+    if SUM_SLOTS:
+        per_slot = tl.reshape(values, [BLOCK_S, BLOCK_N])
+        index = tl.arange(0, BLOCK_S)[:, None]
+        total = tl.full([BLOCK_N], 0, dtype=tl.float32)
+        for s in tl.static_range(TOP_K):
+            total += _pick(per_slot, index, s)
+        out_cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(out_ptr + out_cols, total.to(out_ptr.dtype.element_ty),
+                 mask=out_cols < hidden)
+    else:
+        tl.store(out_ptr + slot * stride_out_slot + cols, values, mask=row_ok)

@@ -1,0 +1,265 @@
+"""The one-token routed experts on the row kernels (`freetoken.kernels.moe_rows`, taken by
+`fused_moe.fused_moe` at one token) in Triton's interpreter, against the per-expert torch
+loop (`fused_moe.reference_moe`):
+
+- 16-bit and float32 experts (bf16 to bf16's precision: the reference rounds each expert's
+  output, the kernels only the sum), whole and ragged feature blocks and input steps, expert
+  ids in any order, the slots summed (`sum_slots`) and each slot alone;
+- block-FP8 experts of TP ranks that start inside a shared column block, the scale applied
+  to every element (24 x 40 blocks) and once per input step (64-input column blocks, the
+  rank 32 inputs into its block);
+- the launcher takes the row kernels at one token only, and not when grouped tiles are
+  named; the default tiles' policy;
+- injected bugs the comparison must catch: the routing weight dropped, gate/up reading the
+  previous slot's expert, the down projection's column offset dropped."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from interpreted import assert_close as _assert_close
+from interpreted import interpreter  # noqa: F401  (module-wide fixture)
+
+from freetoken.distributed import TPInfo, acting_as
+from freetoken.formats.quant.format import FP8_BLOCK, HF_FP8, ModuleFormat
+from freetoken.kernels import fused_moe, moe_rows
+from freetoken.kernels.moe_rows import RowMoeTiles
+from freetoken.layers.quantization.fp8.moe import BlockFP8FusedExperts
+from freetoken_verify.checks.kernels.quant import fill
+from freetoken_verify.checks.kernels.quant_data import experts_data
+from freetoken_verify.checks.quant_layout import Experts
+
+STEP_TILES = RowMoeTiles(gate_up_n=32, down_n=64, block_k=64)
+"""Whole shapes in several input steps each."""
+SMALL_TILES = RowMoeTiles(gate_up_n=4, down_n=8, block_k=64)
+"""Several input steps and feature blocks over the small shapes, ragged at their ends."""
+PARTIAL = (Experts(experts=6, top_k=2, hidden=112, intermediate=128), (24, 40))
+GROUPED = (Experts(experts=8, top_k=4, hidden=192, intermediate=192), (32, 64))
+"""At TP 2 rank 1 holds I = 96 from input 96: 32 inputs into its 64-wide column block."""
+
+
+def _make_experts(experts, hidden, inter, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5
+    w2 = torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5
+    return w13.to(dtype), w2.to(dtype)
+
+
+def _make_token(experts, top_k, hidden, dtype, seed, shuffle=False):
+    """One token, its routing weights and expert ids (top-k order, or shuffled)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, hidden, generator=gen)
+    weights, ids = torch.softmax(torch.randn(1, experts, generator=gen), -1).topk(top_k)
+    if shuffle:
+        order = torch.randperm(top_k, generator=gen)
+        weights, ids = weights[:, order], ids[:, order]
+    return x.to(dtype), (weights / weights.sum(-1, keepdim=True)).to(dtype), ids
+
+
+def _assert_matches(got, want, what):
+    """float32: the interpreted tests' closeness; bf16: within a few bf16 roundings."""
+    if want.dtype == torch.bfloat16:
+        atol = 2e-2 * float(want.abs().max())
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=atol,
+                                   msg=lambda m: f"{what}: {m}")
+    else:
+        _assert_close(got, want, what)
+
+
+def _assert_experts(x, weights, ids, w13, w2, what, tiles=None, **scales):
+    """Summed and per-slot outputs of the row path equal the reference (on `ref`, the
+    rank's exact (w13, w2) in float32, when the experts are block FP8)."""
+    ref_w13, ref_w2 = scales.pop("ref", (w13, w2))
+    got = fused_moe.fused_moe(x, weights, ids, w13, w2, tiles=tiles, **scales)
+    _assert_matches(got, fused_moe.reference_moe(x, weights, ids, ref_w13, ref_w2),
+                    f"{what} summed")
+    slots = fused_moe.fused_moe(x, weights, ids, w13, w2, tiles=tiles, sum_slots=False,
+                                **scales)
+    assert slots.shape == (1, ids.shape[1], x.shape[1]) and slots.dtype == torch.float32, \
+        f"{what}: slots {tuple(slots.shape)} {slots.dtype}"
+    for s in range(ids.shape[1]):
+        want = fused_moe.reference_moe(x, weights[:, s:s + 1], ids[:, s:s + 1], ref_w13, ref_w2)
+        _assert_matches(slots[:, s].to(x.dtype), want, f"{what} slot {s}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape, tiles", [((16, 8, 256, 128), STEP_TILES),
+                                          ((8, 3, 100, 40), SMALL_TILES)],
+                         ids=["whole", "ragged"])
+def test_row_path_matches_reference(dtype, shape, tiles):
+    """One token's weighted expert sum, and each slot alone, over 16 experts of 256 x 128
+    (whole tiles) and 8 of 100 x 40 (every dim ragged), with the interpreter's default
+    tiles (one step over each row) and with smaller ones (several input steps, and over the
+    ragged shape several feature blocks, partial at the ends)."""
+    experts, top_k, hidden, inter = shape
+    w13, w2 = _make_experts(experts, hidden, inter, dtype, seed=hidden)
+    x, weights, ids = _make_token(experts, top_k, hidden, dtype, seed=inter)
+    _assert_experts(x, weights, ids, w13, w2, f"{dtype} {shape}")
+    _assert_experts(x, weights, ids, w13, w2, f"{dtype} {shape} {tiles}", tiles)
+
+
+def test_expert_ids_in_any_order():
+    """Slots need not be in top-k order: shuffled slots give the reference's sum, and the
+    same sum as the sorted slots; a launch repeated gives the same bits (fixed order)."""
+    w13, w2 = _make_experts(12, 64, 32, torch.float32, seed=3)
+    x, weights, ids = _make_token(12, 6, 64, torch.float32, seed=4, shuffle=True)
+    assert not torch.equal(weights, weights.sort(descending=True).values), "not shuffled"
+    got = fused_moe.fused_moe(x, weights, ids, w13, w2)
+    _assert_close(got, fused_moe.reference_moe(x, weights, ids, w13, w2), "shuffled")
+    order = weights.argsort(descending=True)
+    _assert_close(got, fused_moe.fused_moe(x, weights[:, order[0]], ids[:, order[0]], w13, w2),
+                  "shuffled vs sorted")
+    assert torch.equal(got, fused_moe.fused_moe(x, weights, ids, w13, w2)), "repeat differs"
+
+
+def _make_fp8(layout, tp, rank, seed):
+    """(rank `rank` of TP `tp`'s block-FP8 experts, their block scales, the oracle's gate |
+    up and down weights of that rank in float32)."""
+    experts, block = layout
+    fmt = ModuleFormat(FP8_BLOCK, HF_FP8, block)
+    gen = torch.Generator().manual_seed(seed)
+    with acting_as(TPInfo(rank, tp)):
+        layer = BlockFP8FusedExperts(experts.experts, experts.hidden, experts.intermediate,
+                                     block)
+        params, w13, w2 = experts_data(fmt, experts, rank, tp, gen)
+        fill(layer, params)
+    ref = tuple(torch.stack([w[e] for e in range(experts.experts)]).float() for w in (w13, w2))
+    return layer, layer.block_scales(), ref
+
+
+def _fp8_call(layout, tp, rank):
+    """The arguments of `fused_moe` for a token through those experts, and the reference's
+    weights under `ref`."""
+    layer, (s13, s2), ref = _make_fp8(layout, tp, rank, seed=tp * 10 + rank)
+    e = layout[0]
+    x, weights, ids = _make_token(e.experts, e.top_k, e.hidden, torch.float32, seed=tp)
+    return (x, weights, ids, layer.w13_weight, layer.w2_weight), \
+        dict(w13_scales=s13, w2_scales=s2, ref=ref)
+
+
+class _Launches:
+    """`moe_rows`' kernel module behind a recorder of each launch's kernel and arguments."""
+
+    def __init__(self, module):
+        self.module = module
+        self.seen = []
+
+    def __getattr__(self, name):
+        kernel = getattr(self.module, name)
+        seen = self.seen
+
+        class Grid:
+            def __getitem__(self, grid):
+                def launch(**kw):
+                    seen.append((name, kw))
+                    return kernel[grid](**kw)
+                return launch
+        return Grid()
+
+
+@pytest.fixture()
+def launches(monkeypatch):
+    recorder = _Launches(moe_rows._jit())
+    monkeypatch.setattr(moe_rows, "_jit", lambda: recorder)
+    return recorder.seen
+
+
+@pytest.mark.parametrize("layout, tp, rank, modes",
+                         [(PARTIAL, 1, 0, (2, 2)), (PARTIAL, 4, 3, (2, 2)),
+                          (GROUPED, 2, 1, (1, 1))],
+                         ids=["24x40-tp1", "24x40-tp4-rank3", "32x64-tp2-rank1"])
+def test_block_fp8_matches_reference(launches, layout, tp, rank, modes):
+    """Block-FP8 experts against the reference on the rank's exact weights: 24 x 40 blocks
+    scale every element (at TP 4 rank 3 holds I = 32 from input 96, 16 into its column
+    block); 32 x 64 blocks scale the partial sum of each step of 64 (gate/up: 3 steps, the
+    last ragged) and 32 inputs (down: the rank is 32 inputs into its block, 3 steps)."""
+    args, scales = _fp8_call(layout, tp, rank)
+    _assert_experts(*args, f"fp8 {layout[1]} tp={tp} rank={rank}", **scales)
+    taken = {name: (kw["SCALE"], kw["BLOCK_K"], kw["col_offset"]) for name, kw in launches}
+    assert (taken["gate_up_rows_kernel"][0], taken["down_rows_kernel"][0]) == modes, taken
+    if layout is GROUPED:
+        assert taken["gate_up_rows_kernel"][1:] == (64, 0), taken
+        assert taken["down_rows_kernel"][1:] == (32, 32), taken
+
+
+def test_row_path_only_at_one_token(launches):
+    """One token without tiles takes the two row launches (the slot sum folded into the
+    second); several tokens, or one with grouped tiles, take the grouped kernels; row tiles
+    at several tokens, routing weights that do not match the ids and FP8 weights without
+    scales are refused by name."""
+    w13, w2 = _make_experts(8, 48, 16, torch.float32, seed=0)
+    x, weights, ids = _make_token(8, 2, 48, torch.float32, seed=1)
+    fused_moe.fused_moe(x, weights, ids, w13, w2)
+    assert [name for name, _ in launches] == ["gate_up_rows_kernel", "down_rows_kernel"]
+    assert launches[1][1]["SUM_SLOTS"] is True, "the slot sum is not folded in"
+    launches.clear()
+    fused_moe.fused_moe(x, weights, ids, w13, w2, tiles=fused_moe.DECODE_TILES)
+    three = torch.cat([x] * 3), torch.cat([weights] * 3), torch.cat([ids] * 3)
+    fused_moe.fused_moe(*three, w13, w2)
+    assert launches == [], [name for name, _ in launches]
+    with pytest.raises(ValueError, match="row tiles serve one token, got 3"):
+        fused_moe.fused_moe(*three, w13, w2, tiles=SMALL_TILES)
+    with pytest.raises(ValueError, match=r"ids \(1, 2\) and weights \(1, 1\) differ"):
+        fused_moe.fused_moe(x, weights[:, :1], ids, w13, w2)
+    with pytest.raises(ValueError, match="w2 is float8_e4m3fn but has no block scales"):
+        fused_moe.fused_moe(x, weights, ids, w13, w2.to(torch.float8_e4m3fn))
+
+
+def test_default_tiles(monkeypatch):
+    """On a GPU: 4 features per program and 1024-input steps at Qwen3.5-35B-A3B's TP 1
+    (H 2048, I 512, top-8); fewer features per program where a launch would otherwise have
+    under two programs per SM (I 64 at TP 8: 512 gate/up programs of one feature)."""
+    monkeypatch.setattr(moe_rows, "interpreting", lambda: False)
+    assert moe_rows.choose_tiles(2048, 512, 8) == RowMoeTiles(4, 4, 1024, 4)
+    assert moe_rows.choose_tiles(2048, 64, 8) == RowMoeTiles(1, 4, 1024, 4)
+    assert moe_rows.choose_tiles(512, 64, 8).down_n == 1
+
+
+def _assert_caught(run, what):
+    """`run` fails on the comparison (not on anything else)."""
+    try:
+        run()
+    except AssertionError as err:
+        assert "not close" in str(err), f"{what}: failed otherwise: {err}"
+        return
+    pytest.fail(f"{what}: the comparison passed")
+
+
+def test_dropped_routing_weight_is_caught(monkeypatch):
+    """A down launch that adds the slots unweighted (all routing weights 1) differs from the
+    reference, summed and per slot."""
+    original = moe_rows.down
+    monkeypatch.setattr(moe_rows, "down", lambda h, weights, *a: original(
+        h, torch.ones_like(weights), *a))
+    w13, w2 = _make_experts(8, 64, 32, torch.float32, seed=5)
+    x, weights, ids = _make_token(8, 4, 64, torch.float32, seed=6)
+    _assert_caught(lambda: _assert_experts(x, weights, ids, w13, w2, "unweighted"),
+                   "routing weight dropped")
+
+
+def test_previous_slots_expert_is_caught(monkeypatch):
+    """gate/up computing each slot with the previous slot's expert (the down projection
+    with the slot's own) differs from the reference."""
+    original = moe_rows.gate_up
+    monkeypatch.setattr(moe_rows, "gate_up", lambda x, ids, *a: original(
+        x, ids.roll(1, dims=1), *a))
+    w13, w2 = _make_experts(8, 64, 32, torch.float32, seed=7)
+    x, weights, ids = _make_token(8, 4, 64, torch.float32, seed=8)
+    _assert_caught(lambda: _assert_experts(x, weights, ids, w13, w2, "rolled"),
+                   "previous slot's expert")
+
+
+def test_dropped_column_offset_is_caught(monkeypatch):
+    """The down projection of a rank 32 inputs into its 64-wide column block, its steps'
+    scale columns counted from the block's start (offset dropped), differs from the
+    reference: its second step takes its first block's scale instead of the next one's."""
+    original = moe_rows.down
+
+    def no_offset(h, weights, ids, w2, tiles, block_k, scale_args, *rest):
+        return original(h, weights, ids, w2, tiles, block_k, dict(scale_args, col_offset=0),
+                        *rest)
+
+    monkeypatch.setattr(moe_rows, "down", no_offset)
+    args, scales = _fp8_call(GROUPED, 2, 1)
+    assert scales["w2_scales"].col_offset == 32
+    _assert_caught(lambda: _assert_experts(*args, "no offset", **scales), "offset dropped")
