@@ -6,10 +6,11 @@ between runs of `bench/engine_decode.py`, more than a table change moves a step.
     python3 bench/tile_ab.py --model FOLDER --arm old:GEMV.json:QUANT.json \
         --arm new:-:- [--batches 1,16] [--rounds 4] [--new-tokens 16] [--mb 2005.3]
 
-An arm is `name:gemv_table:quant_table[:overlap]`, each table a JSON file that the engine
+An arm is `name:gemv_table:quant_table[:switches]`, each table a JSON file that the engine
 reads (`FREETOKEN_GEMV_TABLE`, `FREETOKEN_QUANT_TABLE`) or `-` for the shipped one, and
-`overlap` `on` (the default: the engine's overlapped steps) or `off` (each step's tokens
-read before the next step is launched, `EngineConfig.overlap_steps=False`). Before each
+switches a comma list of `no-overlap` (each step's tokens read before the next step is
+launched, `EngineConfig.overlap_steps=False`) and `no-moe-rows` (one token's routed experts
+on the grouped kernels, `fused_moe.ROWS_AT_ONE_TOKEN`); both are on otherwise. Before each
 arm's run the tables are re-read and the decode graphs dropped, so they are captured
 again with that arm's tiles. A run is one warm-up and `--repeats` timed pairs (one token,
 then `--new-tokens`); the step time is their difference over the decode steps. Prints
@@ -32,29 +33,33 @@ from tabulate import tabulate
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from freetoken import LLM, SamplingParams  # noqa: E402
-from freetoken.kernels import gemv, quant_gemm  # noqa: E402
+from freetoken.kernels import fused_moe, gemv, quant_gemm  # noqa: E402
 
 TABLES = (("FREETOKEN_GEMV_TABLE", gemv), ("FREETOKEN_QUANT_TABLE", quant_gemm))
 
 
-def parse_arm(text: str) -> tuple[str, tuple[str, str, bool]]:
+SWITCHES = ("no-overlap", "no-moe-rows")
+
+
+def parse_arm(text: str) -> tuple[str, tuple[str, str, frozenset]]:
     parts = text.split(":")
-    if len(parts) == 3:
-        parts.append("on")
-    if len(parts) != 4 or not parts[0] or parts[3] not in ("on", "off"):
+    switches = frozenset(filter(None, parts[3].split(","))) if len(parts) == 4 else frozenset()
+    if len(parts) not in (3, 4) or not parts[0] or not switches <= set(SWITCHES):
         raise argparse.ArgumentTypeError(f"{text!r}: expected name:gemv_table:quant_table"
-                                         "[:on|off] (- for the shipped table)")
+                                         f"[:switches] (- for the shipped table; switches "
+                                         f"from {', '.join(SWITCHES)})")
     for path in parts[1:3]:
         if path != "-" and not Path(path).is_file():
             raise argparse.ArgumentTypeError(f"{text!r}: no table file {path}")
-    return parts[0], (parts[1], parts[2], parts[3] == "on")
+    return parts[0], (parts[1], parts[2], switches)
 
 
-def use_arm(llm: LLM, arm: tuple[str, str, bool]) -> None:
-    """Point the engine at the arm's tables and overlap, and drop its decode graphs
+def use_arm(llm: LLM, arm: tuple[str, str, frozenset]) -> None:
+    """Point the engine at the arm's tables and switches, and drop its decode graphs
     (captured again on use)."""
-    *tables, overlap = arm
-    llm._core.set_overlap(overlap)
+    *tables, switches = arm
+    llm._core.set_overlap("no-overlap" not in switches)
+    fused_moe.ROWS_AT_ONE_TOKEN = "no-moe-rows" not in switches
     for path, (var, module) in zip(tables, TABLES):
         if path == "-":
             os.environ.pop(var, None)

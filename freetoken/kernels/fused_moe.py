@@ -49,6 +49,10 @@ class ExpertBlockScales:
     col_offset: int = 0
 
 
+ROWS_AT_ONE_TOKEN = True
+"""One token without `tiles` takes the row kernels (`moe_rows`); False keeps it on the grouped
+kernels (an A/B of `bench/tile_ab.py`)."""
+
 DECODE_MAX_PAIRS = 1024
 """Up to this many (token, slot) pairs take DECODE_TILES."""
 
@@ -79,7 +83,7 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: to
     if tokens == 0:
         return x.new_zeros(0, hidden) if sum_slots else x.new_zeros(0, top_k, hidden,
                                                                       dtype=torch.float32)
-    if isinstance(tiles, RowMoeTiles) or (tiles is None and tokens == 1):
+    if isinstance(tiles, RowMoeTiles) or (tiles is None and tokens == 1 and ROWS_AT_ONE_TOKEN):
         return _rows(x, weights, ids, w13, w2, tiles, sum_slots, w13_scales, w2_scales)
     h, layout = _gate_up(x, ids, w13, w13_scales, tiles)
     inter = w2.shape[2]
