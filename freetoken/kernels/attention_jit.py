@@ -7,6 +7,14 @@ position, query head of that KV head's group) pair, so a GQA group reads its key
 nothing is copied per head. Queries of a sequence are its last `query_len` positions of
 `context_len`; row q attends to positions <= its own (causal with the cached offset). Online
 softmax in float32; out-of-range rows are neither read nor written.
+
+Decode with ROPE: the program first rotates its query rows and this step's key of its KV head
+by the token's position (rotate-half over the first 2 * HALF channels, cos and sin rounded
+to the activations' dtype, each rotated value rounded to it: as `norm_rope_jit.rotary_kernel`)
+and stores that key and the value at the token's cache slot; a barrier makes the stores
+visible to the program's own threads, which then read the context (the new key included)
+from the cache as without ROPE. One launch where rotary, the cache write and attention took
+two.
 """
 
 from __future__ import annotations
@@ -28,6 +36,11 @@ def paged_attention_kernel(
     query_starts_ptr,
     context_lens_ptr,
     work_ptr,
+    positions_ptr,      # ROPE: [T] int64
+    inv_freq_ptr,       # ROPE: [HALF] float32
+    k_new_ptr,          # ROPE: [T, kv_heads, head_dim] this step's keys (unrotated)
+    v_new_ptr,          # ROPE: [T, kv_heads, head_dim] this step's values
+    slot_mapping_ptr,   # ROPE: [T] int64
     # sizes
     scale,
     block_size,
@@ -39,6 +52,10 @@ def paged_attention_kernel(
     stride_out_token,
     stride_out_head,
     stride_table_seq,
+    stride_k_new_token,
+    stride_k_new_head,
+    stride_v_new_token,
+    stride_v_new_head,
     # meta
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -47,6 +64,8 @@ def paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     DECODE: tl.constexpr,
     PRECISION: tl.constexpr,
+    ROPE: tl.constexpr = False,
+    HALF: tl.constexpr = 1,
 ):
     """Program (work item, KV head). Decode: work item i is sequence i, rows are its one
     query's GROUP heads. Prefill: work item i is (sequence, first query) from `work_ptr`,
@@ -70,8 +89,36 @@ def paged_attention_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     token = (q_start + q_local).to(tl.int64)
-    q = tl.load(q_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head
-                + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q_rows = q_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head
+    q = tl.load(q_rows + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if ROPE:
+        # rotate-half: channel d < HALF pairs with d + HALF (sign -), d < 2 HALF with
+        # d - HALF (sign +); channels from 2 HALF on are not rotated.
+        rotated = d < 2 * HALF
+        partner = tl.where(d < HALF, d + HALF, d - HALF)
+        sign = tl.where(d < HALF, -1.0, 1.0)
+        freqs = tl.load(positions_ptr + q_start).to(tl.float32) * tl.load(
+            inv_freq_ptr + d % HALF, mask=rotated, other=0.0)
+        cos = tl.cos(freqs).to(q.dtype).to(tl.float32)
+        sin = tl.sin(freqs).to(q.dtype).to(tl.float32)
+        q_pair = tl.load(q_rows + partner[None, :],
+                         mask=row_ok[:, None] & (d_ok & rotated)[None, :], other=0.0)
+        q = tl.where(rotated[None, :],
+                     (q.to(tl.float32) * cos[None, :]
+                      + sign[None, :] * q_pair.to(tl.float32) * sin[None, :]).to(q.dtype), q)
+        k_row = k_new_ptr + q_start.to(tl.int64) * stride_k_new_token + \
+            kv_head * stride_k_new_head
+        k_new = tl.load(k_row + d, mask=d_ok, other=0.0)
+        k_pair = tl.load(k_row + partner, mask=d_ok & rotated, other=0.0)
+        k_new = tl.where(rotated, (k_new.to(tl.float32) * cos + sign * k_pair.to(tl.float32)
+                                   * sin).to(k_new.dtype), k_new)
+        v_new = tl.load(v_new_ptr + q_start.to(tl.int64) * stride_v_new_token
+                        + kv_head * stride_v_new_head + d, mask=d_ok, other=0.0)
+        new_slot = tl.load(slot_mapping_ptr + q_start).to(tl.int64)
+        new_at = new_slot * stride_cache_slot + kv_head * stride_cache_head + d
+        tl.store(k_cache_ptr + new_at, k_new.to(k_cache_ptr.dtype.element_ty), mask=d_ok)
+        tl.store(v_cache_ptr + new_at, v_new.to(v_cache_ptr.dtype.element_ty), mask=d_ok)
+        tl.debug_barrier()
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.full((BLOCK_M,), 0, dtype=tl.float32)

@@ -6,6 +6,8 @@ on CPU (`freetoken.layers.attention.PagedAttention`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -16,6 +18,20 @@ def _jit():
     """The kernel module, imported on first use (see `freetoken.kernels.jit_module`)."""
     return jit_module("attention_jit")
 
+
+
+@dataclass(frozen=True)
+class DecodeRope:
+    """A decode step's rotary and cache write, folded into its attention launch: the tokens'
+    `positions` [T], the rotary's `inv_freq` [rotary_dim / 2] float32, this step's keys `k`
+    (unrotated) and values `v` [T, kv_heads, d] (unit stride along d) and their cache slots
+    `slot_mapping` [T]."""
+
+    positions: torch.Tensor
+    inv_freq: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    slot_mapping: torch.Tensor
 
 
 def rows_per_program(num_heads: int, num_kv_heads: int, head_dim: int, decode: bool) -> int:
@@ -37,13 +53,15 @@ def prefill_work(query_lens: list[int], queries_per_program: int, device) -> tor
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_starts: torch.Tensor,
-                    context_lens: torch.Tensor, scale: float, work: torch.Tensor | None = None
-                    ) -> torch.Tensor:
+                    context_lens: torch.Tensor, scale: float, work: torch.Tensor | None = None,
+                    rope: DecodeRope | None = None) -> torch.Tensor:
     """q [T, heads, d]; k_cache, v_cache [blocks, block_size, kv_heads, d] with this step's
     keys already written; block_tables int32 [B, max_blocks]; query_starts int32 [B + 1]
     (sequence i's queries are q[query_starts[i]:query_starts[i + 1]]); context_lens int32
     [B]. `work` from `prefill_work`, or None for decode (one query per sequence, T = B).
-    Returns [T, heads, d] in q's dtype."""
+    Returns [T, heads, d] in q's dtype. Decode with `rope`: q is unrotated and this step's
+    keys are not in the cache yet; the launch rotates q and the keys and writes the keys and
+    values first (q itself is left as it was)."""
     tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     decode = work is None
@@ -55,6 +73,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     _jit().paged_attention_kernel[(programs, num_kv_heads)](
+        **_rope_args(rope, q, k_flat, decode),
         q_ptr=q, k_cache_ptr=k_flat, v_cache_ptr=v_flat, out_ptr=out,
         block_tables_ptr=block_tables, query_starts_ptr=query_starts,
         context_lens_ptr=context_lens, work_ptr=block_tables if decode else work,
@@ -67,6 +86,36 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         BLOCK_M=block_m, BLOCK_N=32 if head_dim > 128 else 64, DECODE=decode,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
     return out
+
+
+def _rope_args(rope: DecodeRope | None, q: torch.Tensor, k_flat: torch.Tensor,
+               decode: bool) -> dict:
+    """The kernel's ROPE arguments (placeholders without `rope`); ValueError naming what
+    does not fit."""
+    if rope is None:
+        return dict(positions_ptr=q, inv_freq_ptr=q, k_new_ptr=q, v_new_ptr=q,
+                    slot_mapping_ptr=q, stride_k_new_token=0, stride_k_new_head=0,
+                    stride_v_new_token=0, stride_v_new_head=0)
+    tokens = q.shape[0]
+    if not decode:
+        raise ValueError("paged_attention: the folded rotary is for decode steps only")
+    if rope.k.shape != (tokens, *k_flat.shape[1:]) or rope.v.shape != rope.k.shape or \
+            rope.k.stride(-1) != 1 or rope.v.stride(-1) != 1 or \
+            tuple(rope.positions.shape) != (tokens,) or \
+            tuple(rope.slot_mapping.shape) != (tokens,) or \
+            rope.inv_freq.dtype != torch.float32 or \
+            not 0 < 2 * rope.inv_freq.numel() <= q.shape[2]:
+        raise ValueError(f"paged_attention: rotary of q {tuple(q.shape)} with keys "
+                         f"{tuple(rope.k.shape)}, values {tuple(rope.v.shape)}, positions "
+                         f"{tuple(rope.positions.shape)}, slots "
+                         f"{tuple(rope.slot_mapping.shape)} and inv_freq "
+                         f"{rope.inv_freq.dtype} {tuple(rope.inv_freq.shape)} does not fit "
+                         f"a cache of {tuple(k_flat.shape[1:])} per slot")
+    return dict(positions_ptr=rope.positions, inv_freq_ptr=rope.inv_freq, k_new_ptr=rope.k,
+                v_new_ptr=rope.v, slot_mapping_ptr=rope.slot_mapping,
+                stride_k_new_token=rope.k.stride(0), stride_k_new_head=rope.k.stride(1),
+                stride_v_new_token=rope.v.stride(0), stride_v_new_head=rope.v.stride(1),
+                ROPE=True, HALF=rope.inv_freq.numel())
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

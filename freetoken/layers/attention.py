@@ -50,16 +50,21 @@ class PagedAttention(nn.Module):
 
     def forward_rotary(self, rotary: nn.Module, positions: torch.Tensor, q: torch.Tensor,
                        k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """`self(*rotary(positions, q, k), v)`; on the CUDA paths the rotation and the cache
-        write are one launch (`norm_rope.rotary_` with the cache)."""
+        """`self(*rotary(positions, q, k), v)`. On the CUDA paths a decode step is one launch
+        (the attention kernel rotates q and k and writes the cache first), a prefill two
+        (`norm_rope.rotary_` with the cache write, then attention)."""
         ctx = get_forward_context()
         if ctx.device is None:
             q, k = rotary(positions, q, k)
             return self(q, k, v)
+        if not ctx.is_prefill:
+            return self._kernel(q, ctx, kernel.DecodeRope(positions, rotary.inv_freq, k, v,
+                                                          ctx.slot_mapping))
         q, _ = rotary(positions, q, k, (v, self.k_cache, self.v_cache, ctx.slot_mapping))
         return self._kernel(q, ctx)
 
-    def _kernel(self, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def _kernel(self, q: torch.Tensor, ctx: ForwardContext,
+                rope: kernel.DecodeRope | None = None) -> torch.Tensor:
         """All sequences in one launch, reading the block tables on the device."""
         work = None
         if ctx.is_prefill:
@@ -71,7 +76,7 @@ class PagedAttention(nn.Module):
         dev = ctx.device
         return kernel.paged_attention(q.contiguous(), self.k_cache, self.v_cache,
                                       dev.block_tables, dev.query_starts, dev.context_lens,
-                                      self.scale, work)
+                                      self.scale, work, rope)
 
     def _decode(self, q, k_flat, v_flat, slots, valid) -> torch.Tensor:
         """One new token per sequence, all sequences in one call: keys padded to the longest

@@ -161,3 +161,47 @@ def test_gated_rms_norm_and_silu_and_mul_match_modules(tp):
     _assert_close(gated_rms_norm(x, z, norm.weight, 1e-6), norm(x, z), f"gated norm tp={tp}")
     fused = torch.randn(4, 2 * 96 // tp + 3, generator=gen)[:, 3:]
     _assert_close(silu_and_mul(fused), torch_silu_and_mul(fused), f"silu_and_mul tp={tp}")
+
+
+@pytest.mark.parametrize("head_dim, rotary_dim", [(16, 16), (64, 16)])
+def test_decode_attention_folds_rotary_and_cache_write(head_dim, rotary_dim):
+    """Decode attention given unrotated q and this step's keys and values: the same output
+    and caches as the rotary launch with the cache write followed by attention, q left as
+    it was. Positions one off (a rotation by the wrong angle) are caught."""
+    from freetoken.kernels.norm_rope import rotary_
+    from freetoken.kernels.paged_attention import DecodeRope, paged_attention
+    from freetoken.layers.rotary import RotaryEmbedding
+
+    rope = RotaryEmbedding(head_dim, rotary_dim, 10000.0)
+    gen = torch.Generator().manual_seed(5)
+    contexts, block = [5, 1, 9], 4
+    tables = [[3, 0], [5], [1, 4, 2]]
+    padded = torch.tensor([t + [0] * (3 - len(t)) for t in tables], dtype=torch.int32)
+    rows = torch.randn(3, (4 + 2 * 2) * head_dim, generator=gen)
+    q = rows[:, : 4 * head_dim].view(3, 4, head_dim)
+    k = rows[:, 4 * head_dim : 6 * head_dim].view(3, 2, head_dim)
+    v = rows[:, 6 * head_dim :].view(3, 2, head_dim)
+    positions = torch.tensor([c - 1 for c in contexts])
+    slots = torch.tensor([t[(c - 1) // block] * block + (c - 1) % block
+                          for t, c in zip(tables, contexts)])
+    starts = torch.arange(4, dtype=torch.int32)
+    lens = torch.tensor(contexts, dtype=torch.int32)
+    caches = [torch.randn(6, block, 2, head_dim, generator=gen) for _ in range(2)]
+    want_caches = [c.clone() for c in caches]
+    want_q, _ = rotary_(q.clone(), k.clone(), positions, rope.inv_freq, rotary_dim,
+                        (v, *want_caches, slots))
+    want = paged_attention(want_q, *want_caches, padded, starts, lens, head_dim**-0.5)
+    q_before = q.clone()
+    got_caches = [c.clone() for c in caches]
+    got = paged_attention(q, *got_caches, padded, starts, lens, head_dim**-0.5, None,
+                          DecodeRope(positions, rope.inv_freq, k, v, slots))
+    _assert_close(got, want, "output")
+    _assert_close(got_caches[0], want_caches[0], "k cache")
+    assert torch.equal(got_caches[1], want_caches[1]) and torch.equal(q, q_before)
+    off = [c.clone() for c in caches]
+    wrong = paged_attention(q, *off, padded, starts, lens, head_dim**-0.5, None,
+                            DecodeRope(positions + 1, rope.inv_freq, k, v, slots))
+    assert (wrong - want).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="does not fit"):
+        paged_attention(q, *off, padded, starts, lens, head_dim**-0.5, None,
+                        DecodeRope(positions[:2], rope.inv_freq, k, v, slots))

@@ -89,6 +89,47 @@ def paged_attention(case: EngineCase, inp: _Inputs) -> list[Output]:
     return [Output("output", got, want)]
 
 
+def decode_rope(case: EngineCase, inp: _Inputs) -> list[Output]:
+    """Decode attention given unrotated q and this step's keys and values (views into a
+    fused projection row): the launch rotates them, writes the cache and attends. Reference:
+    the rotary module, the cache write and the attention of the torch path."""
+    heads, kv, dim, block = case["heads"], case["kv heads"], case["head_dim"], case["block"]
+    contexts = case["contexts"]
+    rope = RotaryEmbedding(dim, case["rotary_dim"], case["theta"],
+                           dict(case["scaling"]) or None).to(inp.device)
+    need = [-(-c // block) for c in contexts]
+    num_blocks = sum(need) + 4
+    k_cache, v_cache = inp.draw(num_blocks, block, kv, dim), inp.draw(num_blocks, block, kv, dim)
+    pool = inp.perm(num_blocks).tolist()
+    tables = [[pool.pop() for _ in range(n)] for n in need]
+    padded = torch.tensor([t + [0] * (max(need) - len(t)) for t in tables], dtype=torch.int32,
+                          device=inp.device)
+    rows = inp.draw(len(contexts), (heads + 2 * kv) * dim)
+    q = rows[:, : heads * dim].view(-1, heads, dim)
+    k = rows[:, heads * dim : (heads + kv) * dim].view(-1, kv, dim)
+    v = rows[:, (heads + kv) * dim :].view(-1, kv, dim)
+    positions = torch.tensor([c - 1 for c in contexts], device=inp.device)
+    slots = torch.tensor([t[(c - 1) // block] * block + (c - 1) % block
+                          for t, c in zip(tables, contexts)], device=inp.device)
+    starts = torch.arange(len(contexts) + 1, dtype=torch.int32, device=inp.device)
+    q_before = q.clone()
+    got_k, got_v = k_cache.clone(), v_cache.clone()
+    got = attention.paged_attention(q, got_k, got_v, padded, starts,
+                                    _int32(contexts, inp.device), dim**-0.5, None,
+                                    attention.DecodeRope(positions, rope.inv_freq, k, v, slots))
+    want_q, want_new_k = rope(positions, _ref(q), _ref(k))
+    want_k = _ref(k_cache)
+    want_k.view(-1, kv, dim)[slots] = want_new_k
+    want_v = v_cache.clone()
+    want_v.view(-1, kv, dim)[slots] = v
+    want = attention.reference_paged_attention(
+        _ref(want_q, "cpu"), _ref(want_k, "cpu"), _ref(want_v, "cpu"), tables,
+        [1] * len(contexts), list(contexts), dim**-0.5)
+    return [Output("output", got, want), Output("k cache", got_k, want_k),
+            Output("v cache", got_v, want_v, exact=True),
+            Output("q (left unrotated)", q, q_before, exact=True)]
+
+
 def write_kv(case: EngineCase, inp: _Inputs) -> list[Output]:
     kv, dim, tokens = case["kv heads"], case["head_dim"], case["tokens"]
     # k and v are views into a fused [q | k | v] projection row, as the engine passes them.
@@ -248,7 +289,8 @@ def conv_update(case: EngineCase, inp: _Inputs) -> list[Output]:
                    exact=True)]
 
 
-RUNNERS = {"paged_attention": paged_attention, "write_kv": write_kv, "rotary": rotary,
+RUNNERS = {"paged_attention": paged_attention, "decode_rope": decode_rope,
+           "write_kv": write_kv, "rotary": rotary,
            "rms_norm": rms_norm, "gated_rms_norm": gated_rms_norm,
            "silu_and_mul": silu_and_mul, "fused_moe": fused_moe, "route": route,
            "align": align, "gated_delta_decode": gated_delta_decode,
