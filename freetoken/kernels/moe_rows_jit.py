@@ -125,7 +125,7 @@ def gate_up_rows_kernel(
                   + tl.load(scale_row_ptr + rows, mask=row_ok, other=0) * stride_scale_row)
     # The input is read per row, so that it takes the weight tile's register layout rather
     # than being moved into it through shared memory at every step.
-    x_rows = x_ptr + tl.zeros([2 * BLOCK_N, 1], dtype=tl.int32)
+    x_rows = x_ptr + tl.full([2 * BLOCK_N, 1], 0, dtype=tl.int32)
     both = tl.reshape(_row_dots(x_rows, w_rows, s_rows, hidden, col_offset, row_ok, SCALE,
                                 BLOCK_COLS, EVEN_K, STEPS, 2 * BLOCK_N, BLOCK_K),
                       [2, BLOCK_N])
