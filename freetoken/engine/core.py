@@ -211,11 +211,12 @@ class EngineCore:
 
     def _can_chain(self) -> bool:
         """Whether the next step is a decode of the running sequences that may start before
-        the one in flight is read: nothing waits to be admitted, every running sequence is
-        greedy without per-step logits, and the cache holds one more token of each (no
-        sequence with a placeholder may be preempted and recomputed)."""
+        the one in flight is read: overlap is on, nothing waits to be admitted, every running
+        sequence is greedy without per-step logits, and the cache holds one more token of
+        each (no sequence with a placeholder may be preempted and recomputed)."""
         s = self.scheduler
-        if s.waiting or not s.running or not all(map(_overlappable, s.running)):
+        if not self.overlap or s.waiting or not s.running or \
+                not all(map(_overlappable, s.running)):
             return False
         needed = sum(self.blocks.blocks_needed(seq, len(seq)) for seq in s.running)
         return needed <= len(self.blocks.free)

@@ -177,6 +177,28 @@ def test_reset_drops_a_step_in_flight(cores):
         _outcome(stepwise.generate(_PROMPTS, [params] * 5))
 
 
+def test_overlap_turned_off_midway_reads_the_step_in_flight(cores):
+    """`set_overlap(False)` with a step in flight: that step is read, no new one is chained,
+    and the rest runs step by step with the same tokens."""
+    stepwise, overlapped = cores
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    want = _outcome(stepwise.generate(_PROMPTS[:2], [params] * 2))
+    overlapped.reset()
+    overlapped.add_requests([Request(i, p, params, i) for i, p in enumerate(_PROMPTS[:2])])
+    results = dict(overlapped.run_steps(1))
+    assert overlapped._in_flight is not None
+    overlapped.set_overlap(False)
+    try:
+        results.update(overlapped.run_steps(1))
+        assert overlapped._in_flight is None
+        while overlapped.has_work():
+            results.update(overlapped.run_steps(1))
+            assert overlapped._in_flight is None
+    finally:
+        overlapped.set_overlap(True)
+    assert _outcome(results[i] for i in range(2)) == want
+
+
 def test_overlap_option_is_checked():
     """A non-boolean value and `True` above TP 1 are refused by name, before any rank
     starts; an engine rank at TP > 1 refuses it too."""
