@@ -7,6 +7,7 @@ their position in the launcher's signature, not by name."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable
 
@@ -47,6 +48,23 @@ def paged_attention_table_stride() -> None:
     every sequence after the first reads some of its neighbour's cache blocks."""
 
     _wrap_argument(paged_attention, "paged_attention", 3, _row_stride_off_by_one)
+
+
+@fault("decode-rope-next-position",
+       Entry("decode attention rotates q and the new key by the next position", "tiny-llama",
+             (1,), ("kernels",), r"engine kernels .*decode_rope tp=\d \(heads \d+, kv heads",
+             tp1_green=False))
+def decode_rope_next_position() -> None:
+    """The decode attention launch that folds in the rotary rotates q and this step's key by
+    the position after the token's own (as a launcher passing the context length where the
+    last position belongs): every cached key is then rotated one step off from its query."""
+
+    def next_position(rope, args):
+        if rope is None:
+            return rope
+        return dataclasses.replace(rope, positions=rope.positions + 1)
+
+    _wrap_argument(paged_attention, "paged_attention", 8, next_position)
 
 
 @fault("fused-moe-expert-offset",

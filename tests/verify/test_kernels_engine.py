@@ -141,6 +141,7 @@ def test_engine_matrix_passes_on_the_real_kernels(interpreter):
 
 @pytest.mark.parametrize("fault, kernel, other", [
     ("paged-attention-table-stride", "paged_attention", "fused_moe"),
+    ("decode-rope-next-position", "decode_rope", "paged_attention"),
     ("fused-moe-expert-offset", "fused_moe", "gated_delta_decode"),
     ("gdn-decode-state-slot", "gated_delta_decode", "paged_attention"),
 ])

@@ -63,11 +63,10 @@ def _int32(values, device) -> torch.Tensor:
     return torch.tensor(list(values), dtype=torch.int32, device=device)
 
 
-def paged_attention(case: EngineCase, inp: _Inputs) -> list[Output]:
-    heads, kv, dim, block = case["heads"], case["kv heads"], case["head_dim"], case["block"]
-    contexts = case["contexts"]
-    decode = case["mode"] == "decode"
-    queries = (1,) * len(contexts) if decode else case["queries"]
+def _paged_cache(inp: _Inputs, contexts, block: int, kv: int, dim: int):
+    """Random k and v caches [blocks, block, kv, dim] with a few blocks to spare, each
+    context's blocks drawn from a shuffled pool: (k_cache, v_cache, block tables as lists,
+    the same as int32 [B, max blocks] zero-padded)."""
     need = [-(-c // block) for c in contexts]
     num_blocks = sum(need) + 4
     k_cache, v_cache = inp.draw(num_blocks, block, kv, dim), inp.draw(num_blocks, block, kv, dim)
@@ -75,6 +74,15 @@ def paged_attention(case: EngineCase, inp: _Inputs) -> list[Output]:
     tables = [[pool.pop() for _ in range(n)] for n in need]
     padded = torch.tensor([t + [0] * (max(need) - len(t)) for t in tables], dtype=torch.int32,
                           device=inp.device)
+    return k_cache, v_cache, tables, padded
+
+
+def paged_attention(case: EngineCase, inp: _Inputs) -> list[Output]:
+    heads, kv, dim, block = case["heads"], case["kv heads"], case["head_dim"], case["block"]
+    contexts = case["contexts"]
+    decode = case["mode"] == "decode"
+    queries = (1,) * len(contexts) if decode else case["queries"]
+    k_cache, v_cache, tables, padded = _paged_cache(inp, contexts, block, kv, dim)
     q = inp.draw(sum(queries), heads, dim)
     starts = _int32([0, *queries], inp.device).cumsum(0).to(torch.int32)
     work = None
@@ -97,13 +105,7 @@ def decode_rope(case: EngineCase, inp: _Inputs) -> list[Output]:
     contexts = case["contexts"]
     rope = RotaryEmbedding(dim, case["rotary_dim"], case["theta"],
                            dict(case["scaling"]) or None).to(inp.device)
-    need = [-(-c // block) for c in contexts]
-    num_blocks = sum(need) + 4
-    k_cache, v_cache = inp.draw(num_blocks, block, kv, dim), inp.draw(num_blocks, block, kv, dim)
-    pool = inp.perm(num_blocks).tolist()
-    tables = [[pool.pop() for _ in range(n)] for n in need]
-    padded = torch.tensor([t + [0] * (max(need) - len(t)) for t in tables], dtype=torch.int32,
-                          device=inp.device)
+    k_cache, v_cache, tables, padded = _paged_cache(inp, contexts, block, kv, dim)
     rows = inp.draw(len(contexts), (heads + 2 * kv) * dim)
     q = rows[:, : heads * dim].view(-1, heads, dim)
     k = rows[:, heads * dim : (heads + kv) * dim].view(-1, kv, dim)
