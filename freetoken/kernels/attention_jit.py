@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels import jit_ops as ops
+from freetoken.kernels.norm_rope_jit import rope_cos_sin
 
 
 @triton.jit
@@ -97,10 +98,9 @@ def paged_attention_kernel(
         rotated = d < 2 * HALF
         partner = tl.where(d < HALF, d + HALF, d - HALF)
         sign = tl.where(d < HALF, -1.0, 1.0)
-        freqs = tl.load(positions_ptr + q_start).to(tl.float32) * tl.load(
-            inv_freq_ptr + d % HALF, mask=rotated, other=0.0)
-        cos = tl.cos(freqs).to(q.dtype).to(tl.float32)
-        sin = tl.sin(freqs).to(q.dtype).to(tl.float32)
+        cos, sin = rope_cos_sin(tl.load(positions_ptr + q_start),
+                                tl.load(inv_freq_ptr + d % HALF, mask=rotated, other=0.0),
+                                q.dtype)
         q_pair = tl.load(q_rows + partner[None, :],
                          mask=row_ok[:, None] & (d_ok & rotated)[None, :], other=0.0)
         q = tl.where(rotated[None, :],

@@ -132,6 +132,15 @@ def silu_and_mul_kernel(
 
 
 @triton.jit
+def rope_cos_sin(position, inv_freq, dtype: tl.constexpr):
+    """cos and sin of `position * inv_freq`, rounded to the activations' `dtype` (as the
+    torch path's `RotaryEmbedding.cos_sin`) and widened back to float32: the one rounding
+    every rotary launch (this module's and the decode attention's) applies."""
+    freqs = position.to(tl.float32) * inv_freq
+    return tl.cos(freqs).to(dtype).to(tl.float32), tl.sin(freqs).to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _rotate_heads(ptr, stride_token, stride_head, token, heads, cos, sin, copy_ptr,
                   stride_copy_head, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                   BLOCK_HALF: tl.constexpr, COPY: tl.constexpr):
@@ -204,10 +213,7 @@ def rotary_kernel(
     token = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)
     inv_freq = tl.load(inv_freq_ptr + d, mask=d < HALF, other=0.0)
-    freqs = tl.load(positions_ptr + token).to(tl.float32) * inv_freq
-    dtype = q_ptr.dtype.element_ty
-    cos = tl.cos(freqs).to(dtype).to(tl.float32)
-    sin = tl.sin(freqs).to(dtype).to(tl.float32)
+    cos, sin = rope_cos_sin(tl.load(positions_ptr + token), inv_freq, q_ptr.dtype.element_ty)
     _rotate_heads(q_ptr, stride_q_token, stride_q_head, token, q_heads, cos, sin, q_ptr, 0,
                   HALF=HALF, BLOCK_H=BLOCK_QH, BLOCK_HALF=BLOCK_HALF, COPY=False)
     if WRITE_KV:
