@@ -150,37 +150,3 @@ def paged_attention_kernel(
     tl.store(out_ptr + token[:, None] * stride_out_token + head[:, None] * stride_out_head
              + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & d_ok[None, :])
-
-
-@triton.jit
-def write_kv_kernel(
-    # pointers
-    k_ptr,
-    v_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    slot_mapping_ptr,
-    # sizes
-    head_dim,
-    # strides
-    stride_k_token,
-    stride_k_head,
-    stride_v_token,
-    stride_v_head,
-    stride_cache_slot,
-    stride_cache_head,
-    # meta
-    BLOCK_D: tl.constexpr,
-):
-    """Token program_id(0), KV head program_id(1): its key and value into its cache slot
-    (one launch for both caches)."""
-    token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    d = tl.arange(0, BLOCK_D)
-    ok = d < head_dim
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    cache = slot * stride_cache_slot + head * stride_cache_head + d
-    k = tl.load(k_ptr + token * stride_k_token + head * stride_k_head + d, mask=ok)
-    v = tl.load(v_ptr + token * stride_v_token + head * stride_v_head + d, mask=ok)
-    tl.store(k_cache_ptr + cache, k.to(k_cache_ptr.dtype.element_ty), mask=ok)
-    tl.store(v_cache_ptr + cache, v.to(v_cache_ptr.dtype.element_ty), mask=ok)

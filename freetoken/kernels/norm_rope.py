@@ -88,7 +88,7 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     [tokens, k_heads, d] in place (rotate-half); returns them. With `cache` = (v, k_cache,
     v_cache, slot_mapping) the same launch also stores the rotated k and v [tokens, k_heads,
     d] at cache slots `slot_mapping` [tokens] of k_cache and v_cache [blocks, block_size,
-    k_heads, d], as `paged_attention.write_kv` does."""
+    k_heads, d]."""
     tokens, k_heads, head_dim = k.shape
     if not tokens:
         return q, k

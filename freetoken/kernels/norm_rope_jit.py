@@ -209,7 +209,7 @@ def rotary_kernel(
 ):
     """Token program_id(0): its q and k heads rotated by its position; with WRITE_KV its
     rotated key (the channels past the rotary ones as they are) and its value also stored
-    at its cache slot, as `attention_jit.write_kv_kernel` stores them."""
+    at its cache slot."""
     token = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)
     inv_freq = tl.load(inv_freq_ptr + d, mask=d < HALF, other=0.0)

@@ -118,24 +118,6 @@ def _rope_args(rope: DecodeRope | None, q: torch.Tensor, k_flat: torch.Tensor,
                 ROPE=True, HALF=rope.inv_freq.numel())
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store k and v [T, kv_heads, d] at cache slots `slot_mapping` [T] of k_cache and
-    v_cache [blocks, block_size, kv_heads, d], in one launch."""
-    tokens, kv_heads, head_dim = k.shape
-    if not tokens:
-        return
-    k_flat = k_cache.view(-1, kv_heads, head_dim)
-    v_flat = v_cache.view(-1, kv_heads, head_dim)
-    k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
-    _jit().write_kv_kernel[(tokens, kv_heads)](
-        k_ptr=k, v_ptr=v, k_cache_ptr=k_flat, v_cache_ptr=v_flat, slot_mapping_ptr=slot_mapping,
-        head_dim=head_dim, stride_k_token=k.stride(0), stride_k_head=k.stride(1),
-        stride_v_token=v.stride(0), stride_v_head=v.stride(1),
-        stride_cache_slot=k_flat.stride(0), stride_cache_head=k_flat.stride(1),
-        BLOCK_D=next_pow2(head_dim), num_warps=1)
-
-
 def reference_paged_attention(q, k_cache, v_cache, block_tables: list[list[int]],
                               query_lens: list[int], context_lens: list[int], scale: float
                               ) -> torch.Tensor:

@@ -12,8 +12,9 @@ from freetoken.kernels import paged_attention as kernel
 
 
 class PagedAttention(nn.Module):
-    """Writes this step's k and v into the paged cache, then attends each sequence's queries
-    to its cached keys with a causal offset. Heads are rank-local; GQA groups are expanded."""
+    """Rotates this step's q and k, writes k and v into the paged cache, then attends each
+    sequence's queries to its cached keys with a causal offset. Heads are rank-local; GQA
+    groups are expanded."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         super().__init__()
@@ -26,13 +27,22 @@ class PagedAttention(nn.Module):
         """Attach this layer's cache views: [num_blocks, block_size, num_kv_heads, head_dim]."""
         self.k_cache, self.v_cache = k_cache, v_cache
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [T, heads, d], k and v: [T, kv_heads, d] -> [T, heads, d]."""
+    def forward(self, rotary: nn.Module, positions: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, heads, d], k and v: [T, kv_heads, d] -> [T, heads, d]: q and k rotated by
+        `rotary` at `positions`, this step's k and v written into the cache, then attention.
+        On CPU plain torch; on the CUDA paths a decode step is one launch (the attention
+        kernel rotates q and k and writes the cache first), a prefill two
+        (`norm_rope.rotary_` with the cache write, then attention)."""
         ctx = get_forward_context()
-        block_size = self.k_cache.shape[1]
         if ctx.device is not None:
-            kernel.write_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+            if not ctx.is_prefill:
+                return self._kernel(q, ctx, kernel.DecodeRope(positions, rotary.inv_freq, k, v,
+                                                              ctx.slot_mapping))
+            q, _ = rotary(positions, q, k, (v, self.k_cache, self.v_cache, ctx.slot_mapping))
             return self._kernel(q, ctx)
+        q, k = rotary(positions, q, k)
+        block_size = self.k_cache.shape[1]
         k_flat = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
         v_flat = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
         k_flat[ctx.slot_mapping] = k.to(k_flat.dtype)
@@ -47,21 +57,6 @@ class PagedAttention(nn.Module):
                                                      v_flat[slots])
             start += qlen
         return out
-
-    def forward_rotary(self, rotary: nn.Module, positions: torch.Tensor, q: torch.Tensor,
-                       k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """`self(*rotary(positions, q, k), v)`. On the CUDA paths a decode step is one launch
-        (the attention kernel rotates q and k and writes the cache first), a prefill two
-        (`norm_rope.rotary_` with the cache write, then attention)."""
-        ctx = get_forward_context()
-        if ctx.device is None:
-            q, k = rotary(positions, q, k)
-            return self(q, k, v)
-        if not ctx.is_prefill:
-            return self._kernel(q, ctx, kernel.DecodeRope(positions, rotary.inv_freq, k, v,
-                                                          ctx.slot_mapping))
-        q, _ = rotary(positions, q, k, (v, self.k_cache, self.v_cache, ctx.slot_mapping))
-        return self._kernel(q, ctx)
 
     def _kernel(self, q: torch.Tensor, ctx: ForwardContext,
                 rope: kernel.DecodeRope | None = None) -> torch.Tensor:

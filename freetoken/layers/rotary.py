@@ -58,7 +58,7 @@ class RotaryEmbedding(nn.Module):
         """`q`, `k`: [tokens, heads, head_dim]; returns both rotated (in place, by one
         Triton launch, in steps that take the CUDA paths). `cache` (v, k_cache, v_cache,
         slot_mapping) is written in the same launch, on the CUDA paths only (see
-        `PagedAttention.forward_rotary`)."""
+        `PagedAttention.forward`)."""
         if uses_kernels():
             return norm_rope.rotary_(q, k, positions, self.inv_freq, self.rotary_dim, cache)
         if cache is not None:

@@ -54,7 +54,7 @@ class Attention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, hd)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        return self.attn.forward_rotary(self.rotary, positions, q, k, v).reshape(tokens, -1)
+        return self.attn(self.rotary, positions, q, k, v).reshape(tokens, -1)
 
 
 class MLP(nn.Module):

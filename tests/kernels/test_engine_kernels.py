@@ -122,26 +122,6 @@ def test_paged_attention_fails_on_a_wrong_block_table():
     assert not torch.allclose(got, want, atol=1e-3)
 
 
-@pytest.mark.parametrize("tp", TP_SIZES)
-def test_write_kv_matches_index_put(tp):
-    """Keys and values of strided views (inside a fused qkv row) land in exactly their slots
-    of both caches, as the torch path's index assignment puts them; other slots keep their
-    contents."""
-    from freetoken.kernels.paged_attention import write_kv
-
-    kv, dim = local_kv_heads(2, tp), 16
-    qkv = torch.randn(5, (8 // tp + 2 * kv) * dim)
-    k = qkv[:, 8 // tp * dim:][:, : kv * dim].view(5, kv, dim)
-    v = qkv[:, (8 // tp + kv) * dim:].view(5, kv, dim)
-    slots = torch.tensor([7, 0, 13, 30, 2])
-    caches = [torch.randn(8, 4, kv, dim) for _ in range(2)]
-    want = [c.clone() for c in caches]
-    want[0].view(-1, kv, dim)[slots] = k
-    want[1].view(-1, kv, dim)[slots] = v
-    write_kv(k, v, caches[0], caches[1], slots)
-    assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
-
-
 @pytest.mark.parametrize("pairs, experts, block_m", [(1, 8, 16), (24, 8, 16), (7, 3, 16),
                                                      (130, 256, 16), (300, 64, 4),
                                                      (1024, 32, 16), (600, 1, 64)])

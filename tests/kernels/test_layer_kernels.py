@@ -56,14 +56,17 @@ def test_rotary_matches_module(tp, head_dim, rotary_dim):
 
 
 @pytest.mark.parametrize("head_dim, rotary_dim", [(16, 16), (64, 16)])
-def test_rotary_writes_the_cache_as_write_kv(head_dim, rotary_dim):
+def test_rotary_writes_the_cache_at_its_slots(head_dim, rotary_dim):
     """The rotary launch with the cache: q as without it, the rotated key (its unrotated
     tail included) and the value at their slots of the paged caches exactly as the rotary
-    launch followed by `write_kv`; every other slot untouched. A launch that left the key
+    launch followed by the torch path's index assignment; every other slot untouched. A launch that left the key
     unrotated in the cache, or wrote the value to the key's cache, is caught."""
     from freetoken.kernels.norm_rope import rotary_
-    from freetoken.kernels.paged_attention import write_kv
     from freetoken.layers.rotary import RotaryEmbedding
+
+    def write_kv(k, v, k_cache, v_cache, slots):
+        k_cache.view(-1, 2, head_dim)[slots] = k
+        v_cache.view(-1, 2, head_dim)[slots] = v
 
     rope = RotaryEmbedding(head_dim, rotary_dim, 10000.0)
     gen = torch.Generator().manual_seed(3)

@@ -74,8 +74,8 @@ class GatedAttention(nn.Module):
         q, gate, k, v = projected.split(self.qkv_proj.local_sizes, dim=-1)
         q = self.q_norm(q.view(tokens, self.num_heads, hd))
         k = self.k_norm(k.view(tokens, self.num_kv_heads, hd))
-        out = self.attn.forward_rotary(self.rotary, positions, q, k,
-                                       v.view(tokens, self.num_kv_heads, hd)).reshape(tokens, -1)
+        out = self.attn(self.rotary, positions, q, k,
+                        v.view(tokens, self.num_kv_heads, hd)).reshape(tokens, -1)
         gated = out * elementwise(self.qkv_proj.canonical, torch.sigmoid, gate)
         if residual is None:
             return self.o_proj(gated)

@@ -22,8 +22,7 @@ from freetoken_verify.cases.qwen3_5_moe import REAL_TEXT
 TP_SIZES = (1, 2, 4, 8)
 BLOCK_SIZE = 16
 REALDIMS = "qwen3.5-moe-realdims"
-FAMILIES = {"paged_attention": "paged_attention", "write_kv": "paged_attention",
-            "decode_rope": "paged_attention",
+FAMILIES = {"paged_attention": "paged_attention", "decode_rope": "paged_attention",
             "fused_moe": "fused_moe", "route": "fused_moe", "align": "fused_moe",
             "gated_delta_decode": "delta_rule", "conv_update": "delta_rule",
             "rms_norm": "norm_rope", "gated_rms_norm": "norm_rope",
@@ -102,7 +101,6 @@ def local_shapes(cfg, tp: int, device_type: str) -> list[tuple[str, tuple]]:
                                 ("contexts", DECODE_CONTEXTS[device_type]))),
            ("paged_attention", (("mode", "prefill"), *attn, ("block", BLOCK_SIZE),
                                 ("queries", queries), ("contexts", contexts)))]
-    out.append(("write_kv", (("kv heads", kv), ("head_dim", cfg.head_dim), ("tokens", 5))))
     rope = (("rotary_dim", cfg.rotary_dim), ("theta", cfg.rope_theta),
             ("scaling", _hashable(cfg.rope_scaling)))
     out.append(("rotary", (*attn, *rope)))

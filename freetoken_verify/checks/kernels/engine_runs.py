@@ -132,22 +132,6 @@ def decode_rope(case: EngineCase, inp: _Inputs) -> list[Output]:
             Output("q (left unrotated)", q, q_before, exact=True)]
 
 
-def write_kv(case: EngineCase, inp: _Inputs) -> list[Output]:
-    kv, dim, tokens = case["kv heads"], case["head_dim"], case["tokens"]
-    # k and v are views into a fused [q | k | v] projection row, as the engine passes them.
-    qkv = inp.draw(tokens, (2 + 2 * kv) * dim)
-    k = qkv[:, 2 * dim:(2 + kv) * dim].view(tokens, kv, dim)
-    v = qkv[:, (2 + kv) * dim:].view(tokens, kv, dim)
-    caches = [inp.draw(3, 4, kv, dim) for _ in range(2)]
-    slots = inp.perm(12)[:tokens]
-    want = [c.clone() for c in caches]
-    want[0].view(-1, kv, dim)[slots] = k
-    want[1].view(-1, kv, dim)[slots] = v
-    attention.write_kv(k, v, caches[0], caches[1], slots)
-    return [Output("k cache", caches[0], want[0], exact=True),
-            Output("v cache", caches[1], want[1], exact=True)]
-
-
 def rotary(case: EngineCase, inp: _Inputs) -> list[Output]:
     dim, rotary_dim = case["head_dim"], case["rotary_dim"]
     scaling = dict(case["scaling"]) or None
@@ -292,7 +276,7 @@ def conv_update(case: EngineCase, inp: _Inputs) -> list[Output]:
 
 
 RUNNERS = {"paged_attention": paged_attention, "decode_rope": decode_rope,
-           "write_kv": write_kv, "rotary": rotary,
+           "rotary": rotary,
            "rms_norm": rms_norm, "gated_rms_norm": gated_rms_norm,
            "silu_and_mul": silu_and_mul, "fused_moe": fused_moe, "route": route,
            "align": align, "gated_delta_decode": gated_delta_decode,
