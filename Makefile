@@ -52,7 +52,7 @@ gate = echo "=== $(1): freetoken-verify $(2)"; \
 verify: $(SETUP)
 	$(PYTHON) -m freetoken_verify.cli --tp 1,$(TP)
 
-# The nightly gate: on CUDA the kernels check's GPU tests (pytest -m gpu tests/gpu); every
+# The nightly gate: on CUDA every GPU test of the tree (pytest -m gpu tests); every
 # bundled case in fp32 against its stored golden; in bf16 the unquantized cases against live HF
 # on the same GPU and the quantized ones against their stored golden and stored bf16 baseline; the
 # real-dimension Qwen3.5-MoE in bf16 and fp32 against HF.
@@ -64,8 +64,8 @@ ifeq ($(DEVICE),cuda)
 endif
 	@mkdir -p $(REPORTS) && rm -f $(REPORTS)/failed
 ifeq ($(DEVICE)-$(filter $(PART),all kernels),cuda-$(PART))
-	@echo "=== kernels-gpu: pytest -m gpu tests/gpu"; \
-	    $(PYTHON) -m pytest -q -m gpu tests/gpu --require-gpus --junit-xml $(REPORTS)/kernels-gpu.xml || \
+	@echo "=== kernels-gpu: pytest -m gpu tests"; \
+	    $(PYTHON) -m pytest -q -m gpu tests --require-gpus --junit-xml $(REPORTS)/kernels-gpu.xml || \
 	    echo kernels-gpu >> $(REPORTS)/failed
 endif
 ifneq ($(filter $(PART),all bundled),)
