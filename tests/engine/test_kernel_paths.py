@@ -69,3 +69,38 @@ def test_equal_length_prompts_prefill_together():
              enforce_eager=True) as llm:
         want, got = llm.run_on_ranks(_both, [p[:shortest] for p in prompts])[0]
     _assert_same(want, got, "tiny-qwen3.5-moe equal lengths")
+
+
+@pytest.mark.parametrize("case", ["tiny-llama", "tiny-qwen3.5-moe"])
+def test_attention_outputs_are_recorded_on_the_kernel_path(case):
+    """The bisect's forward hooks see every attention layer's output on the kernel path too
+    (the Triton launches run inside `PagedAttention.forward`), at prefill and at decode, and
+    those outputs equal the torch path's."""
+    from freetoken.config import EngineConfig
+    from freetoken.engine.core import EngineCore
+    from freetoken.models.registry import load_config
+    from freetoken_verify.activations.engine import Recorder
+
+    folder = GOLDEN / case
+    prompt = json.loads((folder / "meta.json").read_text())["prompts"][0]
+    core = EngineCore(folder, load_config(folder),
+                      EngineConfig(dtype="float32", progress=False, max_num_seqs=1,
+                                   enforce_eager=True), torch.device("cpu"))
+    attention = {name for name, m in core.model.named_modules()
+                 if type(m).__name__ == "PagedAttention"}
+    recorded = {}
+    for kernels in (False, True):
+        _use_kernels(core, kernels)
+        recorder = Recorder(core.model, core.model_config, 1)
+        recorder.phase("prefill", len(prompt))
+        try:
+            core.generate([prompt], [SamplingParams(max_tokens=2, ignore_eos=True)])
+        finally:
+            recorder.remove()
+        recorded[kernels] = {c.key: c.tensor for c in recorder.captures
+                             if c.key.split("/", 1)[1].split("#")[0] in attention}
+    assert attention and len(recorded[True]) == 2 * len(attention), sorted(recorded[True])
+    assert recorded[True].keys() == recorded[False].keys()
+    for key, want in recorded[False].items():
+        torch.testing.assert_close(recorded[True][key], want, rtol=1e-4, atol=1e-4,
+                                   msg=lambda m, key=key: f"{key}: {m}")
