@@ -59,8 +59,9 @@ def test_rotary_matches_module(tp, head_dim, rotary_dim):
 def test_rotary_writes_the_cache_at_its_slots(head_dim, rotary_dim):
     """The rotary launch with the cache: q as without it, the rotated key (its unrotated
     tail included) and the value at their slots of the paged caches exactly as the rotary
-    launch followed by the torch path's index assignment; every other slot untouched. A launch that left the key
-    unrotated in the cache, or wrote the value to the key's cache, is caught."""
+    launch followed by the torch path's index assignment; every other slot untouched. A
+    launch that left the key unrotated in the cache, or wrote the value to the key's cache,
+    is caught."""
     from freetoken.kernels.norm_rope import rotary_
     from freetoken.layers.rotary import RotaryEmbedding
 
