@@ -82,6 +82,21 @@ def assert_matches_hf(results, ref: dict, label: str, decode_logits: bool = Fals
                                        msg=lambda m, i=i: f"{label} prompt {i} decode: {m}")
 
 
+def record_modules(core, prompt: list[int], max_tokens: int = 1) -> dict:
+    """Every module's capture (`freetoken_verify.activations.engine.Recorder`) of one TP=1
+    run of `prompt` on EngineCore `core` with `max_tokens` new tokens, by key."""
+    from freetoken.engine.sequence import SamplingParams
+    from freetoken_verify.activations.engine import Recorder
+
+    recorder = Recorder(core.model, core.model_config, 1)
+    recorder.phase("prefill", len(prompt))
+    try:
+        core.generate([prompt], [SamplingParams(max_tokens=max_tokens, ignore_eos=True)])
+    finally:
+        recorder.remove()
+    return {c.key: c for c in recorder.captures}
+
+
 def case_differences(written: Path, golden: Path) -> list[str]:
     """How a freshly written golden case differs from the committed one. Configs, weights
     (meta.json records their SHA-256) and token ids must be the same bytes; the float tensors

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from conftest import GOLDEN
+from conftest import GOLDEN, record_modules
 from kernels.interpreted import require_interpreter
 
 from freetoken import LLM, SamplingParams
@@ -79,7 +79,6 @@ def test_attention_outputs_are_recorded_on_the_kernel_path(case):
     from freetoken.config import EngineConfig
     from freetoken.engine.core import EngineCore
     from freetoken.models.registry import load_config
-    from freetoken_verify.activations.engine import Recorder
 
     folder = GOLDEN / case
     prompt = json.loads((folder / "meta.json").read_text())["prompts"][0]
@@ -91,14 +90,8 @@ def test_attention_outputs_are_recorded_on_the_kernel_path(case):
     recorded = {}
     for kernels in (False, True):
         _use_kernels(core, kernels)
-        recorder = Recorder(core.model, core.model_config, 1)
-        recorder.phase("prefill", len(prompt))
-        try:
-            core.generate([prompt], [SamplingParams(max_tokens=2, ignore_eos=True)])
-        finally:
-            recorder.remove()
-        recorded[kernels] = {c.key: c.tensor for c in recorder.captures
-                             if c.key.split("/", 1)[1].split("#")[0] in attention}
+        recorded[kernels] = {key: c.tensor for key, c in record_modules(core, prompt, 2).items()
+                             if key.split("/", 1)[1].split("#")[0] in attention}
     assert attention and len(recorded[True]) == 2 * len(attention), sorted(recorded[True])
     assert recorded[True].keys() == recorded[False].keys()
     for key, want in recorded[False].items():

@@ -8,12 +8,12 @@ import math
 
 import pytest
 import torch
+from conftest import record_modules
 
 from freetoken.config import EngineConfig
 from freetoken.engine.core import EngineCore
-from freetoken.engine.sequence import SamplingParams
 from freetoken.models.registry import load_config
-from freetoken_verify.activations.engine import FULL, PARTIAL, Recorder, flat, unshard
+from freetoken_verify.activations.engine import FULL, PARTIAL, flat, unshard
 from freetoken_verify.activations.hf import NameMap
 from freetoken_verify.cases.catalogue import GOLDEN
 from freetoken_verify.checks.bisect.check import Bisection, Row, row_distance
@@ -171,13 +171,7 @@ def _record_prefill(case: str, prompt: list[int]) -> dict:
     core = EngineCore(folder, load_config(folder),
                       EngineConfig(dtype="float32", progress=False, max_num_seqs=1),
                       torch.device("cpu"))
-    recorder = Recorder(core.model, core.model_config, 1)
-    recorder.phase("prefill", len(prompt))
-    try:
-        core.generate([prompt], [SamplingParams(max_tokens=1, ignore_eos=True)])
-    finally:
-        recorder.remove()
-    return {c.key: c for c in recorder.captures}
+    return record_modules(core, prompt)
 
 
 def test_quantized_modules_are_recorded_in_their_layouts():
