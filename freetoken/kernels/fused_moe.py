@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from freetoken.kernels import moe_rows
 from freetoken.kernels.moe_align import align_pairs
-from freetoken.kernels.moe_rows import RowMoeTiles
+from freetoken.kernels.moe_rows import RowMoeTiles, SharedExpertRows
 from freetoken.kernels.quant_gemm import block_step
 
 
@@ -53,6 +53,11 @@ ROWS_AT_ONE_TOKEN = True
 """One token without `tiles` takes the row kernels (`moe_rows`); False keeps it on the grouped
 kernels (an A/B of `bench/tile_ab.py`)."""
 
+SHARED_IN_ROWS = True
+"""A MoE block whose 16-bit routed experts take the row kernels computes its shared expert
+and gate in them as well (`fused_moe(shared=...)`); False keeps the shared expert's own
+launches and the separate combine (an A/B of `bench/tile_ab.py`)."""
+
 DECODE_MAX_PAIRS = 1024
 """Up to this many (token, slot) pairs take DECODE_TILES."""
 
@@ -70,21 +75,30 @@ def _precision(dtype: torch.dtype) -> str:
 def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
               w2: torch.Tensor, tiles: MoeTiles | RowMoeTiles | None = None,
               sum_slots: bool = True, w13_scales: ExpertBlockScales | None = None,
-              w2_scales: ExpertBlockScales | None = None) -> torch.Tensor:
+              w2_scales: ExpertBlockScales | None = None,
+              shared: SharedExpertRows | None = None) -> torch.Tensor:
     """Routed-expert partial sum for `x` [T, H]: w13 [E, 2I, H] (gate rows, then up rows),
     w2 [E, H, I], `weights` and `ids` [T, top_k]. Each token's weighted slots are summed in
     float32 and rounded once to x's dtype; with `sum_slots=False` the weighted slots
     themselves, float32 [T, top_k, H], for a caller that sums them in its own launch.
     Rank-dependent through the TP-local I. Block-FP8 experts: w13 and w2 float8_e4m3fn
     with their `w13_scales` and `w2_scales`. One token without `tiles`, or any call with
-    `RowMoeTiles` (one token only), takes the row kernels; `MoeTiles` the grouped ones."""
+    `RowMoeTiles` (one token only), takes the row kernels; `MoeTiles` the grouped ones.
+    `shared` (one token on the row kernels, 16-bit experts, summed slots): the MoE block's
+    shared expert and gate computed in the same launches, and the result is the block's
+    `reference_moe_shared`, as `gemv.moe_combine` gives it."""
     tokens, hidden = x.shape
     top_k = ids.shape[1]
+    if shared is not None and (tokens != 1 or not sum_slots or isinstance(tiles, MoeTiles)):
+        raise ValueError(f"fused_moe: the shared expert joins one token's summed row "
+                         f"kernels, not {tokens} tokens (sum_slots={sum_slots}, {tiles})")
     if tokens == 0:
         return x.new_zeros(0, hidden) if sum_slots else x.new_zeros(0, top_k, hidden,
                                                                       dtype=torch.float32)
-    if isinstance(tiles, RowMoeTiles) or (tiles is None and tokens == 1 and ROWS_AT_ONE_TOKEN):
-        return _rows(x, weights, ids, w13, w2, tiles, sum_slots, w13_scales, w2_scales)
+    if isinstance(tiles, RowMoeTiles) or (tiles is None and tokens == 1 and ROWS_AT_ONE_TOKEN) \
+            or shared is not None:
+        return _rows(x, weights, ids, w13, w2, tiles, sum_slots, w13_scales, w2_scales,
+                     shared)
     h, layout = _gate_up(x, ids, w13, w13_scales, tiles)
     inter = w2.shape[2]
     down_k = min(layout.tiles.block_k, _pow2(inter))
@@ -95,8 +109,8 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: to
 
 def _rows(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
           w2: torch.Tensor, tiles: RowMoeTiles | None, sum_slots: bool,
-          w13_scales: ExpertBlockScales | None, w2_scales: ExpertBlockScales | None
-          ) -> torch.Tensor:
+          w13_scales: ExpertBlockScales | None, w2_scales: ExpertBlockScales | None,
+          shared: SharedExpertRows | None = None) -> torch.Tensor:
     """`fused_moe` of one token on the row kernels (`moe_rows`)."""
     tokens, hidden = x.shape
     if tokens != 1:
@@ -110,9 +124,10 @@ def _rows(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.
     tiles = tiles or moe_rows.choose_tiles(hidden, inter, ids.shape[1])
     x = x if x.stride(-1) == 1 else x.contiguous()
     gate_up_scale, gate_up_k = _scale_args(w13_scales, min(tiles.block_k, _pow2(hidden)), w13)
-    h = moe_rows.gate_up(x, ids, w13, tiles, gate_up_k, gate_up_scale)
+    h = moe_rows.gate_up(x, ids, w13, tiles, gate_up_k, gate_up_scale, shared)
     down_scale, down_k = _scale_args(w2_scales, min(tiles.block_k, _pow2(inter)), w2)
-    return moe_rows.down(h, weights, ids, w2, tiles, down_k, down_scale, sum_slots, x.dtype)
+    return moe_rows.down(h, weights, ids, w2, tiles, down_k, down_scale, sum_slots, x.dtype,
+                         shared)
 
 
 def fused_moe_leaves(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
@@ -289,6 +304,18 @@ def reference_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
         h = F.linear(F.silu(gate) * up, w2[e]) * weights[token, slot, None]
         out.index_add_(0, token, h.float())
     return out.to(x.dtype)
+
+
+def reference_moe_shared(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                         w13: torch.Tensor, w2: torch.Tensor, shared: SharedExpertRows
+                         ) -> torch.Tensor:
+    """The torch steps `fused_moe(shared=...)` fuses, rounded as the engine's separate
+    launches round them (`SparseMoeBlock`): the routed sum in float32 rounded once, the
+    shared expert's SiLU-gated MLP, the sigmoid gate, and their sum in x's dtype."""
+    gate, up = F.linear(x, shared.w13).chunk(2, dim=-1)
+    shared_out = F.linear(F.silu(gate) * up, shared.w2)
+    gated = torch.sigmoid(F.linear(x, shared.gate)) * shared_out
+    return reference_moe(x, weights, ids, w13, w2) + gated
 
 
 def triton_cdiv(n: int, d: int) -> int:

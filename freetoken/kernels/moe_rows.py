@@ -1,8 +1,10 @@
 """Launcher of `moe_rows_jit`: the routed experts of one token (the batch-1 decode step,
 captured in CUDA graphs) without tensor cores, which `fused_moe.fused_moe` takes at one
 token. Two launches: gate/up with SiLU-and-mul into h [top_k, I], then the down projection
-with the routing weights and the slots' sum folded in. The scale arguments come from
-`fused_moe` (its `_scale_args`), which validates them for both paths."""
+with the routing weights and the slots' sum folded in; given the block's shared expert
+(`SharedExpertRows`), the same two launches compute it and its sigmoid gate as one more
+slot and add it to the sum. The scale arguments come from `fused_moe` (its `_scale_args`),
+which validates them for both paths."""
 
 from __future__ import annotations
 
@@ -24,6 +26,39 @@ class RowMoeTiles:
     down_n: int = 4
     block_k: int = 1024
     num_warps: int = 4
+
+
+@dataclass(frozen=True)
+class SharedExpertRows:
+    """A MoE block's shared expert and its sigmoid gate, this rank's 16-bit (or float32)
+    weights in the token's dtype: `w13` [2 * I_s, H] (gate rows, then up rows), `w2`
+    [H, I_s] and `gate` [1, H]. I_s may differ from the routed experts' I."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    gate: torch.Tensor
+
+    def check(self, x: torch.Tensor) -> None:
+        """ValueError naming the tensor unless these fit the token x [1, H]."""
+        hidden = x.shape[1]
+        inter = self.w2.shape[-1]
+        want = {"w13": (2 * inter, hidden), "w2": (hidden, inter), "gate": (1, hidden)}
+        for name, shape in want.items():
+            t = getattr(self, name)
+            if tuple(t.shape) != shape or t.dtype != x.dtype or t.stride(-1) != 1:
+                raise ValueError(f"moe_rows: shared expert {name} {tuple(t.shape)} "
+                                 f"{t.dtype} (stride {t.stride()}) does not fit a token "
+                                 f"{tuple(x.shape)} {x.dtype}: want {shape}, contiguous rows")
+
+
+@dataclass
+class RowHidden:
+    """The gate/up launch's outputs: h [top_k, I] in x's dtype; with a shared expert also
+    its SiLU(gate) * up `shared` [I_s] and its rounded sigmoid gate `gate` float32 [1]."""
+
+    h: torch.Tensor
+    shared: torch.Tensor | None = None
+    gate: torch.Tensor | None = None
 
 
 INTERPRETER_TILES = RowMoeTiles(gate_up_n=64, down_n=64, block_k=256)
@@ -53,41 +88,79 @@ def _jit():
 
 
 def gate_up(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, tiles: RowMoeTiles,
-            block_k: int, scale_args: dict) -> torch.Tensor:
+            block_k: int, scale_args: dict, shared: SharedExpertRows | None = None
+            ) -> RowHidden:
     """h = SiLU(gate) * up [top_k, I] in x's dtype for the one token x [1, H] and its slots'
     experts `ids` [1, top_k]; `scale_args` the kernel's SCALE arguments, `block_k` the step
-    (in SCALE 1 one that a single scale column serves)."""
+    (in SCALE 1 one that a single scale column serves). With `shared` (16-bit experts
+    only), the shared expert's h and the gate as well, in the same launch."""
     hidden = x.shape[1]
     top_k = ids.shape[1]
     inter = w13.shape[1] // 2
-    h = torch.empty(top_k, inter, dtype=x.dtype, device=x.device)
-    _jit().gate_up_rows_kernel[(top_k, _cdiv(inter, tiles.gate_up_n))](
-        x_ptr=x, w13_ptr=w13, h_ptr=h, ids_ptr=ids, hidden=hidden, inter=inter,
-        stride_ids_slot=ids.stride(1), stride_w13_expert=w13.stride(0),
-        stride_w13_row=w13.stride(1), stride_h_slot=h.stride(0),
+    out = RowHidden(torch.empty(top_k, inter, dtype=x.dtype, device=x.device))
+    shared_inter, slots = 0, top_k
+    if shared is not None:
+        if scale_args["SCALE"] != 0:
+            raise ValueError("moe_rows: a shared expert joins 16-bit experts only, not "
+                             "block-FP8 ones")
+        shared.check(x)
+        shared_inter = shared.w2.shape[1]
+        out.shared = torch.empty(shared_inter, dtype=x.dtype, device=x.device)
+        out.gate = torch.empty(1, dtype=torch.float32, device=x.device)
+        slots += 1
+        shared_args = dict(shared_w13_ptr=shared.w13, shared_h_ptr=out.shared,
+                           gate_weight_ptr=shared.gate, gate_ptr=out.gate,
+                           stride_shared_row=shared.w13.stride(0))
+    else:
+        shared_args = dict(shared_w13_ptr=w13, shared_h_ptr=out.h, gate_weight_ptr=x,
+                           gate_ptr=out.h, stride_shared_row=0)
+    blocks = _cdiv(max(inter, shared_inter), tiles.gate_up_n)
+    _jit().gate_up_rows_kernel[(slots, blocks)](
+        x_ptr=x, w13_ptr=w13, h_ptr=out.h, ids_ptr=ids, hidden=hidden, inter=inter,
+        top_k=top_k, shared_inter=shared_inter, stride_ids_slot=ids.stride(1),
+        stride_w13_expert=w13.stride(0), stride_w13_row=w13.stride(1),
+        stride_h_slot=out.h.stride(0), SHARED=shared is not None,
         EVEN_K=hidden % block_k == 0, STEPS=_cdiv(hidden, block_k), BLOCK_N=tiles.gate_up_n,
-        BLOCK_K=block_k, num_warps=tiles.num_warps, **scale_args)
-    return h
+        BLOCK_K=block_k, num_warps=tiles.num_warps, **shared_args, **scale_args)
+    return out
 
 
-def down(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w2: torch.Tensor,
+def down(hidden_rows: RowHidden, weights: torch.Tensor, ids: torch.Tensor, w2: torch.Tensor,
          tiles: RowMoeTiles, block_k: int, scale_args: dict, sum_slots: bool,
-         dtype: torch.dtype) -> torch.Tensor:
+         dtype: torch.dtype, shared: SharedExpertRows | None = None) -> torch.Tensor:
     """The token's weighted slots h[s] . w2[e_s]^T * weights[s]: summed in slot order in
     float32 and rounded once to `dtype`, [1, H]; or, without `sum_slots`, each slot's float32
-    value [1, top_k, H]."""
+    value [1, top_k, H]. With `shared` (and `sum_slots`), the routed sum plus the gated
+    shared expert, rounded as `gemv.moe_combine` rounds them; `hidden_rows` then carries
+    the shared h and gate of the gate/up launch that was given `shared`."""
+    h = hidden_rows.h
     top_k, inter = h.shape
     hidden = w2.shape[1]
     out = (torch.empty(1, hidden, dtype=dtype, device=h.device) if sum_slots
            else torch.empty(1, top_k, hidden, dtype=torch.float32, device=h.device))
+    if shared is not None:
+        if not sum_slots or hidden_rows.shared is None:
+            raise ValueError("moe_rows: the shared expert is added to the summed slots "
+                             "only, after a gate/up launch that computed it")
+        shared_inter = shared.w2.shape[1]
+        shared_k = min(block_k, next_pow2(shared_inter))
+        shared_args = dict(shared_h_ptr=hidden_rows.shared, shared_w2_ptr=shared.w2,
+                           gate_ptr=hidden_rows.gate, shared_inter=shared_inter,
+                           stride_shared_row=shared.w2.stride(0),
+                           SHARED_EVEN_K=shared_inter % shared_k == 0,
+                           SHARED_STEPS=_cdiv(shared_inter, shared_k), SHARED_BLOCK_K=shared_k)
+    else:
+        shared_args = dict(shared_h_ptr=h, shared_w2_ptr=w2, gate_ptr=h, shared_inter=0,
+                           stride_shared_row=0, SHARED_EVEN_K=True, SHARED_STEPS=1,
+                           SHARED_BLOCK_K=1)
     _jit().down_rows_kernel[(_cdiv(hidden, tiles.down_n),)](
         h_ptr=h, w2_ptr=w2, weights_ptr=weights, ids_ptr=ids, out_ptr=out, hidden=hidden,
         inter=inter, stride_ids_slot=ids.stride(1), stride_weights_slot=weights.stride(1),
         stride_h_slot=h.stride(0), stride_w2_expert=w2.stride(0), stride_w2_row=w2.stride(1),
         stride_out_slot=0 if sum_slots else out.stride(1), TOP_K=top_k,
-        BLOCK_S=next_pow2(top_k), SUM_SLOTS=sum_slots,
+        BLOCK_S=next_pow2(top_k), SUM_SLOTS=sum_slots, SHARED=shared is not None,
         EVEN_K=inter % block_k == 0, STEPS=_cdiv(inter, block_k), BLOCK_N=tiles.down_n,
-        BLOCK_K=block_k, num_warps=tiles.num_warps, **scale_args)
+        BLOCK_K=block_k, num_warps=tiles.num_warps, **shared_args, **scale_args)
     return out
 
 

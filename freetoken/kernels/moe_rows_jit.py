@@ -27,6 +27,16 @@ and rounds SCALE 2's scaled weight to the activations' dtype for its dot).
   features and the matching up features of h[slot] = SiLU(gate) * up over the whole hidden
   size (rows [gate | up] of one dot), in float32, rounded once to h's dtype as
   `gate_up_kernel` rounds it.
+- With SHARED, the MoE block's shared expert is one more slot of both launches (the
+  16-bit layer at one token: 4 launches fewer than the shared expert's two projections and
+  the separate combine). `gate_up_rows_kernel`'s grid has top_k + 1 slots; the last reads
+  the shared gate/up rows (its own length, shared_inter, may differ from inter) into
+  shared_h, and its first program also computes the sigmoid gate of the block's input,
+  rounded as the engine's separate steps round it (the gate's dot, then its sigmoid, to
+  h's dtype), into `gate_ptr` (float32 [1]). `down_rows_kernel` adds, after the routed
+  sum (SUM_SLOTS), the shared down projection of shared_h times that gate, with the
+  rounding chain of `gemv.moe_combine_kernel` (routed sum, shared output and gated shared
+  each rounded to out's dtype before the last addition).
 - `down_rows_kernel`: grid (features,): program (block) computes BLOCK_N outputs n of every
   slot (rows (slot, n) of one dot), weight[s] * (h[s] . w2[e_s, n]) in float32, and either
   adds the slots in slot order and stores the sum rounded once to out's dtype (SUM_SLOTS:
@@ -89,10 +99,16 @@ def gate_up_rows_kernel(
     ids_ptr,                # [1, top_k] expert ids (int64)
     scale_ptr,              # block FP8: [E, scale rows, scale columns] float32
     scale_row_ptr,          # block FP8: [2 * inter] int32, each w13 row's scale row
+    shared_w13_ptr,         # SHARED: [2 * shared_inter, hidden], gate rows, then up rows
+    shared_h_ptr,           # SHARED: [shared_inter] out, x's dtype
+    gate_weight_ptr,        # SHARED: [hidden] the shared expert's sigmoid gate
+    gate_ptr,               # SHARED: [1] out, float32: the rounded sigmoid gate
     # sizes
     hidden,
     inter,
     col_offset,
+    top_k,
+    shared_inter,
     # strides
     stride_ids_slot,
     stride_w13_expert,
@@ -100,7 +116,9 @@ def gate_up_rows_kernel(
     stride_h_slot,
     stride_scale_expert,
     stride_scale_row,
+    stride_shared_row,
     # meta
+    SHARED: tl.constexpr,
     SCALE: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -110,15 +128,29 @@ def gate_up_rows_kernel(
 ):
     """h[s, n] = silu(x . w13[e_s, n]) * (x . w13[e_s, inter + n]) for slot s =
     program_id(0), its expert e_s = ids[s], and the BLOCK_N features n of block
-    program_id(1): rows [gate features | up features] of one dot."""
+    program_id(1): rows [gate features | up features] of one dot. SHARED: slot top_k is
+    the shared expert (its rows, length and output), and program (top_k, 0) also stores
+    the gate."""
     slot = tl.program_id(0)
-    expert = tl.load(ids_ptr + slot * stride_ids_slot).to(tl.int64)
+    routed = slot < top_k
+    expert = tl.load(ids_ptr + slot * stride_ids_slot, mask=routed, other=0).to(tl.int64)
+    w_base = w13_ptr + expert * stride_w13_expert
+    row_stride = stride_w13_row
+    length = inter
+    h_row = h_ptr + slot * stride_h_slot
+    if SHARED:
+        # The shared slot's pointers and length are selected, not branched to: both are
+        # valid addresses, and the program's loads stay one straight sequence.
+        w_base = tl.where(routed, w_base, shared_w13_ptr)
+        row_stride = tl.where(routed, row_stride, stride_shared_row)
+        length = tl.where(routed, length, shared_inter)
+        h_row = tl.where(routed, h_row, shared_h_ptr)
     r = tl.arange(0, 2 * BLOCK_N)
     half = r // BLOCK_N
     cols = tl.program_id(1) * BLOCK_N + r % BLOCK_N
-    row_ok = cols < inter
-    rows = cols + half * inter
-    w_rows = w13_ptr + expert * stride_w13_expert + rows.to(tl.int64)[:, None] * stride_w13_row
+    row_ok = cols < length
+    rows = cols + half * length
+    w_rows = w_base + rows.to(tl.int64)[:, None] * row_stride
     s_rows = scale_ptr
     if SCALE > 0:
         s_rows = (scale_ptr + expert * stride_scale_expert
@@ -134,8 +166,16 @@ def gate_up_rows_kernel(
     up = _pick(both, index, 1)
     h = gate * ops.sigmoid(gate) * up
     out_cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(h_ptr + slot * stride_h_slot + out_cols, h.to(h_ptr.dtype.element_ty),
-             mask=out_cols < inter)
+    tl.store(h_row + out_cols, h.to(h_ptr.dtype.element_ty), mask=out_cols < length)
+    if SHARED:
+        if (slot == top_k) & (tl.program_id(1) == 0):
+            one = tl.full([1], 1, dtype=tl.int1)
+            g_rows = gate_weight_ptr + tl.full([1, 1], 0, dtype=tl.int32)
+            dot = _row_dots(x_ptr + tl.full([1, 1], 0, dtype=tl.int32), g_rows, scale_ptr,
+                            hidden, 0, one, 0, BLOCK_COLS, EVEN_K, STEPS, 1, BLOCK_K)
+            dtype = h_ptr.dtype.element_ty
+            sig = ops.sigmoid(dot.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            tl.store(gate_ptr + tl.arange(0, 1), sig)
 
 
 @triton.jit
@@ -148,10 +188,14 @@ def down_rows_kernel(
     out_ptr,                # SUM_SLOTS: [1, hidden] x's dtype; else [top_k, hidden] float32
     scale_ptr,              # block FP8: [E, scale rows, scale columns] float32
     scale_row_ptr,          # block FP8: [hidden] int32, each w2 row's scale row
+    shared_h_ptr,           # SHARED: [shared_inter] the shared expert's SiLU(gate) * up
+    shared_w2_ptr,          # SHARED: [hidden, shared_inter]
+    gate_ptr,               # SHARED: [1] float32, the rounded sigmoid gate
     # sizes
     hidden,
     inter,
     col_offset,
+    shared_inter,
     # strides
     stride_ids_slot,
     stride_weights_slot,
@@ -161,16 +205,21 @@ def down_rows_kernel(
     stride_out_slot,
     stride_scale_expert,
     stride_scale_row,
+    stride_shared_row,
     # meta
     TOP_K: tl.constexpr,
     BLOCK_S: tl.constexpr,
     SUM_SLOTS: tl.constexpr,
+    SHARED: tl.constexpr,
     SCALE: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     EVEN_K: tl.constexpr,
     STEPS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SHARED_EVEN_K: tl.constexpr,
+    SHARED_STEPS: tl.constexpr,
+    SHARED_BLOCK_K: tl.constexpr,
 ):
     """For the BLOCK_N outputs n of block program_id(0) and every slot s (expert e_s =
     ids[s]): weight[s] * (h[s] . w2[e_s, n]) in float32, one dot of BLOCK_S x BLOCK_N rows
@@ -193,13 +242,23 @@ def down_rows_kernel(
     values = _row_dots(x_rows, w_rows, s_rows, inter, col_offset, row_ok, SCALE, BLOCK_COLS,
                        EVEN_K, STEPS, BLOCK_S * BLOCK_N, BLOCK_K) * weight
     if SUM_SLOTS:
+        out_cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        out_ok = out_cols < hidden
+        if SHARED:
+            shared_rows = shared_w2_ptr + out_cols.to(tl.int64)[:, None] * stride_shared_row
+            shared = _row_dots(shared_h_ptr + tl.full([BLOCK_N, 1], 0, dtype=tl.int32),
+                               shared_rows, scale_ptr, shared_inter, 0, out_ok, 0, BLOCK_COLS,
+                               SHARED_EVEN_K, SHARED_STEPS, BLOCK_N, SHARED_BLOCK_K)
         per_slot = tl.reshape(values, [BLOCK_S, BLOCK_N])
         index = tl.arange(0, BLOCK_S)[:, None]
         total = tl.full([BLOCK_N], 0, dtype=tl.float32)
         for s in tl.static_range(TOP_K):
             total += _pick(per_slot, index, s)
-        out_cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        tl.store(out_ptr + out_cols, total.to(out_ptr.dtype.element_ty),
-                 mask=out_cols < hidden)
+        dtype = out_ptr.dtype.element_ty
+        if SHARED:
+            gate = tl.load(gate_ptr)
+            gated = (gate * shared.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            total = total.to(dtype).to(tl.float32) + gated
+        tl.store(out_ptr + out_cols, total.to(dtype), mask=out_ok)
     else:
         tl.store(out_ptr + slot * stride_out_slot + cols, values, mask=row_ok)

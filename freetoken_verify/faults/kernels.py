@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from freetoken.kernels import delta_rule, fused_moe, paged_attention
+from freetoken.kernels import delta_rule, fused_moe, moe_rows, paged_attention
 from freetoken_verify.faults._patch import wrap_arguments
 from freetoken_verify.faults.registry import Entry, fault
 
@@ -80,6 +80,24 @@ def fused_moe_expert_offset() -> None:
         return (ids + 1) % args[3].shape[0]
 
     _wrap_argument(fused_moe, "fused_moe", 2, shifted)
+
+
+@fault("moe-shared-gate-dropped",
+       Entry("one token's shared expert added without its sigmoid gate", "tiny-llama", (1,),
+             ("kernels",), r"engine kernels .*fused_moe_shared tp=\d \(experts \d+, top_k",
+             tp1_green=False))
+def moe_shared_gate_dropped() -> None:
+    """The row kernels' down launch adds the shared expert with a gate of one instead of
+    sigmoid(x . w_gate) (the gate computed but its buffer not passed on, as in ports that
+    forget `shared_expert_gate`): every output gains the ungated half of the shared
+    expert."""
+
+    def ungated(hidden_rows, args):
+        if hidden_rows.gate is None:
+            return hidden_rows
+        return dataclasses.replace(hidden_rows, gate=torch.ones_like(hidden_rows.gate))
+
+    _wrap_argument(moe_rows, "down", 0, ungated)
 
 
 @fault("gdn-decode-state-slot",

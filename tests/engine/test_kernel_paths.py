@@ -97,3 +97,37 @@ def test_attention_outputs_are_recorded_on_the_kernel_path(case):
     for key, want in recorded[False].items():
         torch.testing.assert_close(recorded[True][key], want, rtol=1e-4, atol=1e-4,
                                    msg=lambda m, key=key: f"{key}: {m}")
+
+
+def _one_token_steps(core, prompt):
+    """`_both` on one prompt, the number of MoE blocks of the decode steps that took the
+    shared expert inside the routed row kernels, and the model's MoE layers."""
+    from freetoken.kernels import moe_rows
+
+    original, taken = moe_rows.down, []
+
+    def counted(hidden_rows, *args, **kwargs):
+        taken.append(hidden_rows.shared is not None)
+        return original(hidden_rows, *args, **kwargs)
+
+    moe_rows.down = counted
+    try:
+        want, got = _both(core, [prompt])
+    finally:
+        moe_rows.down = original
+    cfg = core.model_config
+    return want, got, sum(taken), sum(map(cfg.is_moe_layer, range(cfg.num_hidden_layers)))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_one_token_decode_takes_the_shared_expert_in_the_row_kernels(tp):
+    """One sequence decodes a token per step, so every Qwen3.5 MoE block adds its shared
+    expert and gate inside the routed row kernels (the shared intermediate 48 / tp beside
+    the routed 32 / tp): the same logits and tokens as the torch path."""
+    folder = GOLDEN / "tiny-qwen3.5-moe"
+    prompt = json.loads((folder / "meta.json").read_text())["prompts"][0]
+    with LLM(folder, tp=tp, device="cpu", dtype="float32", progress=False,
+             enforce_eager=True) as llm:
+        want, got, taken, layers = llm.run_on_ranks(_one_token_steps, prompt)[0]
+    assert taken == (NEW_TOKENS - 1) * layers, (taken, layers)
+    _assert_same(want, got, f"tiny-qwen3.5-moe one sequence tp={tp}")

@@ -10,8 +10,12 @@ loop (`fused_moe.reference_moe`):
   rank 32 inputs into its block);
 - the launcher takes the row kernels at one token only, and not when grouped tiles are
   named; the default tiles' policy;
+- the MoE block's shared expert and its sigmoid gate as one more slot of the same two
+  launches (`fused_moe(shared=...)`), its intermediate size equal to, larger or smaller
+  than the routed one, against `reference_moe_shared`; refused where it cannot join;
 - injected bugs the comparison must catch: the routing weight dropped, gate/up reading the
-  previous slot's expert, the down projection's column offset dropped."""
+  previous slot's expert, the down projection's column offset dropped, the shared expert
+  added ungated or with its gate rows for its up rows."""
 
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ from interpreted import interpreter  # noqa: F401  (module-wide fixture)
 from freetoken.distributed import TPInfo, acting_as
 from freetoken.formats.quant.format import FP8_BLOCK, HF_FP8, ModuleFormat
 from freetoken.kernels import fused_moe, moe_rows
-from freetoken.kernels.moe_rows import RowMoeTiles
+from freetoken.kernels.moe_rows import RowMoeTiles, SharedExpertRows
 from freetoken.layers.quantization.fp8.moe import BlockFP8FusedExperts
 from freetoken_verify.checks.kernels.quant import fill
 from freetoken_verify.checks.kernels.quant_data import experts_data
@@ -263,3 +267,91 @@ def test_dropped_column_offset_is_caught(monkeypatch):
     args, scales = _fp8_call(GROUPED, 2, 1)
     assert scales["w2_scales"].col_offset == 32
     _assert_caught(lambda: _assert_experts(*args, "no offset", **scales), "offset dropped")
+
+
+def _make_shared(hidden, shared_inter, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(2 * shared_inter, hidden, generator=gen) * hidden**-0.5
+    w2 = torch.randn(hidden, shared_inter, generator=gen) * shared_inter**-0.5
+    gate = torch.randn(1, hidden, generator=gen) * hidden**-0.5
+    return SharedExpertRows(w13.to(dtype), w2.to(dtype), gate.to(dtype))
+
+
+def _assert_shared(shape, dtype, tiles=None, what=""):
+    experts, top_k, hidden, inter, shared_inter = shape
+    w13, w2 = _make_experts(experts, hidden, inter, dtype, seed=hidden + 1)
+    shared = _make_shared(hidden, shared_inter, dtype, seed=shared_inter)
+    x, weights, ids = _make_token(experts, top_k, hidden, dtype, seed=inter + 1)
+    got = fused_moe.fused_moe(x, weights, ids, w13, w2, tiles=tiles, shared=shared)
+    want = fused_moe.reference_moe_shared(x, weights, ids, w13, w2, shared)
+    _assert_matches(got, want, f"{what} {dtype} {shape} {tiles}")
+    return got
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape, tiles", [((16, 8, 256, 128, 128), STEP_TILES),
+                                          ((8, 2, 64, 32, 48), SMALL_TILES),
+                                          ((8, 3, 100, 40, 24), SMALL_TILES)],
+                         ids=["equal", "shared-wider", "shared-narrower-ragged"])
+def test_shared_expert_in_rows_matches_reference(launches, dtype, shape, tiles):
+    """The routed experts plus the gated shared expert, with the default tiles and smaller
+    ones (several steps and feature blocks), in two launches whose grids carry top_k + 1
+    slots; the shared intermediate size the routed one, larger (tiny-qwen3.5-moe's 48 over
+    32) and smaller over ragged dims. A repeated launch gives the same bits."""
+    first = _assert_shared(shape, dtype)
+    _assert_shared(shape, dtype, tiles)
+    assert [name for name, _ in launches] == ["gate_up_rows_kernel", "down_rows_kernel"] * 2
+    assert all(kw["SHARED"] is True for _, kw in launches)
+    assert torch.equal(first, _assert_shared(shape, dtype)), "repeat differs"
+
+
+def test_shared_expert_refused_where_it_cannot_join():
+    """The shared expert joins one token's summed 16-bit slots only; wrong shapes or dtypes
+    are named."""
+    w13, w2 = _make_experts(8, 48, 16, torch.float32, seed=0)
+    shared = _make_shared(48, 16, torch.float32, seed=1)
+    x, weights, ids = _make_token(8, 2, 48, torch.float32, seed=1)
+    three = torch.cat([x] * 3), torch.cat([weights] * 3), torch.cat([ids] * 3)
+    with pytest.raises(ValueError, match="shared expert joins one token's summed row"):
+        fused_moe.fused_moe(*three, w13, w2, shared=shared)
+    with pytest.raises(ValueError, match="shared expert joins one token's summed row"):
+        fused_moe.fused_moe(x, weights, ids, w13, w2, sum_slots=False, shared=shared)
+    wrong = SharedExpertRows(shared.w13, shared.w2, shared.gate.to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"shared expert gate \(1, 48\) torch.bfloat16"):
+        fused_moe.fused_moe(x, weights, ids, w13, w2, shared=wrong)
+    wrong = SharedExpertRows(shared.w13[:16], shared.w2, shared.gate)
+    with pytest.raises(ValueError, match=r"shared expert w13 \(16, 48\).*want \(32, 48\)"):
+        fused_moe.fused_moe(x, weights, ids, w13, w2, shared=wrong)
+    args, scales = _fp8_call(PARTIAL, 1, 0)
+    scales.pop("ref")
+    fp8_shared = _make_shared(PARTIAL[0].hidden, 16, torch.float32, seed=2)
+    with pytest.raises(ValueError, match="joins 16-bit experts only"):
+        fused_moe.fused_moe(*args, shared=fp8_shared, **scales)
+
+
+def test_ungated_shared_expert_is_caught(monkeypatch):
+    """A down launch that adds the shared expert with a gate of one differs from the
+    reference."""
+    original = moe_rows.down
+
+    def ungated(hidden_rows, *a):
+        hidden_rows.gate = torch.ones_like(hidden_rows.gate)
+        return original(hidden_rows, *a)
+
+    monkeypatch.setattr(moe_rows, "down", ungated)
+    _assert_caught(lambda: _assert_shared((8, 2, 64, 32, 48), torch.float32), "ungated")
+
+
+def test_shared_expert_without_its_up_half_is_caught(monkeypatch):
+    """The shared slot reading its gate rows for both halves (an up-row offset of zero)
+    differs from the reference."""
+    original = moe_rows.gate_up
+
+    def gate_rows_only(x, ids, w13, tiles, block_k, scale_args, shared):
+        half = shared.w13.shape[0] // 2
+        clipped = SharedExpertRows(torch.cat([shared.w13[:half], shared.w13[:half]]),
+                                   shared.w2, shared.gate)
+        return original(x, ids, w13, tiles, block_k, scale_args, clipped)
+
+    monkeypatch.setattr(moe_rows, "gate_up", gate_rows_only)
+    _assert_caught(lambda: _assert_shared((8, 2, 64, 32, 48), torch.float32), "no up half")

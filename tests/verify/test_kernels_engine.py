@@ -143,6 +143,7 @@ def test_engine_matrix_passes_on_the_real_kernels(interpreter):
     ("paged-attention-table-stride", "paged_attention", "fused_moe"),
     ("decode-rope-next-position", "decode_rope", "paged_attention"),
     ("fused-moe-expert-offset", "fused_moe", "gated_delta_decode"),
+    ("moe-shared-gate-dropped", "fused_moe_shared", "fused_moe"),
     ("gdn-decode-state-slot", "gated_delta_decode", "paged_attention"),
 ])
 def test_fault_fails_its_kernel_naming_tp_shape_and_worst_element(restore_launchers, fault,

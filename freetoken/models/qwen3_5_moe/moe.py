@@ -11,7 +11,8 @@ from torch import nn
 from freetoken.context import uses_kernels
 from freetoken.distributed import get_communicator
 from freetoken.formats.quant import FP8_BLOCK
-from freetoken.kernels import gemv
+from freetoken.kernels import fused_moe, gemv
+from freetoken.kernels.moe_rows import SharedExpertRows
 from freetoken.layers import invariant
 from freetoken.layers.activation import silu_and_mul
 from freetoken.layers.layout import LocalRows
@@ -101,14 +102,30 @@ class SparseMoeBlock(nn.Module):
 
     def _combines(self, x: torch.Tensor) -> bool:
         """Whether the CUDA path sums the routed slots, the gated shared expert and the
-        gate itself in one launch (`freetoken.kernels.gemv.moe_combine`): 16-bit or
-        float32 routed experts (`FusedExperts`) outside the tp_invariant mode and a decode
-        batch."""
+        gate itself in one launch (`freetoken.kernels.gemv.moe_combine`, or at one token
+        the routed row kernels themselves): 16-bit or float32 routed experts
+        (`FusedExperts`) outside the tp_invariant mode and a decode batch."""
         return type(self.experts) is FusedExperts and self.experts.canonical is None and \
             gemv.enabled() and \
             gemv.fits(x, self.shared_expert.gate_up_proj.weight)
 
     def _forward_combined(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, True, x.dtype)
+        shared = self._shared_rows(x)
+        if shared is not None:
+            return self.experts(x, weights, ids, shared=shared)
         slots = self.experts(x, weights, ids, sum_slots=False)
         return gemv.moe_combine(slots, x, self.shared_expert_gate.weight, self.shared_expert(x))
+
+    def _shared_rows(self, x: torch.Tensor) -> SharedExpertRows | None:
+        """The shared expert and its gate for the routed experts' row kernels, which then
+        compute them as one more slot (one token, rows taken: `fused_moe.SHARED_IN_ROWS`),
+        or None: more tokens, or a quantized or biased shared linear."""
+        if x.shape[0] != 1 or not (fused_moe.ROWS_AT_ONE_TOKEN and fused_moe.SHARED_IN_ROWS):
+            return None
+        linears = (self.shared_expert.gate_up_proj, self.shared_expert.down_proj,
+                   self.shared_expert_gate)
+        if any(lin.quant is not None or lin.bias is not None or lin.weight.dtype != x.dtype
+               for lin in linears):
+            return None
+        return SharedExpertRows(*(lin.weight for lin in linears))

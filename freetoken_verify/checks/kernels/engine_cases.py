@@ -23,7 +23,8 @@ TP_SIZES = (1, 2, 4, 8)
 BLOCK_SIZE = 16
 REALDIMS = "qwen3.5-moe-realdims"
 FAMILIES = {"paged_attention": "paged_attention", "decode_rope": "paged_attention",
-            "fused_moe": "fused_moe", "route": "fused_moe", "align": "fused_moe",
+            "fused_moe": "fused_moe", "fused_moe_shared": "fused_moe", "route": "fused_moe",
+            "align": "fused_moe",
             "gated_delta_decode": "delta_rule", "conv_update": "delta_rule",
             "rms_norm": "norm_rope", "gated_rms_norm": "norm_rope",
             "silu_and_mul": "norm_rope", "rotary": "norm_rope"}
@@ -118,6 +119,16 @@ def local_shapes(cfg, tp: int, device_type: str) -> list[tuple[str, tuple]]:
         out += [("fused_moe", (("experts", cfg.num_experts), ("top_k", cfg.num_experts_per_tok),
                                ("hidden", cfg.hidden_size), ("intermediate", inter),
                                ("tokens", t))) for t in MOE_TOKENS[device_type]]
+        if qwen35:
+            # One token's routed experts with the shared expert and its gate as one more slot
+            # of the row kernels (the 16-bit decode step at batch 1).
+            shared = divide(cfg.shared_expert_intermediate_size, tp,
+                            "shared_expert_intermediate_size")
+            out.append(("fused_moe_shared", (("experts", cfg.num_experts),
+                                             ("top_k", cfg.num_experts_per_tok),
+                                             ("hidden", cfg.hidden_size),
+                                             ("intermediate", inter),
+                                             ("shared intermediate", shared))))
         out.append(("route", (("experts", cfg.num_experts),
                               ("top_k", cfg.num_experts_per_tok), ("tokens", 9))))
         # Several blocks per expert where the experts are few, at most what the one-launch

@@ -19,6 +19,7 @@ from freetoken.kernels import delta_rule, norm_rope
 from freetoken.kernels import fused_moe as moe
 from freetoken.kernels import paged_attention as attention
 from freetoken.kernels.moe_align import align_by_expert, align_small
+from freetoken.kernels.moe_rows import SharedExpertRows
 from freetoken.layers.activation import silu_and_mul as torch_silu_and_mul
 from freetoken.layers.causal_conv import CausalConv1d
 from freetoken.layers.delta_rule import l2norm, recurrent_gated_delta_rule
@@ -207,6 +208,24 @@ def fused_moe(case: EngineCase, inp: _Inputs) -> list[Output]:
     return [Output("output", got, want)]
 
 
+def fused_moe_shared(case: EngineCase, inp: _Inputs) -> list[Output]:
+    experts, hidden, inter = case["experts"], case["hidden"], case["intermediate"]
+    shared_inter = case["shared intermediate"]
+    w13 = inp.draw(experts, 2 * inter, hidden, scale=hidden**-0.5)
+    w2 = inp.draw(experts, hidden, inter, scale=inter**-0.5)
+    shared = SharedExpertRows(inp.draw(2 * shared_inter, hidden, scale=hidden**-0.5),
+                              inp.draw(hidden, shared_inter, scale=shared_inter**-0.5),
+                              inp.draw(1, hidden, scale=hidden**-0.5))
+    x = inp.draw(1, hidden)
+    weights, ids = torch_route(_ref(_router_logits(inp, 1, experts)), case["top_k"], True,
+                               torch.float32)
+    got = moe.fused_moe(x, weights.to(inp.dtype), ids, w13, w2, shared=shared)
+    want = moe.reference_moe_shared(
+        _ref(x), _ref(weights.to(inp.dtype)), ids, _ref(w13), _ref(w2),
+        SharedExpertRows(*(_ref(t) for t in (shared.w13, shared.w2, shared.gate))))
+    return [Output("output", got, want)]
+
+
 def route(case: EngineCase, inp: _Inputs) -> list[Output]:
     logits = _router_logits(inp, case["tokens"], case["experts"])
     want_w, want_ids = torch_route(_ref(logits), case["top_k"], True, torch.float32)
@@ -278,7 +297,8 @@ def conv_update(case: EngineCase, inp: _Inputs) -> list[Output]:
 RUNNERS = {"paged_attention": paged_attention, "decode_rope": decode_rope,
            "rotary": rotary,
            "rms_norm": rms_norm, "gated_rms_norm": gated_rms_norm,
-           "silu_and_mul": silu_and_mul, "fused_moe": fused_moe, "route": route,
+           "silu_and_mul": silu_and_mul, "fused_moe": fused_moe,
+           "fused_moe_shared": fused_moe_shared, "route": route,
            "align": align, "gated_delta_decode": gated_delta_decode,
            "conv_update": conv_update}
 
