@@ -53,10 +53,12 @@ ROWS_AT_ONE_TOKEN = True
 """One token without `tiles` takes the row kernels (`moe_rows`); False keeps it on the grouped
 kernels (an A/B of `bench/tile_ab.py`)."""
 
-SHARED_IN_ROWS = True
-"""A MoE block whose 16-bit routed experts take the row kernels computes its shared expert
-and gate in them as well (`fused_moe(shared=...)`); False keeps the shared expert's own
-launches and the separate combine (an A/B of `bench/tile_ab.py`)."""
+SHARED_IN_ROWS = False
+"""True: a MoE block whose 16-bit routed experts take the row kernels computes its shared
+expert and gate in them as well (`fused_moe(shared=...)`). Off by default until compiled
+and timed on a GPU (interpreted on CPU it is checked; `tests/kernels/test_moe_rows_gpu.py`
+and `bench/tile_ab.py` arm `no-shared-rows` against it decide); False keeps the shared
+expert's own launches and the separate combine."""
 
 DECODE_MAX_PAIRS = 1024
 """Up to this many (token, slot) pairs take DECODE_TILES."""

@@ -102,9 +102,10 @@ def test_attention_outputs_are_recorded_on_the_kernel_path(case):
 def _one_token_steps(core, prompt):
     """`_both` on one prompt, the number of MoE blocks of the decode steps that took the
     shared expert inside the routed row kernels, and the model's MoE layers."""
-    from freetoken.kernels import moe_rows
+    from freetoken.kernels import fused_moe, moe_rows
 
     original, taken = moe_rows.down, []
+    fused_moe.SHARED_IN_ROWS = True
 
     def counted(hidden_rows, *args, **kwargs):
         taken.append(hidden_rows.shared is not None)
@@ -115,6 +116,7 @@ def _one_token_steps(core, prompt):
         want, got = _both(core, [prompt])
     finally:
         moe_rows.down = original
+        fused_moe.SHARED_IN_ROWS = False
     cfg = core.model_config
     return want, got, sum(taken), sum(map(cfg.is_moe_layer, range(cfg.num_hidden_layers)))
 

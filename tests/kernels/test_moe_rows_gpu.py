@@ -2,8 +2,9 @@
 `fused_moe.fused_moe` at one token) compiled on a GPU (skipped without one), at
 Qwen3.5-35B-A3B's expert dimensions (256 experts of hidden 2048, I = 512 / tp, top 8) for
 TP 1, 2, 4 and 8: bf16 experts, summed and per slot, and block-FP8 experts (128 x 128
-blocks, the last rank's shard) within 1e-2 relative L2 of the torch loop, and a CUDA
-graph's replay equal to the eager call bit for bit."""
+blocks, the last rank's shard) within 1e-2 relative L2 of the torch loop, bf16 experts
+with Qwen3.5's shared expert (I_s = 512 / tp) and its gate as one more slot against the
+torch steps, and a CUDA graph's replay equal to the eager call bit for bit."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from gpu_checks import assert_graph_equals_eager, rel_l2
 from freetoken.distributed import TPInfo, acting_as
 from freetoken.formats.fp8.block import FP8
 from freetoken.kernels import fused_moe
+from freetoken.kernels.moe_rows import SharedExpertRows
 from freetoken.layers.quantization.fp8.moe import BlockFP8FusedExperts
 
 pytestmark = [pytest.mark.gpu,
@@ -47,6 +49,29 @@ def test_bf16_experts_one_token(tp):
                               f"tp={tp} summed")
     assert_graph_equals_eager(lambda: fused_moe.fused_moe(x, weights, ids, w13, w2,
                                                           sum_slots=False), f"tp={tp} slots")
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_bf16_experts_with_the_shared_expert_one_token(tp):
+    """The routed sum plus the gated shared expert in the row kernels' two launches, against
+    the torch steps the engine's separate launches take."""
+    gen = torch.Generator(device="cuda").manual_seed(20 + tp)
+    kw = dict(device="cuda", dtype=torch.bfloat16, generator=gen)
+    inter = 512 // tp
+    w13 = torch.randn(256, 2 * inter, 2048, **kw) * 2048**-0.5
+    w2 = torch.randn(256, 2048, inter, **kw) * inter**-0.5
+    shared = SharedExpertRows(torch.randn(2 * inter, 2048, **kw) * 2048**-0.5,
+                              torch.randn(2048, inter, **kw) * inter**-0.5,
+                              torch.randn(1, 2048, **kw) * 2048**-0.5)
+    x, weights, ids = _make_token(256, gen)
+
+    def run():
+        return fused_moe.fused_moe(x, weights, ids, w13, w2, shared=shared)
+
+    want = fused_moe.reference_moe_shared(x, weights, ids, w13, w2, shared)
+    error = rel_l2(run(), want)
+    assert error < 1e-2, f"tp={tp}: relative L2 {error:.2e}"
+    assert_graph_equals_eager(run, f"tp={tp} with the shared expert")
 
 
 @pytest.mark.parametrize("tp", TP_SIZES)
