@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from freetoken.kernels import moe_rows
+from freetoken.kernels import gemv, moe_rows
 from freetoken.kernels.moe_align import align_pairs
 from freetoken.kernels.moe_rows import RowMoeTiles, SharedExpertRows
 from freetoken.kernels.quant_gemm import block_step
@@ -57,8 +57,8 @@ SHARED_IN_ROWS = False
 """True: a MoE block whose 16-bit routed experts take the row kernels computes its shared
 expert and gate in them as well (`fused_moe(shared=...)`). Off by default until compiled
 and timed on a GPU (interpreted on CPU it is checked; `tests/kernels/test_moe_rows_gpu.py`
-and `bench/tile_ab.py` arm `no-shared-rows` against it decide); False keeps the shared
-expert's own launches and the separate combine."""
+and `bench/tile_ab.py`'s `shared-rows` switch against the default decide); False keeps the
+shared expert's own launches and the separate combine."""
 
 DECODE_MAX_PAIRS = 1024
 """Up to this many (token, slot) pairs take DECODE_TILES."""
@@ -312,12 +312,13 @@ def reference_moe_shared(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
                          w13: torch.Tensor, w2: torch.Tensor, shared: SharedExpertRows
                          ) -> torch.Tensor:
     """The torch steps `fused_moe(shared=...)` fuses, rounded as the engine's separate
-    launches round them (`SparseMoeBlock`): the routed sum in float32 rounded once, the
-    shared expert's SiLU-gated MLP, the sigmoid gate, and their sum in x's dtype."""
-    gate, up = F.linear(x, shared.w13).chunk(2, dim=-1)
-    shared_out = F.linear(F.silu(gate) * up, shared.w2)
-    gated = torch.sigmoid(F.linear(x, shared.gate)) * shared_out
-    return reference_moe(x, weights, ids, w13, w2) + gated
+    launches round them (`SparseMoeBlock`): the routed sum (`reference_moe`), the shared
+    expert's SiLU-gated MLP (`gemv.reference_linear`) and their gated sum
+    (`gemv.reference_moe_combine`, the rounded routed sum as its one float32 slot)."""
+    shared_out = gemv.reference_linear(gemv.reference_linear(x, shared.w13, gated=True),
+                                       shared.w2)
+    routed = reference_moe(x, weights, ids, w13, w2).float()[:, None]
+    return gemv.reference_moe_combine(routed, x, shared.gate, shared_out)
 
 
 def triton_cdiv(n: int, d: int) -> int:

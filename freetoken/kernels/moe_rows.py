@@ -98,7 +98,7 @@ def gate_up(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, tiles: RowMoe
     top_k = ids.shape[1]
     inter = w13.shape[1] // 2
     out = RowHidden(torch.empty(top_k, inter, dtype=x.dtype, device=x.device))
-    shared_inter, slots = 0, top_k
+    shared_inter = 0
     if shared is not None:
         if scale_args["SCALE"] != 0:
             raise ValueError("moe_rows: a shared expert joins 16-bit experts only, not "
@@ -107,7 +107,6 @@ def gate_up(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, tiles: RowMoe
         shared_inter = shared.w2.shape[1]
         out.shared = torch.empty(shared_inter, dtype=x.dtype, device=x.device)
         out.gate = torch.empty(1, dtype=torch.float32, device=x.device)
-        slots += 1
         shared_args = dict(shared_w13_ptr=shared.w13, shared_h_ptr=out.shared,
                            gate_weight_ptr=shared.gate, gate_ptr=out.gate,
                            stride_shared_row=shared.w13.stride(0))
@@ -115,7 +114,7 @@ def gate_up(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, tiles: RowMoe
         shared_args = dict(shared_w13_ptr=w13, shared_h_ptr=out.h, gate_weight_ptr=x,
                            gate_ptr=out.h, stride_shared_row=0)
     blocks = _cdiv(max(inter, shared_inter), tiles.gate_up_n)
-    _jit().gate_up_rows_kernel[(slots, blocks)](
+    _jit().gate_up_rows_kernel[(top_k + (shared is not None), blocks)](
         x_ptr=x, w13_ptr=w13, h_ptr=out.h, ids_ptr=ids, hidden=hidden, inter=inter,
         top_k=top_k, shared_inter=shared_inter, stride_ids_slot=ids.stride(1),
         stride_w13_expert=w13.stride(0), stride_w13_row=w13.stride(1),

@@ -27,16 +27,16 @@ and rounds SCALE 2's scaled weight to the activations' dtype for its dot).
   features and the matching up features of h[slot] = SiLU(gate) * up over the whole hidden
   size (rows [gate | up] of one dot), in float32, rounded once to h's dtype as
   `gate_up_kernel` rounds it.
-- With SHARED, the MoE block's shared expert is one more slot of both launches (the
-  16-bit layer at one token: 4 launches fewer than the shared expert's two projections and
-  the separate combine). `gate_up_rows_kernel`'s grid has top_k + 1 slots; the last reads
-  the shared gate/up rows (its own length, shared_inter, may differ from inter) into
-  shared_h, and its first program also computes the sigmoid gate of the block's input,
-  rounded as the engine's separate steps round it (the gate's dot, then its sigmoid, to
-  h's dtype), into `gate_ptr` (float32 [1]). `down_rows_kernel` adds, after the routed
-  sum (SUM_SLOTS), the shared down projection of shared_h times that gate, with the
-  rounding chain of `gemv.moe_combine_kernel` (routed sum, shared output and gated shared
-  each rounded to out's dtype before the last addition).
+- With SHARED, the MoE block's shared expert is one more slot of both launches (the 16-bit
+  layer at one token: two launches where the shared expert's two projections and the
+  separate combine took three more). `gate_up_rows_kernel`'s grid has top_k + 1 slots; the
+  last reads the shared gate/up rows (its own length, shared_inter, may differ from inter)
+  into shared_h, and its first program also computes the sigmoid gate of the block's input,
+  rounded as the engine's separate steps round it (the gate's dot, then its sigmoid, to h's
+  dtype), into `gate_ptr` (float32 [1]). `down_rows_kernel` adds, after the routed sum
+  (SUM_SLOTS), the shared down projection of shared_h times that gate, with the rounding
+  chain of `gemv.moe_combine_kernel` (routed sum, shared output and gated shared each
+  rounded to out's dtype before the last addition).
 - `down_rows_kernel`: grid (features,): program (block) computes BLOCK_N outputs n of every
   slot (rows (slot, n) of one dot), weight[s] * (h[s] . w2[e_s, n]) in float32, and either
   adds the slots in slot order and stores the sum rounded once to out's dtype (SUM_SLOTS:
