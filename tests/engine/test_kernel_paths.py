@@ -104,8 +104,8 @@ def _one_token_steps(core, prompt):
     shared expert inside the routed row kernels, and the model's MoE layers."""
     from freetoken.kernels import fused_moe, moe_rows
 
+    assert fused_moe.SHARED_IN_ROWS, "the shared expert in the row kernels is the default"
     original, taken = moe_rows.down, []
-    fused_moe.SHARED_IN_ROWS = True
 
     def counted(hidden_rows, *args, **kwargs):
         taken.append(hidden_rows.shared is not None)
@@ -116,7 +116,6 @@ def _one_token_steps(core, prompt):
         want, got = _both(core, [prompt])
     finally:
         moe_rows.down = original
-        fused_moe.SHARED_IN_ROWS = False
     cfg = core.model_config
     return want, got, sum(taken), sum(map(cfg.is_moe_layer, range(cfg.num_hidden_layers)))
 
