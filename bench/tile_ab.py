@@ -13,11 +13,11 @@ launched, `EngineConfig.overlap_steps=False`), `no-moe-rows` (one token's routed
 the grouped kernels, `fused_moe.ROWS_AT_ONE_TOKEN`) and `no-shared-rows` (one token's shared
 expert and gate on their own launches, not inside the routed row kernels,
 `fused_moe.SHARED_IN_ROWS`), all three on otherwise. Before each arm's run the tables are
-re-read and the decode graphs dropped, so they are captured again with that arm's tiles. A run is one
-warm-up and `--repeats` timed pairs (one token, then `--new-tokens`); the step time is their
-difference over the decode steps. Prints each arm's median step over the rounds, every
-round's value, and with `--mb` (the bytes a step reads, from `bench/engine_decode.py`) the
-share of the copy bandwidth measured here."""
+re-read and the decode graphs dropped, so they are captured again with that arm's tiles. A
+run is one warm-up and `--repeats` timed pairs (one token, then `--new-tokens`); the step
+time is their difference over the decode steps. Prints each arm's median step over the
+rounds, every round's value, and with `--mb` (the bytes a step reads, from
+`bench/engine_decode.py`) the share of the copy bandwidth measured here."""
 
 from __future__ import annotations
 

@@ -78,7 +78,8 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: to
               w2: torch.Tensor, tiles: MoeTiles | RowMoeTiles | None = None,
               sum_slots: bool = True, w13_scales: ExpertBlockScales | None = None,
               w2_scales: ExpertBlockScales | None = None,
-              shared: SharedExpertRows | None = None) -> torch.Tensor:
+              shared: SharedExpertRows | None = None,
+              residual: torch.Tensor | None = None) -> torch.Tensor:
     """Routed-expert partial sum for `x` [T, H]: w13 [E, 2I, H] (gate rows, then up rows),
     w2 [E, H, I], `weights` and `ids` [T, top_k]. Each token's weighted slots are summed in
     float32 and rounded once to x's dtype; with `sum_slots=False` the weighted slots
@@ -88,19 +89,22 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: to
     `RowMoeTiles` (one token only), takes the row kernels; `MoeTiles` the grouped ones.
     `shared` (one token on the row kernels, 16-bit experts, summed slots): the MoE block's
     shared expert and gate computed in the same launches, and the result is the block's
-    `reference_moe_shared`, as `gemv.moe_combine` gives it."""
+    `reference_moe_shared`, as `gemv.moe_combine` gives it. `residual` [1, H] (the same
+    row kernels): `residual + ` the result, added in the down launch (the decoder layer's
+    residual add where no all-reduce comes between, TP 1)."""
     tokens, hidden = x.shape
     top_k = ids.shape[1]
-    if shared is not None and (tokens != 1 or not sum_slots or isinstance(tiles, MoeTiles)):
-        raise ValueError(f"fused_moe: the shared expert joins one token's summed row "
-                         f"kernels, not {tokens} tokens (sum_slots={sum_slots}, {tiles})")
+    for name, given in (("shared expert", shared), ("residual", residual)):
+        if given is not None and (tokens != 1 or not sum_slots or isinstance(tiles, MoeTiles)):
+            raise ValueError(f"fused_moe: the {name} joins one token's summed row kernels, "
+                             f"not {tokens} tokens (sum_slots={sum_slots}, {tiles})")
     if tokens == 0:
         return x.new_zeros(0, hidden) if sum_slots else x.new_zeros(0, top_k, hidden,
                                                                       dtype=torch.float32)
     if isinstance(tiles, RowMoeTiles) or (tiles is None and tokens == 1 and ROWS_AT_ONE_TOKEN) \
-            or shared is not None:
+            or shared is not None or residual is not None:
         return _rows(x, weights, ids, w13, w2, tiles, sum_slots, w13_scales, w2_scales,
-                     shared)
+                     shared, residual)
     h, layout = _gate_up(x, ids, w13, w13_scales, tiles)
     inter = w2.shape[2]
     down_k = min(layout.tiles.block_k, _pow2(inter))
@@ -112,7 +116,8 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: to
 def _rows(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
           w2: torch.Tensor, tiles: RowMoeTiles | None, sum_slots: bool,
           w13_scales: ExpertBlockScales | None, w2_scales: ExpertBlockScales | None,
-          shared: SharedExpertRows | None = None) -> torch.Tensor:
+          shared: SharedExpertRows | None = None, residual: torch.Tensor | None = None
+          ) -> torch.Tensor:
     """`fused_moe` of one token on the row kernels (`moe_rows`)."""
     tokens, hidden = x.shape
     if tokens != 1:
@@ -129,7 +134,7 @@ def _rows(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.
     h = moe_rows.gate_up(x, ids, w13, tiles, gate_up_k, gate_up_scale, shared)
     down_scale, down_k = _scale_args(w2_scales, min(tiles.block_k, _pow2(inter)), w2)
     return moe_rows.down(h, weights, ids, w2, tiles, down_k, down_scale, sum_slots, x.dtype,
-                         shared)
+                         shared, residual)
 
 
 def fused_moe_leaves(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,

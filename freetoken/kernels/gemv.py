@@ -141,16 +141,22 @@ def tiles_for(x: torch.Tensor, weight: torch.Tensor, *, norm: Norm | None = None
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            norm: Norm | None = None, gated: bool = False,
-           residual: torch.Tensor | None = None, tiles: GemvTiles | None = None
-           ) -> torch.Tensor:
+           residual: torch.Tensor | None = None, tiles: GemvTiles | None = None,
+           normed: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(rms_norm(x), weight, bias)` for x [T, in] (T <= MAX_TOKENS) in one launch;
     with `gated` the weight stacks [gate | up] and the result is `silu(gate) * up`
     [T, out / 2]; with `residual` [T, out] it is `residual + y`. The norm, when given,
-    normalises over x's whole row."""
+    normalises over x's whole row; with `normed` (x's shape and dtype) the launch also
+    stores there the normalised x its dot read (`reference_norm`)."""
     tokens, in_features = x.shape
     if weight.shape[1] != in_features:
         raise ValueError(f"gemv: x has {in_features} input features, weight "
                          f"{tuple(weight.shape)} takes {weight.shape[1]}")
+    if normed is not None and (norm is None or normed.shape != x.shape
+                               or normed.dtype != x.dtype or normed.stride(-1) != 1):
+        raise ValueError(f"gemv: normed {tuple(normed.shape)} {normed.dtype} takes the "
+                         f"normalised x {tuple(x.shape)} {x.dtype} (contiguous rows) of a "
+                         f"linear with a norm (norm given: {norm is not None})")
     if gated and weight.shape[0] % 2:
         raise ValueError(f"gemv: a gated weight stacks [gate | up], but {tuple(weight.shape)} "
                          "has an odd number of rows")
@@ -175,7 +181,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     main = fused if splits == 1 else dict(fused, GATED=False, HAS_BIAS=False, HAS_RESIDUAL=False)
     args = dict(
         x_ptr=x, weight_ptr=weight, norm_weight_ptr=norm.weight if norm is not None else weight,
-        partial_ptr=partial, out_ptr=out, tokens=tokens,
+        partial_ptr=partial, out_ptr=out, normed_ptr=normed if normed is not None else x,
+        stride_normed_token=normed.stride(0) if normed is not None else 0,
+        STORE_NORMED=normed is not None, tokens=tokens,
         out_features=rows if splits > 1 else out_features, in_features=in_features,
         split_features=step, eps=norm.eps if norm is not None else 0.0,
         stride_x_token=x.stride(0), stride_weight_row=weight.stride(0),
@@ -193,7 +201,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if splits > 1:
         reduce_m = min(block_m, next_pow2(tokens))
         _jit().gemv_reduce_kernel[(_cdiv(out_features, REDUCE_BLOCK_N), _cdiv(tokens, reduce_m))](
-            partial_ptr=partial, out_ptr=out, tokens=tokens, out_features=rows, splits=splits,
+            partial_ptr=partial, out_ptr=out, normed_ptr=normed if normed is not None else x,
+        stride_normed_token=normed.stride(0) if normed is not None else 0,
+        STORE_NORMED=normed is not None, tokens=tokens, out_features=rows, splits=splits,
             stride_partial_split=tokens * rows, stride_out_token=out.stride(0),
             BLOCK_M=reduce_m, BLOCK_N=REDUCE_BLOCK_N, num_warps=4, **fused)
     return out
@@ -227,15 +237,21 @@ def reference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
                      residual: torch.Tensor | None = None) -> torch.Tensor:
     """The torch steps `linear` fuses, each rounded as the engine's CPU path rounds it."""
     if norm is not None:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.eps)
-        x = ((h * (1.0 + norm.weight.float())).to(x.dtype) if norm.offset
-             else norm.weight * h.to(x.dtype))
+        x = reference_norm(x, norm)
     y = F.linear(x, weight, bias)
     if gated:
         gate, up = y.chunk(2, dim=-1)
         y = F.silu(gate) * up
     return y if residual is None else residual + y
+
+
+def reference_norm(x: torch.Tensor, norm: Norm) -> torch.Tensor:
+    """The RMSNorm `linear` applies before its dot, rounded as the engine's CPU path rounds
+    it (what `linear(..., normed=)` stores)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.eps)
+    return ((h * (1.0 + norm.weight.float())).to(x.dtype) if norm.offset
+            else norm.weight * h.to(x.dtype))
 
 
 def reference_moe_combine(slots: torch.Tensor, x: torch.Tensor, gate_weight: torch.Tensor,

@@ -9,7 +9,10 @@ normalised row, the activation), so results match the unfused kernels closely.
 - `gemv_kernel`: program (n, m) computes out[m-block, n-block] = x W^T for BLOCK_M tokens
   and BLOCK_N output features, walking the input features BLOCK_K at a time. With NORM the
   program first takes each token's RMS over the whole row (a second read of x, from L2)
-  and normalises x as it loads it (NORM 1: `w * round(x * s)`, NORM 2: `x * s * (1 + w)`).
+  and normalises x as it loads it (NORM 1: `w * round(x * s)`, NORM 2: `x * s * (1 + w)`);
+  with STORE_NORMED the programs of the first feature block also store the normalised rows
+  they read (rounded to `normed`'s dtype), for the steps after the projection that take
+  the same input (the MoE block's experts after its router).
   With GATED the weight is [gate | up] (2 * out_features rows) and the program keeps both
   accumulators and writes `silu(gate) * up`. With RESIDUAL it writes `residual + y`.
   With SPLIT the inputs are split over program_id(2) as well (more programs for a weight
@@ -78,6 +81,7 @@ def gemv_kernel(
     residual_ptr,
     partial_ptr,
     out_ptr,
+    normed_ptr,
     # sizes
     tokens,
     out_features,
@@ -90,8 +94,10 @@ def gemv_kernel(
     stride_residual_token,
     stride_partial_split,
     stride_out_token,
+    stride_normed_token,
     # meta
     NORM: tl.constexpr,
+    STORE_NORMED: tl.constexpr,
     GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
@@ -137,6 +143,10 @@ def gemv_kernel(
         if NORM:
             norm_w = tl.load(norm_weight_ptr + ks, mask=ks < in_features, other=0.0)
             xv = normalise(xv.to(tl.float32), scale, norm_w, NORM)
+            if STORE_NORMED:
+                tl.store(normed_ptr + rows.to(tl.int64)[:, None] * stride_normed_token
+                         + ks[None, :], xv.to(normed_ptr.dtype.element_ty),
+                         mask=x_mask & (ks < in_features)[None, :] & (tl.program_id(0) == 0))
         w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0)
         acc = tl.dot(xv.to(w.dtype), tl.trans(w), acc, input_precision=PRECISION)
         if GATED:

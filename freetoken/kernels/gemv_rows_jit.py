@@ -6,11 +6,11 @@ features (1, 2, 4, ...) for one token, multiplies elementwise in float32 and red
 step along the inputs, so a weight of 1024 rows fills the GPU with 256 programs and each
 program issues its whole weight tile in one or two wide steps.
 
-Same fusions and roundings as `gemv_kernel` (the RMSNorm prologue, SiLU-and-mul, bias,
-residual, the split form with `gemv_jit.gemv_reduce_kernel` finishing it): the normalised
-input and the activation are rounded where the torch path rounds them. Every program's
-reduction order is fixed, so a launch gives the same bits each time (graph replay equals
-eager).
+Same fusions and roundings as `gemv_kernel` (the RMSNorm prologue and the store of the
+normalised input, SiLU-and-mul, bias, residual, the split form with
+`gemv_jit.gemv_reduce_kernel` finishing it): the normalised input and the activation are
+rounded where the torch path rounds them. Every program's reduction order is fixed, so a
+launch gives the same bits each time (graph replay equals eager).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ def gemv_rows_kernel(
     residual_ptr,
     partial_ptr,
     out_ptr,
+    normed_ptr,
     # sizes
     tokens,
     out_features,
@@ -57,8 +58,10 @@ def gemv_rows_kernel(
     stride_residual_token,
     stride_partial_split,
     stride_out_token,
+    stride_normed_token,
     # meta
     NORM: tl.constexpr,
+    STORE_NORMED: tl.constexpr,
     GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
@@ -97,6 +100,10 @@ def gemv_rows_kernel(
         if NORM:
             norm_w = tl.load(norm_weight_ptr + ks, mask=ks < in_features, other=0.0)
             xv = normalise(xv.to(tl.float32), scale, norm_w, NORM)
+            if STORE_NORMED:
+                tl.store(normed_ptr + token.to(tl.int64) * stride_normed_token + ks[None, :],
+                         xv.to(normed_ptr.dtype.element_ty),
+                         mask=(ks < in_features)[None, :] & (tl.program_id(0) == 0))
         w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0)
         xf = xv.to(w.dtype).to(tl.float32)
         acc += ops.sum_(w.to(tl.float32) * xf, axis=1)

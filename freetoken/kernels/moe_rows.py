@@ -3,7 +3,8 @@ captured in CUDA graphs) without tensor cores, which `fused_moe.fused_moe` takes
 token. Two launches: gate/up with SiLU-and-mul into h [top_k, I], then the down projection
 with the routing weights and the slots' sum folded in; given the block's shared expert
 (`SharedExpertRows`), the same two launches compute it and its sigmoid gate as one more
-slot and add it to the sum. The scale arguments come from `fused_moe` (its `_scale_args`),
+slot and add it to the sum, and the down launch may add the decoder layer's residual. The
+scale arguments come from `fused_moe` (its `_scale_args`),
 which validates them for both paths."""
 
 from __future__ import annotations
@@ -126,15 +127,22 @@ def gate_up(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, tiles: RowMoe
 
 def down(hidden_rows: RowHidden, weights: torch.Tensor, ids: torch.Tensor, w2: torch.Tensor,
          tiles: RowMoeTiles, block_k: int, scale_args: dict, sum_slots: bool,
-         dtype: torch.dtype, shared: SharedExpertRows | None = None) -> torch.Tensor:
+         dtype: torch.dtype, shared: SharedExpertRows | None = None,
+         residual: torch.Tensor | None = None) -> torch.Tensor:
     """The token's weighted slots h[s] . w2[e_s]^T * weights[s]: summed in slot order in
     float32 and rounded once to `dtype`, [1, H]; or, without `sum_slots`, each slot's float32
     value [1, top_k, H]. With `shared` (and `sum_slots`), the routed sum plus the gated
     shared expert, rounded as `gemv.moe_combine` rounds them; `hidden_rows` then carries
-    the shared h and gate of the gate/up launch that was given `shared`."""
+    the shared h and gate of the gate/up launch that was given `shared`. With `residual`
+    [1, H] (`dtype`, and `sum_slots`), `residual + ` that sum, each rounded to `dtype`."""
     h = hidden_rows.h
     top_k, inter = h.shape
     hidden = w2.shape[1]
+    if residual is not None and (not sum_slots or tuple(residual.shape) != (1, hidden)
+                                 or residual.dtype != dtype or residual.stride(-1) != 1):
+        raise ValueError(f"moe_rows: residual {tuple(residual.shape)} {residual.dtype} does "
+                         f"not fit the summed output {(1, hidden)} {dtype} (contiguous; "
+                         f"sum_slots={sum_slots})")
     out = (torch.empty(1, hidden, dtype=dtype, device=h.device) if sum_slots
            else torch.empty(1, top_k, hidden, dtype=torch.float32, device=h.device))
     if shared is not None:
@@ -153,11 +161,13 @@ def down(hidden_rows: RowHidden, weights: torch.Tensor, ids: torch.Tensor, w2: t
                            stride_shared_row=0, SHARED_EVEN_K=True, SHARED_STEPS=1,
                            SHARED_BLOCK_K=1)
     _jit().down_rows_kernel[(_cdiv(hidden, tiles.down_n),)](
-        h_ptr=h, w2_ptr=w2, weights_ptr=weights, ids_ptr=ids, out_ptr=out, hidden=hidden,
+        h_ptr=h, w2_ptr=w2, weights_ptr=weights, ids_ptr=ids, out_ptr=out,
+        residual_ptr=residual if residual is not None else out, hidden=hidden,
         inter=inter, stride_ids_slot=ids.stride(1), stride_weights_slot=weights.stride(1),
         stride_h_slot=h.stride(0), stride_w2_expert=w2.stride(0), stride_w2_row=w2.stride(1),
         stride_out_slot=0 if sum_slots else out.stride(1), TOP_K=top_k,
         BLOCK_S=next_pow2(top_k), SUM_SLOTS=sum_slots, SHARED=shared is not None,
+        RESIDUAL=residual is not None,
         EVEN_K=inter % block_k == 0, STEPS=_cdiv(inter, block_k), BLOCK_N=tiles.down_n,
         BLOCK_K=block_k, num_warps=tiles.num_warps, **shared_args, **scale_args)
     return out

@@ -37,6 +37,9 @@ and rounds SCALE 2's scaled weight to the activations' dtype for its dot).
   (SUM_SLOTS), the shared down projection of shared_h times that gate, with the rounding
   chain of `gemv.moe_combine_kernel` (routed sum, shared output and gated shared each
   rounded to out's dtype before the last addition).
+- With RESIDUAL (summed slots, TP 1: no all-reduce between the block and the decoder
+  layer's residual add), `down_rows_kernel` stores residual + the block's rounded output,
+  rounded as the separate add rounds it.
 - `down_rows_kernel`: grid (features,): program (block) computes BLOCK_N outputs n of every
   slot (rows (slot, n) of one dot), weight[s] * (h[s] . w2[e_s, n]) in float32, and either
   adds the slots in slot order and stores the sum rounded once to out's dtype (SUM_SLOTS:
@@ -191,6 +194,7 @@ def down_rows_kernel(
     shared_h_ptr,           # SHARED: [shared_inter] the shared expert's SiLU(gate) * up
     shared_w2_ptr,          # SHARED: [hidden, shared_inter]
     gate_ptr,               # SHARED: [1] float32, the rounded sigmoid gate
+    residual_ptr,           # RESIDUAL: [1, hidden] added to the sum
     # sizes
     hidden,
     inter,
@@ -211,6 +215,7 @@ def down_rows_kernel(
     BLOCK_S: tl.constexpr,
     SUM_SLOTS: tl.constexpr,
     SHARED: tl.constexpr,
+    RESIDUAL: tl.constexpr,
     SCALE: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -224,7 +229,8 @@ def down_rows_kernel(
     """For the BLOCK_N outputs n of block program_id(0) and every slot s (expert e_s =
     ids[s]): weight[s] * (h[s] . w2[e_s, n]) in float32, one dot of BLOCK_S x BLOCK_N rows
     (BLOCK_S: TOP_K to a power of two); added over s = 0, 1, ... in that order and stored
-    rounded to out's dtype (SUM_SLOTS), or stored per slot at out[s]."""
+    rounded to out's dtype (SUM_SLOTS), or stored per slot at out[s]. RESIDUAL (with
+    SUM_SLOTS): the rounded sum plus residual, rounded again (the decoder layer's add)."""
     r = tl.arange(0, BLOCK_S * BLOCK_N)
     # Padding slots read slot 0's expert and input; their weight rows are masked off.
     slot = tl.where(r // BLOCK_N < TOP_K, r // BLOCK_N, 0)
@@ -259,6 +265,9 @@ def down_rows_kernel(
             gate = tl.load(gate_ptr)
             gated = (gate * shared.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
             total = total.to(dtype).to(tl.float32) + gated
+        if RESIDUAL:
+            residual = tl.load(residual_ptr + out_cols, mask=out_ok, other=0.0)
+            total = total.to(dtype).to(tl.float32) + residual.to(tl.float32)
         tl.store(out_ptr + out_cols, total.to(dtype), mask=out_ok)
     else:
         tl.store(out_ptr + slot * stride_out_slot + cols, values, mask=row_ok)

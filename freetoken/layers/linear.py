@@ -70,6 +70,22 @@ class LinearBase(nn.Module):
                 return gemv.linear(x, self.weight, self.bias, tiles=tiles, **fused)
         return self(norm(x))
 
+    def forward_keeping_normed(self, x: torch.Tensor, norm: nn.Module
+                               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`(norm(x), self(norm(x)))` in one launch on the CUDA path for a decode batch, the
+        projection storing the normalised x it read, for the steps after it that take the
+        same input (the MoE block's experts after its router); None where that launch does
+        not run (the tile table lacks the fused call or found the unfused steps faster, a
+        quantized or biased layer, no kernels), for the caller's unfused steps."""
+        if self.canonical is not None or self.bias is not None:
+            return None
+        fused = dict(norm=_as_norm(norm))
+        tiles = _gemv_tiles(self, x, **fused)
+        if tiles is None:
+            return None
+        normed = torch.empty_like(x, memory_format=torch.contiguous_format)
+        return normed, gemv.linear(x, self.weight, tiles=tiles, normed=normed, **fused)
+
 
 def _gemv_tiles(layer: LinearBase, x: torch.Tensor, **fused) -> gemv.GemvTiles | None:
     """The decode-step linear kernel's tiles for this call (`freetoken.kernels.gemv`), or

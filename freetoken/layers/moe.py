@@ -48,21 +48,22 @@ class FusedExperts(nn.Module):
         return LocalRows(GATE_UP, (i, i))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                sum_slots: bool = True, shared: fused_moe.SharedExpertRows | None = None
-                ) -> torch.Tensor:
+                sum_slots: bool = True, shared: fused_moe.SharedExpertRows | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
         """Each token's weighted expert outputs summed in fp32 and rounded once to x's dtype,
         as HF's default (grouped_mm) experts do; summing in bf16 rounds once per expert and
         moves bf16 logits by as much as HF's eager and grouped_mm paths differ. In a step
         that takes the Triton paths (CUDA) the grouped kernels compute the same sum without a
         host sync; there `sum_slots=False` returns the weighted slots themselves, float32
         [T, top_k, H], for a caller that sums them in a launch of its own, and `shared` (one
-        token) adds the block's gated shared expert in the same launches."""
+        token) adds the block's gated shared expert in the same launches, and `residual`
+        (one token) `residual + ` the result in the down launch."""
         if uses_kernels():
             return fused_moe.fused_moe(x, weights, ids, self.w13, self.w2, sum_slots=sum_slots,
-                                       shared=shared)
-        if not sum_slots or shared is not None:
-            raise ValueError("FusedExperts: sum_slots=False and shared are for the CUDA path "
-                             "only")
+                                       shared=shared, residual=residual)
+        if not sum_slots or shared is not None or residual is not None:
+            raise ValueError("FusedExperts: sum_slots=False, shared and residual are for the "
+                             "CUDA path only")
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         hit = torch.bincount(ids.flatten(), minlength=self.num_experts).nonzero().flatten()
         for e in hit.tolist():

@@ -100,6 +100,21 @@ def moe_shared_gate_dropped() -> None:
     _wrap_argument(moe_rows, "down", 0, ungated)
 
 
+@fault("moe-residual-dropped",
+       Entry("one token's MoE block output stored without the decoder layer's residual",
+             "tiny-llama", (1,), ("kernels",),
+             r"engine kernels .*fused_moe_shared tp=\d .*output \+ residual", tp1_green=False))
+def moe_residual_dropped() -> None:
+    """The row kernels' down launch is given the residual but stores the block's output
+    alone (the add skipped, as when a fused epilogue's flag is not passed on): the decoder
+    layer's residual stream is replaced by the MoE output at every batch-1 decode step."""
+
+    def dropped(residual, args):
+        return None
+
+    _wrap_argument(moe_rows, "down", 10, dropped)
+
+
 @fault("gdn-decode-state-slot",
        Entry("GatedDeltaNet decode kernel on the wrong state slot", "tiny-llama", (1,),
              ("kernels",),

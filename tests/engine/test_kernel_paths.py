@@ -100,35 +100,53 @@ def test_attention_outputs_are_recorded_on_the_kernel_path(case):
 
 
 def _one_token_steps(core, prompt):
-    """`_both` on one prompt, the number of MoE blocks of the decode steps that took the
-    shared expert inside the routed row kernels, and the model's MoE layers."""
-    from freetoken.kernels import fused_moe, moe_rows
+    """`_both` on one prompt, and what the MoE blocks of the kernel path fused: how many
+    expert down launches added the shared expert and how many the residual
+    (`moe_rows.down`), how many router launches stored the normalised input
+    (`gemv.linear(normed=)`), and the model's MoE layers."""
+    import inspect
+
+    from freetoken.kernels import fused_moe, gemv, moe_rows
 
     assert fused_moe.SHARED_IN_ROWS, "the shared expert in the row kernels is the default"
-    original, taken = moe_rows.down, []
+    originals = moe_rows.down, gemv.linear
+    down_args = inspect.signature(moe_rows.down)
+    counts = {"shared": 0, "residual": 0, "normed": 0}
 
-    def counted(hidden_rows, *args, **kwargs):
-        taken.append(hidden_rows.shared is not None)
-        return original(hidden_rows, *args, **kwargs)
+    def down(*args, **kwargs):
+        given = down_args.bind(*args, **kwargs).arguments
+        counts["shared"] += given["hidden_rows"].shared is not None
+        counts["residual"] += given.get("residual") is not None
+        return originals[0](*args, **kwargs)
 
-    moe_rows.down = counted
+    def linear(*args, **kwargs):
+        counts["normed"] += kwargs.get("normed") is not None
+        return originals[1](*args, **kwargs)
+
+    moe_rows.down, gemv.linear = down, linear
     try:
         want, got = _both(core, [prompt])
     finally:
-        moe_rows.down = original
+        moe_rows.down, gemv.linear = originals
     cfg = core.model_config
-    return want, got, sum(taken), sum(map(cfg.is_moe_layer, range(cfg.num_hidden_layers)))
+    return want, got, counts, sum(map(cfg.is_moe_layer, range(cfg.num_hidden_layers)))
 
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_one_token_decode_takes_the_shared_expert_in_the_row_kernels(tp):
     """One sequence decodes a token per step, so every Qwen3.5 MoE block adds its shared
     expert and gate inside the routed row kernels (the shared intermediate 48 / tp beside
-    the routed 32 / tp): the same logits and tokens as the torch path."""
+    the routed 32 / tp) and, at TP 1, the decoder layer's residual in their down launch;
+    its router normalises the input and stores it for the experts at every step (the
+    5-token prefill is a decode-sized batch too): the same logits and tokens as the torch
+    path."""
     folder = GOLDEN / "tiny-qwen3.5-moe"
     prompt = json.loads((folder / "meta.json").read_text())["prompts"][0]
+    assert len(prompt) <= 16
     with LLM(folder, tp=tp, device="cpu", dtype="float32", progress=False,
              enforce_eager=True) as llm:
-        want, got, taken, layers = llm.run_on_ranks(_one_token_steps, prompt)[0]
-    assert taken == (NEW_TOKENS - 1) * layers, (taken, layers)
+        want, got, counts, layers = llm.run_on_ranks(_one_token_steps, prompt)[0]
+    decode = (NEW_TOKENS - 1) * layers
+    assert counts == {"shared": decode, "residual": decode if tp == 1 else 0,
+                      "normed": NEW_TOKENS * layers}, (counts, layers)
     _assert_same(want, got, f"tiny-qwen3.5-moe one sequence tp={tp}")

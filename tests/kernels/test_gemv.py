@@ -220,3 +220,58 @@ def test_table_entries_choose_tiles_or_the_gemm(monkeypatch, tmp_path):
             gemv.tiles_for(x.bfloat16(), w.bfloat16())
     finally:
         gemv._table.cache_clear()
+
+
+_NORMED_TILES = [None, gemv.GemvTiles(block_n=16, block_k=64, split=3),
+                 *(tiles for tiles, *_ in _ROW_CASES)]
+
+
+@pytest.mark.parametrize("tiles", _NORMED_TILES,
+                         ids=["default", "dot-split3", *(c[0].key() for c in _ROW_CASES)])
+@pytest.mark.parametrize("offset", [False, True])
+def test_normed_input_stored(tiles, offset):
+    """With `normed`, the launch also stores the normalised x its dot read, for the MoE
+    block's experts after its router: every element of it (the buffer starts as NaN) equals
+    `reference_norm`, from the dot tiles and the row kernel, one program per input range
+    or the inputs split over programs (each part storing its own range), over several
+    feature blocks and a ragged last step; the projection is unchanged."""
+    for tokens in (1, 3):
+        x, w, _ = _make_linear(tokens, 40, 200, tokens)
+        x = x * 3.0 + 1.0
+        norm = _make_norm(200, offset, tokens)
+        normed = torch.full_like(x, float("nan"))
+        got = gemv.linear(x, w, tiles=tiles, norm=norm, normed=normed)
+        what = f"normed T={tokens} offset={offset} {tiles}"
+        _assert_close(got, gemv.reference_linear(x, w, norm=norm), f"{what} output")
+        _assert_close(normed, gemv.reference_norm(x, norm), f"{what} normalised x")
+
+
+def test_normed_input_refused_without_a_norm_or_in_another_shape():
+    x, w, _ = _make_linear(2, 16, 64, 0)
+    norm = _make_norm(64, True, 0)
+    with pytest.raises(ValueError, match=r"normed \(2, 64\).*norm given: False"):
+        gemv.linear(x, w, normed=torch.empty_like(x))
+    with pytest.raises(ValueError, match=r"normed \(1, 64\) torch.float32 takes the "
+                                         r"normalised x \(2, 64\)"):
+        gemv.linear(x, w, norm=norm, normed=torch.empty(1, 64))
+    with pytest.raises(ValueError, match=r"normed \(2, 64\) torch.bfloat16"):
+        gemv.linear(x, w, norm=norm, normed=torch.empty(2, 64, dtype=torch.bfloat16))
+
+
+def test_normed_store_of_the_raw_input_is_caught(monkeypatch):
+    """A launch storing x as it was loaded, not normalised (the store placed before the
+    prologue's scaling), differs from `reference_norm`: the comparison catches it."""
+    original = gemv.linear
+
+    def raw(x, weight, bias=None, *, normed=None, **kwargs):
+        out = original(x, weight, bias, normed=normed, **kwargs)
+        normed.copy_(x)
+        return out
+
+    monkeypatch.setattr(gemv, "linear", raw)
+    x, w, _ = _make_linear(1, 40, 200, 0)
+    norm = _make_norm(200, True, 0)
+    normed = torch.empty_like(x)
+    gemv.linear(x * 3.0 + 1.0, w, norm=norm, normed=normed)
+    with pytest.raises(AssertionError, match="not close"):
+        _assert_close(normed, gemv.reference_norm(x * 3.0 + 1.0, norm), "raw store")

@@ -25,6 +25,7 @@ SHAPES = {
     "qwen35.out_proj": (2048, 4096, "inputs", 0, False, True),
     "qwen35.attn_qkv": (9216, 2048, "rows", 2, False, False),
     "qwen35.router": (256, 2048, "none", 0, False, False),
+    "qwen35.router+norm": (256, 2048, "none", 2, False, False),
     "qwen35.shared_gate_up": (1024, 2048, "rows", 0, True, False),
     "qwen35.shared_down": (2048, 512, "inputs", 0, False, False),
 }
@@ -89,3 +90,28 @@ def test_moe_combine_bf16(tokens):
     assert error < 1e-2, f"moe_combine T={tokens}: relative L2 {error:.2e} >= 1e-2"
     assert_graph_equals_eager(lambda: gemv.moe_combine(slots, x, gate_weight, shared),
                                f"moe_combine T={tokens}")
+
+
+@pytest.mark.parametrize("tokens", [1, 16])
+def test_router_stores_the_normalised_input_bf16(tokens):
+    """The MoE block's router with its RMSNorm fused also stores the normalised input for
+    the experts (`normed`), from the measured tiles, the default ones and the row kernel
+    (split too): the projection and the stored input against the torch steps, graph
+    replay equal to eager."""
+    x, weight, fused = _make_case("qwen35.router+norm", 1, tokens)
+    want = gemv.reference_linear(x, weight, **fused)
+    want_normed = gemv.reference_norm(x, fused["norm"])
+    choices = [gemv.tiles_for(x, weight, norm=fused["norm"]),
+               gemv.choose_tiles(256, 2048, x.dtype)]
+    if tokens == 1:
+        choices += [gemv.GemvTiles(1, 2048, num_stages=2, rows=True),
+                    gemv.GemvTiles(2, 512, num_stages=2, split=2, rows=True)]
+    for tiles in filter(None, choices):
+        normed = torch.full_like(x, float("nan"))
+        got = gemv.linear(x, weight, **fused, tiles=tiles, normed=normed)
+        what = f"router+norm T={tokens} {tiles.key()}"
+        assert rel_l2(got, want) < 1e-2, f"{what}: output relative L2 {rel_l2(got, want):.2e}"
+        error = rel_l2(normed, want_normed)
+        assert error < 1e-2, f"{what}: normalised input relative L2 {error:.2e}"
+        assert_graph_equals_eager(
+            lambda t=tiles, n=normed: gemv.linear(x, weight, **fused, tiles=t, normed=n), what)

@@ -13,11 +13,15 @@ loop (`fused_moe.reference_moe`):
 - the MoE block's shared expert and its sigmoid gate as one more slot of the same two
   launches (`fused_moe(shared=...)`), its intermediate size equal to, larger or smaller
   than the routed one, against `reference_moe_shared`; refused where it cannot join;
+- the decoder layer's residual added in the down launch (`fused_moe(residual=...)`), with
+  and without the shared expert; refused where it cannot join;
 - injected bugs the comparison must catch: the routing weight dropped, gate/up reading the
   previous slot's expert, the down projection's column offset dropped, the shared expert
-  added ungated or with its gate rows for its up rows."""
+  added ungated or with its gate rows for its up rows, the residual left out."""
 
 from __future__ import annotations
+
+import inspect
 
 import pytest
 import torch
@@ -355,3 +359,68 @@ def test_shared_expert_without_its_up_half_is_caught(monkeypatch):
 
     monkeypatch.setattr(moe_rows, "gate_up", gate_rows_only)
     _assert_caught(lambda: _assert_shared((8, 2, 64, 32, 48), torch.float32), "no up half")
+
+
+def _residual_call(shape, dtype, shared_on, tiles=None):
+    """(fused_moe with the residual, the reference: residual + the block's output, rounded
+    as the decoder layer's separate add rounds it)."""
+    experts, top_k, hidden, inter, shared_inter = shape
+    w13, w2 = _make_experts(experts, hidden, inter, dtype, seed=hidden + 2)
+    shared = _make_shared(hidden, shared_inter, dtype, seed=shared_inter + 3) if shared_on \
+        else None
+    x, weights, ids = _make_token(experts, top_k, hidden, dtype, seed=inter + 4)
+    residual = (torch.randn(1, hidden, generator=torch.Generator().manual_seed(9)) * 4
+                ).to(dtype)
+    got = fused_moe.fused_moe(x, weights, ids, w13, w2, tiles=tiles, shared=shared,
+                              residual=residual)
+    block = (fused_moe.reference_moe_shared(x, weights, ids, w13, w2, shared) if shared_on
+             else fused_moe.reference_moe(x, weights, ids, w13, w2))
+    return got, residual + block
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shared_on", [True, False], ids=["shared", "routed-only"])
+def test_residual_added_in_the_down_launch(launches, dtype, shared_on):
+    """The decoder layer's residual added in the down launch (TP 1): residual + the routed
+    sum (plus the gated shared expert), over ragged dims with several feature blocks; a
+    repeated launch gives the same bits."""
+    shape = (8, 3, 100, 40, 24)
+    got, want = _residual_call(shape, dtype, shared_on, SMALL_TILES)
+    _assert_matches(got, want, f"residual {dtype} shared={shared_on}")
+    down = [kw for name, kw in launches if name == "down_rows_kernel"]
+    assert down and all(kw["RESIDUAL"] is True for kw in down)
+    assert torch.equal(got, _residual_call(shape, dtype, shared_on, SMALL_TILES)[0])
+
+
+def test_residual_refused_where_it_cannot_join():
+    """The residual joins one token's summed row kernels only, in the output's shape and
+    dtype."""
+    w13, w2 = _make_experts(8, 48, 16, torch.float32, seed=0)
+    x, weights, ids = _make_token(8, 2, 48, torch.float32, seed=1)
+    residual = torch.zeros(1, 48)
+    with pytest.raises(ValueError, match="residual joins one token's summed row"):
+        fused_moe.fused_moe(x, weights, ids, w13, w2, sum_slots=False, residual=residual)
+    with pytest.raises(ValueError, match="residual joins one token's summed row"):
+        fused_moe.fused_moe(torch.cat([x] * 2), torch.cat([weights] * 2),
+                            torch.cat([ids] * 2), w13, w2, residual=residual)
+    with pytest.raises(ValueError, match=r"residual \(1, 47\) torch.float32 does not fit"):
+        fused_moe.fused_moe(x, weights, ids, w13, w2, residual=torch.zeros(1, 47))
+    with pytest.raises(ValueError, match=r"residual \(1, 48\) torch.bfloat16 does not fit"):
+        fused_moe.fused_moe(x, weights, ids, w13, w2, residual=residual.bfloat16())
+
+
+def test_dropped_residual_is_caught(monkeypatch):
+    """A down launch that leaves the residual out (the block's output alone) differs from
+    the reference."""
+    original = moe_rows.down
+    signature = inspect.signature(original)
+
+    def dropped(*args, **kwargs):
+        given = signature.bind(*args, **kwargs)
+        assert given.arguments.pop("residual") is not None
+        return original(*given.args, **given.kwargs)
+
+    monkeypatch.setattr(moe_rows, "down", dropped)
+    _assert_caught(lambda: _assert_matches(*_residual_call((8, 2, 64, 32, 48), torch.float32,
+                                                           True), "dropped"),
+                   "residual dropped")

@@ -3,8 +3,9 @@
 Qwen3.5-35B-A3B's expert dimensions (256 experts of hidden 2048, I = 512 / tp, top 8) for
 TP 1, 2, 4 and 8: bf16 experts, summed and per slot, and block-FP8 experts (128 x 128
 blocks, the last rank's shard) within 1e-2 relative L2 of the torch loop, bf16 experts
-with Qwen3.5's shared expert (I_s = 512 / tp) and its gate as one more slot against the
-torch steps, and a CUDA graph's replay equal to the eager call bit for bit."""
+with Qwen3.5's shared expert (I_s = 512 / tp) and its gate as one more slot (and the
+decoder layer's residual added in the down launch) against the torch steps, and a CUDA
+graph's replay equal to the eager call bit for bit."""
 
 from __future__ import annotations
 
@@ -72,6 +73,14 @@ def test_bf16_experts_with_the_shared_expert_one_token(tp):
     error = rel_l2(run(), want)
     assert error < 1e-2, f"tp={tp}: relative L2 {error:.2e}"
     assert_graph_equals_eager(run, f"tp={tp} with the shared expert")
+    residual = torch.randn(1, 2048, **kw) * 4
+
+    def with_residual():
+        return fused_moe.fused_moe(x, weights, ids, w13, w2, shared=shared, residual=residual)
+
+    error = rel_l2(with_residual(), residual + want)
+    assert error < 1e-2, f"tp={tp} with the residual: relative L2 {error:.2e}"
+    assert_graph_equals_eager(with_residual, f"tp={tp} with the shared expert and residual")
 
 
 @pytest.mark.parametrize("tp", TP_SIZES)

@@ -35,11 +35,12 @@ def interpreter():
 def restore_launchers(interpreter, monkeypatch):
     """Faults replace launchers; re-setting them through monkeypatch first makes pytest put
     the originals back after the test."""
-    from freetoken.kernels import delta_rule, fused_moe, paged_attention
+    from freetoken.kernels import delta_rule, fused_moe, moe_rows, paged_attention
     from freetoken.models.qwen3_5_moe import gdn
 
     for module, name in ((paged_attention, "paged_attention"), (fused_moe, "fused_moe"),
-                         (delta_rule, "gated_delta_decode"), (gdn, "gated_delta_decode")):
+                         (moe_rows, "down"), (delta_rule, "gated_delta_decode"),
+                         (gdn, "gated_delta_decode")):
         monkeypatch.setattr(module, name, getattr(module, name))
 
 
@@ -139,24 +140,27 @@ def test_engine_matrix_passes_on_the_real_kernels(interpreter):
         assert families[name]["pct_within_tol"] == 100.0, name
 
 
-@pytest.mark.parametrize("fault, kernel, other", [
-    ("paged-attention-table-stride", "paged_attention", "fused_moe"),
-    ("decode-rope-next-position", "decode_rope", "paged_attention"),
-    ("fused-moe-expert-offset", "fused_moe", "gated_delta_decode"),
-    ("moe-shared-gate-dropped", "fused_moe_shared", "fused_moe"),
-    ("gdn-decode-state-slot", "gated_delta_decode", "paged_attention"),
+@pytest.mark.parametrize("fault, kernel, other, output", [
+    ("paged-attention-table-stride", "paged_attention", "fused_moe", "output"),
+    ("decode-rope-next-position", "decode_rope", "paged_attention", "output"),
+    ("fused-moe-expert-offset", "fused_moe", "gated_delta_decode", "output"),
+    ("moe-shared-gate-dropped", "fused_moe_shared", "fused_moe", "output"),
+    ("moe-residual-dropped", "fused_moe_shared", "fused_moe", "output + residual"),
+    ("gdn-decode-state-slot", "gated_delta_decode", "paged_attention", "output"),
 ])
 def test_fault_fails_its_kernel_naming_tp_shape_and_worst_element(restore_launchers, fault,
-                                                                  kernel, other):
+                                                                  kernel, other, output):
     """Every case of the faulted kernel fails; the verdict counts them, names the kernel and
-    the first row its TP size, shape, output and worst element; another kernel passes."""
+    the first row its TP size, shape, output (the first that differs) and worst element;
+    another kernel passes."""
     FAULTS[fault]()
     cases = [c for c in cpu_matrix() if c.kernel == kernel]
     rows = engine_kernels.run_matrix(cases, "cpu", torch.float32)
     message = engine_kernels.verdict(rows, "float32")
     n = len(cases)
     pattern = (rf"engine kernels in float32: {n} / {n} cases fail against their torch "
-               rf"references \({kernel} x{n}\); first: {kernel} tp=1 \(.+\): output: rel L2 "
+               rf"references \({kernel} x{n}\); first: {kernel} tp=1 \(.+\): "
+               rf"{re.escape(output)}: rel L2 "
                rf"[0-9.e+-]+, \d+ / \d+ mismatched .*; worst abs .* at \(\d+, \d+(, \d+)?\)")
     assert re.match(pattern, message), message
     untouched = [c for c in cpu_matrix() if c.kernel == other][:1]

@@ -37,16 +37,18 @@ class DecoderLayer(nn.Module):
     def _forward_fused(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """The CUDA path: the input norm is applied inside the first projection and the
         residual add inside the last one of the mixer, where the batch is a decode step's
-        (`freetoken.kernels.gemv`; otherwise the same steps unfused). The mixer returns the
-        residual sum, not its own output, so it is called through `forward`: as a module call
-        its hooks would record that sum as the mixer's output (bisect compares a module's
-        output with HF's, and the Llama path likewise never calls its attention module)."""
+        (`freetoken.kernels.gemv`; otherwise the same steps unfused), and likewise the
+        post-attention norm inside the MoE block's router and the residual add inside its
+        experts (`SparseMoeBlock.forward_residual`). The mixer returns the residual sum, not
+        its own output, so it is called through `forward`: as a module call its hooks would
+        record that sum as the mixer's output (bisect compares a module's output with HF's,
+        and the Llama path likewise never calls its attention module)."""
         norm = self.input_layernorm
         if self.is_linear:
             h = self.linear_attn.forward(h, norm=norm, residual=h)
         else:
             h = self.self_attn.forward(positions, h, norm=norm, residual=h)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return self.mlp.forward_residual(h, self.post_attention_layernorm)
 
 
 class Qwen35MoeForCausalLM(CausalLM):

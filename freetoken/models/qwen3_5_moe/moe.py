@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from freetoken.context import uses_kernels
-from freetoken.distributed import get_communicator
+from freetoken.distributed import get_communicator, get_tp_info
 from freetoken.formats.quant import FP8_BLOCK
 from freetoken.kernels import fused_moe, gemv
 from freetoken.kernels.moe_rows import SharedExpertRows
@@ -109,9 +109,38 @@ class SparseMoeBlock(nn.Module):
             gemv.enabled() and \
             gemv.fits(x, self.shared_expert.gate_up_proj.weight)
 
+    def forward_residual(self, h: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        """`h + self(norm(h))`, the decoder layer's second half. On the CUDA path for a
+        decode batch that `_combines`, the norm runs inside the router's GEMV, which also
+        stores the normalised x for the experts (where the tile table has that call,
+        `ReplicatedLinear.forward_keeping_normed`), and where the shared expert joins the
+        routed row kernels (one token) at TP 1, the residual add runs inside their down
+        launch: one token's block is then the router, the routing and two expert launches.
+        Called as a method, not a module: on that path the block's own hooks would record
+        the residual sum (bisect compares a module's output with HF's), as for the mixers."""
+        if not (uses_kernels() and self._combines(h)):
+            return h + self(norm(h))
+        fused = self.gate.forward_keeping_normed(h, norm)
+        if fused is None:
+            x = norm(h)
+            logits = self.gate(x)
+        else:
+            x, logits = fused
+        weights, ids = route(logits, self.top_k, True, x.dtype)
+        shared = self._shared_rows(x)
+        if shared is not None and get_tp_info().size == 1:
+            return self.experts.forward(x, weights, ids, shared=shared, residual=h)
+        return h + get_communicator().all_reduce(self._routed_and_shared(x, weights, ids,
+                                                                          shared))
+
     def _forward_combined(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, True, x.dtype)
-        shared = self._shared_rows(x)
+        return self._routed_and_shared(x, weights, ids, self._shared_rows(x))
+
+    def _routed_and_shared(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                           shared: SharedExpertRows | None) -> torch.Tensor:
+        """This rank's routed sum plus the gated shared expert: in the routed row kernels
+        (`shared` given), or the slots and the shared expert combined in one launch."""
         if shared is not None:
             return self.experts(x, weights, ids, shared=shared)
         slots = self.experts(x, weights, ids, sum_slots=False)

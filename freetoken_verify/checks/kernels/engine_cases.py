@@ -121,7 +121,8 @@ def local_shapes(cfg, tp: int, device_type: str) -> list[tuple[str, tuple]]:
                                ("tokens", t))) for t in MOE_TOKENS[device_type]]
         if qwen35:
             # One token's routed experts with the shared expert and its gate as one more slot
-            # of the row kernels (the 16-bit decode step at batch 1).
+            # of the row kernels (the 16-bit decode step at batch 1), with and without the
+            # decoder layer's residual added in the down launch.
             shared = divide(cfg.shared_expert_intermediate_size, tp,
                             "shared_expert_intermediate_size")
             out.append(("fused_moe_shared", (("experts", cfg.num_experts),

@@ -219,11 +219,16 @@ def fused_moe_shared(case: EngineCase, inp: _Inputs) -> list[Output]:
     x = inp.draw(1, hidden)
     weights, ids = torch_route(_ref(_router_logits(inp, 1, experts)), case["top_k"], True,
                                torch.float32)
+    residual = inp.draw(1, hidden, scale=4.0)
     got = moe.fused_moe(x, weights.to(inp.dtype), ids, w13, w2, shared=shared)
     want = moe.reference_moe_shared(
         _ref(x), _ref(weights.to(inp.dtype)), ids, _ref(w13), _ref(w2),
         SharedExpertRows(*(_ref(t) for t in (shared.w13, shared.w2, shared.gate))))
-    return [Output("output", got, want)]
+    # At TP 1 the decoder layer's residual add joins the down launch.
+    got_residual = moe.fused_moe(x, weights.to(inp.dtype), ids, w13, w2, shared=shared,
+                                 residual=residual)
+    return [Output("output", got, want),
+            Output("output + residual", got_residual, _ref(residual) + want)]
 
 
 def route(case: EngineCase, inp: _Inputs) -> list[Output]:
