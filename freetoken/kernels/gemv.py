@@ -201,9 +201,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if splits > 1:
         reduce_m = min(block_m, next_pow2(tokens))
         _jit().gemv_reduce_kernel[(_cdiv(out_features, REDUCE_BLOCK_N), _cdiv(tokens, reduce_m))](
-            partial_ptr=partial, out_ptr=out, normed_ptr=normed if normed is not None else x,
-        stride_normed_token=normed.stride(0) if normed is not None else 0,
-        STORE_NORMED=normed is not None, tokens=tokens, out_features=rows, splits=splits,
+            partial_ptr=partial, out_ptr=out, tokens=tokens, out_features=rows, splits=splits,
             stride_partial_split=tokens * rows, stride_out_token=out.stride(0),
             BLOCK_M=reduce_m, BLOCK_N=REDUCE_BLOCK_N, num_warps=4, **fused)
     return out

@@ -1,5 +1,7 @@
 """What the interpreter tests of the engine's CUDA kernels share: the process switched to
-Triton's interpreter, and a closeness rule relative to the expected tensor's scale."""
+Triton's interpreter, a closeness rule relative to the expected tensor's scale, and a
+recorder of a launcher's kernel launches that refuses an argument the kernel does not take
+(the interpreter ignores one; a compiled launch raises KeyError)."""
 
 from __future__ import annotations
 
@@ -32,3 +34,32 @@ def interpreter():
 def assert_close(got, want, what):
     atol = 1e-5 * max(float(want.abs().max()), 1e-30)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+LAUNCH_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg"})
+"""Keyword arguments of a launch that are options, not kernel parameters."""
+
+
+class LaunchRecorder:
+    """A launcher's kernel module behind a recorder of each launch's kernel name and keyword
+    arguments (`seen`); a launch naming an argument that is neither a parameter of its
+    kernel nor a launch option fails, naming it."""
+
+    def __init__(self, module):
+        self.module = module
+        self.seen = []
+
+    def __getattr__(self, name):
+        kernel = getattr(self.module, name)
+        seen = self.seen
+
+        class Grid:
+            def __getitem__(self, grid):
+                def launch(**kw):
+                    unknown = set(kw) - set(kernel.arg_names) - LAUNCH_OPTIONS
+                    assert not unknown, f"{name} launched with arguments it does not take: " \
+                                        f"{sorted(unknown)}"
+                    seen.append((name, kw))
+                    return kernel[grid](**kw)
+                return launch
+        return Grid()

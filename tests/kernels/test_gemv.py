@@ -10,7 +10,11 @@ import json
 
 import pytest
 import torch
-from interpreted import TP_SIZES, interpreter  # noqa: F401  (module-wide fixture)
+from interpreted import (
+    TP_SIZES,
+    LaunchRecorder,
+    interpreter,  # noqa: F401  (module-wide fixture)
+)
 from interpreted import assert_close as _assert_close
 
 from freetoken.kernels import gemv
@@ -275,3 +279,24 @@ def test_normed_store_of_the_raw_input_is_caught(monkeypatch):
     gemv.linear(x * 3.0 + 1.0, w, norm=norm, normed=normed)
     with pytest.raises(AssertionError, match="not close"):
         _assert_close(normed, gemv.reference_norm(x * 3.0 + 1.0, norm), "raw store")
+
+
+def test_every_launch_names_only_its_kernels_parameters(monkeypatch):
+    """Each launch of `linear` (dot tiles, the row kernel, split over the inputs with the
+    reduction launch, the norm with its stored input, gated with the residual) passes only
+    arguments its kernel takes: the interpreter ignores an unknown one, the compiled launch
+    refuses it."""
+    recorders = {name: LaunchRecorder(getattr(gemv, name)()) for name in ("_jit", "_rows_jit")}
+    for name, recorder in recorders.items():
+        monkeypatch.setattr(gemv, name, lambda recorder=recorder: recorder)
+    x, w, b = _make_linear(2, 2 * 24, 200, 0, bias=True)
+    norm = _make_norm(200, True, 0)
+    residual = torch.randn(2, 24)
+    for rows in (False, True):
+        for split in (1, 2):
+            tiles = gemv.GemvTiles(block_n=8 if rows else 16, block_k=64, split=split,
+                                   rows=rows)
+            gemv.linear(x, w, tiles=tiles, norm=norm, normed=torch.empty_like(x))
+            gemv.linear(x, w, b, tiles=tiles, gated=True, residual=residual)
+    seen = {name for recorder in recorders.values() for name, _ in recorder.seen}
+    assert seen == {"gemv_kernel", "gemv_rows_kernel", "gemv_reduce_kernel"}, seen

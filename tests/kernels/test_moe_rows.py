@@ -25,8 +25,11 @@ import inspect
 
 import pytest
 import torch
+from interpreted import (
+    LaunchRecorder,
+    interpreter,  # noqa: F401  (module-wide fixture)
+)
 from interpreted import assert_close as _assert_close
-from interpreted import interpreter  # noqa: F401  (module-wide fixture)
 
 from freetoken.distributed import TPInfo, acting_as
 from freetoken.formats.quant.format import FP8_BLOCK, HF_FP8, ModuleFormat
@@ -145,29 +148,9 @@ def _fp8_call(layout, tp, rank):
         dict(w13_scales=s13, w2_scales=s2, ref=ref)
 
 
-class _Launches:
-    """`moe_rows`' kernel module behind a recorder of each launch's kernel and arguments."""
-
-    def __init__(self, module):
-        self.module = module
-        self.seen = []
-
-    def __getattr__(self, name):
-        kernel = getattr(self.module, name)
-        seen = self.seen
-
-        class Grid:
-            def __getitem__(self, grid):
-                def launch(**kw):
-                    seen.append((name, kw))
-                    return kernel[grid](**kw)
-                return launch
-        return Grid()
-
-
 @pytest.fixture()
 def launches(monkeypatch):
-    recorder = _Launches(moe_rows._jit())
+    recorder = LaunchRecorder(moe_rows._jit())
     monkeypatch.setattr(moe_rows, "_jit", lambda: recorder)
     return recorder.seen
 
