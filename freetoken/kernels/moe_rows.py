@@ -4,8 +4,8 @@ token. Two launches: gate/up with SiLU-and-mul into h [top_k, I], then the down 
 with the routing weights and the slots' sum folded in; given the block's shared expert
 (`SharedExpertRows`), the same two launches compute it and its sigmoid gate as one more
 slot and add it to the sum, and the down launch may add the decoder layer's residual. The
-scale arguments come from `fused_moe` (its `_scale_args`),
-which validates them for both paths."""
+scale arguments come from `fused_moe` (its `_scale_args`), which validates them for both
+paths."""
 
 from __future__ import annotations
 
