@@ -113,7 +113,7 @@ def bench_shape(name, tokens, copy_gbs, sweep, gen):
     x, weights, fused = make_case(name, tokens, gen)
     w = weights[0]
     rows, in_features, norm, gated, residual = SHAPES[name]
-    looked_up = {k: v for k, v in fused.items() if k != "normed"}
+    looked_up = {k: v for k, v in fused.items() if k != "normed"}  # what tiles_for takes
     tiles = (gemv.tiles_for(x, w, **looked_up)
              or gemv.choose_tiles(rows // 2 if gated else rows, in_features, x.dtype))
     t_old = graph_us([lambda w=w: unfused(x, w, **fused) for w in weights])
@@ -132,7 +132,7 @@ def bench_shape(name, tokens, copy_gbs, sweep, gen):
             if us < best_us:
                 choice, best_us = t, us
     got = gemv.linear(x, w, **fused, tiles=choice)
-    want = gemv.reference_linear(x, w, **{k: v for k, v in fused.items() if k != "normed"})
+    want = gemv.reference_linear(x, w, **looked_up)
     err = rel_l2(got, want)
     if "normed" in fused:   # the stored input, too
         err = max(err, rel_l2(fused["normed"], gemv.reference_norm(x, fused["norm"])))
