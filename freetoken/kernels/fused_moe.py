@@ -54,11 +54,12 @@ ROWS_AT_ONE_TOKEN = True
 kernels (an A/B of `bench/tile_ab.py`)."""
 
 SHARED_IN_ROWS = True
-"""True: a MoE block whose 16-bit routed experts take the row kernels computes its shared
-expert and gate in them as well (`fused_moe(shared=...)`): three launches a MoE layer fewer
-at batch 1, measured 990.9 -> 933.4 us a qwen3.5-moe-realdims 8-layer step on an H100
-(docs/performance.md). False keeps the shared expert's own launches and the separate combine
-(an A/B of `bench/tile_ab.py`, switch `no-shared-rows`)."""
+"""True: a MoE block whose 16-bit (or block-FP8) routed experts take the row kernels
+computes its shared expert of the same kind and its gate in them as well
+(`fused_moe(shared=...)`): three launches a MoE layer fewer at batch 1, measured 990.9 ->
+933.4 us a qwen3.5-moe-realdims 8-layer step on an H100 (docs/performance.md). False keeps
+the shared expert's own launches and the separate combine (an A/B of `bench/tile_ab.py`,
+switch `no-shared-rows`)."""
 
 DECODE_MAX_PAIRS = 1024
 """Up to this many (token, slot) pairs take DECODE_TILES."""
@@ -87,7 +88,7 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: to
     Rank-dependent through the TP-local I. Block-FP8 experts: w13 and w2 float8_e4m3fn
     with their `w13_scales` and `w2_scales`. One token without `tiles`, or any call with
     `RowMoeTiles` (one token only), takes the row kernels; `MoeTiles` the grouped ones.
-    `shared` (one token on the row kernels, 16-bit experts, summed slots): the MoE block's
+    `shared` (one token on the row kernels, summed slots, the experts' kind): the MoE block's
     shared expert and gate computed in the same launches, and the result is the block's
     `reference_moe_shared`, as `gemv.moe_combine` gives it. `residual` [1, H] (the same
     row kernels): `residual + ` the result, added in the down launch (the decoder layer's
@@ -319,7 +320,9 @@ def reference_moe_shared(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
     """The torch steps `fused_moe(shared=...)` fuses, rounded as the engine's separate
     launches round them (`SparseMoeBlock`): the routed sum (`reference_moe`), the shared
     expert's SiLU-gated MLP (`gemv.reference_linear`) and their gated sum
-    (`gemv.reference_moe_combine`, the rounded routed sum as its one float32 slot)."""
+    (`gemv.reference_moe_combine`, the rounded routed sum as its one float32 slot). A
+    block-FP8 shared expert is dequantized to x's dtype first, as its torch path does."""
+    shared = shared.dense(x.dtype)
     shared_out = gemv.reference_linear(gemv.reference_linear(x, shared.w13, gated=True),
                                        shared.w2)
     routed = reference_moe(x, weights, ids, w13, w2).float()[:, None]

@@ -27,16 +27,20 @@ and rounds SCALE 2's scaled weight to the activations' dtype for its dot).
   features and the matching up features of h[slot] = SiLU(gate) * up over the whole hidden
   size (rows [gate | up] of one dot), in float32, rounded once to h's dtype as
   `gate_up_kernel` rounds it.
-- With SHARED, the MoE block's shared expert is one more slot of both launches (the 16-bit
-  layer at one token: two launches where the shared expert's two projections and the
-  separate combine took three more). `gate_up_rows_kernel`'s grid has top_k + 1 slots; the
-  last reads the shared gate/up rows (its own length, shared_inter, may differ from inter)
-  into shared_h, and its first program also computes the sigmoid gate of the block's input,
-  rounded as the engine's separate steps round it (the gate's dot, then its sigmoid, to h's
-  dtype), into `gate_ptr` (float32 [1]). `down_rows_kernel` adds, after the routed sum
-  (SUM_SLOTS), the shared down projection of shared_h times that gate, with the rounding
-  chain of `gemv.moe_combine_kernel` (routed sum, shared output and gated shared each
-  rounded to out's dtype before the last addition).
+- With SHARED, the MoE block's shared expert is one more slot of both launches (the layer
+  at one token: two launches where the shared expert's two projections and the separate
+  combine took three more). Beside block-FP8 experts the shared expert is block FP8 too,
+  with scales of its own: the gate/up launch selects its scale pointers as it selects its
+  weights (same SCALE mode, column block and offset 0: both read the whole hidden size), and
+  the down launch's shared dot takes its own mode (SHARED_SCALE) and column offset.
+  `gate_up_rows_kernel`'s grid has top_k + 1 slots; the last reads the shared gate/up rows
+  (its own length, shared_inter, may differ from inter) into shared_h, and its first program
+  also computes the sigmoid gate of the block's input, rounded as the engine's separate
+  steps round it (the gate's dot, then its sigmoid, to h's dtype), into `gate_ptr` (float32
+  [1]). `down_rows_kernel` adds, after the routed sum (SUM_SLOTS), the shared down
+  projection of shared_h times that gate, with the rounding chain of
+  `gemv.moe_combine_kernel` (routed sum, shared output and gated shared each rounded to
+  out's dtype before the last addition).
 - With RESIDUAL (summed slots, TP 1: no all-reduce between the block and the decoder
   layer's residual add), `down_rows_kernel` stores residual + the block's rounded output,
   rounded as the separate add rounds it.
@@ -106,6 +110,8 @@ def gate_up_rows_kernel(
     shared_h_ptr,           # SHARED: [shared_inter] out, x's dtype
     gate_weight_ptr,        # SHARED: [hidden] the shared expert's sigmoid gate
     gate_ptr,               # SHARED: [1] out, float32: the rounded sigmoid gate
+    shared_scale_ptr,       # SHARED, block FP8: [scale rows, scale columns] float32
+    shared_scale_row_ptr,   # SHARED, block FP8: [2 * shared_inter] int32
     # sizes
     hidden,
     inter,
@@ -120,6 +126,7 @@ def gate_up_rows_kernel(
     stride_scale_expert,
     stride_scale_row,
     stride_shared_row,
+    stride_shared_scale_row,
     # meta
     SHARED: tl.constexpr,
     SCALE: tl.constexpr,
@@ -156,8 +163,15 @@ def gate_up_rows_kernel(
     w_rows = w_base + rows.to(tl.int64)[:, None] * row_stride
     s_rows = scale_ptr
     if SCALE > 0:
-        s_rows = (scale_ptr + expert * stride_scale_expert
-                  + tl.load(scale_row_ptr + rows, mask=row_ok, other=0) * stride_scale_row)
+        s_base = scale_ptr + expert * stride_scale_expert
+        s_index = scale_row_ptr
+        s_stride = stride_scale_row
+        if SHARED:
+            # A block-FP8 shared slot reads its own scales, at the same column offset (0).
+            s_base = tl.where(routed, s_base, shared_scale_ptr)
+            s_index = tl.where(routed, s_index, shared_scale_row_ptr)
+            s_stride = tl.where(routed, s_stride, stride_shared_scale_row)
+        s_rows = s_base + tl.load(s_index + rows, mask=row_ok, other=0) * s_stride
     # The input is read per row, so that it takes the weight tile's register layout rather
     # than being moved into it through shared memory at every step.
     x_rows = x_ptr + tl.full([2 * BLOCK_N, 1], 0, dtype=tl.int32)
@@ -195,11 +209,14 @@ def down_rows_kernel(
     shared_w2_ptr,          # SHARED: [hidden, shared_inter]
     gate_ptr,               # SHARED: [1] float32, the rounded sigmoid gate
     residual_ptr,           # RESIDUAL: [1, hidden] added to the sum
+    shared_scale_ptr,       # SHARED_SCALE > 0: [scale rows, scale columns] float32
+    shared_scale_row_ptr,   # SHARED_SCALE > 0: [hidden] int32, each shared w2 row's scale row
     # sizes
     hidden,
     inter,
     col_offset,
     shared_inter,
+    shared_col_offset,
     # strides
     stride_ids_slot,
     stride_weights_slot,
@@ -210,6 +227,7 @@ def down_rows_kernel(
     stride_scale_expert,
     stride_scale_row,
     stride_shared_row,
+    stride_shared_scale_row,
     # meta
     TOP_K: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -222,6 +240,7 @@ def down_rows_kernel(
     STEPS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SHARED_SCALE: tl.constexpr,
     SHARED_EVEN_K: tl.constexpr,
     SHARED_STEPS: tl.constexpr,
     SHARED_BLOCK_K: tl.constexpr,
@@ -252,9 +271,15 @@ def down_rows_kernel(
         out_ok = out_cols < hidden
         if SHARED:
             shared_rows = shared_w2_ptr + out_cols.to(tl.int64)[:, None] * stride_shared_row
+            shared_s_rows = shared_scale_ptr
+            if SHARED_SCALE > 0:
+                shared_s_rows = shared_scale_ptr + tl.load(
+                    shared_scale_row_ptr + out_cols, mask=out_ok, other=0) * \
+                    stride_shared_scale_row
             shared = _row_dots(shared_h_ptr + tl.full([BLOCK_N, 1], 0, dtype=tl.int32),
-                               shared_rows, scale_ptr, shared_inter, 0, out_ok, 0, BLOCK_COLS,
-                               SHARED_EVEN_K, SHARED_STEPS, BLOCK_N, SHARED_BLOCK_K)
+                               shared_rows, shared_s_rows, shared_inter, shared_col_offset,
+                               out_ok, SHARED_SCALE, BLOCK_COLS, SHARED_EVEN_K, SHARED_STEPS,
+                               BLOCK_N, SHARED_BLOCK_K)
         per_slot = tl.reshape(values, [BLOCK_S, BLOCK_N])
         index = tl.arange(0, BLOCK_S)[:, None]
         total = tl.full([BLOCK_N], 0, dtype=tl.float32)

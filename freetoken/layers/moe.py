@@ -47,6 +47,11 @@ class FusedExperts(nn.Module):
         i = divide(full_intermediate, tp, "moe_intermediate_size")
         return LocalRows(GATE_UP, (i, i))
 
+    def combines(self, x: torch.Tensor) -> bool:
+        """Whether `forward` takes `sum_slots=False`, `shared` and `residual` for x: in a
+        step that takes the CUDA paths (the caller's test)."""
+        return self.canonical is None
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 sum_slots: bool = True, shared: fused_moe.SharedExpertRows | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -115,6 +115,25 @@ def moe_residual_dropped() -> None:
     _wrap_argument(moe_rows, "down", 10, dropped)
 
 
+@fault("moe-shared-fp8-unscaled",
+       Entry("one token's block-FP8 shared expert reads its gate/up codes without their scales",
+             "tiny-llama", (1,), ("kernels",),
+             r"engine kernels .*fused_moe_shared tp=\d .*block FP8 output \+ residual",
+             tp1_green=False))
+def moe_shared_fp8_unscaled() -> None:
+    """The row kernels' gate/up launch is given a block-FP8 shared expert whose block scales
+    are all one (the codes taken for the values, as when the shared slot keeps the routed
+    experts' 16-bit path): every batch-1 MoE output of a block-FP8 checkpoint gains a wrong
+    shared expert."""
+
+    def unscaled(shared, args):
+        if shared is None or not shared.fp8:
+            return shared
+        return dataclasses.replace(shared, w13_scale=torch.ones_like(shared.w13_scale))
+
+    _wrap_argument(moe_rows, "gate_up", 6, unscaled)
+
+
 @fault("gdn-decode-state-slot",
        Entry("GatedDeltaNet decode kernel on the wrong state slot", "tiny-llama", (1,),
              ("kernels",),

@@ -21,6 +21,7 @@ loop (`fused_moe.reference_moe`):
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import pytest
@@ -311,9 +312,123 @@ def test_shared_expert_refused_where_it_cannot_join():
         fused_moe.fused_moe(x, weights, ids, w13, w2, shared=wrong)
     args, scales = _fp8_call(PARTIAL, 1, 0)
     scales.pop("ref")
-    fp8_shared = _make_shared(PARTIAL[0].hidden, 16, torch.float32, seed=2)
-    with pytest.raises(ValueError, match="joins 16-bit experts only"):
-        fused_moe.fused_moe(*args, shared=fp8_shared, **scales)
+    wide = _make_shared(PARTIAL[0].hidden, 16, torch.float32, seed=2)
+    with pytest.raises(ValueError, match="16-bit shared expert .* cannot join block-FP8"):
+        fused_moe.fused_moe(*args, shared=wide, **scales)
+    fp8 = _make_fp8_shared(PARTIAL[0].hidden, 32, (24, 40), 1, 0, seed=3)
+    with pytest.raises(ValueError, match="block-FP8 shared expert .* cannot join 16-bit"):
+        fused_moe.fused_moe(x, weights, ids, w13, w2,
+                            shared=_make_fp8_shared(48, 32, (24, 40), 1, 0, seed=3))
+    other = _make_fp8_shared(PARTIAL[0].hidden, 32, (24, 48), 1, 0, seed=3)
+    with pytest.raises(ValueError, match=r"column block 48\) cannot join .*column block 40"):
+        fused_moe.fused_moe(*args, shared=other, **scales)
+    clipped = dataclasses.replace(fp8, w2_scale=fp8.w2_scale[:, :0])
+    with pytest.raises(ValueError, match=r"w2's block scales .*scale torch.float32 \(5, 0\)"):
+        fused_moe.fused_moe(*args, shared=clipped, **scales)
+
+
+def _make_fp8_shared(hidden, full_inter, block, tp, rank, seed):
+    """Rank `rank` of TP `tp`'s block-FP8 shared expert (random e4m3 codes and scales, the
+    scale rows laid out as `BlockFP8Linear` lays out a [gate | up] column-parallel layer
+    and a row-parallel down over `full_inter`) with a float32 gate."""
+    gen = torch.Generator().manual_seed(seed)
+    inter = full_inter // tp
+    offset = rank * inter
+    rows_in_block = (offset % block[0] + torch.arange(inter)) // block[0]
+    gate_blocks = int(rows_in_block[-1]) + 1
+    col_offset = offset % block[1]
+
+    def codes(*shape):
+        return torch.randn(*shape, generator=gen).clamp(-6, 6).to(torch.float8_e4m3fn)
+
+    def scales(*shape):
+        # Large enough that the shared slot weighs as much as the routed sum.
+        return torch.rand(*shape, generator=gen) * 2 + 0.5
+
+    return SharedExpertRows(
+        codes(2 * inter, hidden), codes(hidden, inter),
+        torch.randn(1, hidden, generator=gen) * hidden**-0.5,
+        w13_scale=scales(2 * gate_blocks, -(-hidden // block[1])) * hidden**-0.5,
+        w13_scale_row=torch.cat([rows_in_block, rows_in_block + gate_blocks]).int(),
+        w2_scale=scales(-(-hidden // block[0]), -(-(col_offset + inter) // block[1])),
+        w2_scale_row=(torch.arange(hidden) // block[0]).int(),
+        block_cols=block[1], w2_col_offset=col_offset)
+
+
+def _fp8_shared_call(layout, tp, rank, full_shared, tiles=None, shared=None):
+    """(fused_moe of block-FP8 routed experts with a block-FP8 shared expert, the
+    reference on the rank's exact weights)."""
+    (x, weights, ids, w13, w2), scales = _fp8_call(layout, tp, rank)
+    ref = scales.pop("ref")
+    shared = shared or _make_fp8_shared(layout[0].hidden, full_shared, layout[1], tp, rank,
+                                        seed=full_shared + rank)
+    got = fused_moe.fused_moe(x, weights, ids, w13, w2, tiles=tiles, shared=shared, **scales)
+    return got, fused_moe.reference_moe_shared(x, weights, ids, *ref, shared)
+
+
+@pytest.mark.parametrize("layout, tp, rank, full_shared, modes",
+                         [(GROUPED, 2, 1, 96, (1, 1, 1)), (PARTIAL, 4, 3, 64, (2, 2, 2)),
+                          (GROUPED, 1, 0, 80, (1, 1, 1))],
+                         ids=["32x64-tp2-rank1", "24x40-tp4-rank3", "32x64-tp1"])
+def test_block_fp8_shared_expert_in_rows(launches, layout, tp, rank, full_shared, modes):
+    """A block-FP8 shared expert as one more slot of block-FP8 routed experts' row
+    kernels: its own scale rows in the gate/up launch, and in the down launch its own
+    column offset and scale mode (TP 2 rank 1: 48 inputs from 48 into a 64-wide column
+    block, a step of 16 where the routed down steps by 32; 24 x 40 blocks: every element
+    scaled), against `reference_moe_shared` on the dequantized weights; small tiles as
+    well; a repeat gives the same bits."""
+    got, want = _fp8_shared_call(layout, tp, rank, full_shared)
+    _assert_matches(got, want, f"fp8 shared {layout[1]} tp={tp} rank={rank}")
+    taken = {name: kw for name, kw in launches}
+    gate_up, down = taken["gate_up_rows_kernel"], taken["down_rows_kernel"]
+    assert (gate_up["SCALE"], down["SCALE"], down["SHARED_SCALE"]) == modes, taken
+    assert gate_up["SHARED"] and down["SHARED"]
+    if layout is GROUPED and tp == 2:
+        assert (down["shared_col_offset"], down["SHARED_BLOCK_K"]) == (48, 16), down
+        assert (down["col_offset"], down["BLOCK_K"]) == (32, 32), down
+    small, want_small = _fp8_shared_call(layout, tp, rank, full_shared, SMALL_TILES)
+    _assert_matches(small, want_small, "small tiles")
+    assert torch.equal(got, _fp8_shared_call(layout, tp, rank, full_shared)[0]), "repeat"
+
+
+def test_fp8_shared_expert_offset_dropped_is_caught():
+    """The shared down projection read from its block's start (the rank's column offset
+    dropped) differs from the reference."""
+    shared = _make_fp8_shared(GROUPED[0].hidden, 96, GROUPED[1], 2, 1, seed=97)
+    got, _ = _fp8_shared_call(GROUPED, 2, 1, 96, shared=dataclasses.replace(
+        shared, w2_col_offset=0))
+    _, want = _fp8_shared_call(GROUPED, 2, 1, 96, shared=shared)
+    _assert_caught(lambda: _assert_matches(got, want, "offset dropped"), "offset dropped")
+
+
+def test_fp8_shared_expert_reading_routed_scales_is_caught(monkeypatch):
+    """A gate/up launch whose shared slot reads the routed experts' scales (the shared
+    scale pointers not passed) differs from the reference."""
+    launcher = moe_rows._jit
+
+    def routed_scales():
+        real = launcher()
+
+        class Swap:
+            def __getattr__(self, name):
+                kernel = getattr(real, name)
+                if name != "gate_up_rows_kernel":
+                    return kernel
+
+                class Launch:
+                    def __getitem__(self, grid):
+                        def run(**kw):
+                            kw.update(shared_scale_ptr=kw["scale_ptr"],
+                                      shared_scale_row_ptr=kw["scale_row_ptr"],
+                                      stride_shared_scale_row=kw["stride_scale_row"])
+                            return kernel[grid](**kw)
+                        return run
+                return Launch()
+        return Swap()
+
+    monkeypatch.setattr(moe_rows, "_jit", routed_scales)
+    _assert_caught(lambda: _assert_matches(*_fp8_shared_call(GROUPED, 2, 1, 96), "routed"),
+                   "routed scales")
 
 
 def test_ungated_shared_expert_is_caught(monkeypatch):

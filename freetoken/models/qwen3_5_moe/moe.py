@@ -18,6 +18,8 @@ from freetoken.layers.activation import silu_and_mul
 from freetoken.layers.layout import LocalRows
 from freetoken.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from freetoken.layers.moe import FusedExperts, route
+from freetoken.layers.quantization.fp8.block_linear import BlockFP8Linear
+from freetoken.layers.quantization.fp8.moe import BlockFP8FusedExperts
 from freetoken.models.qwen3_5_moe.config import Qwen35MoeConfig
 
 SHARED = "shared_expert_intermediate_size"
@@ -55,8 +57,6 @@ def _routed_experts(cfg: Qwen35MoeConfig, fmt) -> nn.Module:
     stores the experts in NVFP4, `BlockFP8FusedExperts` in block FP8, else `FusedExperts`;
     all split on the intermediate dim."""
     if fmt is not None and fmt.kind == FP8_BLOCK:
-        from freetoken.layers.quantization.fp8.moe import BlockFP8FusedExperts
-
         return BlockFP8FusedExperts(cfg.num_experts, cfg.hidden_size,
                                     cfg.moe_intermediate_size, fmt.block, fmt.input_scales)
     if not cfg.nvfp4_experts:
@@ -103,11 +103,12 @@ class SparseMoeBlock(nn.Module):
     def _combines(self, x: torch.Tensor) -> bool:
         """Whether the CUDA path sums the routed slots, the gated shared expert and the
         gate itself in one launch (`freetoken.kernels.gemv.moe_combine`, or at one token
-        the routed row kernels themselves): 16-bit or float32 routed experts
-        (`FusedExperts`) outside the tp_invariant mode and a decode batch."""
-        return type(self.experts) is FusedExperts and self.experts.canonical is None and \
-            gemv.enabled() and \
-            gemv.fits(x, self.shared_expert.gate_up_proj.weight)
+        the routed row kernels themselves): routed experts that take the slots and the
+        shared expert (`FusedExperts`, `BlockFP8FusedExperts` where its kernels serve x;
+        `combines`) outside the tp_invariant mode, and a decode batch of the 16-bit
+        router's dtype."""
+        return getattr(self.experts, "combines", _never)(x) and gemv.enabled() and \
+            gemv.fits(x, self.gate.weight) and gemv.fits(x, self.shared_expert_gate.weight)
 
     def forward_residual(self, h: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         """`h + self(norm(h))`, the decoder layer's second half. On the CUDA path for a
@@ -148,13 +149,34 @@ class SparseMoeBlock(nn.Module):
 
     def _shared_rows(self, x: torch.Tensor) -> SharedExpertRows | None:
         """The shared expert and its gate for the routed experts' row kernels, which then
-        compute them as one more slot (one token, rows taken: `fused_moe.SHARED_IN_ROWS`),
-        or None: more tokens, or a quantized or biased shared linear."""
+        compute them as one more slot (one token, rows taken: `fused_moe.SHARED_IN_ROWS`):
+        16-bit projections beside 16-bit routed experts, or block-FP8 ones beside block-FP8
+        experts of the same column block. None otherwise: more tokens, biased or unfused
+        formats (a 16-bit shared expert beside quantized experts, NVFP4)."""
         if x.shape[0] != 1 or not (fused_moe.ROWS_AT_ONE_TOKEN and fused_moe.SHARED_IN_ROWS):
             return None
-        linears = (self.shared_expert.gate_up_proj, self.shared_expert.down_proj,
-                   self.shared_expert_gate)
-        if any(lin.quant is not None or lin.bias is not None or lin.weight.dtype != x.dtype
-               for lin in linears):
+        gate_up, down = self.shared_expert.gate_up_proj, self.shared_expert.down_proj
+        gate = self.shared_expert_gate
+        if any(lin.bias is not None for lin in (gate_up, down, gate)) or \
+                gate.quant is not None or gate.weight.dtype != x.dtype:
             return None
-        return SharedExpertRows(*(lin.weight for lin in linears))
+        if type(self.experts) is FusedExperts:
+            if gate_up.quant is None and down.quant is None and \
+                    gate_up.weight.dtype == down.weight.dtype == x.dtype:
+                return SharedExpertRows(gate_up.weight, down.weight, gate.weight)
+            return None
+        if not isinstance(self.experts, BlockFP8FusedExperts):
+            return None
+        block = self.experts.block
+        if not all(isinstance(lin.quant, BlockFP8Linear) and lin.quant.block[1] == block[1]
+                   for lin in (gate_up, down)):
+            return None
+        return SharedExpertRows(gate_up.weight, down.weight, gate.weight,
+                                w13_scale=gate_up.weight_scale,
+                                w13_scale_row=gate_up.weight_scale_row,
+                                w2_scale=down.weight_scale, w2_scale_row=down.weight_scale_row,
+                                block_cols=block[1], w2_col_offset=down.quant.col_offset())
+
+
+def _never(x: torch.Tensor) -> bool:
+    return False

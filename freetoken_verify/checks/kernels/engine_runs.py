@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from freetoken.formats.fp8 import block as fp8_block
 from freetoken.kernels import delta_rule, norm_rope
 from freetoken.kernels import fused_moe as moe
 from freetoken.kernels import paged_attention as attention
@@ -228,7 +229,77 @@ def fused_moe_shared(case: EngineCase, inp: _Inputs) -> list[Output]:
     got_residual = moe.fused_moe(x, weights.to(inp.dtype), ids, w13, w2, shared=shared,
                                  residual=residual)
     return [Output("output", got, want),
-            Output("output + residual", got_residual, _ref(residual) + want)]
+            Output("output + residual", got_residual, _ref(residual) + want),
+            _fused_moe_shared_fp8(case, inp, x, weights.to(inp.dtype), ids)]
+
+
+FP8_BLOCK = (128, 128)
+"""Qwen's block-FP8 releases' blocks."""
+
+
+def _fp8_shard(w: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 codes, float32 block scales) of `w` [N, K] as the rank that starts `offset`
+    inputs into its first column block holds them."""
+    padded = torch.cat([w.new_zeros(w.shape[0], offset), w], dim=1)
+    codes, scale = fp8_block.quantize(padded, FP8_BLOCK)
+    return codes[:, offset:].contiguous(), scale
+
+
+def _fp8_gate_up(w13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes, scales, each row's scale row) of a [gate | up] weight [2I, H] whose halves
+    keep scale rows of their own (`BlockFP8Linear`'s segments)."""
+    inter = w13.shape[0] // 2
+    (gate, gate_s), (up, up_s) = (_fp8_shard(half, 0) for half in w13.split(inter))
+    rows = torch.arange(inter, device=w13.device) // FP8_BLOCK[0]
+    return (torch.cat([gate, up]), torch.cat([gate_s, up_s]),
+            torch.cat([rows, rows + gate_s.shape[0]]).to(torch.int32))
+
+
+def _fp8_shared_operands(w13, w2, offset):
+    codes13, scale13, rows13 = _fp8_gate_up(w13)
+    codes2, scale2 = _fp8_shard(w2, offset)
+    rows2 = (torch.arange(w2.shape[0], device=w2.device) // FP8_BLOCK[0]).to(torch.int32)
+    return (codes13, scale13, rows13), (codes2, scale2, rows2)
+
+
+def _dequantized(codes, scale, rows, offset):
+    cols = (torch.arange(codes.shape[-1], device=codes.device) + offset) // FP8_BLOCK[1]
+    return codes.float() * scale[..., rows.long(), :][..., cols]
+
+
+def _fused_moe_shared_fp8(case: EngineCase, inp: _Inputs, x, weights, ids) -> Output:
+    """Block-FP8 routed experts with a block-FP8 shared expert in the same row launches
+    (Qwen's FP8 releases at batch 1), the residual added; each down projection as the last
+    rank holds it (its offset inside a 128-wide column block), against the torch steps on
+    the dequantized weights."""
+    experts, hidden, inter = case["experts"], case["hidden"], case["intermediate"]
+    shared_inter = case["shared intermediate"]
+    tp = case.tp or 1
+    offsets = [(tp - 1) * n % FP8_BLOCK[1] for n in (inter, shared_inter)]
+    routed = [_fp8_shared_operands(inp.draw(2 * inter, hidden, scale=hidden**-0.5).float(),
+                                   inp.draw(hidden, inter, scale=inter**-0.5).float(),
+                                   offsets[0]) for _ in range(experts)]
+    (s13, s13_scale, s13_rows), (s2, s2_scale, s2_rows) = _fp8_shared_operands(
+        inp.draw(2 * shared_inter, hidden, scale=hidden**-0.5).float(),
+        inp.draw(hidden, shared_inter, scale=shared_inter**-0.5).float(), offsets[1])
+    gate = inp.draw(1, hidden, scale=hidden**-0.5)
+    residual = inp.draw(1, hidden, scale=4.0)
+    stacked = [torch.stack([r[part][i] for r in routed]) for part in (0, 1) for i in (0, 1)]
+    w13_rows, w2_rows = routed[0][0][2], routed[0][1][2]
+    shared = SharedExpertRows(s13, s2, gate, w13_scale=s13_scale, w13_scale_row=s13_rows,
+                              w2_scale=s2_scale, w2_scale_row=s2_rows,
+                              block_cols=FP8_BLOCK[1], w2_col_offset=offsets[1])
+    got = moe.fused_moe(x, weights, ids, stacked[0], stacked[2],
+                        w13_scales=moe.ExpertBlockScales(stacked[1], w13_rows, FP8_BLOCK[1]),
+                        w2_scales=moe.ExpertBlockScales(stacked[3], w2_rows, FP8_BLOCK[1],
+                                                        offsets[0]),
+                        shared=shared, residual=residual)
+    dense_shared = SharedExpertRows(_dequantized(s13, s13_scale, s13_rows, 0),
+                                    _dequantized(s2, s2_scale, s2_rows, offsets[1]), _ref(gate))
+    want = moe.reference_moe_shared(
+        _ref(x), _ref(weights), ids, _dequantized(stacked[0], stacked[1], w13_rows, 0),
+        _dequantized(stacked[2], stacked[3], w2_rows, offsets[0]), dense_shared)
+    return Output("block FP8 output + residual", got, _ref(residual) + want)
 
 
 def route(case: EngineCase, inp: _Inputs) -> list[Output]:

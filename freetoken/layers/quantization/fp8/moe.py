@@ -89,11 +89,27 @@ class BlockFP8FusedExperts(nn.Module):
                                             self.block[1],
                                             self.cols.offset(self.tp.rank, self.tp.size)))
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def combines(self, x: torch.Tensor) -> bool:
+        """Whether `forward` takes `sum_slots=False`, `shared` and `residual` for x: where
+        the quantized kernels serve it (in a step that takes the CUDA paths, the caller's
+        test), outside the tp_invariant mode."""
+        return self.canonical is None and quant_gemm.serves(x)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                sum_slots: bool = True, shared: fused_moe.SharedExpertRows | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's weighted expert sum, rounded once to x's dtype. On the CUDA path
+        (`fused_moe.fused_moe` with the block scales) as `FusedExperts.forward`:
+        `sum_slots=False` the float32 slots, `shared` a block-FP8 shared expert in the same
+        launches (one token), `residual` added in the down launch."""
         if uses_kernels() and quant_gemm.serves(x):
             w13_scales, w2_scales = self.block_scales()
             return fused_moe.fused_moe(x, weights, ids, self.w13_weight, self.w2_weight,
-                                       w13_scales=w13_scales, w2_scales=w2_scales)
+                                       sum_slots=sum_slots, w13_scales=w13_scales,
+                                       w2_scales=w2_scales, shared=shared, residual=residual)
+        if not sum_slots or shared is not None or residual is not None:
+            raise ValueError("BlockFP8FusedExperts: sum_slots=False, shared and residual are "
+                             "for the CUDA path only")
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         hit = torch.bincount(ids.flatten(), minlength=self.num_experts).nonzero().flatten()
         for e in hit.tolist():
