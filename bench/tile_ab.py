@@ -10,14 +10,15 @@ An arm is `name:gemv_table:quant_table[:switches]`, each table a JSON file that 
 reads (`FREETOKEN_GEMV_TABLE`, `FREETOKEN_QUANT_TABLE`) or `-` for the shipped one, and
 switches a comma list of `no-overlap` (each step's tokens read before the next step is
 launched, `EngineConfig.overlap_steps=False`), `no-moe-rows` (one token's routed experts on
-the grouped kernels, `fused_moe.ROWS_AT_ONE_TOKEN`) and `no-shared-rows` (one token's shared
+the grouped kernels, `fused_moe.ROWS_AT_ONE_TOKEN`), `no-shared-rows` (one token's shared
 expert and gate on their own launches, not inside the routed row kernels,
-`fused_moe.SHARED_IN_ROWS`), all three on otherwise. Before each arm's run the tables are
-re-read and the decode graphs dropped, so they are captured again with that arm's tiles. A
-run is one warm-up and `--repeats` timed pairs (one token, then `--new-tokens`); the step
-time is their difference over the decode steps. Prints each arm's median step over the
-rounds, every round's value, and with `--mb` (the bytes a step reads, from
-`bench/engine_decode.py`) the share of the copy bandwidth measured here."""
+`fused_moe.SHARED_IN_ROWS`) and `no-quant-fusions` (one token's FP8 projections without the
+input norm and the residual add, `quant_gemm.DECODE_FUSIONS`), all on otherwise. Before each
+arm's run the tables are re-read and the decode graphs dropped, so they are captured again
+with that arm's tiles. A run is one warm-up and `--repeats` timed pairs (one token, then
+`--new-tokens`); the step time is their difference over the decode steps. Prints each arm's
+median step over the rounds, every round's value, and with `--mb` (the bytes a step reads,
+from `bench/engine_decode.py`) the share of the copy bandwidth measured here."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ from freetoken.kernels import fused_moe, gemv, quant_gemm  # noqa: E402
 TABLES = (("FREETOKEN_GEMV_TABLE", gemv), ("FREETOKEN_QUANT_TABLE", quant_gemm))
 
 
-SWITCHES = ("no-overlap", "no-moe-rows", "no-shared-rows")
+SWITCHES = ("no-overlap", "no-moe-rows", "no-shared-rows", "no-quant-fusions")
 
 
 def parse_arm(text: str) -> tuple[str, tuple[str, str, frozenset]]:
@@ -63,6 +64,7 @@ def use_arm(llm: LLM, arm: tuple[str, str, frozenset]) -> None:
     llm._core.set_overlap("no-overlap" not in switches)
     fused_moe.ROWS_AT_ONE_TOKEN = "no-moe-rows" not in switches
     fused_moe.SHARED_IN_ROWS = "no-shared-rows" not in switches
+    quant_gemm.DECODE_FUSIONS = "no-quant-fusions" not in switches
     for path, (var, module) in zip(tables, TABLES):
         if path == "-":
             os.environ.pop(var, None)

@@ -23,7 +23,7 @@ from freetoken.kernels.gemv_jit import epilogue, normalise
 
 
 @triton.jit
-def _row_scale(x_row, in_features, eps, NORM_BLOCK: tl.constexpr):
+def row_scale(x_row, in_features, eps, NORM_BLOCK: tl.constexpr):
     """The RMSNorm scale `1 / sqrt(mean(x^2) + eps)` of one token's row, as a [1] tensor
     (`NORM_BLOCK` covers the whole row in one step up to 4096 inputs)."""
     squares = tl.full([NORM_BLOCK], 0, dtype=tl.float32)
@@ -83,7 +83,7 @@ def gemv_rows_kernel(
     x_row = x_ptr + token.to(tl.int64) * stride_x_token
     w_rows = weight_ptr + cols.to(tl.int64)[:, None] * stride_weight_row
     if NORM:
-        scale = _row_scale(x_row, in_features, eps, NORM_BLOCK)
+        scale = row_scale(x_row, in_features, eps, NORM_BLOCK)
     k_start = tl.program_id(2) * split_features
     k_end = tl.minimum(k_start + split_features, in_features)
     acc = tl.full([BLOCK_N], 0, dtype=tl.float32)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from freetoken.kernels import interpreting, jit_module, next_pow2, nvfp4_linear
+from freetoken.kernels.gemv import NORM_BLOCK, Norm
 from freetoken.kernels.tile_table import parse_tiles, read_tile_table, spell_tiles
 
 DECODE_MAX_TOKENS = 16
@@ -26,6 +27,10 @@ MMA_MIN_ROWS = 16384
 head) takes the routed-expert kernels' tensor-core decode (`nvfp4_linear`): on an H200 it
 ran 1.7x (31040 rows) and 2.4x (248320 rows) faster than `nvfp4_gemm_kernel`, and slower at
 2048 rows and at 16 tokens (it streams the weight once per token)."""
+DECODE_FUSIONS = True
+"""True: a one-token FP8 call on the row kernel takes the decoder layer's input norm and
+residual add (`fp8_gemm(norm=, residual=)`, through `WeightOnlyMethod.apply_fused`); False
+keeps their separate launches (an A/B of `bench/tile_ab.py`, switch `no-quant-fusions`)."""
 SM_PROGRAMS = 264
 """About two programs per SM of an H200 (132 SMs): the decode split's target."""
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -124,12 +129,16 @@ def choose_tiles(tokens: int, rows: int, in_features: int, fmt: str) -> QuantTil
 
 def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
              scale_row: torch.Tensor, block_cols: int, col_offset: int = 0,
-             bias: torch.Tensor | None = None, tiles: QuantTiles | None = None
-             ) -> torch.Tensor:
+             bias: torch.Tensor | None = None, tiles: QuantTiles | None = None, *,
+             norm: Norm | None = None, residual: torch.Tensor | None = None,
+             normed: torch.Tensor | None = None) -> torch.Tensor:
     """`x` [T, K] times an e4m3 weight [N, K] whose element (n, k) is scaled by
     `scale[scale_row[n], (k + col_offset) // block_cols]` (scale float32 [R, C], scale_row
     int32 [N]); FP8 per tensor is `scale` [G, 1] with `block_cols` >= K. Plus `bias`,
-    float32 accumulation, one rounding to x's dtype."""
+    float32 accumulation, one rounding to x's dtype. On the row kernel (`fuses`) also
+    `norm`: x's RMSNorm applied as it is loaded (`normed`, x's shape and dtype: stored
+    there too); `residual` [T, N]: `residual + ` the rounded result (`gemv.linear`'s
+    fusions and roundings)."""
     tokens, in_features = _check(x, weight.shape[1], "fp8_gemm", weight)
     if weight.dtype != torch.float8_e4m3fn or scale.dtype != torch.float32:
         raise ValueError(f"fp8_gemm: weight must be float8_e4m3fn and scale float32, got "
@@ -137,8 +146,13 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     _check_rows(scale_row, weight.shape[0], "fp8_gemm")
     rows = weight.shape[0]
     tiles = tiles or tiles_for(tokens, rows, in_features, "fp8")
+    fused = _check_fusions(x, rows, norm, residual, normed)
     if tiles.rows:
-        return _fp8_rows(x, weight, scale, scale_row, block_cols, col_offset, bias, tiles)
+        return _fp8_rows(x, weight, scale, scale_row, block_cols, col_offset, bias, tiles,
+                         fused)
+    if fused:
+        raise ValueError(f"fp8_gemm: the norm and residual fusions run on the row kernel, "
+                         f"which tiles {tiles.key()} do not name (`fuses`)")
     mode, block_k = _fp8_scale_mode(in_features, block_cols, col_offset, tiles.block_k)
     return _launch(jit_module("quant_gemm_jit").fp8_gemm_kernel, x, rows, in_features, bias,
                    tiles, block_k, dict(
@@ -148,19 +162,56 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                        EVEN_K=in_features % block_k == 0, BLOCK_K=block_k))
 
 
-def _fp8_rows(x, weight, scale, scale_row, block_cols, col_offset, bias, tiles):
+def fuses(tokens: int, rows: int, in_features: int) -> bool:
+    """Whether an FP8 call of `tokens` tokens over a [rows, in_features] weight takes the
+    row kernel, which takes `fp8_gemm`'s norm and residual (the measured table's one-token
+    entries on a GPU)."""
+    return tiles_for(tokens, rows, in_features, "fp8").rows
+
+
+def _check_fusions(x, rows, norm, residual, normed) -> dict:
+    """The row kernel's fusion arguments (empty: none asked), ValueError naming the tensor
+    that does not fit."""
+    if norm is None and residual is None and normed is None:
+        return {}
+    tokens, in_features = x.shape
+    if normed is not None and (norm is None or normed.shape != x.shape
+                               or normed.dtype != x.dtype or normed.stride(-1) != 1):
+        raise ValueError(f"fp8_gemm: normed {tuple(normed.shape)} {normed.dtype} takes the "
+                         f"normalised x {tuple(x.shape)} {x.dtype} (contiguous rows) of a "
+                         f"call with a norm (norm given: {norm is not None})")
+    if residual is not None and (tuple(residual.shape) != (tokens, rows)
+                                 or residual.dtype != x.dtype or residual.stride(-1) != 1):
+        raise ValueError(f"fp8_gemm: residual {tuple(residual.shape)} {residual.dtype} is not "
+                         f"the output's {(tokens, rows)} {x.dtype} (contiguous rows)")
+    if norm is not None and tuple(norm.weight.shape) != (in_features,):
+        raise ValueError(f"fp8_gemm: norm weight {tuple(norm.weight.shape)} does not fit "
+                         f"{in_features} inputs")
+    return dict(norm=norm, residual=residual, normed=normed)
+
+
+def _fp8_rows(x, weight, scale, scale_row, block_cols, col_offset, bias, tiles, fused):
     """`fp8_gemm` through the row kernel: the scale per row (per tensor), per group of
     `block_step` inputs inside each step, or per element (`_fp8_scale_mode`: its step is the
-    group, the row kernel's step stays `tiles.block_k`)."""
+    group, the row kernel's step stays `tiles.block_k`); the fusions `fused` asks."""
     in_features = x.shape[1]
     mode, sub = _fp8_scale_mode(in_features, block_cols, col_offset, tiles.block_k)
+    norm, normed = fused.get("norm"), fused.get("normed")
     return _launch(jit_module("quant_gemm_rows_jit").fp8_gemm_rows_kernel, x,
                    weight.shape[0], in_features, bias, tiles, tiles.block_k, dict(
                        weight_ptr=weight, scale_ptr=scale, scale_row_ptr=scale_row,
                        col_offset=col_offset, stride_weight_row=weight.stride(0),
                        stride_scale_row=scale.stride(0), SCALE=mode, BLOCK_COLS=block_cols,
                        SUB=sub, EVEN_K=in_features % tiles.block_k == 0,
-                       BLOCK_K=tiles.block_k))
+                       BLOCK_K=tiles.block_k,
+                       norm_weight_ptr=norm.weight if norm is not None else weight,
+                       normed_ptr=normed if normed is not None else x,
+                       eps=norm.eps if norm is not None else 0.0,
+                       stride_normed_token=normed.stride(0) if normed is not None else 0,
+                       NORM=0 if norm is None else (2 if norm.offset else 1),
+                       STORE_NORMED=normed is not None,
+                       NORM_BLOCK=min(NORM_BLOCK, next_pow2(in_features))),
+                   residual=fused.get("residual"))
 
 
 def nvfp4_gemm(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tensor,
@@ -235,9 +286,11 @@ def _fp8_scale_mode(in_features: int, block_cols: int, col_offset: int, block_k:
     return (2, block_k) if step is None else (1, step)
 
 
-def _launch(kernel, x, rows, in_features, bias, tiles, block_k, args) -> torch.Tensor:
+def _launch(kernel, x, rows, in_features, bias, tiles, block_k, args,
+            residual: torch.Tensor | None = None) -> torch.Tensor:
     """Run `kernel` over x [T, in_features] for `rows` outputs with `tiles` (the K step
-    `block_k`); a split launch is finished by `gemv_jit.gemv_reduce_kernel`."""
+    `block_k`); a split launch is finished by `gemv_jit.gemv_reduce_kernel`. `residual`
+    (the row kernel): added to the rounded output."""
     tokens = x.shape[0]
     out = torch.empty(tokens, rows, dtype=x.dtype, device=x.device)
     if tokens == 0:
@@ -250,6 +303,10 @@ def _launch(kernel, x, rows, in_features, bias, tiles, block_k, args) -> torch.T
     if not tiles.rows:
         args = dict(args, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                     BLOCK_M=tiles.block_m)
+    else:
+        args = dict(args, residual_ptr=residual if residual is not None else out,
+                    stride_residual_token=residual.stride(0) if residual is not None else 0,
+                    HAS_RESIDUAL=residual is not None and splits == 1)
     kernel[(_cdiv(rows, block_n), tokens if tiles.rows else _cdiv(tokens, tiles.block_m),
             splits)](
         x_ptr=x, bias_ptr=bias if bias is not None else out, partial_ptr=partial, out_ptr=out,
@@ -261,11 +318,13 @@ def _launch(kernel, x, rows, in_features, bias, tiles, block_k, args) -> torch.T
     if splits > 1:
         reduce_m = min(16, next_pow2(tokens))
         jit_module("gemv_jit").gemv_reduce_kernel[(_cdiv(rows, 256), _cdiv(tokens, reduce_m))](
-            partial_ptr=partial, bias_ptr=bias if bias is not None else out, residual_ptr=out,
-            out_ptr=out, tokens=tokens, out_features=rows, splits=splits,
-            stride_partial_split=tokens * rows, stride_residual_token=0,
+            partial_ptr=partial, bias_ptr=bias if bias is not None else out,
+            residual_ptr=residual if residual is not None else out, out_ptr=out,
+            tokens=tokens, out_features=rows, splits=splits,
+            stride_partial_split=tokens * rows,
+            stride_residual_token=residual.stride(0) if residual is not None else 0,
             stride_out_token=out.stride(0), GATED=False, HAS_BIAS=bias is not None,
-            HAS_RESIDUAL=False, BLOCK_M=reduce_m, BLOCK_N=256, num_warps=4)
+            HAS_RESIDUAL=residual is not None, BLOCK_M=reduce_m, BLOCK_N=256, num_warps=4)
     return out
 
 

@@ -10,6 +10,12 @@ as in `fp8_gemm_kernel`. SCALE: 0, once per output row (per tensor); 1, once per
 SUB-input group of each step (every group lies inside one column block: SUB divides
 BLOCK_COLS and col_offset, and BLOCK_K is a multiple of SUB); 2, to every element. Every
 program's reduction order is fixed, so a launch gives the same bits each time.
+
+The decode step's fusions of `gemv_rows_jit` (a token's layer without launches of their own
+for its neighbours): NORM, the RMSNorm of the token's row applied as x is loaded (rounded to
+the activations' dtype as the separate norm rounds it; STORE_NORMED also stores it, for the
+layers after it that read the same input); HAS_RESIDUAL, the decoder layer's residual added
+to the rounded output (after a split, in `gemv_jit.gemv_reduce_kernel`).
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels import jit_ops as ops
+from freetoken.kernels.gemv_jit import epilogue, normalise
+from freetoken.kernels.gemv_rows_jit import row_scale
 from freetoken.kernels.quant_gemm_jit import store_block
 
 
@@ -29,29 +37,39 @@ def fp8_gemm_rows_kernel(
     scale_ptr,              # [scale rows, scale columns] float32
     scale_row_ptr,          # [out_features] int32: each weight row's scale row
     bias_ptr,
+    norm_weight_ptr,        # NORM: [in_features] the RMSNorm's weight
+    residual_ptr,           # HAS_RESIDUAL: [tokens, out_features]
     partial_ptr,            # [splits, tokens, out_features] float32 (SPLIT)
     out_ptr,                # [tokens, out_features]
+    normed_ptr,             # STORE_NORMED: [tokens, in_features] out, the normalised x
     # sizes
     tokens,
     out_features,
     in_features,
     split_features,
     col_offset,
+    eps,
     # strides
     stride_x_token,
     stride_weight_row,
     stride_scale_row,
+    stride_residual_token,
     stride_partial_split,
     stride_out_token,
+    stride_normed_token,
     # meta
     SCALE: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     SUB: tl.constexpr,
+    NORM: tl.constexpr,
+    STORE_NORMED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
     SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,
 ):
     """out[t, n] for token t = program_id(1) and the rows of block program_id(0) (see the
     module docstring); with SPLIT, program_id(2) takes `split_features` inputs (a whole
@@ -65,6 +83,8 @@ def fp8_gemm_rows_kernel(
     x_row = x_ptr + token.to(tl.int64) * stride_x_token
     w_rows = weight_ptr + cols.to(tl.int64)[:, None] * stride_weight_row
     s_rows = scale_ptr + tl.load(scale_row_ptr + cols, mask=col_ok, other=0) * stride_scale_row
+    if NORM:
+        norm_scale = row_scale(x_row, in_features, eps, NORM_BLOCK)
     k_start = tl.program_id(2) * split_features
     k_end = tl.minimum(k_start + split_features, in_features)
     acc = tl.full([BLOCK_N], 0, dtype=tl.float32)
@@ -72,12 +92,19 @@ def fp8_gemm_rows_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
             w_mask = col_ok[:, None]
-            xv = tl.load(x_row + ks)
+            xv = tl.load(x_row + ks)[None, :]
         else:
             w_mask = col_ok[:, None] & (ks < in_features)[None, :]
-            xv = tl.load(x_row + ks, mask=ks < in_features, other=0.0)
+            xv = tl.load(x_row + ks, mask=ks < in_features, other=0.0)[None, :]
+        if NORM:
+            norm_w = tl.load(norm_weight_ptr + ks, mask=ks < in_features, other=0.0)
+            xv = normalise(xv.to(tl.float32), norm_scale, norm_w, NORM)
+            if STORE_NORMED:
+                tl.store(normed_ptr + token.to(tl.int64) * stride_normed_token + ks[None, :],
+                         xv.to(normed_ptr.dtype.element_ty),
+                         mask=(ks < in_features)[None, :] & (tl.program_id(0) == 0))
         w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0)
-        prod = w.to(tl.float32) * xv.to(tl.float32)[None, :]
+        prod = w.to(tl.float32) * xv.to(tl.float32)
         if SCALE == 2:
             s = tl.load(s_rows[:, None] + ((ks + col_offset) // BLOCK_COLS)[None, :],
                         mask=w_mask, other=0.0)
@@ -92,5 +119,10 @@ def fp8_gemm_rows_kernel(
             acc += ops.sum_(prod, axis=1)
     if SCALE == 0:
         acc = acc * tl.load(s_rows, mask=col_ok, other=0.0)
-    store_block(acc[None, :], rows, cols, row_ok, col_ok, bias_ptr, partial_ptr, out_ptr,
-                out_features, stride_partial_split, stride_out_token, HAS_BIAS, SPLIT)
+    if SPLIT:
+        store_block(acc[None, :], rows, cols, row_ok, col_ok, bias_ptr, partial_ptr, out_ptr,
+                    out_features, stride_partial_split, stride_out_token, HAS_BIAS, SPLIT)
+    else:
+        epilogue(acc[None, :], acc[None, :], rows, cols, row_ok, col_ok, bias_ptr,
+                 residual_ptr, out_ptr, out_features, stride_residual_token, stride_out_token,
+                 False, HAS_BIAS, HAS_RESIDUAL)

@@ -62,9 +62,14 @@ class LinearBase(nn.Module):
 
     def forward_normed(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         """`self(norm(x))` for an RMSNorm `norm`; on the CUDA path for a decode batch the
-        norm is applied as the projection loads x (one launch)."""
+        norm is applied as the projection loads x (one launch; a quantized layer where its
+        method's row kernel takes the call, `apply_fused`)."""
         if self.canonical is None:
             fused = dict(norm=_as_norm(norm))
+            if self.quant is not None:
+                y = self.quant.apply_fused(self, x, self.bias, **fused)
+                if y is not None:
+                    return y
             tiles = _gemv_tiles(self, x, **fused)
             if tiles is not None:
                 return gemv.linear(x, self.weight, self.bias, tiles=tiles, **fused)
@@ -74,12 +79,17 @@ class LinearBase(nn.Module):
                                ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`(norm(x), self(norm(x)))` in one launch on the CUDA path for a decode batch, the
         projection storing the normalised x it read, for the steps after it that take the
-        same input (the MoE block's experts after its router); None where that launch does
-        not run (the tile table lacks the fused call or found the unfused steps faster, a
-        quantized or biased layer, no kernels), for the caller's unfused steps."""
+        same input (the MoE block's experts after its router, GatedDeltaNet's b|a after its
+        quantized qkv|z); None where that launch does not run (the tile table lacks the
+        fused call or found the unfused steps faster, a quantized call off its method's row
+        kernel, a biased layer, no kernels), for the caller's unfused steps."""
         if self.canonical is not None or self.bias is not None:
             return None
         fused = dict(norm=_as_norm(norm))
+        if self.quant is not None:
+            normed = torch.empty_like(x, memory_format=torch.contiguous_format)
+            y = self.quant.apply_fused(self, x, normed=normed, **fused)
+            return None if y is None else (normed, y)
         tiles = _gemv_tiles(self, x, **fused)
         if tiles is None:
             return None
@@ -229,6 +239,10 @@ class RowParallelLinear(LinearBase):
         """`residual + self(x)`; on the CUDA path for a decode batch in one launch where no
         all-reduce comes between the projection and the add (TP 1, no bias)."""
         fusable = (not self.reduce or get_tp_info().size == 1) and self.bias is None
+        if fusable and self.canonical is None and self.quant is not None:
+            y = self.quant.apply_fused(self, x, residual=residual)
+            if y is not None:
+                return y
         if fusable and self.canonical is None:
             tiles = _gemv_tiles(self, x, residual=residual)
             if tiles is not None:

@@ -99,19 +99,36 @@ def test_attention_outputs_are_recorded_on_the_kernel_path(case):
                                    msg=lambda m, key=key: f"{key}: {m}")
 
 
-def _one_token_steps(core, prompt):
+def _one_token_steps(core, prompt, quant_kernels=False):
     """`_both` on one prompt, and what the MoE blocks of the kernel path fused: how many
     expert down launches added the shared expert and how many the residual
     (`moe_rows.down`), how many router launches stored the normalised input
-    (`gemv.linear(normed=)`), and the model's MoE layers."""
+    (`gemv.linear(normed=)`), and the model's MoE layers. `quant_kernels`: the quantized
+    layers take their Triton kernels on CPU too (they serve CUDA tensors only), so that the
+    interpreter runs the quantized CUDA path."""
     import inspect
 
-    from freetoken.kernels import fused_moe, gemv, moe_rows
+    from freetoken.kernels import fused_moe, gemv, moe_rows, quant_gemm
 
     assert fused_moe.SHARED_IN_ROWS, "the shared expert in the row kernels is the default"
-    originals = moe_rows.down, gemv.linear
+    originals = moe_rows.down, gemv.linear, quant_gemm.serves, quant_gemm.choose_tiles, \
+        quant_gemm.fp8_gemm
+    counts = {"shared": 0, "residual": 0, "normed": 0, "fp8 norm": 0, "fp8 residual": 0}
+    if quant_kernels:
+        # One-token FP8 calls take the row kernel, as the GPU's tile table has them.
+        def rows_at_one_token(tokens, rows, in_features, fmt):
+            if tokens == 1 and fmt == "fp8":
+                return quant_gemm.QuantTiles(1, 32, 64, rows=True)
+            return originals[3](tokens, rows, in_features, fmt)
+
+        def fp8_gemm(*args, **kwargs):
+            counts["fp8 norm"] += kwargs.get("norm") is not None
+            counts["fp8 residual"] += kwargs.get("residual") is not None
+            return originals[4](*args, **kwargs)
+
+        quant_gemm.serves = lambda x: x.dtype in (torch.bfloat16, torch.float32)
+        quant_gemm.choose_tiles, quant_gemm.fp8_gemm = rows_at_one_token, fp8_gemm
     down_args = inspect.signature(moe_rows.down)
-    counts = {"shared": 0, "residual": 0, "normed": 0}
 
     def down(*args, **kwargs):
         given = down_args.bind(*args, **kwargs).arguments
@@ -127,26 +144,37 @@ def _one_token_steps(core, prompt):
     try:
         want, got = _both(core, [prompt])
     finally:
-        moe_rows.down, gemv.linear = originals
+        (moe_rows.down, gemv.linear, quant_gemm.serves, quant_gemm.choose_tiles,
+         quant_gemm.fp8_gemm) = originals
     cfg = core.model_config
     return want, got, counts, sum(map(cfg.is_moe_layer, range(cfg.num_hidden_layers)))
 
 
+@pytest.mark.parametrize("case", ["tiny-qwen3.5-moe", "tiny-qwen3.5-moe-fp8"])
 @pytest.mark.parametrize("tp", [1, 2])
-def test_one_token_decode_takes_the_shared_expert_in_the_row_kernels(tp):
+def test_one_token_decode_takes_the_shared_expert_in_the_row_kernels(tp, case):
     """One sequence decodes a token per step, so every Qwen3.5 MoE block adds its shared
     expert and gate inside the routed row kernels (the shared intermediate 48 / tp beside
     the routed 32 / tp) and, at TP 1, the decoder layer's residual in their down launch;
     its router normalises the input and stores it for the experts at every step (the
-    5-token prefill is a decode-sized batch too): the same logits and tokens as the torch
-    path."""
-    folder = GOLDEN / "tiny-qwen3.5-moe"
+    5-token prefill is a decode-sized batch too, whose slots and shared expert one launch
+    combines): the same logits and tokens as the torch path. Block FP8 (24 x 40 blocks,
+    the shared expert's rank 1 starting 24 inputs into its column block at TP 2) takes
+    the same launches, each block-FP8 operand with its own scales, and its mixers' FP8
+    projections take the input norm and the residual add."""
+    folder = GOLDEN / case
     prompt = json.loads((folder / "meta.json").read_text())["prompts"][0]
     assert len(prompt) <= 16
     with LLM(folder, tp=tp, device="cpu", dtype="float32", progress=False,
              enforce_eager=True) as llm:
-        want, got, counts, layers = llm.run_on_ranks(_one_token_steps, prompt)[0]
+        want, got, counts, layers = llm.run_on_ranks(_one_token_steps, prompt,
+                                                     case.endswith("fp8"))[0]
     decode = (NEW_TOKENS - 1) * layers
+    # FP8: every one-token step's mixer takes its input norm in its first quantized
+    # projection (GatedDeltaNet's qkv|z storing norm(x) for its 16-bit b|a) and, at TP 1,
+    # the residual in its output projection.
+    fp8 = decode if case.endswith("fp8") else 0
     assert counts == {"shared": decode, "residual": decode if tp == 1 else 0,
-                      "normed": NEW_TOKENS * layers}, (counts, layers)
-    _assert_same(want, got, f"tiny-qwen3.5-moe one sequence tp={tp}")
+                      "normed": NEW_TOKENS * layers, "fp8 norm": fp8,
+                      "fp8 residual": fp8 if tp == 1 else 0}, (counts, layers)
+    _assert_same(want, got, f"{case} one sequence tp={tp}")

@@ -12,8 +12,11 @@ from the code under test:
   whose ranks share a column block, per-tensor scales and globals unequal per segment, KV
   heads replicated; the layer's `apply` routed through the kernel with leading dims and a
   bias;
+- the FP8 row kernel's decode fusions (the input RMSNorm, stored for the next layers, and
+  the residual, with and without a split), refused off the row kernel;
 - injected bugs the comparison must catch: one segment's scale rows for all, the column
-  offset dropped, the divisor global used as a multiplier, one global for every segment."""
+  offset dropped, the divisor global used as a multiplier, one global for every segment,
+  the norm or the residual dropped, the norm's 1 + w read as w."""
 
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ from freetoken.formats.quant.format import (
     NVFP4,
     ModuleFormat,
 )
-from freetoken.kernels import quant_gemm
+from freetoken.kernels import gemv, quant_gemm
 from freetoken.layers.quantization.method import Split, method_for
 
 RTOL = 1e-5
@@ -172,6 +175,76 @@ def test_nvfp4_kernel_follows_the_definition(reciprocal, tokens):
     oracle = torch.cat([nvfp4_values(a.packed, a.block_scale, a.global_scale),
                         nvfp4_values(b.packed, b.block_scale, b.global_scale)]).double()
     _assert_oracle(got, x, oracle, f"nvfp4 reciprocal={reciprocal} T={tokens}")
+
+
+def _fusion_call(split, offset, with_bias=False, **change):
+    """(the row kernel's result with the input norm, the stored normalised x and the
+    residual, the float64 oracle of those steps from `gemv.reference_norm`, the kernel's
+    normalised x, the reference's); `change` replaces arguments of the call (a bug)."""
+    codes, scale = quantize_block(_weight(40, 200 + 8, 7), (16, 24))
+    codes = codes[:, 8:].contiguous()
+    x = _x(2, 200, 7) * 3
+    norm = gemv.Norm(torch.randn(200, generator=torch.Generator().manual_seed(3)) * 0.3,
+                     1e-6, offset)
+    residual = torch.randn(2, 40, generator=torch.Generator().manual_seed(4)) * 5
+    bias = torch.randn(40) if with_bias else None
+    normed = torch.empty_like(x)
+    args = dict(x=x, weight=codes, scale=scale.float(), scale_row=(torch.arange(40) // 16).int(),
+                block_cols=24, col_offset=8, bias=bias, norm=norm, residual=residual,
+                normed=normed, tiles=quant_gemm.QuantTiles(1, 8, 64, split=split, rows=True))
+    got = quant_gemm.fp8_gemm(**dict(args, **change))
+    want_normed = gemv.reference_norm(x, norm)
+    want = want_normed.double() @ _block_oracle(codes, scale, (16, 24), 0, 8).T
+    if bias is not None:
+        want = want + bias.double()
+    return got, want + residual.double(), normed, want_normed
+
+
+@pytest.mark.parametrize("split", [1, 2], ids=["one-launch", "split"])
+@pytest.mark.parametrize("offset", [False, True], ids=["w", "1+w"])
+def test_fp8_row_kernel_takes_the_norm_and_the_residual(split, offset):
+    """The FP8 row kernel with the decode step's fusions: the RMSNorm (weight w, or
+    Qwen3.5's 1 + w) applied as x is loaded and stored for the layers after it, a bias, and
+    the residual added after the rounding (after a split, by the reduction launch): equal
+    to the oracle of the separate steps, and the stored normalised x to `reference_norm`."""
+    got, want, normed, want_normed = _fusion_call(split, offset, with_bias=True)
+    err = float((got.double() - want).norm() / want.norm())
+    assert err < RTOL, f"split {split} offset {offset}: relative L2 {err:.2e}"
+    torch.testing.assert_close(normed, want_normed, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("bug", ["norm dropped", "residual dropped", "plain norm for 1+w"])
+def test_fp8_fusion_bugs_are_caught(bug):
+    """A launch that skips the norm, the residual, or applies w where Qwen3.5 scales by
+    1 + w fails the comparison."""
+    change = {"norm dropped": dict(norm=None, normed=None),
+              "residual dropped": dict(residual=None)}.get(bug, {})
+    got, want, _, _ = _fusion_call(1, True, **change)
+    if bug == "plain norm for 1+w":
+        got, _, _, _ = _fusion_call(1, False)
+    err = float((got.double() - want).norm() / want.norm())
+    assert err > 1e-2, f"{bug}: relative L2 {err:.2e} passes"
+
+
+def test_fp8_fusions_need_the_row_kernel():
+    """The norm and residual are refused on tensor-core tiles and where their shapes do
+    not fit, naming the tensor."""
+    codes, scale = quantize_block(_weight(16, 32, 0), (16, 16))
+    rows = torch.zeros(16, dtype=torch.int32)
+    norm = gemv.Norm(torch.ones(32), 1e-6, False)
+    with pytest.raises(ValueError, match="run on the row kernel"):
+        quant_gemm.fp8_gemm(_x(2, 32, 0), codes, scale, rows, 16, norm=norm,
+                            tiles=quant_gemm.QuantTiles(16, 16, 32))
+    row_tiles = quant_gemm.QuantTiles(1, 4, 32, rows=True)
+    with pytest.raises(ValueError, match=r"residual \(2, 15\)"):
+        quant_gemm.fp8_gemm(_x(2, 32, 0), codes, scale, rows, 16, tiles=row_tiles,
+                            residual=torch.zeros(2, 15))
+    with pytest.raises(ValueError, match=r"normed \(2, 32\).*norm given: False"):
+        quant_gemm.fp8_gemm(_x(2, 32, 0), codes, scale, rows, 16, tiles=row_tiles,
+                            normed=torch.zeros(2, 32))
+    with pytest.raises(ValueError, match=r"norm weight \(31,\)"):
+        quant_gemm.fp8_gemm(_x(2, 32, 0), codes, scale, rows, 16, tiles=row_tiles,
+                            norm=gemv.Norm(torch.ones(31), 1e-6, False))
 
 
 def test_bad_inputs_are_refused_naming_the_mismatch():

@@ -20,9 +20,26 @@ class WeightOnlyMethod:
     def dequantize(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
 
-    def kernel(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+    def kernel(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, **fused
                ) -> torch.Tensor:
         raise NotImplementedError
+
+    fuses = False
+    """Whether `kernel` takes `quant_gemm.fp8_gemm`'s decode fusions (`norm`, `normed`,
+    `residual` keywords)."""
+
+    def apply_fused(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None,
+                    **fused) -> torch.Tensor | None:
+        """`apply` with the decode step's fusions in the same launch (`norm`: a
+        `gemv.Norm` applied to x first, `normed`: where to store norm(x), `residual`:
+        added to the result), or None where this call cannot take them (a method without
+        them, no kernels, a call off the row kernel: more than a token or two), for the
+        caller's unfused steps."""
+        if not (self.fuses and quant_gemm.DECODE_FUSIONS and quant_gemm.serves(x)
+                and x.dim() == 2 and x.stride(-1) == 1
+                and quant_gemm.fuses(x.shape[0], layer.weight.shape[0], x.shape[1])):
+            return None
+        return self.kernel(layer, x, bias, **fused)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
               ) -> torch.Tensor:

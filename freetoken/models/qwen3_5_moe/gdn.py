@@ -118,12 +118,19 @@ class GatedDeltaNet(nn.Module):
     def _project(self, x: torch.Tensor, norm: nn.Module | None) -> tuple[torch.Tensor, ...]:
         """qkv, z, b, a of `norm(x)` (x as is when `norm` is None): from one GEMM (the input
         norm folded into it on the CUDA decode path), or from two where qkv|z is quantized
-        and b|a not."""
+        and b|a not (the norm then inside qkv|z's launch where it can be, which stores
+        norm(x) for b|a)."""
         if self.in_proj_ba is None:
             projected = self.in_proj(x) if norm is None else self.in_proj.forward_normed(x, norm)
             return projected.split(self.local_sizes, dim=-1)
-        x = x if norm is None else norm(x)
-        qkv, z = self.in_proj(x).split(self.local_sizes[:2], dim=-1)
+        fused = None if norm is None else self.in_proj.forward_keeping_normed(x, norm)
+        if fused is None:
+            x = x if norm is None else norm(x)
+            projected = self.in_proj(x)
+        else:
+            # The quantized qkv|z applied the norm and stored norm(x) for b|a.
+            x, projected = fused
+        qkv, z = projected.split(self.local_sizes[:2], dim=-1)
         b, a = self.in_proj_ba(x).split(self.local_sizes[2:], dim=-1)
         return qkv, z, b, a
 

@@ -74,17 +74,23 @@ class BlockFP8Linear(WeightOnlyMethod):
             first += seg.blocks(self.tp_size)
         return torch.cat(parts)
 
-    def kernel(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+    fuses = True
+
+    def kernel(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, **fused
                ) -> torch.Tensor:
-        """x [T, local_in] times the weight through `quant_gemm.fp8_gemm`."""
+        """x [T, local_in] times the weight through `quant_gemm.fp8_gemm` (`fused`: its
+        norm and residual)."""
         return quant_gemm.fp8_gemm(x, layer.weight, layer.weight_scale, layer.weight_scale_row,
-                                   self.block[1], self.cols.offset(self.tp_rank, self.tp_size),
-                                   bias)
+                                   self.block[1], self.col_offset(), bias, **fused)
+
+    def col_offset(self) -> int:
+        """The rank's input split's offset inside its first column block."""
+        return self.cols.offset(self.tp_rank, self.tp_size)
 
     def dequantize(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
         """The layer's rank-local weight [local_out, local_in] in `dtype`, segment by
         segment, each with its own scale rows and block offsets."""
-        col_offset = self.cols.offset(self.tp_rank, self.tp_size)
+        col_offset = self.col_offset()
         parts, row, scale_row = [], 0, 0
         for seg in self.rows:
             rows = seg.full_size // _parts(seg, self.tp_size)

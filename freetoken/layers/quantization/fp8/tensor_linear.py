@@ -51,9 +51,13 @@ class FP8TensorLinear(WeightOnlyMethod):
         per_row = layer.weight_scale[layer.weight_scale_group.long()]
         return (layer.weight.float() * per_row[:, None]).to(dtype)
 
-    def kernel(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+    fuses = True
+
+    def kernel(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, **fused
                ) -> torch.Tensor:
         """x [T, local_in] times the weight through `quant_gemm.fp8_gemm`: the scales as a
-        one-column block scale, one block spanning every input."""
+        one-column block scale, one block spanning every input (`fused`: its norm and
+        residual)."""
         return quant_gemm.fp8_gemm(x, layer.weight, layer.weight_scale.view(-1, 1),
-                                   layer.weight_scale_group, layer.weight.shape[1], 0, bias)
+                                   layer.weight_scale_group, layer.weight.shape[1], 0, bias,
+                                   **fused)
