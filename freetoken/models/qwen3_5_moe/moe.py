@@ -84,9 +84,14 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = ReplicatedLinear(cfg.hidden_size, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._from_logits(x, self.gate(x))
+
+    def _from_logits(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """The block's output for x given its router logits."""
+        weights, ids = route(logits, self.top_k, True, x.dtype)
         if uses_kernels() and self._combines(x):
-            return get_communicator().all_reduce(self._forward_combined(x))
-        weights, ids = route(self.gate(x), self.top_k, True, x.dtype)
+            return get_communicator().all_reduce(self._routed_and_shared(
+                x, weights, ids, self._shared_rows(x)))
         if self.shared_expert.down_proj.canonical is not None:
             return self._canonical(x, weights, ids)
         # The sigmoid gate is replicated, so scaling each rank's partial sum by it is exact.
@@ -112,14 +117,15 @@ class SparseMoeBlock(nn.Module):
 
     def forward_residual(self, h: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         """`h + self(norm(h))`, the decoder layer's second half. On the CUDA path for a
-        decode batch that `_combines`, the norm runs inside the router's GEMV, which also
-        stores the normalised x for the experts (where the tile table has that call,
-        `ReplicatedLinear.forward_keeping_normed`), and where the shared expert joins the
-        routed row kernels (one token) at TP 1, the residual add runs inside their down
-        launch: one token's block is then the router, the routing and two expert launches.
-        Called as a method, not a module: on that path the block's own hooks would record
-        the residual sum (bisect compares a module's output with HF's), as for the mixers."""
-        if not (uses_kernels() and self._combines(h)):
+        decode batch the norm runs inside the router's GEMV, which also stores the
+        normalised x for the experts (where the tile table has that call,
+        `ReplicatedLinear.forward_keeping_normed`), whatever the experts' format; for
+        experts that `_combines` and where the shared expert joins the routed row kernels
+        (one token) at TP 1, the residual add runs inside their down launch: one token's
+        block is then the router, the routing and two expert launches. Called as a method,
+        not a module: on that path the block's own hooks would record the residual sum
+        (bisect compares a module's output with HF's), as for the mixers."""
+        if not uses_kernels():
             return h + self(norm(h))
         fused = self.gate.forward_keeping_normed(h, norm)
         if fused is None:
@@ -127,16 +133,14 @@ class SparseMoeBlock(nn.Module):
             logits = self.gate(x)
         else:
             x, logits = fused
+        if not self._combines(x):
+            return h + self._from_logits(x, logits)
         weights, ids = route(logits, self.top_k, True, x.dtype)
         shared = self._shared_rows(x)
         if shared is not None and get_tp_info().size == 1:
             return self.experts.forward(x, weights, ids, shared=shared, residual=h)
         return h + get_communicator().all_reduce(self._routed_and_shared(x, weights, ids,
                                                                           shared))
-
-    def _forward_combined(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, True, x.dtype)
-        return self._routed_and_shared(x, weights, ids, self._shared_rows(x))
 
     def _routed_and_shared(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                            shared: SharedExpertRows | None) -> torch.Tensor:
