@@ -36,6 +36,28 @@ def row_scale(x_row, in_features, eps, NORM_BLOCK: tl.constexpr):
 
 
 @triton.jit
+def row_input(x_row, ks, in_features, col_ok, norm_weight_ptr, norm_scale, normed_row,
+              EVEN_K: tl.constexpr, NORM: tl.constexpr, STORE_NORMED: tl.constexpr):
+    """(one step's input [1, BLOCK_K], normalised where NORM and stored to `normed_row` by
+    the first feature block where STORE_NORMED; the weight tile's mask [BLOCK_N, BLOCK_K])
+    of a row kernel's step `ks`."""
+    if EVEN_K:
+        w_mask = col_ok[:, None]
+        xv = tl.load(x_row + ks)[None, :]
+    else:
+        k_ok = ks < in_features
+        w_mask = col_ok[:, None] & k_ok[None, :]
+        xv = tl.load(x_row + ks, mask=k_ok, other=0.0)[None, :]
+    if NORM:
+        norm_w = tl.load(norm_weight_ptr + ks, mask=ks < in_features, other=0.0)
+        xv = normalise(xv.to(tl.float32), norm_scale, norm_w, NORM)
+        if STORE_NORMED:
+            tl.store(normed_row + ks[None, :], xv.to(normed_row.dtype.element_ty),
+                     mask=(ks < in_features)[None, :] & (tl.program_id(0) == 0))
+    return xv, w_mask
+
+
+@triton.jit
 def gemv_rows_kernel(
     # pointers
     x_ptr,
@@ -82,28 +104,18 @@ def gemv_rows_kernel(
     col_ok = cols < out_features
     x_row = x_ptr + token.to(tl.int64) * stride_x_token
     w_rows = weight_ptr + cols.to(tl.int64)[:, None] * stride_weight_row
+    scale = 1.0
     if NORM:
         scale = row_scale(x_row, in_features, eps, NORM_BLOCK)
+    normed_row = normed_ptr + token.to(tl.int64) * stride_normed_token
     k_start = tl.program_id(2) * split_features
     k_end = tl.minimum(k_start + split_features, in_features)
     acc = tl.full([BLOCK_N], 0, dtype=tl.float32)
     acc_up = tl.full([BLOCK_N], 0, dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:
-            w_mask = col_ok[:, None]
-            xv = tl.load(x_row + ks)[None, :]
-        else:
-            k_ok = ks < in_features
-            w_mask = col_ok[:, None] & k_ok[None, :]
-            xv = tl.load(x_row + ks, mask=k_ok, other=0.0)[None, :]
-        if NORM:
-            norm_w = tl.load(norm_weight_ptr + ks, mask=ks < in_features, other=0.0)
-            xv = normalise(xv.to(tl.float32), scale, norm_w, NORM)
-            if STORE_NORMED:
-                tl.store(normed_ptr + token.to(tl.int64) * stride_normed_token + ks[None, :],
-                         xv.to(normed_ptr.dtype.element_ty),
-                         mask=(ks < in_features)[None, :] & (tl.program_id(0) == 0))
+        xv, w_mask = row_input(x_row, ks, in_features, col_ok, norm_weight_ptr, scale,
+                               normed_row, EVEN_K, NORM, STORE_NORMED)
         w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0)
         xf = xv.to(w.dtype).to(tl.float32)
         acc += ops.sum_(w.to(tl.float32) * xf, axis=1)

@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels import jit_ops as ops
-from freetoken.kernels.gemv_jit import epilogue, normalise
-from freetoken.kernels.gemv_rows_jit import row_scale
+from freetoken.kernels.gemv_jit import epilogue
+from freetoken.kernels.gemv_rows_jit import row_input, row_scale
 from freetoken.kernels.quant_gemm_jit import store_block
 
 
@@ -83,26 +83,17 @@ def fp8_gemm_rows_kernel(
     x_row = x_ptr + token.to(tl.int64) * stride_x_token
     w_rows = weight_ptr + cols.to(tl.int64)[:, None] * stride_weight_row
     s_rows = scale_ptr + tl.load(scale_row_ptr + cols, mask=col_ok, other=0) * stride_scale_row
+    norm_scale = 1.0
     if NORM:
         norm_scale = row_scale(x_row, in_features, eps, NORM_BLOCK)
+    normed_row = normed_ptr + token.to(tl.int64) * stride_normed_token
     k_start = tl.program_id(2) * split_features
     k_end = tl.minimum(k_start + split_features, in_features)
     acc = tl.full([BLOCK_N], 0, dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:
-            w_mask = col_ok[:, None]
-            xv = tl.load(x_row + ks)[None, :]
-        else:
-            w_mask = col_ok[:, None] & (ks < in_features)[None, :]
-            xv = tl.load(x_row + ks, mask=ks < in_features, other=0.0)[None, :]
-        if NORM:
-            norm_w = tl.load(norm_weight_ptr + ks, mask=ks < in_features, other=0.0)
-            xv = normalise(xv.to(tl.float32), norm_scale, norm_w, NORM)
-            if STORE_NORMED:
-                tl.store(normed_ptr + token.to(tl.int64) * stride_normed_token + ks[None, :],
-                         xv.to(normed_ptr.dtype.element_ty),
-                         mask=(ks < in_features)[None, :] & (tl.program_id(0) == 0))
+        xv, w_mask = row_input(x_row, ks, in_features, col_ok, norm_weight_ptr, norm_scale,
+                               normed_row, EVEN_K, NORM, STORE_NORMED)
         w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0)
         prod = w.to(tl.float32) * xv.to(tl.float32)
         if SCALE == 2:
