@@ -33,15 +33,18 @@ def interpreter():
 
 @pytest.fixture()
 def restore_launchers(interpreter, monkeypatch):
-    """Faults replace launchers; re-setting them through monkeypatch first makes pytest put
-    the originals back after the test."""
+    """Faults replace launchers; re-setting every function of the modules they patch
+    through monkeypatch first makes pytest put the originals back after the test (a fault
+    added later on another launcher of these modules included)."""
+    import inspect
+
     from freetoken.kernels import delta_rule, fused_moe, moe_rows, paged_attention
     from freetoken.models.qwen3_5_moe import gdn
 
-    for module, name in ((paged_attention, "paged_attention"), (fused_moe, "fused_moe"),
-                         (moe_rows, "down"), (delta_rule, "gated_delta_decode"),
-                         (gdn, "gated_delta_decode")):
-        monkeypatch.setattr(module, name, getattr(module, name))
+    for module in (paged_attention, fused_moe, moe_rows, delta_rule, gdn):
+        for name, value in vars(module).items():
+            if inspect.isfunction(value):
+                monkeypatch.setattr(module, name, value)
 
 
 def _make_layers(cfg, tp: int) -> dict:
