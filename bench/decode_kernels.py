@@ -45,6 +45,8 @@ SHAPES = {
     "qwen35.router+norm": (256, 2048, 2, False, False),
     "qwen35.shared_gate_up+silu": (1024, 2048, 0, True, False),
     "qwen35.shared_down": (2048, 512, 0, False, False),
+    # GatedDeltaNet's 16-bit b|a beside a quantized qkv|z (FP8 and NVFP4 checkpoints).
+    "qwen35.gdn_ba": (64, 2048, 0, False, False),
 }
 STORES_NORMED = {"qwen35.router+norm"}
 """Shapes whose fused launch also stores the normalised input (`gemv.linear(normed=)`: the
