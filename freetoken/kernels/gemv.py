@@ -210,12 +210,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def moe_combine(slots: torch.Tensor, x: torch.Tensor, gate_weight: torch.Tensor,
                 shared: torch.Tensor) -> torch.Tensor:
     """`slots.sum(1).to(x.dtype) + sigmoid(F.linear(x, gate_weight)) * shared` in one
-    launch: slots float32 [T, k, H] (the routed experts' weighted outputs), x [T, H] the
-    MoE block's input, gate_weight [1, H], shared [T, H] the shared expert's output."""
+    launch: slots float32 [T, k, H] (the routed experts' weighted outputs), or one slot in
+    x's dtype [T, 1, H] (experts that sum their slots themselves: the rounded sum), x [T, H]
+    the MoE block's input, gate_weight [1, H], shared [T, H] the shared expert's output."""
     tokens, hidden = x.shape
-    if slots.shape[0] != tokens or slots.shape[2] != hidden or gate_weight.numel() != hidden:
+    if slots.dim() != 3 or slots.shape[0] != tokens or slots.shape[2] != hidden or \
+            gate_weight.numel() != hidden:
         raise ValueError(f"moe_combine: slots {tuple(slots.shape)}, gate weight "
                          f"{tuple(gate_weight.shape)} do not fit x {tuple(x.shape)}")
+    if slots.dtype != torch.float32 and (slots.dtype != x.dtype or slots.shape[1] != 1):
+        raise ValueError(f"moe_combine: slots {tuple(slots.shape)} {slots.dtype}: float32 "
+                         f"slots, or one slot in x's dtype {x.dtype}")
     out = torch.empty_like(x)
     x = x.contiguous()
     slots = slots.contiguous()

@@ -112,8 +112,9 @@ def _one_token_steps(core, prompt, quant_kernels=False):
 
     assert fused_moe.SHARED_IN_ROWS, "the shared expert in the row kernels is the default"
     originals = moe_rows.down, gemv.linear, quant_gemm.serves, quant_gemm.choose_tiles, \
-        quant_gemm.fp8_gemm
-    counts = {"shared": 0, "residual": 0, "normed": 0, "fp8 norm": 0, "fp8 residual": 0}
+        quant_gemm.fp8_gemm, gemv.moe_combine
+    counts = {"shared": 0, "residual": 0, "normed": 0, "fp8 norm": 0, "fp8 residual": 0,
+              "combine": 0}
     if quant_kernels:
         # One-token FP8 calls take the row kernel, as the GPU's tile table has them.
         def rows_at_one_token(tokens, rows, in_features, fmt):
@@ -140,12 +141,16 @@ def _one_token_steps(core, prompt, quant_kernels=False):
         counts["normed"] += kwargs.get("normed") is not None
         return originals[1](*args, **kwargs)
 
-    moe_rows.down, gemv.linear = down, linear
+    def combine(*args, **kwargs):
+        counts["combine"] += 1
+        return originals[5](*args, **kwargs)
+
+    moe_rows.down, gemv.linear, gemv.moe_combine = down, linear, combine
     try:
         want, got = _both(core, [prompt])
     finally:
         (moe_rows.down, gemv.linear, quant_gemm.serves, quant_gemm.choose_tiles,
-         quant_gemm.fp8_gemm) = originals
+         quant_gemm.fp8_gemm, gemv.moe_combine) = originals
     cfg = core.model_config
     return want, got, counts, sum(map(cfg.is_moe_layer, range(cfg.num_hidden_layers)))
 
@@ -176,9 +181,12 @@ def test_one_token_decode_takes_the_shared_expert_in_the_row_kernels(tp, case):
     # projection (GatedDeltaNet's qkv|z storing norm(x) for its 16-bit b|a) and, at TP 1,
     # the residual in its output projection.
     fp8 = decode if case.endswith("fp8") else 0
-    # NVFP4 experts take neither the shared expert nor the residual, only the router's norm.
+    # NVFP4 experts take neither the shared expert nor the residual, only the router's norm,
+    # and the combine of their rounded sum with the gated shared expert at every step; the
+    # others combine at the 5-token prefill only.
     rows = 0 if case.endswith("nvfp4") else decode
-    assert counts == {"shared": rows, "residual": rows if tp == 1 else 0,
+    combine = NEW_TOKENS * layers if case.endswith("nvfp4") else layers
+    assert counts == {"combine": combine, "shared": rows, "residual": rows if tp == 1 else 0,
                       "normed": NEW_TOKENS * layers, "fp8 norm": fp8,
                       "fp8 residual": fp8 if tp == 1 else 0}, (counts, layers)
     _assert_same(want, got, f"{case} one sequence tp={tp}")

@@ -159,6 +159,21 @@ def test_moe_combine(tokens, top_k, hidden):
                   f"combine T={tokens} k={top_k} H={hidden}")
 
 
+def test_moe_combine_takes_one_rounded_slot():
+    """Experts that sum their own slots (NVFP4) give one slot in x's dtype: combined as the
+    MoE block's torch steps combine it (in bf16, to its roundings); other slot dtypes and
+    counts are refused, naming them."""
+    slots, x, gate_weight, shared = (t.bfloat16() for t in _make_combine(3, 1, 96, 5))
+    got = gemv.moe_combine(slots, x, gate_weight, shared)
+    want = gemv.reference_moe_combine(slots, x, gate_weight, shared)
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=2e-2)
+    assert (got.float() - (slots[:, 0] + shared).float()).abs().max() > 1e-1, "gate ignored"
+    with pytest.raises(ValueError, match=r"slots \(3, 2, 96\) torch.bfloat16"):
+        gemv.moe_combine(torch.cat([slots, slots], 1), x, gate_weight, shared)
+    with pytest.raises(ValueError, match="one slot in x's dtype"):
+        gemv.moe_combine(slots.half(), x, gate_weight, shared)
+
+
 def test_moe_combine_uses_every_slot_and_the_gate():
     """Dropping the last slot or the gate changes the result: the check above would see a
     kernel that sums top_k - 1 slots or leaves the shared expert ungated."""

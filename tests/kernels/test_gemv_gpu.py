@@ -90,6 +90,11 @@ def test_moe_combine_bf16(tokens):
     assert error < 1e-2, f"moe_combine T={tokens}: relative L2 {error:.2e} >= 1e-2"
     assert_graph_equals_eager(lambda: gemv.moe_combine(slots, x, gate_weight, shared),
                                f"moe_combine T={tokens}")
+    # One slot in x's dtype: the rounded sum of experts that sum their own slots (NVFP4).
+    routed = slots.sum(dim=1, keepdim=True).to(torch.bfloat16)
+    got = gemv.moe_combine(routed, x, gate_weight, shared)
+    error = rel_l2(got, gemv.reference_moe_combine(routed, x, gate_weight, shared))
+    assert error < 1e-2, f"moe_combine one bf16 slot T={tokens}: relative L2 {error:.2e}"
 
 
 @pytest.mark.parametrize("tokens", [1, 16])

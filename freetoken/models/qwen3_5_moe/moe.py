@@ -94,6 +94,11 @@ class SparseMoeBlock(nn.Module):
                 x, weights, ids, self._shared_rows(x)))
         if self.shared_expert.down_proj.canonical is not None:
             return self._canonical(x, weights, ids)
+        if uses_kernels() and self._gates_in_combine(x):
+            # Experts that sum their own slots (NVFP4): their rounded sum is the one slot.
+            routed = self.experts(x, weights, ids)
+            return get_communicator().all_reduce(gemv.moe_combine(
+                routed[:, None], x, self.shared_expert_gate.weight, self.shared_expert(x)))
         # The sigmoid gate is replicated, so scaling each rank's partial sum by it is exact.
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return get_communicator().all_reduce(self.experts(x, weights, ids) + shared)
@@ -112,7 +117,13 @@ class SparseMoeBlock(nn.Module):
         shared expert (`FusedExperts`, `BlockFP8FusedExperts` where its kernels serve x;
         `combines`) outside the tp_invariant mode, and a decode batch of the 16-bit
         router's dtype."""
-        return getattr(self.experts, "combines", _never)(x) and gemv.enabled() and \
+        return getattr(self.experts, "combines", _never)(x) and self._gates_in_combine(x)
+
+    def _gates_in_combine(self, x: torch.Tensor) -> bool:
+        """Whether `gemv.moe_combine` serves x: a decode batch of the 16-bit router's and
+        shared gate's dtype, the decode kernels on, outside the tp_invariant mode."""
+        return gemv.enabled() and self.shared_expert_gate.bias is None and \
+            self.shared_expert.down_proj.canonical is None and \
             gemv.fits(x, self.gate.weight) and gemv.fits(x, self.shared_expert_gate.weight)
 
     def forward_residual(self, h: torch.Tensor, norm: nn.Module) -> torch.Tensor:
