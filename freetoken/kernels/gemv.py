@@ -152,11 +152,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if weight.shape[1] != in_features:
         raise ValueError(f"gemv: x has {in_features} input features, weight "
                          f"{tuple(weight.shape)} takes {weight.shape[1]}")
-    if normed is not None and (norm is None or normed.shape != x.shape
-                               or normed.dtype != x.dtype or normed.stride(-1) != 1):
-        raise ValueError(f"gemv: normed {tuple(normed.shape)} {normed.dtype} takes the "
-                         f"normalised x {tuple(x.shape)} {x.dtype} (contiguous rows) of a "
-                         f"linear with a norm (norm given: {norm is not None})")
+    check_normed(x, norm, normed, "gemv")
     if gated and weight.shape[0] % 2:
         raise ValueError(f"gemv: a gated weight stacks [gate | up], but {tuple(weight.shape)} "
                          "has an odd number of rows")
@@ -205,6 +201,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             stride_partial_split=tokens * rows, stride_out_token=out.stride(0),
             BLOCK_M=reduce_m, BLOCK_N=REDUCE_BLOCK_N, num_warps=4, **fused)
     return out
+
+
+def check_normed(x: torch.Tensor, norm: Norm | None, normed: torch.Tensor | None,
+                 what: str) -> None:
+    """ValueError naming `what` unless `normed` (when given) can take the normalised x of
+    a call with a norm: x's shape and dtype, contiguous rows."""
+    if normed is not None and (norm is None or normed.shape != x.shape
+                               or normed.dtype != x.dtype or normed.stride(-1) != 1):
+        raise ValueError(f"{what}: normed {tuple(normed.shape)} {normed.dtype} takes the "
+                         f"normalised x {tuple(x.shape)} {x.dtype} (contiguous rows) of a "
+                         f"call with a norm (norm given: {norm is not None})")
 
 
 def moe_combine(slots: torch.Tensor, x: torch.Tensor, gate_weight: torch.Tensor,

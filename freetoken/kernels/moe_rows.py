@@ -60,14 +60,11 @@ class SharedExpertRows:
         the torch reference's operands."""
         if not self.fp8:
             return SharedExpertRows(self.w13.to(dtype), self.w2.to(dtype), self.gate)
-
-        def widen(w, scale, index, offset):
-            cols = (torch.arange(w.shape[1], device=w.device) + offset) // self.block_cols
-            return (w.float() * scale[index.long()][:, cols]).to(dtype)
-
-        return SharedExpertRows(widen(self.w13, self.w13_scale, self.w13_scale_row, 0),
-                                widen(self.w2, self.w2_scale, self.w2_scale_row,
-                                      self.w2_col_offset), self.gate)
+        return SharedExpertRows(
+            dequantize_rows(self.w13, self.w13_scale, self.w13_scale_row, self.block_cols,
+                            dtype=dtype),
+            dequantize_rows(self.w2, self.w2_scale, self.w2_scale_row, self.block_cols,
+                            self.w2_col_offset, dtype), self.gate)
 
     def check(self, x: torch.Tensor) -> None:
         """ValueError naming the tensor unless these fit the token x [1, H]."""
@@ -214,8 +211,8 @@ def down(hidden_rows: RowHidden, weights: torch.Tensor, ids: torch.Tensor, w2: t
         if shared.fp8:
             # The shared dot picks its own scale mode: its rank offset may differ from the
             # routed experts'.
-            step = block_step(shared.block_cols, shared.w2_col_offset, shared_k)
-            shared_scale, shared_k = (2, shared_k) if step is None else (1, step)
+            shared_scale, shared_k = scale_mode(shared.block_cols, shared.w2_col_offset,
+                                                shared_k)
         shared_args = dict(shared_h_ptr=hidden_rows.shared, shared_w2_ptr=shared.w2,
                            gate_ptr=hidden_rows.gate, shared_inter=shared_inter,
                            stride_shared_row=shared.w2.stride(0),
@@ -246,6 +243,24 @@ def down(hidden_rows: RowHidden, weights: torch.Tensor, ids: torch.Tensor, w2: t
         EVEN_K=inter % block_k == 0, STEPS=_cdiv(inter, block_k), BLOCK_N=tiles.down_n,
         BLOCK_K=block_k, num_warps=tiles.num_warps, **shared_args, **scale_args)
     return out
+
+
+def scale_mode(block_cols: int, col_offset: int, block_k: int) -> tuple[int, int]:
+    """(SCALE, K step) of a block-FP8 dot in the expert kernels: 1 with
+    `quant_gemm.block_step`'s step (one scale column over each step), else 2 (a scale per
+    element) with `block_k`."""
+    step = block_step(block_cols, col_offset, block_k)
+    return (2, block_k) if step is None else (1, step)
+
+
+def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor,
+                    block_cols: int, col_offset: int = 0,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Block-FP8 codes [..., N, K] as values in `dtype`: each code times
+    `scale[..., rows[n], (k + col_offset) // block_cols]` in float32 (the kernels' scale
+    layout: a per-row index into the scale rows), then rounded."""
+    cols = (torch.arange(codes.shape[-1], device=codes.device) + col_offset) // block_cols
+    return (codes.float() * scale[..., rows.long(), :][..., cols]).to(dtype)
 
 
 def _check_joins(shared: SharedExpertRows, scale_args: dict, x: torch.Tensor) -> None:

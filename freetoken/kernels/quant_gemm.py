@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from freetoken.kernels import interpreting, jit_module, next_pow2, nvfp4_linear
-from freetoken.kernels.gemv import NORM_BLOCK, Norm
+from freetoken.kernels.gemv import NORM_BLOCK, Norm, check_normed
 from freetoken.kernels.tile_table import parse_tiles, read_tile_table, spell_tiles
 
 DECODE_MAX_TOKENS = 16
@@ -135,7 +135,7 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     """`x` [T, K] times an e4m3 weight [N, K] whose element (n, k) is scaled by
     `scale[scale_row[n], (k + col_offset) // block_cols]` (scale float32 [R, C], scale_row
     int32 [N]); FP8 per tensor is `scale` [G, 1] with `block_cols` >= K. Plus `bias`,
-    float32 accumulation, one rounding to x's dtype. On the row kernel (`fuses`) also
+    float32 accumulation, one rounding to x's dtype. On the row kernel (`fusing_tiles`) also
     `norm`: x's RMSNorm applied as it is loaded (`normed`, x's shape and dtype: stored
     there too); `residual` [T, N]: `residual + ` the rounded result (`gemv.linear`'s
     fusions and roundings)."""
@@ -152,7 +152,7 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                          fused)
     if fused:
         raise ValueError(f"fp8_gemm: the norm and residual fusions run on the row kernel, "
-                         f"which tiles {tiles.key()} do not name (`fuses`)")
+                         f"which tiles {tiles.key()} do not name (`fusing_tiles`)")
     mode, block_k = _fp8_scale_mode(in_features, block_cols, col_offset, tiles.block_k)
     return _launch(jit_module("quant_gemm_jit").fp8_gemm_kernel, x, rows, in_features, bias,
                    tiles, block_k, dict(
@@ -162,11 +162,12 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                        EVEN_K=in_features % block_k == 0, BLOCK_K=block_k))
 
 
-def fuses(tokens: int, rows: int, in_features: int) -> bool:
-    """Whether an FP8 call of `tokens` tokens over a [rows, in_features] weight takes the
-    row kernel, which takes `fp8_gemm`'s norm and residual (the measured table's one-token
-    entries on a GPU)."""
-    return tiles_for(tokens, rows, in_features, "fp8").rows
+def fusing_tiles(tokens: int, rows: int, in_features: int) -> QuantTiles | None:
+    """The tiles of an FP8 call of `tokens` tokens over a [rows, in_features] weight where
+    they name the row kernel, which takes `fp8_gemm`'s norm and residual (the measured
+    table's one-token entries on a GPU); None where they do not."""
+    tiles = tiles_for(tokens, rows, in_features, "fp8")
+    return tiles if tiles.rows else None
 
 
 def _check_fusions(x, rows, norm, residual, normed) -> dict:
@@ -175,11 +176,7 @@ def _check_fusions(x, rows, norm, residual, normed) -> dict:
     if norm is None and residual is None and normed is None:
         return {}
     tokens, in_features = x.shape
-    if normed is not None and (norm is None or normed.shape != x.shape
-                               or normed.dtype != x.dtype or normed.stride(-1) != 1):
-        raise ValueError(f"fp8_gemm: normed {tuple(normed.shape)} {normed.dtype} takes the "
-                         f"normalised x {tuple(x.shape)} {x.dtype} (contiguous rows) of a "
-                         f"call with a norm (norm given: {norm is not None})")
+    check_normed(x, norm, normed, "fp8_gemm")
     if residual is not None and (tuple(residual.shape) != (tokens, rows)
                                  or residual.dtype != x.dtype or residual.stride(-1) != 1):
         raise ValueError(f"fp8_gemm: residual {tuple(residual.shape)} {residual.dtype} is not "

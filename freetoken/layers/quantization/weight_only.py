@@ -26,7 +26,7 @@ class WeightOnlyMethod:
 
     fuses = False
     """Whether `kernel` takes `quant_gemm.fp8_gemm`'s decode fusions (`norm`, `normed`,
-    `residual` keywords)."""
+    `residual` keywords) and its `tiles`."""
 
     def apply_fused(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None,
                     **fused) -> torch.Tensor | None:
@@ -36,10 +36,12 @@ class WeightOnlyMethod:
         them, no kernels, a call off the row kernel: more than a token or two), for the
         caller's unfused steps."""
         if not (self.fuses and quant_gemm.DECODE_FUSIONS and quant_gemm.serves(x)
-                and x.dim() == 2 and x.stride(-1) == 1
-                and quant_gemm.fuses(x.shape[0], layer.weight.shape[0], x.shape[1])):
+                and x.dim() == 2 and x.stride(-1) == 1):
             return None
-        return self.kernel(layer, x, bias, **fused)
+        tiles = quant_gemm.fusing_tiles(x.shape[0], layer.weight.shape[0], x.shape[1])
+        if tiles is None:
+            return None
+        return self.kernel(layer, x, bias, tiles=tiles, **fused)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
               ) -> torch.Tensor:

@@ -117,7 +117,7 @@ class SparseMoeBlock(nn.Module):
         shared expert (`FusedExperts`, `BlockFP8FusedExperts` where its kernels serve x;
         `combines`) outside the tp_invariant mode, and a decode batch of the 16-bit
         router's dtype."""
-        return getattr(self.experts, "combines", _never)(x) and self._gates_in_combine(x)
+        return self.experts.combines(x) and self._gates_in_combine(x)
 
     def _gates_in_combine(self, x: torch.Tensor) -> bool:
         """Whether `gemv.moe_combine` serves x: a decode batch of the 16-bit router's and
@@ -191,7 +191,3 @@ class SparseMoeBlock(nn.Module):
                                 w13_scale_row=gate_up.weight_scale_row,
                                 w2_scale=down.weight_scale, w2_scale_row=down.weight_scale_row,
                                 block_cols=block[1], w2_col_offset=down.quant.col_offset())
-
-
-def _never(x: torch.Tensor) -> bool:
-    return False

@@ -10,6 +10,7 @@ copies, integer results and untouched state, which must be equal bit for bit."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,7 @@ from freetoken.kernels import delta_rule, norm_rope
 from freetoken.kernels import fused_moe as moe
 from freetoken.kernels import paged_attention as attention
 from freetoken.kernels.moe_align import align_by_expert, align_small
-from freetoken.kernels.moe_rows import SharedExpertRows
+from freetoken.kernels.moe_rows import SharedExpertRows, dequantize_rows
 from freetoken.layers.activation import silu_and_mul as torch_silu_and_mul
 from freetoken.layers.causal_conv import CausalConv1d
 from freetoken.layers.delta_rule import l2norm, recurrent_gated_delta_rule
@@ -29,6 +30,7 @@ from freetoken.layers.moe import route as torch_route
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rotary import RotaryEmbedding
 from freetoken_verify.checks.kernels.engine_cases import EngineCase
+from freetoken_verify.checks.kernels.quant_cases import REAL_BLOCK
 
 
 @dataclass
@@ -233,15 +235,11 @@ def fused_moe_shared(case: EngineCase, inp: _Inputs) -> list[Output]:
             _fused_moe_shared_fp8(case, inp, x, weights.to(inp.dtype), ids)]
 
 
-FP8_BLOCK = (128, 128)
-"""Qwen's block-FP8 releases' blocks."""
-
-
 def _fp8_shard(w: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 codes, float32 block scales) of `w` [N, K] as the rank that starts `offset`
     inputs into its first column block holds them."""
     padded = torch.cat([w.new_zeros(w.shape[0], offset), w], dim=1)
-    codes, scale = fp8_block.quantize(padded, FP8_BLOCK)
+    codes, scale = fp8_block.quantize(padded, REAL_BLOCK)
     return codes[:, offset:].contiguous(), scale
 
 
@@ -250,7 +248,7 @@ def _fp8_gate_up(w13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     keep scale rows of their own (`BlockFP8Linear`'s segments)."""
     inter = w13.shape[0] // 2
     (gate, gate_s), (up, up_s) = (_fp8_shard(half, 0) for half in w13.split(inter))
-    rows = torch.arange(inter, device=w13.device) // FP8_BLOCK[0]
+    rows = torch.arange(inter, device=w13.device) // REAL_BLOCK[0]
     return (torch.cat([gate, up]), torch.cat([gate_s, up_s]),
             torch.cat([rows, rows + gate_s.shape[0]]).to(torch.int32))
 
@@ -258,13 +256,8 @@ def _fp8_gate_up(w13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
 def _fp8_shared_operands(w13, w2, offset):
     codes13, scale13, rows13 = _fp8_gate_up(w13)
     codes2, scale2 = _fp8_shard(w2, offset)
-    rows2 = (torch.arange(w2.shape[0], device=w2.device) // FP8_BLOCK[0]).to(torch.int32)
+    rows2 = (torch.arange(w2.shape[0], device=w2.device) // REAL_BLOCK[0]).to(torch.int32)
     return (codes13, scale13, rows13), (codes2, scale2, rows2)
-
-
-def _dequantized(codes, scale, rows, offset):
-    cols = (torch.arange(codes.shape[-1], device=codes.device) + offset) // FP8_BLOCK[1]
-    return codes.float() * scale[..., rows.long(), :][..., cols]
 
 
 def _fused_moe_shared_fp8(case: EngineCase, inp: _Inputs, x, weights, ids) -> Output:
@@ -275,7 +268,7 @@ def _fused_moe_shared_fp8(case: EngineCase, inp: _Inputs, x, weights, ids) -> Ou
     experts, hidden, inter = case["experts"], case["hidden"], case["intermediate"]
     shared_inter = case["shared intermediate"]
     tp = case.tp or 1
-    offsets = [(tp - 1) * n % FP8_BLOCK[1] for n in (inter, shared_inter)]
+    offsets = [(tp - 1) * n % REAL_BLOCK[1] for n in (inter, shared_inter)]
     routed = [_fp8_shared_operands(inp.draw(2 * inter, hidden, scale=hidden**-0.5).float(),
                                    inp.draw(hidden, inter, scale=inter**-0.5).float(),
                                    offsets[0]) for _ in range(experts)]
@@ -288,17 +281,17 @@ def _fused_moe_shared_fp8(case: EngineCase, inp: _Inputs, x, weights, ids) -> Ou
     w13_rows, w2_rows = routed[0][0][2], routed[0][1][2]
     shared = SharedExpertRows(s13, s2, gate, w13_scale=s13_scale, w13_scale_row=s13_rows,
                               w2_scale=s2_scale, w2_scale_row=s2_rows,
-                              block_cols=FP8_BLOCK[1], w2_col_offset=offsets[1])
+                              block_cols=REAL_BLOCK[1], w2_col_offset=offsets[1])
     got = moe.fused_moe(x, weights, ids, stacked[0], stacked[2],
-                        w13_scales=moe.ExpertBlockScales(stacked[1], w13_rows, FP8_BLOCK[1]),
-                        w2_scales=moe.ExpertBlockScales(stacked[3], w2_rows, FP8_BLOCK[1],
+                        w13_scales=moe.ExpertBlockScales(stacked[1], w13_rows, REAL_BLOCK[1]),
+                        w2_scales=moe.ExpertBlockScales(stacked[3], w2_rows, REAL_BLOCK[1],
                                                         offsets[0]),
                         shared=shared, residual=residual)
-    dense_shared = SharedExpertRows(_dequantized(s13, s13_scale, s13_rows, 0),
-                                    _dequantized(s2, s2_scale, s2_rows, offsets[1]), _ref(gate))
     want = moe.reference_moe_shared(
-        _ref(x), _ref(weights), ids, _dequantized(stacked[0], stacked[1], w13_rows, 0),
-        _dequantized(stacked[2], stacked[3], w2_rows, offsets[0]), dense_shared)
+        _ref(x), _ref(weights), ids,
+        dequantize_rows(stacked[0], stacked[1], w13_rows, REAL_BLOCK[1]),
+        dequantize_rows(stacked[2], stacked[3], w2_rows, REAL_BLOCK[1], offsets[0]),
+        dataclasses.replace(shared, gate=_ref(gate)))
     return Output("block FP8 output + residual", got, _ref(residual) + want)
 
 

@@ -79,7 +79,7 @@ class BlockFP8Linear(WeightOnlyMethod):
     def kernel(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, **fused
                ) -> torch.Tensor:
         """x [T, local_in] times the weight through `quant_gemm.fp8_gemm` (`fused`: its
-        norm and residual)."""
+        tiles, norm and residual)."""
         return quant_gemm.fp8_gemm(x, layer.weight, layer.weight_scale, layer.weight_scale_row,
                                    self.block[1], self.col_offset(), bias, **fused)
 

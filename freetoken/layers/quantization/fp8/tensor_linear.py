@@ -56,8 +56,8 @@ class FP8TensorLinear(WeightOnlyMethod):
     def kernel(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, **fused
                ) -> torch.Tensor:
         """x [T, local_in] times the weight through `quant_gemm.fp8_gemm`: the scales as a
-        one-column block scale, one block spanning every input (`fused`: its norm and
-        residual)."""
+        one-column block scale, one block spanning every input (`fused`: its tiles,
+        norm and residual)."""
         return quant_gemm.fp8_gemm(x, layer.weight, layer.weight_scale.view(-1, 1),
                                    layer.weight_scale_group, layer.weight.shape[1], 0, bias,
                                    **fused)

@@ -100,6 +100,11 @@ class NVFP4FusedExperts(nn.Module):
         return reference_moe_leaves(x, topk_weights, topk_ids, *self._tensors(),
                                     self.canonical)
 
+    def combines(self, x: torch.Tensor) -> bool:
+        """Never: `forward` sums the slots itself and takes no shared expert or residual
+        (the MoE block combines that sum with its gated shared expert instead)."""
+        return False
+
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
         args = self._tensors()
