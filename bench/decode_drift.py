@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from freetoken import LLM, SamplingParams  # noqa: E402
+from freetoken.cli import USAGE_ERRORS  # noqa: E402
 from freetoken.kernels import fused_moe  # noqa: E402
 
 ARMS = {"torch": dict(kernels=False), "rows": {}, "no-shared-rows": dict(shared=False),
@@ -51,6 +52,20 @@ def main() -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--prompt-len", type=int, default=32)
     args = p.parse_args()
+    if args.positions < 1 or args.prompt_len < 1:
+        p.error("--positions and --prompt-len must be >= 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda but no CUDA device is visible")
+    try:
+        drift(args)
+    except USAGE_ERRORS as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def drift(args: argparse.Namespace) -> None:
+    """Print the float32 tokens and each arm's drift from them (the module docstring)."""
     options = dict(device=args.device, progress=False, enforce_eager=True)
     with LLM(args.model, dtype="float32", **options) as llm:
         vocab = llm.limits.vocab_size
@@ -80,7 +95,6 @@ def main() -> int:
                   f"{'never' if same is None else f'token {same}'}: {free}", flush=True)
         core.use_kernels = args.device == "cuda"
         fused_moe.ROWS_AT_ONE_TOKEN = fused_moe.SHARED_IN_ROWS = True
-    return 0
 
 
 if __name__ == "__main__":
