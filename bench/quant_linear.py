@@ -20,13 +20,16 @@ NVFP4 layers of one global `mma_us` the routed-expert kernels' dense path
 dequantized weights. `--sweep` also times other tiles per decode row and keeps the fastest
 (`--write`: as a tile table). The NVFP4 LM head at one token runs `nvfp4_linear`
 (`quant_gemm.MMA_MIN_ROWS`), whatever its `tiles` column says.
-`--check`: TP 1/2/4/8, 1, 5, 16 and 64 tokens, errors and graph equality only; exit 1 when
-any relative L2 error passes 1e-2 or a replay differs."""
+`--check`: TP 1/2/4/8, 1, 5, 16 and 64 tokens, errors and graph equality only, and at one
+token the row kernel (two tilings, plain and with the decode step's norm and residual:
+`rows_rel_l2`, `rows_graph_eq`); exit 1 when any relative L2 error passes 1e-2 or a replay
+differs."""
 
 from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import itertools
 import json
 import sys
@@ -41,13 +44,13 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from freetoken.kernels import next_pow2, nvfp4_linear, quant_gemm  # noqa: E402
+from freetoken.kernels import gemv, next_pow2, nvfp4_linear, quant_gemm  # noqa: E402
 
 SWEEP = dict(block_n=(16, 32, 64), num_warps=(4, 8), split=(1, 2, 4, 8, 16))
 SWEEP_K = {"fp8": (128, 256, 512), "nvfp4": (64, 128, 256)}
-# FP8's kernel without tensor cores (`quant_gemm_rows_jit`), swept at one token
-ROW_SWEEP = dict(block_n=(1, 2, 4, 8), block_k=(512, 1024, 2048), num_warps=(4, 8),
-                 split=(1, 2))
+# the kernels without tensor cores (`quant_gemm_rows_jit`), swept at one token
+ROW_SWEEP = dict(block_n=(1, 2, 4, 8), num_warps=(4, 8), split=(1, 2))
+ROW_SWEEP_K = {"fp8": (512, 1024, 2048), "nvfp4": (256, 512, 1024, 2048)}
 ROW_SWEEP_TOKENS = 1
 TOLERANCE = 1e-2
 
@@ -95,25 +98,52 @@ def kernel_call(layer, x, tiles):
     return lambda: _with_tiles(method, layer, x, tiles)
 
 
-def _with_tiles(method, layer, x, tiles):
-    """The method's kernel call with `tiles` instead of the default."""
+def _with_tiles(method, layer, x, tiles, **fused):
+    """The method's kernel call with `tiles` instead of the default (`fused`: the row
+    kernel's norm, normed and residual)."""
     if hasattr(layer, "weight_scale_2_group"):
         return quant_gemm.nvfp4_gemm(x, layer.weight, layer.weight_scale, layer.weight_scale_2,
-                                     layer.weight_scale_2_group, method.reciprocal, None, tiles)
+                                     layer.weight_scale_2_group, method.reciprocal, None, tiles,
+                                     **fused)
     if hasattr(layer, "weight_scale_group"):
         return quant_gemm.fp8_gemm(x, layer.weight, layer.weight_scale.view(-1, 1),
                                    layer.weight_scale_group, layer.weight.shape[1], 0, None,
-                                   tiles)
+                                   tiles, **fused)
     return quant_gemm.fp8_gemm(x, layer.weight, layer.weight_scale, layer.weight_scale_row,
                                method.block[1], method.cols.offset(method.tp_rank,
                                                                    method.tp_size),
-                               None, tiles)
+                               None, tiles, **fused)
+
+
+def row_kernel_check(layer, x, gen) -> tuple[float, bool]:
+    """One token on the row kernel, two tilings (one split over the inputs), plain and with
+    the decode fusions (Qwen3.5's 1 + w RMSNorm, stored, and the residual), against float32
+    of the separate steps: (the worst relative L2, whether every graph replay equals its
+    eager call)."""
+    k = x.shape[1]
+    step = min(1024, next_pow2(k))
+    norm = gemv.Norm(torch.randn(k, device="cuda", generator=gen).to(x.dtype) * 0.3, 1e-6,
+                     True)
+    residual = torch.randn(1, layer.weight.shape[0], device="cuda", generator=gen).to(x.dtype)
+    normed = torch.empty_like(x)
+    plain, fused_want = reference(layer, x), reference(layer, gemv.reference_norm(x, norm))
+    worst, equal = 0.0, True
+    for tiles in (quant_gemm.QuantTiles(1, 2, step, num_stages=2, rows=True),
+                  quant_gemm.QuantTiles(1, 4, max(64, step // 2), num_stages=2, split=2,
+                                        rows=True)):
+        call = functools.partial(_with_tiles, layer.quant, layer, x, tiles)
+        worst = max(worst, rel_l2(call(), plain))
+        fused = functools.partial(call, norm=norm, residual=residual, normed=normed)
+        worst = max(worst, rel_l2(fused(), fused_want + residual.float()),
+                    rel_l2(normed, gemv.reference_norm(x, norm)))
+        equal = equal and graph_equals_eager(call) and graph_equals_eager(fused)
+    return worst, equal
 
 
 def sweep_tiles(layer, fmt, tokens, which="all"):
     """Every decode tile choice of SWEEP and SWEEP_K that fits the layer's inputs (`which`:
-    "all" or "dot"), and FP8's row-kernel tiles of ROW_SWEEP at one token ("all" or
-    "rows")."""
+    "all" or "dot"), and the row kernel's tiles of ROW_SWEEP and ROW_SWEEP_K at one token
+    ("all" or "rows")."""
     kind = "nvfp4" if fmt.startswith("nvfp4") else "fp8"
     k = layer.weight.shape[1] * (2 if kind == "nvfp4" else 1)
     if which in ("all", "dot"):
@@ -123,9 +153,10 @@ def sweep_tiles(layer, fmt, tokens, which="all"):
                     (split > 1 and block_k * split > k)):
                 continue
             yield quant_gemm.QuantTiles(16, block_n, block_k, num_warps=warps, split=split)
-    if which in ("all", "rows") and kind == "fp8" and tokens <= ROW_SWEEP_TOKENS:
-        for block_n, block_k, warps, split in itertools.product(*ROW_SWEEP.values()):
-            if block_k * split <= k:
+    if which in ("all", "rows") and tokens <= ROW_SWEEP_TOKENS:
+        for block_k, (block_n, warps, split) in itertools.product(
+                ROW_SWEEP_K[kind], itertools.product(*ROW_SWEEP.values())):
+            if block_k * split <= max(k, ROW_SWEEP_K[kind][0]):
                 yield quant_gemm.QuantTiles(1, block_n, block_k, num_warps=warps,
                                             num_stages=2, split=split, rows=True)
 
@@ -143,6 +174,8 @@ def bench_row(name, fmt, tp, tokens, copy_gbs, gen, sweep, l2, timing=True,
                MB=weight_bytes(layer) / 1e6, rel_l2=rel_l2(got, want),
                graph_eq=graph_equals_eager(lambda: layer.quant.kernel(layer, x, None)))
     if not timing:
+        if tokens == 1:
+            row["rows_rel_l2"], row["rows_graph_eq"] = row_kernel_check(layer, x, gen)
         return row
     copies = copies_of(layer, l2)
     tiles = quant_gemm.tiles_for(tokens, layer.weight.shape[0], local_in,
@@ -182,7 +215,7 @@ def main() -> int:
     p.add_argument("--only", type=lambda t: t.split(","), default=None)
     p.add_argument("--sweep", nargs="?", const="all", default=None,
                    choices=("all", "dot", "rows"),
-                   help="time other tiles: the dot tiles, FP8's row kernel (at one token), "
+                   help="time other tiles: the dot tiles, the row kernel (at one token), "
                         "or both (the default)")
     p.add_argument("--sweep-seconds", type=float, default=float("inf"),
                    help="stop sweeping (default tiles only) after this many seconds")
@@ -219,7 +252,8 @@ def main() -> int:
     print(tabulate(rows, headers="keys", floatfmt=".3g"))
     bad = [f"{r['format']} {r['shape']} tp={r['tp']} T={r['tokens']}" for r in rows
            if not r["rel_l2"] <= TOLERANCE or not r["graph_eq"]
-           or not r.get("sweep_rel_l2", 0) <= TOLERANCE]
+           or not r.get("sweep_rel_l2", 0) <= TOLERANCE
+           or not r.get("rows_rel_l2", 0) <= TOLERANCE or not r.get("rows_graph_eq", True)]
     if args.json:
         args.json.write_text(json.dumps({"device": head, "copy_GBps": copy_gbs, "rows": rows,
                                          "failures": bad}, indent=1))

@@ -9,7 +9,7 @@ w]` = input 8w + j), so the j-th weight of every word meets its input with no sh
 word's weights as float32, two implementations (`ASM`):
 - 1, PTX (any CUDA GPU): `prmt` byte lookups (`nvfp4_ptx.word_asm`), exact values.
 - 0, portable (the interpreter; `FREETOKEN_NVFP4_PTX=0`): `nvfp4_dequant_jit.fp4_word`,
-  values times 2^-14, undone once per output (`_unbias`).
+  values times 2^-14, undone once per output (`unbias`).
 
 Weights are loaded two K-steps ahead of their use, into three buffers that the loop body
 (three steps) names explicitly: a loop that rotated buffers would copy each one, and the copy
@@ -37,7 +37,7 @@ BF16_LOW_0, BF16_LOW_1 = (tl.constexpr(int(imm(v))) for v in BF16_LOW)
 SIGN_TABLE_C = tl.constexpr(SIGN_TABLE)
 _WORD_ASM = tl.constexpr(word_asm())
 # The word path's block scales are e4m3 * 2^-8 (`e4m3_low`), its portable nibbles e2m1 *
-# 2^-14 (`fp4_word`): `_unbias` undoes that at the end.
+# 2^-14 (`fp4_word`): `unbias` undoes that at the end.
 _PORTABLE_UNBIAS = tl.constexpr(E4M3_UNBIAS.value * FP4_UNBIAS.value)
 
 
@@ -100,7 +100,7 @@ def _x_words(x_row_ptr, stride_nibble, first_word, k_words, live, BLOCK_N: tl.co
 
 
 @triton.jit
-def _word_step(acc, words, scales, x, tables, ASM: tl.constexpr):
+def word_step(acc, words, scales, x, tables, ASM: tl.constexpr):
     """acc [rows, KW / 2] += block scale * (the group's 16 weights . their 16 inputs), float32:
     the block scale multiplies a group's sum (two words), not each weight."""
     f = word_values(words, tables, ASM)
@@ -117,7 +117,9 @@ def _word_step(acc, words, scales, x, tables, ASM: tl.constexpr):
 
 
 @triton.jit
-def _unbias(ASM: tl.constexpr):
+def unbias(ASM: tl.constexpr):
+    """What turns `word_step`'s scaled sums into values: e4m3's 2^-8, and with the portable
+    decode also e2m1's 2^-14."""
     if ASM:
         return E4M3_UNBIAS
     return _PORTABLE_UNBIAS
@@ -141,12 +143,12 @@ def _gate_up_tiles(expert, rows, rows_ok, intermediate, first_word, k_words, KW:
 def _gate_up_step(acc_gate, acc_up, tiles, x_row, first_word, k_words, tables,
                   BLOCK_N: tl.constexpr, KW: tl.constexpr, ASM: tl.constexpr,
                   EVEN: tl.constexpr):
-    """Gate and up `_word_step`s of one step; `x_row` = (the token's activation row, its
+    """Gate and up `word_step`s of one step; `x_row` = (the token's activation row, its
     j-stride)."""
     x = _x_words(x_row[0], x_row[1], first_word=first_word, k_words=k_words,
                  live=first_word < k_words, BLOCK_N=BLOCK_N, KW=KW, EVEN=EVEN)
-    return (_word_step(acc_gate, tiles[0], tiles[1], x, tables, ASM),
-            _word_step(acc_up, tiles[2], tiles[3], x, tables, ASM))
+    return (word_step(acc_gate, tiles[0], tiles[1], x, tables, ASM),
+            word_step(acc_up, tiles[2], tiles[3], x, tables, ASM))
 
 
 @triton.jit
@@ -221,7 +223,7 @@ def gate_up_decode(
                                          first_word=first_word + 2 * KW, k_words=k_words,
                                          tables=tables, BLOCK_N=BLOCK_N, KW=KW, ASM=ASM,
                                          EVEN=EVEN)
-    h = silu_mul(sum_(acc_gate, 1) * _unbias(ASM), sum_(acc_up, 1) * _unbias(ASM),
+    h = silu_mul(sum_(acc_gate, 1) * unbias(ASM), sum_(acc_up, 1) * unbias(ASM),
                  gate_up_global_ptr, expert)
     h = h * (tl.load(down_global_ptr + expert) * tl.load(topk_weights_ptr + pair).to(tl.float32))
     # word order: row n at (n % 8) * stride_h_nibble + n // 8
@@ -258,7 +260,7 @@ def _slot_tile(experts, token, top_k, step, rows, rows_ok, k_words, KW: tl.const
 @triton.jit
 def _down_step(acc, tile, h_rows, token, top_k, step, k_words, tables, BLOCK_N: tl.constexpr,
                KW: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr):
-    """`_word_step` of walk step `step` = (slot, first word), and the step after; `h_rows` =
+    """`word_step` of walk step `step` = (slot, first word), and the step after; `h_rows` =
     (h_ptr, stride_h_pair, stride_h_nibble)."""
     h_ptr, stride_h_pair, stride_h_nibble = h_rows
     slot, first_word = step
@@ -266,7 +268,7 @@ def _down_step(acc, tile, h_rows, token, top_k, step, k_words, tables, BLOCK_N: 
     h_row_ptr = h_ptr + pair.to(tl.int64) * stride_h_pair
     x = _x_words(h_row_ptr, stride_h_nibble, first_word=tl.multiple_of(first_word, KW),
                  k_words=k_words, live=slot < top_k, BLOCK_N=BLOCK_N, KW=KW, EVEN=EVEN)
-    return (_word_step(acc, tile[0], tile[1], x, tables, ASM),
+    return (word_step(acc, tile[0], tile[1], x, tables, ASM),
             _next_step(slot, first_word, k_words, KW))
 
 
@@ -332,5 +334,5 @@ def down_decode(
                            k_words=k_words, KW=KW)
         acc, cur = _down_step(acc, c, h_rows, token, top_k, step=cur, k_words=k_words,
                               tables=tables, BLOCK_N=BLOCK_N, KW=KW, ASM=ASM, EVEN=EVEN)
-    out = sum_(acc, 1) * _unbias(ASM)
+    out = sum_(acc, 1) * unbias(ASM)
     tl.store(out_ptr + token.to(tl.int64) * stride_out_token + rows, out, mask=rows_ok)

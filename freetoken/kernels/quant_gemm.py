@@ -28,8 +28,9 @@ head) takes the routed-expert kernels' tensor-core decode (`nvfp4_linear`): on a
 ran 1.7x (31040 rows) and 2.4x (248320 rows) faster than `nvfp4_gemm_kernel`, and slower at
 2048 rows and at 16 tokens (it streams the weight once per token)."""
 DECODE_FUSIONS = True
-"""True: a one-token FP8 call on the row kernel takes the decoder layer's input norm and
-residual add (`fp8_gemm(norm=, residual=)`, through `WeightOnlyMethod.apply_fused`); False
+"""True: a one-token FP8 or NVFP4 call on the row kernel takes the decoder layer's input
+norm and residual add (`fp8_gemm(norm=, residual=)`, `nvfp4_gemm`'s, through
+`WeightOnlyMethod.apply_fused`); False
 keeps their separate launches (an A/B of `bench/tile_ab.py`, switch `no-quant-fusions`)."""
 SM_PROGRAMS = 264
 """About two programs per SM of an H200 (132 SMs): the decode split's target."""
@@ -39,9 +40,9 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 @dataclass(frozen=True)
 class QuantTiles:
     """Tokens, output rows and inputs per program step, warps, pipeline stages, and into
-    how many parts the inputs are split (more than 1: a second launch adds them). `rows`
-    (FP8 only): the kernel without tensor cores (`quant_gemm_rows_jit`, one token per
-    program; `block_m` is then 1)."""
+    how many parts the inputs are split (more than 1: a second launch adds them). `rows`:
+    the kernels without tensor cores (`quant_gemm_rows_jit`, one token per program;
+    `block_m` is then 1)."""
 
     block_m: int
     block_n: int
@@ -146,13 +147,10 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     _check_rows(scale_row, weight.shape[0], "fp8_gemm")
     rows = weight.shape[0]
     tiles = tiles or tiles_for(tokens, rows, in_features, "fp8")
-    fused = _check_fusions(x, rows, norm, residual, normed)
+    fused = _check_fusions(x, rows, norm, residual, normed, tiles, "fp8_gemm")
     if tiles.rows:
         return _fp8_rows(x, weight, scale, scale_row, block_cols, col_offset, bias, tiles,
                          fused)
-    if fused:
-        raise ValueError(f"fp8_gemm: the norm and residual fusions run on the row kernel, "
-                         f"which tiles {tiles.key()} do not name (`fusing_tiles`)")
     mode, block_k = _fp8_scale_mode(in_features, block_cols, col_offset, tiles.block_k)
     return _launch(jit_module("quant_gemm_jit").fp8_gemm_kernel, x, rows, in_features, bias,
                    tiles, block_k, dict(
@@ -162,29 +160,47 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                        EVEN_K=in_features % block_k == 0, BLOCK_K=block_k))
 
 
-def fusing_tiles(tokens: int, rows: int, in_features: int) -> QuantTiles | None:
-    """The tiles of an FP8 call of `tokens` tokens over a [rows, in_features] weight where
-    they name the row kernel, which takes `fp8_gemm`'s norm and residual (the measured
-    table's one-token entries on a GPU); None where they do not."""
-    tiles = tiles_for(tokens, rows, in_features, "fp8")
+def fusing_tiles(tokens: int, rows: int, in_features: int, fmt: str = "fp8"
+                 ) -> QuantTiles | None:
+    """The tiles of a call in `fmt` ("fp8" or "nvfp4") of `tokens` tokens over a
+    [rows, in_features] weight where they name the row kernel, which takes the norm and
+    residual fusions (the measured table's one-token entries on a GPU); None where they
+    do not."""
+    tiles = tiles_for(tokens, rows, in_features, fmt)
     return tiles if tiles.rows else None
 
 
-def _check_fusions(x, rows, norm, residual, normed) -> dict:
+def _check_fusions(x, rows, norm, residual, normed, tiles, what) -> dict:
     """The row kernel's fusion arguments (empty: none asked), ValueError naming the tensor
-    that does not fit."""
+    that does not fit, or the tiles when they are not the row kernel's."""
     if norm is None and residual is None and normed is None:
         return {}
+    if not tiles.rows:
+        raise ValueError(f"{what}: the norm and residual fusions run on the row kernel, "
+                         f"which tiles {tiles.key()} do not name (`fusing_tiles`)")
     tokens, in_features = x.shape
-    check_normed(x, norm, normed, "fp8_gemm")
+    check_normed(x, norm, normed, what)
     if residual is not None and (tuple(residual.shape) != (tokens, rows)
                                  or residual.dtype != x.dtype or residual.stride(-1) != 1):
-        raise ValueError(f"fp8_gemm: residual {tuple(residual.shape)} {residual.dtype} is not "
+        raise ValueError(f"{what}: residual {tuple(residual.shape)} {residual.dtype} is not "
                          f"the output's {(tokens, rows)} {x.dtype} (contiguous rows)")
     if norm is not None and tuple(norm.weight.shape) != (in_features,):
-        raise ValueError(f"fp8_gemm: norm weight {tuple(norm.weight.shape)} does not fit "
+        raise ValueError(f"{what}: norm weight {tuple(norm.weight.shape)} does not fit "
                          f"{in_features} inputs")
     return dict(norm=norm, residual=residual, normed=normed)
+
+
+def _fusion_args(fused: dict, in_features: int, x: torch.Tensor) -> dict:
+    """The row kernels' norm arguments of `fused` (`_check_fusions`); placeholders where
+    none is asked."""
+    norm, normed = fused.get("norm"), fused.get("normed")
+    return dict(norm_weight_ptr=norm.weight if norm is not None else x,
+                normed_ptr=normed if normed is not None else x,
+                eps=norm.eps if norm is not None else 0.0,
+                stride_normed_token=normed.stride(0) if normed is not None else 0,
+                NORM=0 if norm is None else (2 if norm.offset else 1),
+                STORE_NORMED=normed is not None,
+                NORM_BLOCK=min(NORM_BLOCK, next_pow2(in_features)))
 
 
 def _fp8_rows(x, weight, scale, scale_row, block_cols, col_offset, bias, tiles, fused):
@@ -193,32 +209,26 @@ def _fp8_rows(x, weight, scale, scale_row, block_cols, col_offset, bias, tiles, 
     group, the row kernel's step stays `tiles.block_k`); the fusions `fused` asks."""
     in_features = x.shape[1]
     mode, sub = _fp8_scale_mode(in_features, block_cols, col_offset, tiles.block_k)
-    norm, normed = fused.get("norm"), fused.get("normed")
     return _launch(jit_module("quant_gemm_rows_jit").fp8_gemm_rows_kernel, x,
                    weight.shape[0], in_features, bias, tiles, tiles.block_k, dict(
                        weight_ptr=weight, scale_ptr=scale, scale_row_ptr=scale_row,
                        col_offset=col_offset, stride_weight_row=weight.stride(0),
                        stride_scale_row=scale.stride(0), SCALE=mode, BLOCK_COLS=block_cols,
                        SUB=sub, EVEN_K=in_features % tiles.block_k == 0,
-                       BLOCK_K=tiles.block_k,
-                       norm_weight_ptr=norm.weight if norm is not None else weight,
-                       normed_ptr=normed if normed is not None else x,
-                       eps=norm.eps if norm is not None else 0.0,
-                       stride_normed_token=normed.stride(0) if normed is not None else 0,
-                       NORM=0 if norm is None else (2 if norm.offset else 1),
-                       STORE_NORMED=normed is not None,
-                       NORM_BLOCK=min(NORM_BLOCK, next_pow2(in_features))),
+                       BLOCK_K=tiles.block_k, **_fusion_args(fused, in_features, x)),
                    residual=fused.get("residual"))
 
 
 def nvfp4_gemm(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tensor,
                global_scale: torch.Tensor, group: torch.Tensor, reciprocal: bool = False,
-               bias: torch.Tensor | None = None, tiles: QuantTiles | None = None
-               ) -> torch.Tensor:
+               bias: torch.Tensor | None = None, tiles: QuantTiles | None = None, *,
+               norm: Norm | None = None, residual: torch.Tensor | None = None,
+               normed: torch.Tensor | None = None) -> torch.Tensor:
     """`x` [T, K] times an NVFP4 weight (packed uint8 [N, K / 2], block_scale e4m3
     [N, K / 16]) whose row n takes the global `global_scale[group[n]]` (float32 [G], group
     int32 [N]; `reciprocal`: the stored global divides). Plus `bias`, float32
-    accumulation, one rounding to x's dtype."""
+    accumulation, one rounding to x's dtype. On the row kernel (`rows` tiles,
+    `fusing_tiles`) also `fp8_gemm`'s `norm`, `normed` and `residual`."""
     tokens, in_features = _check(x, packed.shape[1] * 2, "nvfp4_gemm", packed)
     rows = packed.shape[0]
     if packed.dtype != torch.uint8 or block_scale.dtype != torch.float8_e4m3fn or \
@@ -231,13 +241,12 @@ def nvfp4_gemm(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tensor,
         raise ValueError(f"nvfp4_gemm: global scales must be float32, got "
                          f"{global_scale.dtype}")
     _check_rows(group, rows, "nvfp4_gemm")
-    if tiles is None and _takes_mma(x, rows, global_scale):
+    fusing = norm is not None or residual is not None or normed is not None
+    if tiles is None and not fusing and _takes_mma(x, rows, global_scale):
         g = 1.0 / global_scale if reciprocal else global_scale
         return nvfp4_linear.nvfp4_linear(x, packed, block_scale, g.reshape(()), bias)
     tiles = tiles or tiles_for(tokens, rows, in_features, "nvfp4")
-    if tiles.rows:
-        raise ValueError(f"nvfp4_gemm: tiles {tiles.key()} name the row kernel, which FP8 "
-                         "weights have and NVFP4 weights do not")
+    fused = _check_fusions(x, rows, norm, residual, normed, tiles, "nvfp4_gemm")
     words = packed.view(torch.int32)
     asm = int(x.is_cuda and not interpreting()
               and os.environ.get("FREETOKEN_NVFP4_PTX", "1") != "0")
@@ -245,13 +254,18 @@ def nvfp4_gemm(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tensor,
     # row-parallel shard at TP 8) the GPU build's decoded tile came out wrong on an H200;
     # the masks cover the inputs past K.
     kw = max(4, tiles.block_k // 8)
+    args = dict(weight_ptr=words, scale_ptr=block_scale.view(torch.uint8),
+                global_ptr=global_scale, group_ptr=group, zero=0,
+                stride_weight_row=words.stride(0), stride_scale_row=block_scale.stride(0),
+                RECIPROCAL=reciprocal, ASM=asm, KW=kw)
+    if tiles.rows:
+        return _launch(jit_module("quant_gemm_rows_jit").nvfp4_gemm_rows_kernel, x, rows,
+                       in_features, bias, tiles, 8 * kw, dict(
+                           args, EVEN_K=in_features % (8 * kw) == 0,
+                           **_fusion_args(fused, in_features, x)),
+                       residual=fused.get("residual"))
     return _launch(jit_module("quant_gemm_jit").nvfp4_gemm_kernel, x, rows, in_features, bias,
-                   tiles, 8 * kw, dict(
-                       weight_ptr=words, scale_ptr=block_scale.view(torch.uint8),
-                       global_ptr=global_scale, group_ptr=group, zero=0,
-                       stride_weight_row=words.stride(0),
-                       stride_scale_row=block_scale.stride(0), RECIPROCAL=reciprocal,
-                       ASM=asm, KW=kw))
+                   tiles, 8 * kw, args)
 
 
 def _takes_mma(x: torch.Tensor, rows: int, global_scale: torch.Tensor) -> bool:

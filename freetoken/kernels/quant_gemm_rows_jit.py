@@ -1,15 +1,22 @@
-"""The weight-only FP8 GEMM without tensor cores (`fp8_gemm_rows_kernel`), for a token or
-two against a whole weight (`quant_gemm.fp8_gemm` with `rows` tiles): one token per program,
-any number of output rows per program, each step's e4m3 codes widened to float32 and
+"""The weight-only quantized GEMMs without tensor cores, for a token or two against a whole
+weight (`quant_gemm.fp8_gemm` and `quant_gemm.nvfp4_gemm` with `rows` tiles): one token per
+program, any number of output rows per program, each step's weights widened to float32 and
 multiplied elementwise, so a weight of few rows still fills the GPU and a program issues
-its weight tile in one or two wide steps (`quant_gemm_jit.fp8_gemm_kernel` pads the tokens
-to a 16-row dot tile and takes at least 16 rows per program).
+its weight tile in one or two wide steps (`quant_gemm_jit`'s kernels pad the tokens to a
+16-row dot tile and take at least 16 rows per program).
 
-The scale of weight element (n, k) is `scale[scale_row[n], (k + col_offset) // BLOCK_COLS]`
-as in `fp8_gemm_kernel`. SCALE: 0, once per output row (per tensor); 1, once per
-SUB-input group of each step (every group lies inside one column block: SUB divides
-BLOCK_COLS and col_offset, and BLOCK_K is a multiple of SUB); 2, to every element. Every
-program's reduction order is fixed, so a launch gives the same bits each time.
+`fp8_gemm_rows_kernel`: e4m3 codes. The scale of weight element (n, k) is
+`scale[scale_row[n], (k + col_offset) // BLOCK_COLS]` as in `fp8_gemm_kernel`. SCALE: 0,
+once per output row (per tensor); 1, once per SUB-input group of each step (every group
+lies inside one column block: SUB divides BLOCK_COLS and col_offset, and BLOCK_K is a
+multiple of SUB); 2, to every element.
+
+`nvfp4_gemm_rows_kernel`: packed e2m1 words (8 inputs each) decoded as the CUDA-core MoE
+decode decodes them (`nvfp4_decode_jit.word_step`: a word's 8 products summed in float32,
+the sum of a 16-input group times its block scale), the step's inputs split into the
+words' 8 planes in registers (`_planes`); the row's global multiplies the finished sum.
+
+Every program's reduction order is fixed, so a launch gives the same bits each time.
 
 The decode step's fusions of `gemv_rows_jit` (a token's layer without launches of their own
 for its neighbours): NORM, the RMSNorm of the token's row applied as x is loaded (rounded to
@@ -26,6 +33,7 @@ import triton.language as tl
 from freetoken.kernels import jit_ops as ops
 from freetoken.kernels.gemv_jit import epilogue
 from freetoken.kernels.gemv_rows_jit import row_input, row_scale
+from freetoken.kernels.nvfp4_decode_jit import unbias, word_step, word_tables
 from freetoken.kernels.quant_gemm_jit import store_block
 
 
@@ -115,5 +123,108 @@ def fp8_gemm_rows_kernel(
                     out_features, stride_partial_split, stride_out_token, HAS_BIAS, SPLIT)
     else:
         epilogue(acc[None, :], acc[None, :], rows, cols, row_ok, col_ok, bias_ptr,
+                 residual_ptr, out_ptr, out_features, stride_residual_token, stride_out_token,
+                 False, HAS_BIAS, HAS_RESIDUAL)
+
+
+@triton.jit
+def _planes(xv, KW: tl.constexpr):
+    """One step's inputs [1, 8 KW] (input order, float32) as the 8 planes `word_step` takes,
+    plane j [1, KW] holding input 8w + j: `quant_gemm_jit._interleave` undone, the input's
+    index bits split off lowest first."""
+    c0, c1 = tl.split(tl.reshape(xv, [KW, 2, 2, 2]))
+    b00, b01 = tl.split(c0)
+    b10, b11 = tl.split(c1)
+    p0, p4 = tl.split(b00)
+    p2, p6 = tl.split(b01)
+    p1, p5 = tl.split(b10)
+    p3, p7 = tl.split(b11)
+    return (p0[None, :], p1[None, :], p2[None, :], p3[None, :], p4[None, :], p5[None, :],
+            p6[None, :], p7[None, :])
+
+
+@triton.jit
+def nvfp4_gemm_rows_kernel(
+    # pointers
+    x_ptr,                  # [tokens, in_features] activations
+    weight_ptr,             # [out_features, in_features / 8] int32 words of 8 nibbles
+    scale_ptr,              # [out_features, in_features / 16] e4m3 bytes (uint8)
+    global_ptr,             # [groups] float32 global scales
+    group_ptr,              # [out_features] int32: each row's global
+    bias_ptr,
+    norm_weight_ptr,        # NORM: [in_features] the RMSNorm's weight
+    residual_ptr,           # HAS_RESIDUAL: [tokens, out_features]
+    partial_ptr,            # [splits, tokens, out_features] float32 (SPLIT)
+    out_ptr,                # [tokens, out_features]
+    normed_ptr,             # STORE_NORMED: [tokens, in_features] out, the normalised x
+    # sizes
+    tokens,
+    out_features,
+    in_features,
+    split_features,
+    zero,                   # always 0 (see `nvfp4_decode_jit.word_tables`)
+    eps,
+    # strides (weights in words, scales in bytes)
+    stride_x_token,
+    stride_weight_row,
+    stride_scale_row,
+    stride_residual_token,
+    stride_partial_split,
+    stride_out_token,
+    stride_normed_token,
+    # meta
+    RECIPROCAL: tl.constexpr,
+    ASM: tl.constexpr,      # 1: PTX word decode (GPU), 0: bit arithmetic (interpreter)
+    NORM: tl.constexpr,
+    STORE_NORMED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    KW: tl.constexpr,       # words per step (8 KW inputs, KW even)
+    NORM_BLOCK: tl.constexpr,
+):
+    """out[t, n] for token t = program_id(1) and the rows of block program_id(0) (see the
+    module docstring); with SPLIT, program_id(2) takes `split_features` inputs (a whole
+    number of steps) and stores its float32 partial sum, scales applied."""
+    G: tl.constexpr = KW // 2
+    token = tl.program_id(1)
+    rows = token + tl.arange(0, 1)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < tokens
+    col_ok = cols < out_features
+    x_row = x_ptr + token.to(tl.int64) * stride_x_token
+    w_rows = weight_ptr + cols.to(tl.int64)[:, None] * stride_weight_row
+    s_rows = scale_ptr + cols.to(tl.int64)[:, None] * stride_scale_row
+    k_words, k_groups = in_features // 8, in_features // 16
+    tables = word_tables(zero, BLOCK_N, KW)
+    norm_scale = 1.0
+    if NORM:
+        norm_scale = row_scale(x_row, in_features, eps, NORM_BLOCK)
+    normed_row = normed_ptr + token.to(tl.int64) * stride_normed_token
+    k_start = tl.program_id(2) * split_features
+    k_end = tl.minimum(k_start + split_features, in_features)
+    acc = tl.full([BLOCK_N, G], 0, dtype=tl.float32)
+    for k0 in range(k_start, k_end, 8 * KW):
+        xv, _ = row_input(x_row, k0 + tl.arange(0, 8 * KW), in_features, col_ok,
+                          norm_weight_ptr, norm_scale, normed_row, EVEN_K, NORM, STORE_NORMED)
+        word = k0 // 8 + tl.arange(0, KW)
+        words = tl.load(w_rows + word[None, :], mask=col_ok[:, None] & (word < k_words)[None, :],
+                        other=0)
+        group = k0 // 16 + tl.arange(0, G)
+        s = tl.load(s_rows + group[None, :], mask=col_ok[:, None] & (group < k_groups)[None, :],
+                    other=0)
+        acc = word_step(acc, words, s, _planes(xv.to(tl.float32), KW), tables, ASM)
+    g = tl.load(global_ptr + tl.load(group_ptr + cols, mask=col_ok, other=0), mask=col_ok,
+                other=1.0)
+    if RECIPROCAL:
+        g = 1.0 / g
+    out = ops.sum_(acc, axis=1) * unbias(ASM) * g
+    if SPLIT:
+        store_block(out[None, :], rows, cols, row_ok, col_ok, bias_ptr, partial_ptr, out_ptr,
+                    out_features, stride_partial_split, stride_out_token, HAS_BIAS, SPLIT)
+    else:
+        epilogue(out[None, :], out[None, :], rows, cols, row_ok, col_ok, bias_ptr,
                  residual_ptr, out_ptr, out_features, stride_residual_token, stride_out_token,
                  False, HAS_BIAS, HAS_RESIDUAL)

@@ -12,8 +12,8 @@ from the code under test:
   whose ranks share a column block, per-tensor scales and globals unequal per segment, KV
   heads replicated; the layer's `apply` routed through the kernel with leading dims and a
   bias;
-- the FP8 row kernel's decode fusions (the input RMSNorm, stored for the next layers, and
-  the residual, with and without a split), refused off the row kernel;
+- the FP8 and NVFP4 row kernels, and their decode fusions (the input RMSNorm, stored for the
+  next layers, and the residual, with and without a split), refused off the row kernel;
 - injected bugs the comparison must catch: one segment's scale rows for all, the column
   offset dropped, the divisor global used as a multiplier, one global for every segment,
   the norm or the residual dropped, the norm's 1 + w read as w."""
@@ -126,18 +126,27 @@ def test_fp8_row_kernel_follows_the_definition(shape, block, col_offset, block_k
 
 def test_quant_tile_entries_parse():
     """A tile table entry names the kernel (`r` for the row kernel) and its six numbers;
-    `key` and `parse` are inverse, a malformed entry is refused by name, and row tiles given
-    to an NVFP4 weight (which has no row kernel) are refused, not run as a 1-token dot."""
+    `key` and `parse` are inverse, and a malformed entry is refused by name."""
     for tiles in (quant_gemm.QuantTiles(1, 2, 1024, 8, 2, 1, rows=True),
                   quant_gemm.QuantTiles(16, 32, 128, 4, 4, 8)):
         assert quant_gemm.QuantTiles.parse(tiles.key()) == tiles, tiles.key()
     with pytest.raises(ValueError, match=r"'16/x' is not"):
         quant_gemm.QuantTiles.parse("16/x")
-    q = quantize_nvfp4(_weight(16, 64, 3))
-    with pytest.raises(ValueError, match=r"r1/2/64/4/4/1 name the row kernel"):
-        quant_gemm.nvfp4_gemm(_x(1, 64, 3), q.packed, q.block_scale, q.global_scale.reshape(1),
-                              torch.zeros(16, dtype=torch.int32),
-                              tiles=quant_gemm.QuantTiles(1, 2, 64, rows=True))
+
+
+def _nvfp4_pair(rows=(20, 13), cols=272):
+    """Two segments with their own globals (the second 50x larger): (packed, block scale,
+    globals [2], the row-to-global index, the float64 oracle)."""
+    a = quantize_nvfp4(_weight(rows[0], cols, 1))
+    b = quantize_nvfp4(_weight(rows[1], cols, 2) * 50)
+    packed = torch.cat([a.packed, b.packed])
+    block_scale = torch.cat([a.block_scale, b.block_scale])
+    globals_ = torch.stack([a.global_scale, b.global_scale]).float()
+    assert not torch.equal(globals_[0], globals_[1])
+    group = torch.tensor([0] * rows[0] + [1] * rows[1], dtype=torch.int32)
+    oracle = torch.cat([nvfp4_values(a.packed, a.block_scale, a.global_scale),
+                        nvfp4_values(b.packed, b.block_scale, b.global_scale)]).double()
+    return packed, block_scale, globals_, group, oracle
 
 
 @pytest.mark.parametrize("split", [2, 3])
@@ -163,70 +172,93 @@ def test_nvfp4_kernel_follows_the_definition(reciprocal, tokens):
     """Two segments with their own globals (stored as multipliers, or as the divisors
     compressed-tensors writes) over 272 inputs (a partial step) equal the oracle
     e2m1 * block scale * global, decoded by table lookup."""
-    a, b = quantize_nvfp4(_weight(20, 272, 1)), quantize_nvfp4(_weight(13, 272, 2) * 50)
-    packed, block_scale = torch.cat([a.packed, b.packed]), torch.cat([a.block_scale,
-                                                                       b.block_scale])
-    globals_ = torch.stack([a.global_scale, b.global_scale]).float()
-    assert not torch.equal(globals_[0], globals_[1])
+    packed, block_scale, globals_, group, oracle = _nvfp4_pair()
     stored = 1.0 / globals_ if reciprocal else globals_
-    group = torch.tensor([0] * 20 + [1] * 13, dtype=torch.int32)
     x = _x(tokens, 272, tokens)
     got = quant_gemm.nvfp4_gemm(x, packed, block_scale, stored, group, reciprocal)
-    oracle = torch.cat([nvfp4_values(a.packed, a.block_scale, a.global_scale),
-                        nvfp4_values(b.packed, b.block_scale, b.global_scale)]).double()
     _assert_oracle(got, x, oracle, f"nvfp4 reciprocal={reciprocal} T={tokens}")
 
 
-def _fusion_call(split, offset, with_bias=False, **change):
-    """(the row kernel's result with the input norm, the stored normalised x and the
-    residual, the float64 oracle of those steps from `gemv.reference_norm`, the kernel's
-    normalised x, the reference's); `change` replaces arguments of the call (a bug)."""
-    codes, scale = quantize_block(_weight(40, 200 + 8, 7), (16, 24))
-    codes = codes[:, 8:].contiguous()
-    x = _x(2, 200, 7) * 3
-    norm = gemv.Norm(torch.randn(200, generator=torch.Generator().manual_seed(3)) * 0.3,
+@pytest.mark.parametrize("reciprocal", [False, True])
+@pytest.mark.parametrize("block_n,block_k,split", [(1, 64, 1), (4, 128, 2), (8, 32, 1),
+                                                   (2, 512, 1)])
+def test_nvfp4_row_kernel_follows_the_definition(reciprocal, block_n, block_k, split):
+    """The NVFP4 kernel without tensor cores (`rows` tiles: one token per program) equals
+    the oracle for both global conventions, over partial row blocks and a partial last
+    step (272 inputs), with the inputs split, steps of 4 to 64 words and a bias."""
+    packed, block_scale, globals_, group, oracle = _nvfp4_pair()
+    stored = 1.0 / globals_ if reciprocal else globals_
+    x, bias = _x(3, 272, block_k), torch.randn(33)
+    tiles = quant_gemm.QuantTiles(1, block_n, block_k, split=split, rows=True)
+    got = quant_gemm.nvfp4_gemm(x, packed, block_scale, stored, group, reciprocal, bias,
+                                tiles)
+    _assert_oracle(got, x, oracle, f"nvfp4 rows {tiles.key()} reciprocal={reciprocal}", bias)
+
+
+def _fusion_call(split, offset, with_bias=False, fmt="fp8", **change):
+    """(the `fmt` row kernel's result with the input norm, the stored normalised x and the
+    residual (as large as the product), the float64 oracle of those steps from
+    `gemv.reference_norm`, the kernel's normalised x, the reference's); `change` replaces
+    arguments of the call (a bug)."""
+    cols = 208 if fmt == "nvfp4" else 200
+    x = _x(2, cols, 7) * 3
+    norm = gemv.Norm(torch.randn(cols, generator=torch.Generator().manual_seed(3)) * 0.3,
                      1e-6, offset)
-    residual = torch.randn(2, 40, generator=torch.Generator().manual_seed(4)) * 5
-    bias = torch.randn(40) if with_bias else None
-    normed = torch.empty_like(x)
-    args = dict(x=x, weight=codes, scale=scale.float(), scale_row=(torch.arange(40) // 16).int(),
-                block_cols=24, col_offset=8, bias=bias, norm=norm, residual=residual,
-                normed=normed, tiles=quant_gemm.QuantTiles(1, 8, 64, split=split, rows=True))
-    got = quant_gemm.fp8_gemm(**dict(args, **change))
+    if fmt == "nvfp4":
+        packed, block_scale, globals_, group, oracle = _nvfp4_pair((27, 13), cols)
+        args = dict(packed=packed, block_scale=block_scale, global_scale=globals_,
+                    group=group)
+    else:
+        codes, scale = quantize_block(_weight(40, cols + 8, 7), (16, 24))
+        codes = codes[:, 8:].contiguous()
+        oracle = _block_oracle(codes, scale, (16, 24), 0, 8)
+        args = dict(weight=codes, scale=scale.float(), scale_row=(torch.arange(40) // 16).int(),
+                    block_cols=24, col_offset=8)
     want_normed = gemv.reference_norm(x, norm)
-    want = want_normed.double() @ _block_oracle(codes, scale, (16, 24), 0, 8).T
+    want = want_normed.double() @ oracle.T
+    bias = torch.randn(40) if with_bias else None
     if bias is not None:
         want = want + bias.double()
+    residual = (torch.randn(2, 40, generator=torch.Generator().manual_seed(4))
+                * float(want.abs().mean()))
+    normed = torch.empty_like(x)
+    args.update(x=x, bias=bias, norm=norm, residual=residual, normed=normed,
+                tiles=quant_gemm.QuantTiles(1, 8, 64, split=split, rows=True))
+    gemm = quant_gemm.nvfp4_gemm if fmt == "nvfp4" else quant_gemm.fp8_gemm
+    got = gemm(**dict(args, **change))
     return got, want + residual.double(), normed, want_normed
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 @pytest.mark.parametrize("split", [1, 2], ids=["one-launch", "split"])
 @pytest.mark.parametrize("offset", [False, True], ids=["w", "1+w"])
-def test_fp8_row_kernel_takes_the_norm_and_the_residual(split, offset):
-    """The FP8 row kernel with the decode step's fusions: the RMSNorm (weight w, or
-    Qwen3.5's 1 + w) applied as x is loaded and stored for the layers after it, a bias, and
-    the residual added after the rounding (after a split, by the reduction launch): equal
-    to the oracle of the separate steps, and the stored normalised x to `reference_norm`."""
-    got, want, normed, want_normed = _fusion_call(split, offset, with_bias=True)
+def test_row_kernels_take_the_norm_and_the_residual(fmt, split, offset):
+    """The FP8 and NVFP4 row kernels with the decode step's fusions: the RMSNorm (weight w,
+    or Qwen3.5's 1 + w) applied as x is loaded and stored for the layers after it, a bias,
+    and the residual added after the rounding (after a split, by the reduction launch):
+    equal to the oracle of the separate steps, and the stored normalised x to
+    `reference_norm`."""
+    got, want, normed, want_normed = _fusion_call(split, offset, with_bias=True, fmt=fmt)
     err = float((got.double() - want).norm() / want.norm())
-    assert err < RTOL, f"split {split} offset {offset}: relative L2 {err:.2e}"
+    assert err < RTOL, f"{fmt} split {split} offset {offset}: relative L2 {err:.2e}"
     torch.testing.assert_close(normed, want_normed, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 @pytest.mark.parametrize("bug", ["norm dropped", "residual dropped", "plain norm for 1+w"])
-def test_fp8_fusion_bugs_are_caught(bug):
+def test_fusion_bugs_are_caught(fmt, bug):
     """A launch that skips the norm, the residual, or applies w where Qwen3.5 scales by
     1 + w fails the comparison."""
     change = {"norm dropped": dict(norm=None, normed=None),
               "residual dropped": dict(residual=None)}.get(bug, {})
-    got, want, _, _ = _fusion_call(1, True, **change)
+    got, want, _, _ = _fusion_call(1, True, fmt=fmt, **change)
     if bug == "plain norm for 1+w":
-        got, _, _, _ = _fusion_call(1, False)
+        got, _, _, _ = _fusion_call(1, False, fmt=fmt)
     err = float((got.double() - want).norm() / want.norm())
-    assert err > 1e-2, f"{bug}: relative L2 {err:.2e} passes"
+    assert err > 1e-2, f"{fmt} {bug}: relative L2 {err:.2e} passes"
 
 
-def test_fp8_fusions_need_the_row_kernel():
+def test_fusions_need_the_row_kernel():
     """The norm and residual are refused on tensor-core tiles and where their shapes do
     not fit, naming the tensor."""
     codes, scale = quantize_block(_weight(16, 32, 0), (16, 16))
@@ -245,6 +277,14 @@ def test_fp8_fusions_need_the_row_kernel():
     with pytest.raises(ValueError, match=r"norm weight \(31,\)"):
         quant_gemm.fp8_gemm(_x(2, 32, 0), codes, scale, rows, 16, tiles=row_tiles,
                             norm=gemv.Norm(torch.ones(31), 1e-6, False))
+    q = quantize_nvfp4(_weight(16, 32, 0))
+    nvfp4 = (q.packed, q.block_scale, q.global_scale.reshape(1), rows)
+    with pytest.raises(ValueError, match="nvfp4_gemm: the norm and residual fusions run on"):
+        quant_gemm.nvfp4_gemm(_x(2, 32, 0), *nvfp4, norm=norm,
+                              tiles=quant_gemm.QuantTiles(16, 16, 32))
+    with pytest.raises(ValueError, match=r"nvfp4_gemm: residual \(2, 15\)"):
+        quant_gemm.nvfp4_gemm(_x(2, 32, 0), *nvfp4, tiles=row_tiles,
+                              residual=torch.zeros(2, 15))
 
 
 def test_bad_inputs_are_refused_naming_the_mismatch():

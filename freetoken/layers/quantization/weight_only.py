@@ -25,8 +25,10 @@ class WeightOnlyMethod:
         raise NotImplementedError
 
     fuses = False
-    """Whether `kernel` takes `quant_gemm.fp8_gemm`'s decode fusions (`norm`, `normed`,
-    `residual` keywords) and its `tiles`."""
+    """Whether `kernel` takes the row kernels' decode fusions (`norm`, `normed`, `residual`
+    keywords of `quant_gemm.fp8_gemm` and `quant_gemm.nvfp4_gemm`) and their `tiles`."""
+    tile_format = "fp8"
+    """The tile table's format kind of `kernel`'s calls (`quant_gemm.table_key`)."""
 
     def apply_fused(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None,
                     **fused) -> torch.Tensor | None:
@@ -38,7 +40,8 @@ class WeightOnlyMethod:
         if not (self.fuses and quant_gemm.DECODE_FUSIONS and quant_gemm.serves(x)
                 and x.dim() == 2 and x.stride(-1) == 1):
             return None
-        tiles = quant_gemm.fusing_tiles(x.shape[0], layer.weight.shape[0], x.shape[1])
+        tiles = quant_gemm.fusing_tiles(x.shape[0], layer.weight.shape[0], x.shape[1],
+                                        self.tile_format)
         if tiles is None:
             return None
         return self.kernel(layer, x, bias, tiles=tiles, **fused)

@@ -60,8 +60,13 @@ class NVFP4Linear(WeightOnlyMethod):
         values = dequantize(layer.weight, layer.weight_scale, ones, "weight")
         return (values * per_row[:, None]).to(dtype)
 
-    def kernel(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+    fuses = True
+    tile_format = "nvfp4"
+
+    def kernel(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, **fused
                ) -> torch.Tensor:
-        """x [T, local_in] times the weight through `quant_gemm.nvfp4_gemm`."""
+        """x [T, local_in] times the weight through `quant_gemm.nvfp4_gemm` (`fused`: its
+        tiles, norm and residual)."""
         return quant_gemm.nvfp4_gemm(x, layer.weight, layer.weight_scale, layer.weight_scale_2,
-                                     layer.weight_scale_2_group, self.reciprocal, bias)
+                                     layer.weight_scale_2_group, self.reciprocal, bias,
+                                     **fused)
