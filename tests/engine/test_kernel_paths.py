@@ -103,32 +103,38 @@ def _one_token_steps(core, prompt, quant_kernels=False):
     """`_both` on one prompt, and what the MoE blocks of the kernel path fused: how many
     expert down launches added the shared expert and how many the residual
     (`moe_rows.down`), how many router launches stored the normalised input
-    (`gemv.linear(normed=)`), and the model's MoE layers. `quant_kernels`: the quantized
-    layers take their Triton kernels on CPU too (they serve CUDA tensors only), so that the
-    interpreter runs the quantized CUDA path."""
+    (`gemv.linear(normed=)`), how many quantized projections took the norm or the residual
+    (per format), the full-attention layers, and the model's MoE layers. `quant_kernels`:
+    the quantized layers take their Triton kernels on CPU too (they serve CUDA tensors
+    only), so that the interpreter runs the quantized CUDA path."""
     import inspect
 
     from freetoken.kernels import fused_moe, gemv, moe_rows, quant_gemm
 
     assert fused_moe.SHARED_IN_ROWS, "the shared expert in the row kernels is the default"
     originals = moe_rows.down, gemv.linear, quant_gemm.serves, quant_gemm.choose_tiles, \
-        quant_gemm.fp8_gemm, gemv.moe_combine
+        quant_gemm.fp8_gemm, gemv.moe_combine, quant_gemm.nvfp4_gemm
     counts = {"shared": 0, "residual": 0, "normed": 0, "fp8 norm": 0, "fp8 residual": 0,
-              "combine": 0}
+              "nvfp4 norm": 0, "nvfp4 residual": 0, "combine": 0}
     if quant_kernels:
-        # One-token FP8 calls take the row kernel, as the GPU's tile table has them.
+        # One-token FP8 and NVFP4 calls take the row kernel, as the GPU's tile table has
+        # them.
         def rows_at_one_token(tokens, rows, in_features, fmt):
-            if tokens == 1 and fmt == "fp8":
+            if tokens == 1:
                 return quant_gemm.QuantTiles(1, 32, 64, rows=True)
             return originals[3](tokens, rows, in_features, fmt)
 
-        def fp8_gemm(*args, **kwargs):
-            counts["fp8 norm"] += kwargs.get("norm") is not None
-            counts["fp8 residual"] += kwargs.get("residual") is not None
-            return originals[4](*args, **kwargs)
+        def counting(fmt, gemm):
+            def call(*args, **kwargs):
+                counts[f"{fmt} norm"] += kwargs.get("norm") is not None
+                counts[f"{fmt} residual"] += kwargs.get("residual") is not None
+                return gemm(*args, **kwargs)
+            return call
 
         quant_gemm.serves = lambda x: x.dtype in (torch.bfloat16, torch.float32)
-        quant_gemm.choose_tiles, quant_gemm.fp8_gemm = rows_at_one_token, fp8_gemm
+        quant_gemm.choose_tiles = rows_at_one_token
+        quant_gemm.fp8_gemm = counting("fp8", originals[4])
+        quant_gemm.nvfp4_gemm = counting("nvfp4", originals[6])
     down_args = inspect.signature(moe_rows.down)
 
     def down(*args, **kwargs):
@@ -150,13 +156,14 @@ def _one_token_steps(core, prompt, quant_kernels=False):
         want, got = _both(core, [prompt])
     finally:
         (moe_rows.down, gemv.linear, quant_gemm.serves, quant_gemm.choose_tiles,
-         quant_gemm.fp8_gemm, gemv.moe_combine) = originals
+         quant_gemm.fp8_gemm, gemv.moe_combine, quant_gemm.nvfp4_gemm) = originals
     cfg = core.model_config
+    counts["attention layers"] = list(cfg.layer_types).count("full_attention")
     return want, got, counts, sum(map(cfg.is_moe_layer, range(cfg.num_hidden_layers)))
 
 
 @pytest.mark.parametrize("case", ["tiny-qwen3.5-moe", "tiny-qwen3.5-moe-fp8",
-                                  "tiny-qwen3.5-moe-nvfp4"])
+                                  "tiny-qwen3.5-moe-nvfp4", "tiny-qwen3.5-moe-nvfp4-ct"])
 @pytest.mark.parametrize("tp", [1, 2])
 def test_one_token_decode_takes_the_shared_expert_in_the_row_kernels(tp, case):
     """One sequence decodes a token per step, so every Qwen3.5 MoE block adds its shared
@@ -168,25 +175,32 @@ def test_one_token_decode_takes_the_shared_expert_in_the_row_kernels(tp, case):
     the shared expert's rank 1 starting 24 inputs into its column block at TP 2) takes
     the same launches, each block-FP8 operand with its own scales, and its mixers' FP8
     projections take the input norm and the residual add. NVFP4 experts keep their own
-    launches; their router still normalises the input."""
+    launches; their router still normalises the input. compressed-tensors NVFP4 (attention
+    quantized, GatedDeltaNet 16-bit): each attention layer's NVFP4 qkv takes the input norm
+    and its o_proj the residual on the NVFP4 row kernel."""
     folder = GOLDEN / case
     prompt = json.loads((folder / "meta.json").read_text())["prompts"][0]
     assert len(prompt) <= 16
     with LLM(folder, tp=tp, device="cpu", dtype="float32", progress=False,
              enforce_eager=True) as llm:
         want, got, counts, layers = llm.run_on_ranks(_one_token_steps, prompt,
-                                                     case.endswith("fp8"))[0]
+                                                     case.endswith(("fp8", "ct")))[0]
     decode = (NEW_TOKENS - 1) * layers
     # FP8: every one-token step's mixer takes its input norm in its first quantized
     # projection (GatedDeltaNet's qkv|z storing norm(x) for its 16-bit b|a) and, at TP 1,
-    # the residual in its output projection.
+    # the residual in its output projection; compressed-tensors NVFP4 the same in its
+    # attention layers.
     fp8 = decode if case.endswith("fp8") else 0
+    attention = counts.pop("attention layers")
+    nvfp4 = (NEW_TOKENS - 1) * attention if case.endswith("ct") else 0
     # NVFP4 experts take neither the shared expert nor the residual, only the router's norm,
     # and the combine of their rounded sum with the gated shared expert at every step; the
     # others combine at the 5-token prefill only.
-    rows = 0 if case.endswith("nvfp4") else decode
-    combine = NEW_TOKENS * layers if case.endswith("nvfp4") else layers
+    nvfp4_experts = case.endswith(("nvfp4", "ct"))
+    rows = 0 if nvfp4_experts else decode
+    combine = NEW_TOKENS * layers if nvfp4_experts else layers
     assert counts == {"combine": combine, "shared": rows, "residual": rows if tp == 1 else 0,
                       "normed": NEW_TOKENS * layers, "fp8 norm": fp8,
-                      "fp8 residual": fp8 if tp == 1 else 0}, (counts, layers)
+                      "fp8 residual": fp8 if tp == 1 else 0, "nvfp4 norm": nvfp4,
+                      "nvfp4 residual": nvfp4 if tp == 1 else 0}, (counts, layers)
     _assert_same(want, got, f"{case} one sequence tp={tp}")
