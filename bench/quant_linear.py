@@ -21,9 +21,9 @@ dequantized weights. `--sweep` also times other tiles per decode row and keeps t
 (`--write`: as a tile table). The NVFP4 LM head at one token runs `nvfp4_linear`
 (`quant_gemm.MMA_MIN_ROWS`), whatever its `tiles` column says.
 `--check`: TP 1/2/4/8, 1, 5, 16 and 64 tokens, errors and graph equality only, and at one
-token the row kernel (two tilings, plain and with the decode step's norm and residual:
-`rows_rel_l2`, `rows_graph_eq`); exit 1 when any relative L2 error passes 1e-2 or a replay
-differs."""
+token the row kernel (two tilings, plain and with the decode step's norm, residual and, for
+the shared expert's gate_up, SiLU-and-mul: `rows_rel_l2`, `rows_graph_eq`); exit 1 when
+any relative L2 error passes 1e-2 or a replay differs."""
 
 from __future__ import annotations
 
@@ -115,25 +115,29 @@ def _with_tiles(method, layer, x, tiles, **fused):
                                None, tiles, **fused)
 
 
-def row_kernel_check(layer, x, gen) -> tuple[float, bool]:
+def row_kernel_check(layer, x, gen, gated: bool) -> tuple[float, bool]:
     """One token on the row kernel, two tilings (one split over the inputs), plain and with
-    the decode fusions (Qwen3.5's 1 + w RMSNorm, stored, and the residual), against float32
-    of the separate steps: (the worst relative L2, whether every graph replay equals its
-    eager call)."""
+    the decode fusions (Qwen3.5's 1 + w RMSNorm, stored, SiLU-and-mul where the layer is
+    `gated` [gate | up], and the residual), against float32 of the separate steps: (the
+    worst relative L2, whether every graph replay equals its eager call)."""
     k = x.shape[1]
     step = min(1024, next_pow2(k))
     norm = gemv.Norm(torch.randn(k, device="cuda", generator=gen).to(x.dtype) * 0.3, 1e-6,
                      True)
-    residual = torch.randn(1, layer.weight.shape[0], device="cuda", generator=gen).to(x.dtype)
-    normed = torch.empty_like(x)
     plain, fused_want = reference(layer, x), reference(layer, gemv.reference_norm(x, norm))
+    if gated:
+        half = fused_want.shape[1] // 2
+        fused_want = F.silu(fused_want[:, :half]) * fused_want[:, half:]
+    residual = torch.randn(fused_want.shape, device="cuda", generator=gen).to(x.dtype)
+    normed = torch.empty_like(x)
     worst, equal = 0.0, True
     for tiles in (quant_gemm.QuantTiles(1, 2, step, num_stages=2, rows=True),
                   quant_gemm.QuantTiles(1, 4, max(64, step // 2), num_stages=2, split=2,
                                         rows=True)):
         call = functools.partial(_with_tiles, layer.quant, layer, x, tiles)
         worst = max(worst, rel_l2(call(), plain))
-        fused = functools.partial(call, norm=norm, residual=residual, normed=normed)
+        fused = functools.partial(call, norm=norm, residual=residual, normed=normed,
+                                  gated=gated)
         worst = max(worst, rel_l2(fused(), fused_want + residual.float()),
                     rel_l2(normed, gemv.reference_norm(x, norm)))
         equal = equal and graph_equals_eager(call) and graph_equals_eager(fused)
@@ -175,7 +179,8 @@ def bench_row(name, fmt, tp, tokens, copy_gbs, gen, sweep, l2, timing=True,
                graph_eq=graph_equals_eager(lambda: layer.quant.kernel(layer, x, None)))
     if not timing:
         if tokens == 1:
-            row["rows_rel_l2"], row["rows_graph_eq"] = row_kernel_check(layer, x, gen)
+            row["rows_rel_l2"], row["rows_graph_eq"] = row_kernel_check(
+                layer, x, gen, gated=name.endswith("gate_up"))
         return row
     copies = copies_of(layer, l2)
     tiles = quant_gemm.tiles_for(tokens, layer.weight.shape[0], local_in,

@@ -132,14 +132,15 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
              scale_row: torch.Tensor, block_cols: int, col_offset: int = 0,
              bias: torch.Tensor | None = None, tiles: QuantTiles | None = None, *,
              norm: Norm | None = None, residual: torch.Tensor | None = None,
-             normed: torch.Tensor | None = None) -> torch.Tensor:
+             normed: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
     """`x` [T, K] times an e4m3 weight [N, K] whose element (n, k) is scaled by
     `scale[scale_row[n], (k + col_offset) // block_cols]` (scale float32 [R, C], scale_row
     int32 [N]); FP8 per tensor is `scale` [G, 1] with `block_cols` >= K. Plus `bias`,
     float32 accumulation, one rounding to x's dtype. On the row kernel (`fusing_tiles`) also
     `norm`: x's RMSNorm applied as it is loaded (`normed`, x's shape and dtype: stored
-    there too); `residual` [T, N]: `residual + ` the rounded result (`gemv.linear`'s
-    fusions and roundings)."""
+    there too); `gated`: the weight stacks [gate | up] and the result is `silu(gate) * up`
+    [T, N / 2]; `residual` [T, output features]: `residual + ` the rounded result
+    (`gemv.linear`'s fusions and roundings)."""
     tokens, in_features = _check(x, weight.shape[1], "fp8_gemm", weight)
     if weight.dtype != torch.float8_e4m3fn or scale.dtype != torch.float32:
         raise ValueError(f"fp8_gemm: weight must be float8_e4m3fn and scale float32, got "
@@ -147,7 +148,8 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     _check_rows(scale_row, weight.shape[0], "fp8_gemm")
     rows = weight.shape[0]
     tiles = tiles or tiles_for(tokens, rows, in_features, "fp8")
-    fused = _check_fusions(x, rows, norm, residual, normed, tiles, "fp8_gemm")
+    fused = _check_fusions(x, rows, tiles, "fp8_gemm", norm=norm, residual=residual,
+                           normed=normed, gated=gated)
     if tiles.rows:
         return _fp8_rows(x, weight, scale, scale_row, block_cols, col_offset, bias, tiles,
                          fused)
@@ -170,15 +172,19 @@ def fusing_tiles(tokens: int, rows: int, in_features: int, fmt: str = "fp8"
     return tiles if tiles.rows else None
 
 
-def _check_fusions(x, rows, norm, residual, normed, tiles, what) -> dict:
+def _check_fusions(x, rows, tiles, what, norm, residual, normed, gated) -> dict:
     """The row kernel's fusion arguments (empty: none asked), ValueError naming the tensor
     that does not fit, or the tiles when they are not the row kernel's."""
-    if norm is None and residual is None and normed is None:
+    if norm is None and residual is None and normed is None and not gated:
         return {}
     if not tiles.rows:
-        raise ValueError(f"{what}: the norm and residual fusions run on the row kernel, "
+        raise ValueError(f"{what}: the norm, gate and residual fusions run on the row kernel, "
                          f"which tiles {tiles.key()} do not name (`fusing_tiles`)")
+    if gated and rows % 2:
+        raise ValueError(f"{what}: a gated weight stacks [gate | up], but its {rows} rows "
+                         "are odd")
     tokens, in_features = x.shape
+    rows = rows // 2 if gated else rows
     check_normed(x, norm, normed, what)
     if residual is not None and (tuple(residual.shape) != (tokens, rows)
                                  or residual.dtype != x.dtype or residual.stride(-1) != 1):
@@ -187,7 +193,7 @@ def _check_fusions(x, rows, norm, residual, normed, tiles, what) -> dict:
     if norm is not None and tuple(norm.weight.shape) != (in_features,):
         raise ValueError(f"{what}: norm weight {tuple(norm.weight.shape)} does not fit "
                          f"{in_features} inputs")
-    return dict(norm=norm, residual=residual, normed=normed)
+    return dict(norm=norm, residual=residual, normed=normed, gated=gated)
 
 
 def _fusion_args(fused: dict, in_features: int, x: torch.Tensor) -> dict:
@@ -216,19 +222,19 @@ def _fp8_rows(x, weight, scale, scale_row, block_cols, col_offset, bias, tiles, 
                        stride_scale_row=scale.stride(0), SCALE=mode, BLOCK_COLS=block_cols,
                        SUB=sub, EVEN_K=in_features % tiles.block_k == 0,
                        BLOCK_K=tiles.block_k, **_fusion_args(fused, in_features, x)),
-                   residual=fused.get("residual"))
+                   residual=fused.get("residual"), gated=fused.get("gated", False))
 
 
 def nvfp4_gemm(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tensor,
                global_scale: torch.Tensor, group: torch.Tensor, reciprocal: bool = False,
                bias: torch.Tensor | None = None, tiles: QuantTiles | None = None, *,
                norm: Norm | None = None, residual: torch.Tensor | None = None,
-               normed: torch.Tensor | None = None) -> torch.Tensor:
+               normed: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
     """`x` [T, K] times an NVFP4 weight (packed uint8 [N, K / 2], block_scale e4m3
     [N, K / 16]) whose row n takes the global `global_scale[group[n]]` (float32 [G], group
     int32 [N]; `reciprocal`: the stored global divides). Plus `bias`, float32
     accumulation, one rounding to x's dtype. On the row kernel (`rows` tiles,
-    `fusing_tiles`) also `fp8_gemm`'s `norm`, `normed` and `residual`."""
+    `fusing_tiles`) also `fp8_gemm`'s `norm`, `normed`, `gated` and `residual`."""
     tokens, in_features = _check(x, packed.shape[1] * 2, "nvfp4_gemm", packed)
     rows = packed.shape[0]
     if packed.dtype != torch.uint8 or block_scale.dtype != torch.float8_e4m3fn or \
@@ -241,12 +247,13 @@ def nvfp4_gemm(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tensor,
         raise ValueError(f"nvfp4_gemm: global scales must be float32, got "
                          f"{global_scale.dtype}")
     _check_rows(group, rows, "nvfp4_gemm")
-    fusing = norm is not None or residual is not None or normed is not None
+    fusing = norm is not None or residual is not None or normed is not None or gated
     if tiles is None and not fusing and _takes_mma(x, rows, global_scale):
         g = 1.0 / global_scale if reciprocal else global_scale
         return nvfp4_linear.nvfp4_linear(x, packed, block_scale, g.reshape(()), bias)
     tiles = tiles or tiles_for(tokens, rows, in_features, "nvfp4")
-    fused = _check_fusions(x, rows, norm, residual, normed, tiles, "nvfp4_gemm")
+    fused = _check_fusions(x, rows, tiles, "nvfp4_gemm", norm=norm, residual=residual,
+                           normed=normed, gated=gated)
     words = packed.view(torch.int32)
     asm = int(x.is_cuda and not interpreting()
               and os.environ.get("FREETOKEN_NVFP4_PTX", "1") != "0")
@@ -263,7 +270,7 @@ def nvfp4_gemm(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tensor,
                        in_features, bias, tiles, 8 * kw, dict(
                            args, EVEN_K=in_features % (8 * kw) == 0,
                            **_fusion_args(fused, in_features, x)),
-                       residual=fused.get("residual"))
+                       residual=fused.get("residual"), gated=fused.get("gated", False))
     return _launch(jit_module("quant_gemm_jit").nvfp4_gemm_kernel, x, rows, in_features, bias,
                    tiles, 8 * kw, args)
 
@@ -298,43 +305,48 @@ def _fp8_scale_mode(in_features: int, block_cols: int, col_offset: int, block_k:
 
 
 def _launch(kernel, x, rows, in_features, bias, tiles, block_k, args,
-            residual: torch.Tensor | None = None) -> torch.Tensor:
-    """Run `kernel` over x [T, in_features] for `rows` outputs with `tiles` (the K step
-    `block_k`); a split launch is finished by `gemv_jit.gemv_reduce_kernel`. `residual`
-    (the row kernel): added to the rounded output."""
+            residual: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+    """Run `kernel` over x [T, in_features] for `rows` weight rows with `tiles` (the K step
+    `block_k`); a split launch is finished by `gemv_jit.gemv_reduce_kernel`. The row
+    kernels' `residual`: added to the rounded output; `gated`: the rows stack
+    [gate | up] and the output is `silu(gate) * up`, rows / 2 wide (a split launch sums
+    every row and its reduction gates)."""
     tokens = x.shape[0]
-    out = torch.empty(tokens, rows, dtype=x.dtype, device=x.device)
+    out_features = rows // 2 if gated else rows
+    out = torch.empty(tokens, out_features, dtype=x.dtype, device=x.device)
     if tokens == 0:
         return out
     step = _cdiv(_cdiv(in_features, tiles.split), block_k) * block_k
     splits = _cdiv(in_features, step)
     partial = (torch.empty(splits, tokens, rows, dtype=torch.float32, device=x.device)
                if splits > 1 else out)
-    block_n = tiles.block_n
+    launched = rows if splits > 1 else out_features
     if not tiles.rows:
         args = dict(args, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                     BLOCK_M=tiles.block_m)
     else:
         args = dict(args, residual_ptr=residual if residual is not None else out,
                     stride_residual_token=residual.stride(0) if residual is not None else 0,
-                    HAS_RESIDUAL=residual is not None and splits == 1)
-    kernel[(_cdiv(rows, block_n), tokens if tiles.rows else _cdiv(tokens, tiles.block_m),
-            splits)](
+                    HAS_RESIDUAL=residual is not None and splits == 1,
+                    GATED=gated and splits == 1)
+    kernel[(_cdiv(launched, tiles.block_n),
+            tokens if tiles.rows else _cdiv(tokens, tiles.block_m), splits)](
         x_ptr=x, bias_ptr=bias if bias is not None else out, partial_ptr=partial, out_ptr=out,
-        tokens=tokens, out_features=rows, in_features=in_features, split_features=step,
+        tokens=tokens, out_features=launched, in_features=in_features, split_features=step,
         stride_x_token=x.stride(0), stride_partial_split=tokens * rows,
         stride_out_token=out.stride(0), HAS_BIAS=bias is not None and splits == 1,
-        SPLIT=splits > 1, BLOCK_N=block_n, num_warps=tiles.num_warps,
+        SPLIT=splits > 1, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages, **args)
     if splits > 1:
         reduce_m = min(16, next_pow2(tokens))
-        jit_module("gemv_jit").gemv_reduce_kernel[(_cdiv(rows, 256), _cdiv(tokens, reduce_m))](
+        jit_module("gemv_jit").gemv_reduce_kernel[(_cdiv(out_features, 256),
+                                                   _cdiv(tokens, reduce_m))](
             partial_ptr=partial, bias_ptr=bias if bias is not None else out,
             residual_ptr=residual if residual is not None else out, out_ptr=out,
             tokens=tokens, out_features=rows, splits=splits,
             stride_partial_split=tokens * rows,
             stride_residual_token=residual.stride(0) if residual is not None else 0,
-            stride_out_token=out.stride(0), GATED=False, HAS_BIAS=bias is not None,
+            stride_out_token=out.stride(0), GATED=gated, HAS_BIAS=bias is not None,
             HAS_RESIDUAL=residual is not None, BLOCK_M=reduce_m, BLOCK_N=256, num_warps=4)
     return out
 

@@ -21,8 +21,12 @@ Every program's reduction order is fixed, so a launch gives the same bits each t
 The decode step's fusions of `gemv_rows_jit` (a token's layer without launches of their own
 for its neighbours): NORM, the RMSNorm of the token's row applied as x is loaded (rounded to
 the activations' dtype as the separate norm rounds it; STORE_NORMED also stores it, for the
-layers after it that read the same input); HAS_RESIDUAL, the decoder layer's residual added
-to the rounded output (after a split, in `gemv_jit.gemv_reduce_kernel`).
+layers after it that read the same input); GATED, a [gate | up] weight of 2 out_features
+rows whose result is `silu(gate) * up` (up row n is row out_features + n, with its own
+scales; a split launch runs ungated over all 2 out_features rows and the reduction gates
+them); HAS_RESIDUAL,
+the decoder layer's residual added to the rounded output (after a split, in
+`gemv_jit.gemv_reduce_kernel`).
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ def fp8_gemm_rows_kernel(
     SUB: tl.constexpr,
     NORM: tl.constexpr,
     STORE_NORMED: tl.constexpr,
+    GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     SPLIT: tl.constexpr,
@@ -82,7 +87,6 @@ def fp8_gemm_rows_kernel(
     """out[t, n] for token t = program_id(1) and the rows of block program_id(0) (see the
     module docstring); with SPLIT, program_id(2) takes `split_features` inputs (a whole
     number of steps) and stores its float32 partial sum, scales applied."""
-    G: tl.constexpr = BLOCK_K // SUB
     token = tl.program_id(1)
     rows = token + tl.arange(0, 1)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -90,7 +94,12 @@ def fp8_gemm_rows_kernel(
     col_ok = cols < out_features
     x_row = x_ptr + token.to(tl.int64) * stride_x_token
     w_rows = weight_ptr + cols.to(tl.int64)[:, None] * stride_weight_row
+    up_rows = w_rows + out_features * stride_weight_row
     s_rows = scale_ptr + tl.load(scale_row_ptr + cols, mask=col_ok, other=0) * stride_scale_row
+    s_up = scale_ptr
+    if GATED:
+        s_up = scale_ptr + tl.load(scale_row_ptr + out_features + cols, mask=col_ok,
+                                   other=0) * stride_scale_row
     norm_scale = 1.0
     if NORM:
         norm_scale = row_scale(x_row, in_features, eps, NORM_BLOCK)
@@ -98,33 +107,62 @@ def fp8_gemm_rows_kernel(
     k_start = tl.program_id(2) * split_features
     k_end = tl.minimum(k_start + split_features, in_features)
     acc = tl.full([BLOCK_N], 0, dtype=tl.float32)
+    acc_up = tl.full([BLOCK_N], 0, dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         xv, w_mask = row_input(x_row, ks, in_features, col_ok, norm_weight_ptr, norm_scale,
                                normed_row, EVEN_K, NORM, STORE_NORMED)
-        w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0)
-        prod = w.to(tl.float32) * xv.to(tl.float32)
-        if SCALE == 2:
-            s = tl.load(s_rows[:, None] + ((ks + col_offset) // BLOCK_COLS)[None, :],
-                        mask=w_mask, other=0.0)
-            acc += ops.sum_(prod * s, axis=1)
-        elif SCALE == 1:
-            groups = k0 + tl.arange(0, G) * SUB
-            s = tl.load(s_rows[:, None] + ((groups + col_offset) // BLOCK_COLS)[None, :],
-                        mask=col_ok[:, None] & (groups < in_features)[None, :], other=0.0)
-            part = ops.sum_(tl.reshape(prod, [BLOCK_N, G, SUB]), axis=2)
-            acc += ops.sum_(part * s, axis=1)
-        else:
-            acc += ops.sum_(prod, axis=1)
+        xf = xv.to(tl.float32)
+        acc += _fp8_step(w_rows, s_rows, xf, k0, ks, w_mask, col_ok, in_features, col_offset,
+                         SCALE, BLOCK_COLS, SUB, BLOCK_N, BLOCK_K)
+        if GATED:
+            acc_up += _fp8_step(up_rows, s_up, xf, k0, ks, w_mask, col_ok, in_features,
+                                col_offset, SCALE, BLOCK_COLS, SUB, BLOCK_N, BLOCK_K)
     if SCALE == 0:
         acc = acc * tl.load(s_rows, mask=col_ok, other=0.0)
+        if GATED:
+            acc_up = acc_up * tl.load(s_up, mask=col_ok, other=0.0)
+    _finish(acc, acc_up, rows, cols, row_ok, col_ok, bias_ptr, residual_ptr, partial_ptr,
+            out_ptr, out_features, stride_residual_token, stride_partial_split,
+            stride_out_token, GATED, HAS_BIAS, HAS_RESIDUAL, SPLIT)
+
+
+@triton.jit
+def _fp8_step(w_rows, s_rows, xf, k0, ks, w_mask, col_ok, in_features, col_offset,
+              SCALE: tl.constexpr, BLOCK_COLS: tl.constexpr, SUB: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One step's [BLOCK_N] sums of e4m3 rows `w_rows` times xf [1, BLOCK_K], their scales
+    (rows `s_rows`) applied per element or per SUB group (SCALE 2, 1; 0: by the caller)."""
+    G: tl.constexpr = BLOCK_K // SUB
+    prod = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0).to(tl.float32) * xf
+    if SCALE == 2:
+        s = tl.load(s_rows[:, None] + ((ks + col_offset) // BLOCK_COLS)[None, :], mask=w_mask,
+                    other=0.0)
+        return ops.sum_(prod * s, axis=1)
+    elif SCALE == 1:
+        groups = k0 + tl.arange(0, G) * SUB
+        s = tl.load(s_rows[:, None] + ((groups + col_offset) // BLOCK_COLS)[None, :],
+                    mask=col_ok[:, None] & (groups < in_features)[None, :], other=0.0)
+        part = ops.sum_(tl.reshape(prod, [BLOCK_N, G, SUB]), axis=2)
+        return ops.sum_(part * s, axis=1)
+    else:
+        return ops.sum_(prod, axis=1)
+
+
+@triton.jit
+def _finish(acc, acc_up, rows, cols, row_ok, col_ok, bias_ptr, residual_ptr, partial_ptr,
+            out_ptr, out_features, stride_residual_token, stride_partial_split,
+            stride_out_token, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+            HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr):
+    """Store a program's finished [BLOCK_N] sums (and the up half's, GATED): float32
+    partials (SPLIT), else `gemv_jit.epilogue`'s bias, SiLU-and-mul, residual and rounding."""
     if SPLIT:
         store_block(acc[None, :], rows, cols, row_ok, col_ok, bias_ptr, partial_ptr, out_ptr,
                     out_features, stride_partial_split, stride_out_token, HAS_BIAS, SPLIT)
     else:
-        epilogue(acc[None, :], acc[None, :], rows, cols, row_ok, col_ok, bias_ptr,
+        epilogue(acc[None, :], acc_up[None, :], rows, cols, row_ok, col_ok, bias_ptr,
                  residual_ptr, out_ptr, out_features, stride_residual_token, stride_out_token,
-                 False, HAS_BIAS, HAS_RESIDUAL)
+                 GATED, HAS_BIAS, HAS_RESIDUAL)
 
 
 @triton.jit
@@ -177,6 +215,7 @@ def nvfp4_gemm_rows_kernel(
     ASM: tl.constexpr,      # 1: PTX word decode (GPU), 0: bit arithmetic (interpreter)
     NORM: tl.constexpr,
     STORE_NORMED: tl.constexpr,
+    GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     SPLIT: tl.constexpr,
@@ -206,25 +245,39 @@ def nvfp4_gemm_rows_kernel(
     k_start = tl.program_id(2) * split_features
     k_end = tl.minimum(k_start + split_features, in_features)
     acc = tl.full([BLOCK_N, G], 0, dtype=tl.float32)
+    acc_up = tl.full([BLOCK_N, G], 0, dtype=tl.float32)
     for k0 in range(k_start, k_end, 8 * KW):
         xv, _ = row_input(x_row, k0 + tl.arange(0, 8 * KW), in_features, col_ok,
                           norm_weight_ptr, norm_scale, normed_row, EVEN_K, NORM, STORE_NORMED)
+        x = _planes(xv.to(tl.float32), KW)
         word = k0 // 8 + tl.arange(0, KW)
-        words = tl.load(w_rows + word[None, :], mask=col_ok[:, None] & (word < k_words)[None, :],
-                        other=0)
         group = k0 // 16 + tl.arange(0, G)
-        s = tl.load(s_rows + group[None, :], mask=col_ok[:, None] & (group < k_groups)[None, :],
-                    other=0)
-        acc = word_step(acc, words, s, _planes(xv.to(tl.float32), KW), tables, ASM)
+        w_mask = col_ok[:, None] & (word < k_words)[None, :]
+        s_mask = col_ok[:, None] & (group < k_groups)[None, :]
+        acc = word_step(acc, tl.load(w_rows + word[None, :], mask=w_mask, other=0),
+                        tl.load(s_rows + group[None, :], mask=s_mask, other=0), x, tables, ASM)
+        if GATED:
+            acc_up = word_step(
+                acc_up, tl.load(w_rows + out_features * stride_weight_row + word[None, :],
+                                mask=w_mask, other=0),
+                tl.load(s_rows + out_features * stride_scale_row + group[None, :],
+                        mask=s_mask, other=0), x, tables, ASM)
+    out = ops.sum_(acc, axis=1) * unbias(ASM) * _global(global_ptr, group_ptr, cols, col_ok,
+                                                         RECIPROCAL)
+    out_up = out
+    if GATED:
+        out_up = ops.sum_(acc_up, axis=1) * unbias(ASM) * _global(
+            global_ptr, group_ptr, out_features + cols, col_ok, RECIPROCAL)
+    _finish(out, out_up, rows, cols, row_ok, col_ok, bias_ptr, residual_ptr, partial_ptr,
+            out_ptr, out_features, stride_residual_token, stride_partial_split,
+            stride_out_token, GATED, HAS_BIAS, HAS_RESIDUAL, SPLIT)
+
+
+@triton.jit
+def _global(global_ptr, group_ptr, cols, col_ok, RECIPROCAL: tl.constexpr):
+    """The global scale of weight rows `cols` (RECIPROCAL: the stored one divides)."""
     g = tl.load(global_ptr + tl.load(group_ptr + cols, mask=col_ok, other=0), mask=col_ok,
                 other=1.0)
     if RECIPROCAL:
         g = 1.0 / g
-    out = ops.sum_(acc, axis=1) * unbias(ASM) * g
-    if SPLIT:
-        store_block(out[None, :], rows, cols, row_ok, col_ok, bias_ptr, partial_ptr, out_ptr,
-                    out_features, stride_partial_split, stride_out_token, HAS_BIAS, SPLIT)
-    else:
-        epilogue(out[None, :], out[None, :], rows, cols, row_ok, col_ok, bias_ptr,
-                 residual_ptr, out_ptr, out_features, stride_residual_token, stride_out_token,
-                 False, HAS_BIAS, HAS_RESIDUAL)
+    return g

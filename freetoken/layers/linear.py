@@ -154,10 +154,15 @@ class MergedColumnParallelLinear(LinearBase):
 
     def forward_gated(self, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
         """`silu(gate) * up` of `self(norm(x))` for a [gate | up] pair of equal segments;
-        on the CUDA path for a decode batch in one launch, the norm (when given) included."""
+        on the CUDA path for a decode batch in one launch, the norm (when given) included (a
+        quantized layer where its method's row kernel takes the call, `apply_fused`)."""
         if len(self.local_sizes) != 2 or self.local_sizes[0] != self.local_sizes[1]:
             raise ValueError(f"forward_gated needs two equal segments, not {self.local_sizes}")
         fused = dict(gated=True, norm=None if norm is None else _as_norm(norm))
+        if self.quant is not None and self.canonical is None:
+            y = self.quant.apply_fused(self, x, self.bias, **fused)
+            if y is not None:
+                return y
         tiles = _gemv_tiles(self, x, **fused)
         if tiles is not None:
             return gemv.linear(x, self.weight, self.bias, tiles=tiles, **fused)

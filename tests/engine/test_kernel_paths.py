@@ -103,10 +103,10 @@ def _one_token_steps(core, prompt, quant_kernels=False):
     """`_both` on one prompt, and what the MoE blocks of the kernel path fused: how many
     expert down launches added the shared expert and how many the residual
     (`moe_rows.down`), how many router launches stored the normalised input
-    (`gemv.linear(normed=)`), how many quantized projections took the norm or the residual
-    (per format), the full-attention layers, and the model's MoE layers. `quant_kernels`:
-    the quantized layers take their Triton kernels on CPU too (they serve CUDA tensors
-    only), so that the interpreter runs the quantized CUDA path."""
+    (`gemv.linear(normed=)`), how many quantized projections took the norm, the gate or
+    the residual (per format), the full-attention layers, and the model's MoE layers.
+    `quant_kernels`: the quantized layers take their Triton kernels on CPU too (they serve
+    CUDA tensors only), so that the interpreter runs the quantized CUDA path."""
     import inspect
 
     from freetoken.kernels import fused_moe, gemv, moe_rows, quant_gemm
@@ -115,7 +115,8 @@ def _one_token_steps(core, prompt, quant_kernels=False):
     originals = moe_rows.down, gemv.linear, quant_gemm.serves, quant_gemm.choose_tiles, \
         quant_gemm.fp8_gemm, gemv.moe_combine, quant_gemm.nvfp4_gemm
     counts = {"shared": 0, "residual": 0, "normed": 0, "fp8 norm": 0, "fp8 residual": 0,
-              "nvfp4 norm": 0, "nvfp4 residual": 0, "combine": 0}
+              "fp8 gated": 0, "nvfp4 norm": 0, "nvfp4 residual": 0, "nvfp4 gated": 0,
+              "combine": 0}
     if quant_kernels:
         # One-token FP8 and NVFP4 calls take the row kernel, as the GPU's tile table has
         # them.
@@ -128,6 +129,7 @@ def _one_token_steps(core, prompt, quant_kernels=False):
             def call(*args, **kwargs):
                 counts[f"{fmt} norm"] += kwargs.get("norm") is not None
                 counts[f"{fmt} residual"] += kwargs.get("residual") is not None
+                counts[f"{fmt} gated"] += kwargs.get("gated", False)
                 return gemm(*args, **kwargs)
             return call
 
@@ -177,7 +179,8 @@ def test_one_token_decode_takes_the_shared_expert_in_the_row_kernels(tp, case):
     projections take the input norm and the residual add. NVFP4 experts keep their own
     launches; their router still normalises the input. compressed-tensors NVFP4 (attention
     quantized, GatedDeltaNet 16-bit): each attention layer's NVFP4 qkv takes the input norm
-    and its o_proj the residual on the NVFP4 row kernel."""
+    and its o_proj the residual on the NVFP4 row kernel, and each MoE layer's NVFP4 shared
+    gate_up its SiLU-and-mul."""
     folder = GOLDEN / case
     prompt = json.loads((folder / "meta.json").read_text())["prompts"][0]
     assert len(prompt) <= 16
@@ -202,5 +205,6 @@ def test_one_token_decode_takes_the_shared_expert_in_the_row_kernels(tp, case):
     assert counts == {"combine": combine, "shared": rows, "residual": rows if tp == 1 else 0,
                       "normed": NEW_TOKENS * layers, "fp8 norm": fp8,
                       "fp8 residual": fp8 if tp == 1 else 0, "nvfp4 norm": nvfp4,
-                      "nvfp4 residual": nvfp4 if tp == 1 else 0}, (counts, layers)
+                      "nvfp4 residual": nvfp4 if tp == 1 else 0, "fp8 gated": 0,
+                      "nvfp4 gated": decode if case.endswith("ct") else 0}, (counts, layers)
     _assert_same(want, got, f"{case} one sequence tp={tp}")

@@ -195,11 +195,11 @@ def test_nvfp4_row_kernel_follows_the_definition(reciprocal, block_n, block_k, s
     _assert_oracle(got, x, oracle, f"nvfp4 rows {tiles.key()} reciprocal={reciprocal}", bias)
 
 
-def _fusion_call(split, offset, with_bias=False, fmt="fp8", **change):
+def _fusion_call(split, offset, with_bias=False, fmt="fp8", gated=False, **change):
     """(the `fmt` row kernel's result with the input norm, the stored normalised x and the
-    residual (as large as the product), the float64 oracle of those steps from
-    `gemv.reference_norm`, the kernel's normalised x, the reference's); `change` replaces
-    arguments of the call (a bug)."""
+    residual (as large as the product), `gated`: of [gate | up] halves of the 40 rows, the
+    float64 oracle of those steps from `gemv.reference_norm`, the kernel's normalised x,
+    the reference's); `change` replaces arguments of the call (a bug)."""
     cols = 208 if fmt == "nvfp4" else 200
     x = _x(2, cols, 7) * 3
     norm = gemv.Norm(torch.randn(cols, generator=torch.Generator().manual_seed(3)) * 0.3,
@@ -219,43 +219,68 @@ def _fusion_call(split, offset, with_bias=False, fmt="fp8", **change):
     bias = torch.randn(40) if with_bias else None
     if bias is not None:
         want = want + bias.double()
-    residual = (torch.randn(2, 40, generator=torch.Generator().manual_seed(4))
+    if gated:
+        want = torch.nn.functional.silu(want[:, :20]) * want[:, 20:]
+    residual = (torch.randn(*want.shape, generator=torch.Generator().manual_seed(4))
                 * float(want.abs().mean()))
     normed = torch.empty_like(x)
-    args.update(x=x, bias=bias, norm=norm, residual=residual, normed=normed,
+    args.update(x=x, bias=bias, norm=norm, residual=residual, normed=normed, gated=gated,
                 tiles=quant_gemm.QuantTiles(1, 8, 64, split=split, rows=True))
     gemm = quant_gemm.nvfp4_gemm if fmt == "nvfp4" else quant_gemm.fp8_gemm
     got = gemm(**dict(args, **change))
     return got, want + residual.double(), normed, want_normed
 
 
+# The gated cases' gates reach -1e4: the interpreter's sigmoid saturates through exp's overflow.
+SIGMOID_SATURATES = pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 @pytest.mark.parametrize("split", [1, 2], ids=["one-launch", "split"])
-@pytest.mark.parametrize("offset", [False, True], ids=["w", "1+w"])
-def test_row_kernels_take_the_norm_and_the_residual(fmt, split, offset):
+@pytest.mark.parametrize("offset,gated", [(False, False), (True, False), (True, True)],
+                         ids=["w", "1+w", "1+w-gated"])
+@SIGMOID_SATURATES
+def test_row_kernels_take_the_norm_and_the_residual(fmt, split, offset, gated):
     """The FP8 and NVFP4 row kernels with the decode step's fusions: the RMSNorm (weight w,
     or Qwen3.5's 1 + w) applied as x is loaded and stored for the layers after it, a bias,
-    and the residual added after the rounding (after a split, by the reduction launch):
-    equal to the oracle of the separate steps, and the stored normalised x to
+    SiLU-and-mul of a [gate | up] weight (the up half with its own scales and globals),
+    and the residual added after the rounding (after a split, the reduction launch gates
+    and adds): equal to the oracle of the separate steps, and the stored normalised x to
     `reference_norm`."""
-    got, want, normed, want_normed = _fusion_call(split, offset, with_bias=True, fmt=fmt)
+    got, want, normed, want_normed = _fusion_call(split, offset, with_bias=True, fmt=fmt,
+                                                  gated=gated)
     err = float((got.double() - want).norm() / want.norm())
     assert err < RTOL, f"{fmt} split {split} offset {offset}: relative L2 {err:.2e}"
     torch.testing.assert_close(normed, want_normed, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
-@pytest.mark.parametrize("bug", ["norm dropped", "residual dropped", "plain norm for 1+w"])
+@pytest.mark.parametrize("bug", ["norm dropped", "residual dropped", "plain norm for 1+w",
+                                 "gate's scales for up"])
+@SIGMOID_SATURATES
 def test_fusion_bugs_are_caught(fmt, bug):
-    """A launch that skips the norm, the residual, or applies w where Qwen3.5 scales by
-    1 + w fails the comparison."""
+    """A launch that skips the norm, the residual, applies w where Qwen3.5 scales by
+    1 + w, or scales the up half with the gate half's scales fails the comparison."""
     change = {"norm dropped": dict(norm=None, normed=None),
               "residual dropped": dict(residual=None)}.get(bug, {})
-    got, want, _, _ = _fusion_call(1, True, fmt=fmt, **change)
+    gated = bug == "gate's scales for up"
+    if gated:
+        change = _gate_scales_for_up(fmt)
+    got, want, _, _ = _fusion_call(1, True, fmt=fmt, gated=gated, **change)
     if bug == "plain norm for 1+w":
         got, _, _, _ = _fusion_call(1, False, fmt=fmt)
     err = float((got.double() - want).norm() / want.norm())
     assert err > 1e-2, f"{fmt} {bug}: relative L2 {err:.2e} passes"
+
+
+def _gate_scales_for_up(fmt) -> dict:
+    """`_fusion_call` arguments whose up rows read the gate rows' scales (FP8: scale rows;
+    NVFP4: block scales and globals)."""
+    if fmt == "fp8":
+        return dict(scale_row=(torch.arange(40) % 20 // 16).int())
+    _, block_scale, _, group, _ = _nvfp4_pair((27, 13), 208)
+    return dict(block_scale=torch.cat([block_scale[:20], block_scale[:20]]),
+                group=torch.cat([group[:20], group[:20]]))
 
 
 def test_fusions_need_the_row_kernel():
@@ -279,7 +304,7 @@ def test_fusions_need_the_row_kernel():
                             norm=gemv.Norm(torch.ones(31), 1e-6, False))
     q = quantize_nvfp4(_weight(16, 32, 0))
     nvfp4 = (q.packed, q.block_scale, q.global_scale.reshape(1), rows)
-    with pytest.raises(ValueError, match="nvfp4_gemm: the norm and residual fusions run on"):
+    with pytest.raises(ValueError, match="nvfp4_gemm: the norm, gate and residual fusions run on"):
         quant_gemm.nvfp4_gemm(_x(2, 32, 0), *nvfp4, norm=norm,
                               tiles=quant_gemm.QuantTiles(16, 16, 32))
     with pytest.raises(ValueError, match=r"nvfp4_gemm: residual \(2, 15\)"):

@@ -25,18 +25,19 @@ class WeightOnlyMethod:
         raise NotImplementedError
 
     fuses = False
-    """Whether `kernel` takes the row kernels' decode fusions (`norm`, `normed`, `residual`
-    keywords of `quant_gemm.fp8_gemm` and `quant_gemm.nvfp4_gemm`) and their `tiles`."""
+    """Whether `kernel` takes the row kernels' decode fusions (`norm`, `normed`, `gated`,
+    `residual` keywords of `quant_gemm.fp8_gemm` and `quant_gemm.nvfp4_gemm`) and their
+    `tiles`."""
     tile_format = "fp8"
     """The tile table's format kind of `kernel`'s calls (`quant_gemm.table_key`)."""
 
     def apply_fused(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None,
                     **fused) -> torch.Tensor | None:
         """`apply` with the decode step's fusions in the same launch (`norm`: a
-        `gemv.Norm` applied to x first, `normed`: where to store norm(x), `residual`:
-        added to the result), or None where this call cannot take them (a method without
-        them, no kernels, a call off the row kernel: more than a token or two), for the
-        caller's unfused steps."""
+        `gemv.Norm` applied to x first, `normed`: where to store norm(x), `gated`: a
+        [gate | up] weight's `silu(gate) * up`, `residual`: added to the result), or None
+        where this call cannot take them (a method without them, no kernels, a call off
+        the row kernel: more than a token or two), for the caller's unfused steps."""
         if not (self.fuses and quant_gemm.DECODE_FUSIONS and quant_gemm.serves(x)
                 and x.dim() == 2 and x.stride(-1) == 1):
             return None
