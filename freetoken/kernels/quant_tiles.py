@@ -2,9 +2,13 @@
 H200 by `bench/quant_linear.py --sweep --write` at Qwen3.5-35B-A3B's TP 1 and TP 8 shapes
 (keys `quant_gemm.table_key`: format kind, TP-local weight shape, token bucket; values
 `QuantTiles.key()`: tokens / rows / inputs per step / warps / stages / input split, an `r`
-before it for FP8's row kernel, `quant_gemm_rows_jit`); a call it lacks gets
+before it for the row kernels, `quant_gemm_rows_jit`); a call it lacks gets
 `quant_gemm.choose_tiles`. The FP8 one-token entries were measured again 2026-12-04 with the
-row kernel in the sweep (`--sweep rows`)."""
+row kernel in the sweep (`--sweep rows`); the NVFP4 one-token entries of the TP 1 shapes
+(9216x2048, 2048x4096, 1024x2048, 2048x512) on an H100 on 2026-12-06, when the NVFP4 row
+kernel came (`--formats nvfp4 --tp 1 --tokens 1 --sweep rows`: 1.4-1.7x the tensor-core
+tiles there); the TP 8 NVFP4 one-token entries keep the tensor-core tiles until an H200
+sweep."""
 
 H200: dict[str, str] = {
     "fp8/1024x2048/1": "r1/2/2048/8/2/1",
@@ -23,15 +27,15 @@ H200: dict[str, str] = {
     "fp8/2048x64/16": "16/16/64/4/4/1",
     "fp8/9216x2048/1": "r1/8/512/4/2/1",
     "fp8/9216x2048/16": "16/32/128/4/4/1",
-    "nvfp4/1024x2048/1": "16/32/256/4/4/8",
+    "nvfp4/1024x2048/1": "r1/1/1024/4/2/1",
     "nvfp4/1024x2048/16": "16/32/256/4/4/4",
     "nvfp4/128x2048/1": "16/16/256/4/4/8",
     "nvfp4/128x2048/16": "16/16/256/4/4/4",
     "nvfp4/1536x2048/1": "16/32/256/4/4/8",
     "nvfp4/1536x2048/16": "16/32/256/4/4/4",
-    "nvfp4/2048x4096/1": "16/64/128/4/4/16",
+    "nvfp4/2048x4096/1": "r1/4/2048/4/2/1",
     "nvfp4/2048x4096/16": "16/64/256/8/4/4",
-    "nvfp4/2048x512/1": "16/16/256/4/4/1",
+    "nvfp4/2048x512/1": "r1/4/512/8/2/1",
     "nvfp4/2048x512/16": "16/16/256/4/4/1",
     "nvfp4/2048x64/1": "16/16/64/4/4/1",
     "nvfp4/2048x64/16": "16/16/64/4/4/1",
@@ -39,6 +43,6 @@ H200: dict[str, str] = {
     "nvfp4/248320x2048/16": "16/64/128/4/4/1",
     "nvfp4/31040x2048/1": "16/64/128/4/4/1",
     "nvfp4/31040x2048/16": "16/64/128/4/4/1",
-    "nvfp4/9216x2048/1": "16/64/64/4/4/4",
+    "nvfp4/9216x2048/1": "r1/8/512/4/2/1",
     "nvfp4/9216x2048/16": "16/32/256/4/4/1",
 }

@@ -149,8 +149,10 @@ def test_engine_matrix_passes_on_the_real_kernels(interpreter):
     ("fused-moe-expert-offset", "fused_moe", "gated_delta_decode", "output"),
     ("moe-shared-gate-dropped", "fused_moe_shared", "fused_moe", "output"),
     ("moe-residual-dropped", "fused_moe_shared", "fused_moe", "output + residual"),
-    ("moe-shared-fp8-unscaled", "fused_moe_shared", "fused_moe",
-     "block FP8 output + residual"),
+    # the unscaled e4m3 codes drive the shared gate's sigmoid through exp's overflow
+    pytest.param("moe-shared-fp8-unscaled", "fused_moe_shared", "fused_moe",
+                 "block FP8 output + residual",
+                 marks=pytest.mark.filterwarnings("ignore:overflow encountered in exp")),
     ("gdn-decode-state-slot", "gated_delta_decode", "paged_attention", "output"),
 ])
 def test_fault_fails_its_kernel_naming_tp_shape_and_worst_element(restore_launchers, fault,
