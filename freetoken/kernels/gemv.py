@@ -20,6 +20,16 @@ MAX_TOKENS = 16
 REDUCE_BLOCK_N = 256
 NORM_BLOCK = 4096
 """The row kernel's RMSNorm statistics take up to this many inputs per step."""
+ROW_PREFETCH = False
+"""True: the row kernels (`gemv_rows_jit`, `quant_gemm_rows_jit`) of a call with an input
+norm load each weight tile a step ahead, the first before the norm's full-row pass
+(`prefetches`); False: the tile is loaded in its step (the pipeliner's prologue comes after
+the norm's pass)."""
+
+
+def prefetches(norm: bool) -> bool:
+    """The row kernels' PREFETCH for a call with (`norm`) or without an input norm."""
+    return ROW_PREFETCH and norm
 
 
 @dataclass(frozen=True)
@@ -190,7 +200,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     features = _cdiv(rows if splits > 1 else out_features, tiles.block_n)
     if tiles.rows:
         _rows_jit().gemv_rows_kernel[(features, tokens, splits)](
-            NORM_BLOCK=min(NORM_BLOCK, next_pow2(in_features)), **args)
+            NORM_BLOCK=min(NORM_BLOCK, next_pow2(in_features)),
+            PREFETCH=prefetches(norm is not None), **args)
     else:
         _jit().gemv_kernel[(features, _cdiv(tokens, block_m), splits)](
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=block_m, **args)

@@ -36,6 +36,20 @@ def row_scale(x_row, in_features, eps, NORM_BLOCK: tl.constexpr):
 
 
 @triton.jit
+def prefetch(w_rows, up_rows, k0, k_end, col_ok, GATED: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The weight tile of the step at `k0` (and its up rows', GATED; else the same tile
+    twice), zeros past `k_end`: loaded a step ahead of its use (PREFETCH), the first one
+    before the norm's full-row pass, so that pass runs while the weights are in flight."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    mask = col_ok[:, None] & (ks < k_end)[None, :]
+    w = tl.load(w_rows + ks[None, :], mask=mask, other=0.0)
+    up = w
+    if GATED:
+        up = tl.load(up_rows + ks[None, :], mask=mask, other=0.0)
+    return w, up
+
+
+@triton.jit
 def row_input(x_row, ks, in_features, col_ok, norm_weight_ptr, norm_scale, normed_row,
               EVEN_K: tl.constexpr, NORM: tl.constexpr, STORE_NORMED: tl.constexpr):
     """(one step's input [1, BLOCK_K], normalised where NORM and stored to `normed_row` by
@@ -92,6 +106,7 @@ def gemv_rows_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """out[t, n] for token t = program_id(1) and the features of block program_id(0). With
     SPLIT, program_id(2) takes inputs [s * split_features, (s + 1) * split_features) only
@@ -104,24 +119,33 @@ def gemv_rows_kernel(
     col_ok = cols < out_features
     x_row = x_ptr + token.to(tl.int64) * stride_x_token
     w_rows = weight_ptr + cols.to(tl.int64)[:, None] * stride_weight_row
+    up_rows = w_rows + out_features * stride_weight_row
+    k_start = tl.program_id(2) * split_features
+    k_end = tl.minimum(k_start + split_features, in_features)
+    if PREFETCH:
+        w_next, up_next = prefetch(w_rows, up_rows, k_start, k_end, col_ok, GATED, BLOCK_K)
     scale = 1.0
     if NORM:
         scale = row_scale(x_row, in_features, eps, NORM_BLOCK)
     normed_row = normed_ptr + token.to(tl.int64) * stride_normed_token
-    k_start = tl.program_id(2) * split_features
-    k_end = tl.minimum(k_start + split_features, in_features)
     acc = tl.full([BLOCK_N], 0, dtype=tl.float32)
     acc_up = tl.full([BLOCK_N], 0, dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         xv, w_mask = row_input(x_row, ks, in_features, col_ok, norm_weight_ptr, scale,
                                normed_row, EVEN_K, NORM, STORE_NORMED)
-        w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0)
+        if PREFETCH:
+            w, w_up = w_next, up_next
+            w_next, up_next = prefetch(w_rows, up_rows, k0 + BLOCK_K, k_end, col_ok, GATED,
+                                       BLOCK_K)
+        else:
+            w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0)
+            w_up = w
+            if GATED:
+                w_up = tl.load(up_rows + ks[None, :], mask=w_mask, other=0.0)
         xf = xv.to(w.dtype).to(tl.float32)
         acc += ops.sum_(w.to(tl.float32) * xf, axis=1)
         if GATED:
-            w_up = tl.load(w_rows + out_features * stride_weight_row + ks[None, :], mask=w_mask,
-                           other=0.0)
             acc_up += ops.sum_(w_up.to(tl.float32) * xf, axis=1)
     if SPLIT:
         partial = (partial_ptr + tl.program_id(2) * stride_partial_split

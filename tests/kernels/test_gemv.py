@@ -92,13 +92,16 @@ _ROW_CASES = [(_ROW_TILES[0], 2, 14, 200), (_ROW_TILES[1], 1, 64, 256),
               (_ROW_TILES[2], 3, 28, 200)]
 
 
+@pytest.mark.parametrize("prefetch", [False, True], ids=["in-step", "prefetch"])
 @pytest.mark.parametrize("tiles, tokens, out_features, in_features", _ROW_CASES,
                          ids=[c[0].key() for c in _ROW_CASES])
-def test_row_kernel(tiles, tokens, out_features, in_features):
+def test_row_kernel(tiles, tokens, out_features, in_features, prefetch, monkeypatch):
     """The kernel without tensor cores (`rows` tiles) equals the torch steps for every
     fusion (bias, both norm forms, gated with norm and residual), over whole and ragged
     feature blocks and input steps, alone and split over the inputs (the second launch
-    adding the parts)."""
+    adding the parts), with the weights loaded in their step or a step ahead
+    (`gemv.ROW_PREFETCH`, the normed calls)."""
+    monkeypatch.setattr(gemv, "ROW_PREFETCH", prefetch)
     x, w, b = _make_linear(tokens, out_features, in_features, out_features, bias=True)
     what = f"{tiles.key()} T={tokens} {out_features}x{in_features}"
     _assert_linear(f"{what} bias", x, w, b, tiles=tiles)
