@@ -12,8 +12,9 @@ switches a comma list of `no-overlap` (each step's tokens read before the next s
 launched, `EngineConfig.overlap_steps=False`), `no-moe-rows` (one token's routed experts on
 the grouped kernels, `fused_moe.ROWS_AT_ONE_TOKEN`), `no-shared-rows` (one token's shared
 expert and gate on their own launches, not inside the routed row kernels,
-`fused_moe.SHARED_IN_ROWS`) and `no-quant-fusions` (one token's FP8 projections without the
-input norm and the residual add, `quant_gemm.DECODE_FUSIONS`), all on otherwise, and
+`fused_moe.SHARED_IN_ROWS`) and `no-quant-fusions` (one token's quantized projections
+without the input norm, the gate and the residual add, `quant_gemm.DECODE_FUSIONS`), all on
+otherwise, and
 `row-prefetch` (the row kernels of normed calls load each weight tile a step ahead, the
 first before the norm's row pass, `gemv.ROW_PREFETCH`), off otherwise. Before each
 arm's run the tables are re-read and the decode graphs dropped, so they are captured again
