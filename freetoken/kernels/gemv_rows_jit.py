@@ -41,7 +41,13 @@ def prefetch(w_rows, up_rows, k0, k_end, col_ok, GATED: tl.constexpr, BLOCK_K: t
     twice), zeros past `k_end`: loaded a step ahead of its use (PREFETCH), the first one
     before the norm's full-row pass, so that pass runs while the weights are in flight."""
     ks = k0 + tl.arange(0, BLOCK_K)
-    mask = col_ok[:, None] & (ks < k_end)[None, :]
+    return load_pair(w_rows, up_rows, ks, col_ok[:, None] & (ks < k_end)[None, :], GATED)
+
+
+@triton.jit
+def load_pair(w_rows, up_rows, ks, mask, GATED: tl.constexpr):
+    """The weight tile of inputs `ks` (zeros outside `mask`) and, GATED, its up rows' (else
+    the same tile twice)."""
     w = tl.load(w_rows + ks[None, :], mask=mask, other=0.0)
     up = w
     if GATED:
@@ -139,10 +145,7 @@ def gemv_rows_kernel(
             w_next, up_next = prefetch(w_rows, up_rows, k0 + BLOCK_K, k_end, col_ok, GATED,
                                        BLOCK_K)
         else:
-            w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0)
-            w_up = w
-            if GATED:
-                w_up = tl.load(up_rows + ks[None, :], mask=w_mask, other=0.0)
+            w, w_up = load_pair(w_rows, up_rows, ks, w_mask, GATED)
         xf = xv.to(w.dtype).to(tl.float32)
         acc += ops.sum_(w.to(tl.float32) * xf, axis=1)
         if GATED:

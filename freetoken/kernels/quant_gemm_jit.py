@@ -56,6 +56,16 @@ def store_block(acc, rows, cols, row_ok, col_ok, bias_ptr, partial_ptr, out_ptr,
 
 
 @triton.jit
+def row_global(global_ptr, group_ptr, cols, col_ok, RECIPROCAL: tl.constexpr):
+    """The global scale of weight rows `cols` (RECIPROCAL: the stored one divides)."""
+    g = tl.load(global_ptr + tl.load(group_ptr + cols, mask=col_ok, other=0), mask=col_ok,
+                other=1.0)
+    if RECIPROCAL:
+        g = 1.0 / g
+    return g
+
+
+@triton.jit
 def _interleave(planes, BLOCK_N: tl.constexpr, KW: tl.constexpr):
     """The 8 planes of `word_values` ([BLOCK_N, KW] each, plane j holding input 8w + j of
     word w) as one [BLOCK_N, 8 KW] tile in input order. Joins add a trailing dim inside
@@ -206,9 +216,6 @@ def nvfp4_gemm_kernel(
         xv = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < in_features)[None, :],
                      other=0.0)
         acc = tl.dot(xv, tl.trans(w.to(dtype)), acc, input_precision=PRECISION)
-    g = tl.load(global_ptr + tl.load(group_ptr + cols, mask=col_ok, other=0), mask=col_ok,
-                other=1.0)
-    if RECIPROCAL:
-        g = 1.0 / g
+    g = row_global(global_ptr, group_ptr, cols, col_ok, RECIPROCAL)
     store_block(acc * g[None, :], rows, cols, row_ok, col_ok, bias_ptr, partial_ptr, out_ptr,
                 out_features, stride_partial_split, stride_out_token, HAS_BIAS, SPLIT)

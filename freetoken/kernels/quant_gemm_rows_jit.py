@@ -36,9 +36,9 @@ import triton.language as tl
 
 from freetoken.kernels import jit_ops as ops
 from freetoken.kernels.gemv_jit import epilogue
-from freetoken.kernels.gemv_rows_jit import prefetch, row_input, row_scale
+from freetoken.kernels.gemv_rows_jit import load_pair, prefetch, row_input, row_scale
 from freetoken.kernels.nvfp4_decode_jit import unbias, word_step, word_tables
-from freetoken.kernels.quant_gemm_jit import store_block
+from freetoken.kernels.quant_gemm_jit import row_global, store_block
 
 
 @triton.jit
@@ -120,10 +120,7 @@ def fp8_gemm_rows_kernel(
             w_next, up_next = prefetch(w_rows, up_rows, k0 + BLOCK_K, k_end, col_ok, GATED,
                                        BLOCK_K)
         else:
-            w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0)
-            w_up = w
-            if GATED:
-                w_up = tl.load(up_rows + ks[None, :], mask=w_mask, other=0.0)
+            w, w_up = load_pair(w_rows, up_rows, ks, w_mask, GATED)
         xf = xv.to(tl.float32)
         acc += _fp8_step(w, s_rows, xf, k0, ks, w_mask, col_ok, in_features, col_offset,
                          SCALE, BLOCK_COLS, SUB, BLOCK_N, BLOCK_K)
@@ -274,22 +271,12 @@ def nvfp4_gemm_rows_kernel(
                                 mask=w_mask, other=0),
                 tl.load(s_rows + out_features * stride_scale_row + group[None, :],
                         mask=s_mask, other=0), x, tables, ASM)
-    out = ops.sum_(acc, axis=1) * unbias(ASM) * _global(global_ptr, group_ptr, cols, col_ok,
+    out = ops.sum_(acc, axis=1) * unbias(ASM) * row_global(global_ptr, group_ptr, cols, col_ok,
                                                          RECIPROCAL)
     out_up = out
     if GATED:
-        out_up = ops.sum_(acc_up, axis=1) * unbias(ASM) * _global(
+        out_up = ops.sum_(acc_up, axis=1) * unbias(ASM) * row_global(
             global_ptr, group_ptr, out_features + cols, col_ok, RECIPROCAL)
     _finish(out, out_up, rows, cols, row_ok, col_ok, bias_ptr, residual_ptr, partial_ptr,
             out_ptr, out_features, stride_residual_token, stride_partial_split,
             stride_out_token, GATED, HAS_BIAS, HAS_RESIDUAL, SPLIT)
-
-
-@triton.jit
-def _global(global_ptr, group_ptr, cols, col_ok, RECIPROCAL: tl.constexpr):
-    """The global scale of weight rows `cols` (RECIPROCAL: the stored one divides)."""
-    g = tl.load(global_ptr + tl.load(group_ptr + cols, mask=col_ok, other=0), mask=col_ok,
-                other=1.0)
-    if RECIPROCAL:
-        g = 1.0 / g
-    return g
