@@ -32,9 +32,6 @@ DECODE_FUSIONS = True
 norm and residual add (`fp8_gemm(norm=, residual=)`, `nvfp4_gemm`'s, through
 `WeightOnlyMethod.apply_fused`); False
 keeps their separate launches (an A/B of `bench/tile_ab.py`, switch `no-quant-fusions`)."""
-NVFP4_PLANE_LOADS = False
-"""The NVFP4 row kernel's inputs: True, each of a step's 8 planes (inputs 8w + j) loaded on
-its own; False, the step loaded in order and split into planes in registers."""
 SM_PROGRAMS = 264
 """About two programs per SM of an H200 (132 SMs): the decode split's target."""
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -273,7 +270,7 @@ def nvfp4_gemm(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tensor,
         return _launch(jit_module("quant_gemm_rows_jit").nvfp4_gemm_rows_kernel, x, rows,
                        in_features, bias, tiles, 8 * kw, dict(
                            args, EVEN_K=in_features % (8 * kw) == 0,
-                           X_LOADS=NVFP4_PLANE_LOADS, **_fusion_args(fused, in_features, x)),
+                           **_fusion_args(fused, in_features, x)),
                        residual=fused.get("residual"), gated=fused.get("gated", False))
     return _launch(jit_module("quant_gemm_jit").nvfp4_gemm_kernel, x, rows, in_features, bias,
                    tiles, 8 * kw, args)

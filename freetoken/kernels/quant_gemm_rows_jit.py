@@ -191,25 +191,6 @@ def _planes(xv, KW: tl.constexpr):
 
 
 @triton.jit
-def _plane_loads(x_row, k0, in_features, col_ok, norm_weight_ptr, norm_scale, normed_row,
-                 EVEN_K: tl.constexpr, NORM: tl.constexpr, STORE_NORMED: tl.constexpr,
-                 KW: tl.constexpr):
-    """`_planes` of the step at k0 loaded plane by plane (inputs 8w + j of the step's words,
-    normalised and stored as `row_input` does), float32."""
-    at = (k0 // 8 + tl.arange(0, KW)) * 8
-    args = (in_features, col_ok, norm_weight_ptr, norm_scale, normed_row, EVEN_K, NORM,
-            STORE_NORMED)
-    return (row_input(x_row, at, *args)[0].to(tl.float32),
-            row_input(x_row, at + 1, *args)[0].to(tl.float32),
-            row_input(x_row, at + 2, *args)[0].to(tl.float32),
-            row_input(x_row, at + 3, *args)[0].to(tl.float32),
-            row_input(x_row, at + 4, *args)[0].to(tl.float32),
-            row_input(x_row, at + 5, *args)[0].to(tl.float32),
-            row_input(x_row, at + 6, *args)[0].to(tl.float32),
-            row_input(x_row, at + 7, *args)[0].to(tl.float32))
-
-
-@triton.jit
 def nvfp4_gemm_rows_kernel(
     # pointers
     x_ptr,                  # [tokens, in_features] activations
@@ -251,7 +232,6 @@ def nvfp4_gemm_rows_kernel(
     BLOCK_N: tl.constexpr,
     KW: tl.constexpr,       # words per step (8 KW inputs, KW even)
     NORM_BLOCK: tl.constexpr,
-    X_LOADS: tl.constexpr,  # 1: the inputs' planes loaded one by one (`_plane_loads`)
 ):
     """out[t, n] for token t = program_id(1) and the rows of block program_id(0) (see the
     module docstring); with SPLIT, program_id(2) takes `split_features` inputs (a whole
@@ -276,14 +256,9 @@ def nvfp4_gemm_rows_kernel(
     acc = tl.full([BLOCK_N, G], 0, dtype=tl.float32)
     acc_up = tl.full([BLOCK_N, G], 0, dtype=tl.float32)
     for k0 in range(k_start, k_end, 8 * KW):
-        if X_LOADS:
-            x = _plane_loads(x_row, k0, in_features, col_ok, norm_weight_ptr, norm_scale,
-                             normed_row, EVEN_K, NORM, STORE_NORMED, KW)
-        else:
-            xv, _ = row_input(x_row, k0 + tl.arange(0, 8 * KW), in_features, col_ok,
-                              norm_weight_ptr, norm_scale, normed_row, EVEN_K, NORM,
-                              STORE_NORMED)
-            x = _planes(xv.to(tl.float32), KW)
+        xv, _ = row_input(x_row, k0 + tl.arange(0, 8 * KW), in_features, col_ok,
+                          norm_weight_ptr, norm_scale, normed_row, EVEN_K, NORM, STORE_NORMED)
+        x = _planes(xv.to(tl.float32), KW)
         word = k0 // 8 + tl.arange(0, KW)
         group = k0 // 16 + tl.arange(0, G)
         w_mask = col_ok[:, None] & (word < k_words)[None, :]

@@ -182,13 +182,10 @@ def test_nvfp4_kernel_follows_the_definition(reciprocal, tokens):
 @pytest.mark.parametrize("reciprocal", [False, True])
 @pytest.mark.parametrize("block_n,block_k,split", [(1, 64, 1), (4, 128, 2), (8, 32, 1),
                                                    (2, 512, 1)])
-def test_nvfp4_row_kernel_follows_the_definition(reciprocal, block_n, block_k, split,
-                                                 monkeypatch):
+def test_nvfp4_row_kernel_follows_the_definition(reciprocal, block_n, block_k, split):
     """The NVFP4 kernel without tensor cores (`rows` tiles: one token per program) equals
     the oracle for both global conventions, over partial row blocks and a partial last
-    step (272 inputs), with the inputs split, steps of 4 to 64 words and a bias; the
-    inputs' planes split in registers or loaded one by one (`NVFP4_PLANE_LOADS`)."""
-    monkeypatch.setattr(quant_gemm, "NVFP4_PLANE_LOADS", reciprocal)
+    step (272 inputs), with the inputs split, steps of 4 to 64 words and a bias."""
     packed, block_scale, globals_, group, oracle = _nvfp4_pair()
     stored = 1.0 / globals_ if reciprocal else globals_
     x, bias = _x(3, 272, block_k), torch.randn(33)
