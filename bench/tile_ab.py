@@ -12,13 +12,12 @@ switches a comma list of `no-overlap` (each step's tokens read before the next s
 launched, `EngineConfig.overlap_steps=False`), `no-moe-rows` (one token's routed experts on
 the grouped kernels, `fused_moe.ROWS_AT_ONE_TOKEN`), `no-shared-rows` (one token's shared
 expert and gate on their own launches, not inside the routed row kernels,
-`fused_moe.SHARED_IN_ROWS`) and `no-quant-fusions` (one token's quantized projections
-without the input norm, the gate and the residual add, `quant_gemm.DECODE_FUSIONS`), all on
-otherwise, and
-`row-prefetch` (the row kernels of normed calls load each weight tile a step ahead, the
-first before the norm's row pass, `gemv.ROW_PREFETCH`), off otherwise. Before each
-arm's run the tables are re-read and the decode graphs dropped, so they are captured again
-with that arm's tiles. A run is one warm-up and `--repeats` timed pairs (one token, then
+`fused_moe.SHARED_IN_ROWS`), `no-quant-fusions` (one token's quantized projections
+without the input norm, the gate and the residual add, `quant_gemm.DECODE_FUSIONS`) and
+`no-row-prefetch` (the 16-bit row kernel of a normed call loads each weight tile in its
+step, not a step ahead, `gemv.ROW_PREFETCH`), all on otherwise. Before each arm's run the
+tables are re-read and the decode graphs dropped, so they are captured again with that
+arm's tiles. A run is one warm-up and `--repeats` timed pairs (one token, then
 `--new-tokens`); the step time is their difference over the decode steps. Prints each arm's
 median step over the rounds, every round's value, and with `--mb` (the bytes a step reads,
 from `bench/engine_decode.py`) the share of the copy bandwidth measured here."""
@@ -45,7 +44,7 @@ TABLES = (("FREETOKEN_GEMV_TABLE", gemv), ("FREETOKEN_QUANT_TABLE", quant_gemm))
 
 
 SWITCHES = ("no-overlap", "no-moe-rows", "no-shared-rows", "no-quant-fusions",
-            "row-prefetch")
+            "no-row-prefetch")
 
 
 def parse_arm(text: str) -> tuple[str, tuple[str, str, frozenset]]:
@@ -69,7 +68,7 @@ def use_arm(llm: LLM, arm: tuple[str, str, frozenset]) -> None:
     fused_moe.ROWS_AT_ONE_TOKEN = "no-moe-rows" not in switches
     fused_moe.SHARED_IN_ROWS = "no-shared-rows" not in switches
     quant_gemm.DECODE_FUSIONS = "no-quant-fusions" not in switches
-    gemv.ROW_PREFETCH = "row-prefetch" in switches
+    gemv.ROW_PREFETCH = "no-row-prefetch" not in switches
     for path, (var, module) in zip(tables, TABLES):
         if path == "-":
             os.environ.pop(var, None)

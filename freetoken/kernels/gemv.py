@@ -20,15 +20,18 @@ MAX_TOKENS = 16
 REDUCE_BLOCK_N = 256
 NORM_BLOCK = 4096
 """The row kernel's RMSNorm statistics take up to this many inputs per step."""
-ROW_PREFETCH = False
-"""True: the row kernels (`gemv_rows_jit`, `quant_gemm_rows_jit`) of a call with an input
-norm load each weight tile a step ahead, the first before the norm's full-row pass
-(`prefetches`); False: the tile is loaded in its step (the pipeliner's prologue comes after
-the norm's pass)."""
+ROW_PREFETCH = True
+"""True: the 16-bit row kernel (`gemv_rows_jit`) of a call with an input norm loads each
+weight tile a step ahead, the first before the norm's full-row pass (`prefetches`); False:
+the tile is loaded in its step (the pipeliner's prologue then comes after the norm's pass).
+On an H100 at one token: realdims attention qkv + norm 16.8 -> 16.0 us, GatedDeltaNet
+in_proj + norm 20.9 -> 20.7 us, the same bits (the FP8 row kernel gained nothing from it:
+docs/performance.md)."""
 
 
 def prefetches(norm: bool) -> bool:
-    """The row kernels' PREFETCH for a call with (`norm`) or without an input norm."""
+    """The 16-bit row kernel's PREFETCH for a call with (`norm`) or without an input
+    norm."""
     return ROW_PREFETCH and norm
 
 

@@ -38,8 +38,9 @@ def row_scale(x_row, in_features, eps, NORM_BLOCK: tl.constexpr):
 @triton.jit
 def prefetch(w_rows, up_rows, k0, k_end, col_ok, GATED: tl.constexpr, BLOCK_K: tl.constexpr):
     """The weight tile of the step at `k0` (and its up rows', GATED; else the same tile
-    twice), zeros past `k_end`: loaded a step ahead of its use (PREFETCH), the first one
-    before the norm's full-row pass, so that pass runs while the weights are in flight."""
+    twice), zeros past `k_end`: loaded a step ahead of its use (PREFETCH, `gemv.ROW_PREFETCH`),
+    the first one before the norm's full-row pass, so that pass runs while the weights are in
+    flight."""
     ks = k0 + tl.arange(0, BLOCK_K)
     return load_pair(w_rows, up_rows, ks, col_ok[:, None] & (ks < k_end)[None, :], GATED)
 

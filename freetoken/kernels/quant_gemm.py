@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from freetoken.kernels import gemv, interpreting, jit_module, next_pow2, nvfp4_linear
+from freetoken.kernels import interpreting, jit_module, next_pow2, nvfp4_linear
 from freetoken.kernels.gemv import NORM_BLOCK, Norm, check_normed
 from freetoken.kernels.tile_table import parse_tiles, read_tile_table, spell_tiles
 
@@ -221,8 +221,7 @@ def _fp8_rows(x, weight, scale, scale_row, block_cols, col_offset, bias, tiles, 
                        col_offset=col_offset, stride_weight_row=weight.stride(0),
                        stride_scale_row=scale.stride(0), SCALE=mode, BLOCK_COLS=block_cols,
                        SUB=sub, EVEN_K=in_features % tiles.block_k == 0,
-                       BLOCK_K=tiles.block_k, **_fusion_args(fused, in_features, x),
-                       PREFETCH=gemv.prefetches(fused.get("norm") is not None)),
+                       BLOCK_K=tiles.block_k, **_fusion_args(fused, in_features, x)),
                    residual=fused.get("residual"), gated=fused.get("gated", False))
 
 

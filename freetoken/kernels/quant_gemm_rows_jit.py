@@ -26,7 +26,7 @@ rows whose result is `silu(gate) * up` (up row n is row out_features + n, with i
 scales; a split launch runs ungated over all 2 out_features rows and the reduction gates
 them); HAS_RESIDUAL,
 the decoder layer's residual added to the rounded output (after a split, in
-`gemv_jit.gemv_reduce_kernel`). PREFETCH (FP8): `gemv_rows_jit.prefetch`.
+`gemv_jit.gemv_reduce_kernel`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import triton.language as tl
 
 from freetoken.kernels import jit_ops as ops
 from freetoken.kernels.gemv_jit import epilogue
-from freetoken.kernels.gemv_rows_jit import load_pair, prefetch, row_input, row_scale
+from freetoken.kernels.gemv_rows_jit import load_pair, row_input, row_scale
 from freetoken.kernels.nvfp4_decode_jit import unbias, word_step, word_tables
 from freetoken.kernels.quant_gemm_jit import row_global, store_block
 
@@ -83,7 +83,6 @@ def fp8_gemm_rows_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     """out[t, n] for token t = program_id(1) and the rows of block program_id(0) (see the
     module docstring); with SPLIT, program_id(2) takes `split_features` inputs (a whole
@@ -101,26 +100,19 @@ def fp8_gemm_rows_kernel(
     if GATED:
         s_up = scale_ptr + tl.load(scale_row_ptr + out_features + cols, mask=col_ok,
                                    other=0) * stride_scale_row
-    k_start = tl.program_id(2) * split_features
-    k_end = tl.minimum(k_start + split_features, in_features)
-    if PREFETCH:
-        w_next, up_next = prefetch(w_rows, up_rows, k_start, k_end, col_ok, GATED, BLOCK_K)
     norm_scale = 1.0
     if NORM:
         norm_scale = row_scale(x_row, in_features, eps, NORM_BLOCK)
     normed_row = normed_ptr + token.to(tl.int64) * stride_normed_token
+    k_start = tl.program_id(2) * split_features
+    k_end = tl.minimum(k_start + split_features, in_features)
     acc = tl.full([BLOCK_N], 0, dtype=tl.float32)
     acc_up = tl.full([BLOCK_N], 0, dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         xv, w_mask = row_input(x_row, ks, in_features, col_ok, norm_weight_ptr, norm_scale,
                                normed_row, EVEN_K, NORM, STORE_NORMED)
-        if PREFETCH:
-            w, w_up = w_next, up_next
-            w_next, up_next = prefetch(w_rows, up_rows, k0 + BLOCK_K, k_end, col_ok, GATED,
-                                       BLOCK_K)
-        else:
-            w, w_up = load_pair(w_rows, up_rows, ks, w_mask, GATED)
+        w, w_up = load_pair(w_rows, up_rows, ks, w_mask, GATED)
         xf = xv.to(tl.float32)
         acc += _fp8_step(w, s_rows, xf, k0, ks, w_mask, col_ok, in_features, col_offset,
                          SCALE, BLOCK_COLS, SUB, BLOCK_N, BLOCK_K)

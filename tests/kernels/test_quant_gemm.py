@@ -240,15 +240,13 @@ SIGMOID_SATURATES = pytest.mark.filterwarnings("ignore:overflow encountered in e
 @pytest.mark.parametrize("offset,gated", [(False, False), (True, False), (True, True)],
                          ids=["w", "1+w", "1+w-gated"])
 @SIGMOID_SATURATES
-def test_row_kernels_take_the_norm_and_the_residual(fmt, split, offset, gated, monkeypatch):
+def test_row_kernels_take_the_norm_and_the_residual(fmt, split, offset, gated):
     """The FP8 and NVFP4 row kernels with the decode step's fusions: the RMSNorm (weight w,
     or Qwen3.5's 1 + w) applied as x is loaded and stored for the layers after it, a bias,
     SiLU-and-mul of a [gate | up] weight (the up half with its own scales and globals),
     and the residual added after the rounding (after a split, the reduction launch gates
     and adds): equal to the oracle of the separate steps, and the stored normalised x to
-    `reference_norm`. FP8 with the weights a step ahead where the 1 + w norm is fused
-    (`gemv.ROW_PREFETCH`)."""
-    monkeypatch.setattr(gemv, "ROW_PREFETCH", offset)
+    `reference_norm`."""
     got, want, normed, want_normed = _fusion_call(split, offset, with_bias=True, fmt=fmt,
                                                   gated=gated)
     err = float((got.double() - want).norm() / want.norm())
