@@ -29,9 +29,9 @@ ran 1.7x (31040 rows) and 2.4x (248320 rows) faster than `nvfp4_gemm_kernel`, an
 2048 rows and at 16 tokens (it streams the weight once per token)."""
 DECODE_FUSIONS = True
 """True: a one-token FP8 or NVFP4 call on the row kernel takes the decoder layer's input
-norm and residual add (`fp8_gemm(norm=, residual=)`, `nvfp4_gemm`'s, through
-`WeightOnlyMethod.apply_fused`); False
-keeps their separate launches (an A/B of `bench/tile_ab.py`, switch `no-quant-fusions`)."""
+norm, a shared expert's SiLU-and-mul and the residual add (`fp8_gemm(norm=, gated=,
+residual=)`, `nvfp4_gemm`'s, through `WeightOnlyMethod.apply_fused`); False keeps their
+separate launches (an A/B of `bench/tile_ab.py`, switch `no-quant-fusions`)."""
 SM_PROGRAMS = 264
 """About two programs per SM of an H200 (132 SMs): the decode split's target."""
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -165,8 +165,8 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 def fusing_tiles(tokens: int, rows: int, in_features: int, fmt: str = "fp8"
                  ) -> QuantTiles | None:
     """The tiles of a call in `fmt` ("fp8" or "nvfp4") of `tokens` tokens over a
-    [rows, in_features] weight where they name the row kernel, which takes the norm and
-    residual fusions (the measured table's one-token entries on a GPU); None where they
+    [rows, in_features] weight where they name the row kernel, which takes the norm, gate
+    and residual fusions (the measured table's one-token entries on a GPU); None where they
     do not."""
     tiles = tiles_for(tokens, rows, in_features, fmt)
     return tiles if tiles.rows else None

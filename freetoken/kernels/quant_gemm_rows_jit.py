@@ -24,9 +24,8 @@ the activations' dtype as the separate norm rounds it; STORE_NORMED also stores 
 layers after it that read the same input); GATED, a [gate | up] weight of 2 out_features
 rows whose result is `silu(gate) * up` (up row n is row out_features + n, with its own
 scales; a split launch runs ungated over all 2 out_features rows and the reduction gates
-them); HAS_RESIDUAL,
-the decoder layer's residual added to the rounded output (after a split, in
-`gemv_jit.gemv_reduce_kernel`).
+them); HAS_RESIDUAL, the decoder layer's residual added to the rounded output (after a
+split, in `gemv_jit.gemv_reduce_kernel`).
 """
 
 from __future__ import annotations
