@@ -18,7 +18,9 @@ against the device-to-device copy bandwidth (read + write) measured in the same 
 NVFP4 layers of one global `mma_us` the routed-expert kernels' dense path
 (`freetoken.kernels.nvfp4_linear`). `rel_l2` is against float32 on the torch path's
 dequantized weights. `--sweep` also times other tiles per decode row and keeps the fastest
-(`--write`: as a tile table). The NVFP4 LM head at one token runs `nvfp4_linear`
+(`--write`: as a tile table), and for the projections that take the decoder layer's input
+norm (NORMED) the one-token row tiles with the norm fused too (`norm_*` columns, `+norm`
+keys). The NVFP4 LM head at one token runs `nvfp4_linear`
 (`quant_gemm.MMA_MIN_ROWS`), whatever its `tiles` column says.
 `--check`: TP 1/2/4/8, 1, 5, 16 and 64 tokens, errors and graph equality only, and at one
 token the row kernel (two tilings, plain and with the decode step's norm, residual and, for
@@ -52,6 +54,9 @@ SWEEP_K = {"fp8": (128, 256, 512), "nvfp4": (64, 128, 256)}
 ROW_SWEEP = dict(block_n=(1, 2, 4, 8), num_warps=(4, 8), split=(1, 2))
 ROW_SWEEP_K = {"fp8": (512, 1024, 2048), "nvfp4": (256, 512, 1024, 2048)}
 ROW_SWEEP_TOKENS = 1
+# the projections that take the decoder layer's input norm in the engine: their one-token
+# row tiles are also swept with the norm fused (`+norm` table keys)
+NORMED = ("attn.qkv", "gdn.in_proj_qkvz")
 TOLERANCE = 1e-2
 
 
@@ -91,11 +96,11 @@ def copies_of(layer, l2: int) -> list:
     return [layer] + [copy.deepcopy(layer) for _ in range(count - 1)]
 
 
-def kernel_call(layer, x, tiles):
+def kernel_call(layer, x, tiles, **fused):
     method = layer.quant
     if tiles is None:
         return lambda: method.kernel(layer, x, None)
-    return lambda: _with_tiles(method, layer, x, tiles)
+    return lambda: _with_tiles(method, layer, x, tiles, **fused)
 
 
 def _with_tiles(method, layer, x, tiles, **fused):
@@ -198,9 +203,11 @@ def bench_row(name, fmt, tp, tokens, copy_gbs, gen, sweep, l2, timing=True,
             if us < best_us:
                 best, best_us = t, us
         row["sweep_rel_l2"] = rel_l2(_with_tiles(layer.quant, layer, x, best), want)
+    kind = "nvfp4" if fmt.startswith("nvfp4") else "fp8"
     if sweep and tokens <= quant_gemm.DECODE_MAX_TOKENS:
-        row["key"] = quant_gemm.table_key("nvfp4" if fmt.startswith("nvfp4") else "fp8",
-                                          layer.weight.shape[0], local_in, tokens)
+        row["key"] = quant_gemm.table_key(kind, layer.weight.shape[0], local_in, tokens)
+    if sweep in ("all", "rows") and tokens <= ROW_SWEEP_TOKENS and name in NORMED:
+        row.update(sweep_normed(layer, fmt, x, copies, gen, deadline))
     row.update(us=best_us, tiles=best.key(),
                pct_copy=100 * weight_bytes(layer) / (best_us * 1e-6) / (copy_gbs * 1e9))
     dense = [c.quant.dequantize(c, torch.bfloat16) for c in copies[:max(2, len(copies) // 2)]]
@@ -210,6 +217,31 @@ def bench_row(name, fmt, tp, tokens, copy_gbs, gen, sweep, l2, timing=True,
         row["mma_us"] = graph_us([lambda c=c: nvfp4_linear.nvfp4_linear(
             x, c.weight, c.weight_scale, c.weight_scale_2[0]) for c in copies])
     return row
+
+
+def sweep_normed(layer, fmt, x, copies, gen, deadline) -> dict:
+    """The row tiles of a one-token call with the input norm fused (Qwen3.5's 1 + w),
+    starting from the tiles the engine takes for it now: `norm_default_us`, the fastest
+    `norm_tiles` / `norm_us` and their `norm_key` (a `+norm` table key)."""
+    kind = "nvfp4" if fmt.startswith("nvfp4") else "fp8"
+    rows, k = layer.weight.shape[0], x.shape[1]
+    norm = gemv.Norm(torch.randn(k, device="cuda", generator=gen).to(x.dtype) * 0.3, 1e-6,
+                     True)
+    best = quant_gemm.fusing_tiles(1, rows, k, kind, norm=True) or \
+        quant_gemm.QuantTiles(1, 4, min(1024, next_pow2(k)), num_stages=2, rows=True)
+    best_us = default_us = graph_us([kernel_call(c, x, best, norm=norm) for c in copies])
+    for t in sweep_tiles(layer, fmt, 1, "rows"):
+        if time.time() >= deadline:
+            break
+        try:
+            us = graph_us([kernel_call(c, x, t, norm=norm) for c in copies], replays=3)
+        except Exception as err:  # a tile choice the compiler or the GPU refuses
+            print(f"{fmt} {rows}x{k}+norm {t.key()}: {type(err).__name__}", file=sys.stderr)
+            continue
+        if us < best_us:
+            best, best_us = t, us
+    return dict(norm_key=quant_gemm.table_key(kind, rows, k, 1, norm=True),
+                norm_default_us=default_us, norm_tiles=best.key(), norm_us=best_us)
 
 
 def main() -> int:
@@ -265,6 +297,7 @@ def main() -> int:
     if args.write:
         table = dict(quant_gemm._table())
         table.update({r["key"]: r["tiles"] for r in rows if "key" in r})
+        table.update({r["norm_key"]: r["norm_tiles"] for r in rows if "norm_key" in r})
         args.write.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
         print(f"tile table ({len(table)} entries) written to {args.write}")
     if bad:

@@ -78,10 +78,11 @@ def serves(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype in _DTYPES and enabled()
 
 
-def table_key(fmt: str, rows: int, in_features: int, tokens: int) -> str:
-    """The measured table's key of a call: format kind, weight shape, token bucket (1, or
-    2..DECODE_MAX_TOKENS)."""
-    return f"{fmt}/{rows}x{in_features}/{1 if tokens == 1 else DECODE_MAX_TOKENS}"
+def table_key(fmt: str, rows: int, in_features: int, tokens: int, norm: bool = False) -> str:
+    """The measured table's key of a call: format kind, weight shape (`+norm` for a row
+    kernel call with the input norm fused), token bucket (1, or 2..DECODE_MAX_TOKENS)."""
+    return (f"{fmt}/{rows}x{in_features}{'+norm' if norm else ''}/"
+            f"{1 if tokens == 1 else DECODE_MAX_TOKENS}")
 
 
 @functools.cache
@@ -97,11 +98,15 @@ def _shipped() -> dict:
     return H200
 
 
-def tiles_for(tokens: int, rows: int, in_features: int, fmt: str) -> QuantTiles:
-    """The tiles of a call: the measured table's entry for a decode call on a GPU, else
-    `choose_tiles`."""
+def tiles_for(tokens: int, rows: int, in_features: int, fmt: str, norm: bool = False
+              ) -> QuantTiles:
+    """The tiles of a call: the measured table's entry for a decode call on a GPU (with
+    `norm`, the entry measured with the norm fused where the table has one, else the plain
+    call's), else `choose_tiles`."""
     if 0 < tokens <= DECODE_MAX_TOKENS and not interpreting():
-        entry = _table().get(table_key(fmt, rows, in_features, tokens))
+        table = _table()
+        entry = table.get(table_key(fmt, rows, in_features, tokens, norm)) if norm else None
+        entry = entry or table.get(table_key(fmt, rows, in_features, tokens))
         if entry is not None:
             return QuantTiles.parse(entry)
     return choose_tiles(tokens, rows, in_features, fmt)
@@ -162,13 +167,13 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                        EVEN_K=in_features % block_k == 0, BLOCK_K=block_k))
 
 
-def fusing_tiles(tokens: int, rows: int, in_features: int, fmt: str = "fp8"
-                 ) -> QuantTiles | None:
+def fusing_tiles(tokens: int, rows: int, in_features: int, fmt: str = "fp8",
+                 norm: bool = False) -> QuantTiles | None:
     """The tiles of a call in `fmt` ("fp8" or "nvfp4") of `tokens` tokens over a
-    [rows, in_features] weight where they name the row kernel, which takes the norm, gate
-    and residual fusions (the measured table's one-token entries on a GPU); None where they
-    do not."""
-    tiles = tiles_for(tokens, rows, in_features, fmt)
+    [rows, in_features] weight (`norm`: with the input norm fused) where they name the row
+    kernel, which takes the norm, gate and residual fusions (the measured table's one-token
+    entries on a GPU); None where they do not."""
+    tiles = tiles_for(tokens, rows, in_features, fmt, norm)
     return tiles if tiles.rows else None
 
 

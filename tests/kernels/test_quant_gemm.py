@@ -134,6 +134,21 @@ def test_quant_tile_entries_parse():
         quant_gemm.QuantTiles.parse("16/x")
 
 
+def test_normed_calls_take_their_own_table_entry(monkeypatch):
+    """A one-token call with the input norm fused takes the table's `+norm` entry where the
+    table has one, else the plain call's; a call without the norm never takes it."""
+    table = {quant_gemm.table_key("fp8", 64, 256, 1): "r1/4/256/4/2/1",
+             quant_gemm.table_key("fp8", 64, 256, 1, norm=True): "r1/16/256/4/2/1",
+             quant_gemm.table_key("nvfp4", 64, 256, 1): "r1/2/256/4/2/1"}
+    assert quant_gemm.table_key("fp8", 64, 256, 1, norm=True) == "fp8/64x256+norm/1"
+    monkeypatch.setattr(quant_gemm, "interpreting", lambda: False)
+    monkeypatch.setattr(quant_gemm, "_table", lambda: table)
+    assert quant_gemm.fusing_tiles(1, 64, 256, "fp8", norm=True).block_n == 16
+    assert quant_gemm.fusing_tiles(1, 64, 256, "fp8").block_n == 4
+    assert quant_gemm.fusing_tiles(1, 64, 256, "nvfp4", norm=True).block_n == 2
+    assert quant_gemm.fusing_tiles(1, 64, 512, "fp8", norm=True) is None
+
+
 def _nvfp4_pair(rows=(20, 13), cols=272):
     """Two segments with their own globals (the second 50x larger): (packed, block scale,
     globals [2], the row-to-global index, the float64 oracle)."""

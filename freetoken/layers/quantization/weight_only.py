@@ -42,7 +42,7 @@ class WeightOnlyMethod:
                 and x.dim() == 2 and x.stride(-1) == 1):
             return None
         tiles = quant_gemm.fusing_tiles(x.shape[0], layer.weight.shape[0], x.shape[1],
-                                        self.tile_format)
+                                        self.tile_format, fused.get("norm") is not None)
         if tiles is None:
             return None
         return self.kernel(layer, x, bias, tiles=tiles, **fused)
