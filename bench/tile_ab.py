@@ -13,7 +13,8 @@ launched, `EngineConfig.overlap_steps=False`), `no-moe-rows` (one token's routed
 the grouped kernels, `fused_moe.ROWS_AT_ONE_TOKEN`), `no-shared-rows` (one token's shared
 expert and gate on their own launches, not inside the routed row kernels,
 `fused_moe.SHARED_IN_ROWS`), `no-quant-fusions` (one token's quantized projections
-without the input norm, the gate and the residual add, `quant_gemm.DECODE_FUSIONS`) and
+without the input norm, the gate and the residual add, `quant_gemm.DECODE_FUSIONS`),
+`no-quant-norm` (the same without the input norm only, `quant_gemm.DECODE_NORM`) and
 `no-row-prefetch` (the 16-bit row kernel of a normed call loads each weight tile in its
 step, not a step ahead, `gemv.ROW_PREFETCH`), all on otherwise. Before each arm's run the
 tables are re-read and the decode graphs dropped, so they are captured again with that
@@ -44,7 +45,7 @@ TABLES = (("FREETOKEN_GEMV_TABLE", gemv), ("FREETOKEN_QUANT_TABLE", quant_gemm))
 
 
 SWITCHES = ("no-overlap", "no-moe-rows", "no-shared-rows", "no-quant-fusions",
-            "no-row-prefetch")
+            "no-quant-norm", "no-row-prefetch")
 
 
 def parse_arm(text: str) -> tuple[str, tuple[str, str, frozenset]]:
@@ -68,6 +69,7 @@ def use_arm(llm: LLM, arm: tuple[str, str, frozenset]) -> None:
     fused_moe.ROWS_AT_ONE_TOKEN = "no-moe-rows" not in switches
     fused_moe.SHARED_IN_ROWS = "no-shared-rows" not in switches
     quant_gemm.DECODE_FUSIONS = "no-quant-fusions" not in switches
+    quant_gemm.DECODE_NORM = "no-quant-norm" not in switches
     gemv.ROW_PREFETCH = "no-row-prefetch" not in switches
     for path, (var, module) in zip(tables, TABLES):
         if path == "-":

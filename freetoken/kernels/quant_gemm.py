@@ -32,6 +32,10 @@ DECODE_FUSIONS = True
 norm, a shared expert's SiLU-and-mul and the residual add (`fp8_gemm(norm=, gated=,
 residual=)`, `nvfp4_gemm`'s, through `WeightOnlyMethod.apply_fused`); False keeps their
 separate launches (an A/B of `bench/tile_ab.py`, switch `no-quant-fusions`)."""
+DECODE_NORM = True
+"""With DECODE_FUSIONS: False keeps the input norm's own launch before a quantized row-kernel
+call while the gate and the residual stay fused (tile_ab switch `no-quant-norm`: the FP8
+norm fusion measured near break-even per call, docs/performance.md)."""
 SM_PROGRAMS = 264
 """About two programs per SM of an H200 (132 SMs): the decode split's target."""
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -537,6 +537,22 @@ def test_apply_routes_through_the_kernel_with_leading_dims_and_bias(monkeypatch)
     _assert_oracle(want.reshape(6, -1), x.reshape(6, -1), oracle, "apply (torch)", bias)
 
 
+def test_the_norm_switch_leaves_the_norm_to_the_caller(monkeypatch):
+    """With `quant_gemm.DECODE_NORM` off a one-token call with the input norm is left to
+    the caller's unfused steps (None) while the residual still fuses; on, both fuse."""
+    layer, _ = _block_layer(_gdn_case(1), (16, 16), 0, 1)
+    x = _x(1, layer.weight.shape[1], 0)
+    norm = gemv.Norm(torch.ones(x.shape[1]), 1e-6, False)
+    residual = torch.zeros(1, layer.weight.shape[0])
+    monkeypatch.setattr(quant_gemm, "serves", lambda x: True)
+    monkeypatch.setattr(quant_gemm, "fusing_tiles",
+                        lambda *a, **k: quant_gemm.QuantTiles(1, 4, 32, rows=True))
+    assert layer.quant.apply_fused(layer, x, norm=norm) is not None
+    monkeypatch.setattr(quant_gemm, "DECODE_NORM", False)
+    assert layer.quant.apply_fused(layer, x, norm=norm) is None
+    assert layer.quant.apply_fused(layer, x, residual=residual) is not None
+
+
 def test_the_environment_switch_turns_the_kernels_off(monkeypatch):
     """FREETOKEN_QUANT_KERNELS=0 makes `serves` say no, whatever the device."""
     quant_gemm.enabled.cache_clear()

@@ -37,9 +37,12 @@ class WeightOnlyMethod:
         `gemv.Norm` applied to x first, `normed`: where to store norm(x), `gated`: a
         [gate | up] weight's `silu(gate) * up`, `residual`: added to the result), or None
         where this call cannot take them (a method without them, no kernels, a call off
-        the row kernel: more than a token or two), for the caller's unfused steps."""
+        the row kernel: more than a token or two; a norm while `quant_gemm.DECODE_NORM` is
+        off), for the caller's unfused steps."""
         if not (self.fuses and quant_gemm.DECODE_FUSIONS and quant_gemm.serves(x)
                 and x.dim() == 2 and x.stride(-1) == 1):
+            return None
+        if fused.get("norm") is not None and not quant_gemm.DECODE_NORM:
             return None
         tiles = quant_gemm.fusing_tiles(x.shape[0], layer.weight.shape[0], x.shape[1],
                                         self.tile_format, fused.get("norm") is not None)
