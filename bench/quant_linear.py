@@ -193,15 +193,9 @@ def bench_row(name, fmt, tp, tokens, copy_gbs, gen, sweep, l2, timing=True,
     best, best_us = tiles, graph_us([kernel_call(c, x, None) for c in copies])
     row["default_us"] = best_us
     if sweep and tokens <= quant_gemm.DECODE_MAX_TOKENS and time.time() < deadline:
-        for t in sweep_tiles(layer, fmt, tokens, sweep):
-            try:
-                us = graph_us([kernel_call(c, x, t) for c in copies], replays=3)
-            except Exception as err:  # a tile choice the compiler or the GPU refuses
-                print(f"{name} {fmt} T={tokens} {t.key()}: {type(err).__name__}",
-                      file=sys.stderr)
-                continue
-            if us < best_us:
-                best, best_us = t, us
+        best, best_us = fastest(sweep_tiles(layer, fmt, tokens, sweep), best, best_us,
+                                lambda t: [kernel_call(c, x, t) for c in copies],
+                                f"{name} {fmt} T={tokens}")
         row["sweep_rel_l2"] = rel_l2(_with_tiles(layer.quant, layer, x, best), want)
     kind = "nvfp4" if fmt.startswith("nvfp4") else "fp8"
     if sweep and tokens <= quant_gemm.DECODE_MAX_TOKENS:
@@ -219,6 +213,23 @@ def bench_row(name, fmt, tp, tokens, copy_gbs, gen, sweep, l2, timing=True,
     return row
 
 
+def fastest(candidates, best, best_us, calls_for, what, deadline=float("inf")):
+    """(tiles, us): the fastest of `best` (timed at `best_us`) and `candidates`, each timed
+    as a graph of `calls_for(tiles)`, until `deadline`; a choice the compiler or the GPU
+    refuses is reported and skipped."""
+    for t in candidates:
+        if time.time() >= deadline:
+            break
+        try:
+            us = graph_us(calls_for(t), replays=3)
+        except Exception as err:  # a tile choice the compiler or the GPU refuses
+            print(f"{what} {t.key()}: {type(err).__name__}", file=sys.stderr)
+            continue
+        if us < best_us:
+            best, best_us = t, us
+    return best, best_us
+
+
 def sweep_normed(layer, fmt, x, copies, gen, deadline) -> dict:
     """The row tiles of a one-token call with the input norm fused (Qwen3.5's 1 + w),
     starting from the tiles the engine takes for it now: `norm_default_us`, the fastest
@@ -230,16 +241,9 @@ def sweep_normed(layer, fmt, x, copies, gen, deadline) -> dict:
     best = quant_gemm.fusing_tiles(1, rows, k, kind, norm=True) or \
         quant_gemm.QuantTiles(1, 4, min(1024, next_pow2(k)), num_stages=2, rows=True)
     best_us = default_us = graph_us([kernel_call(c, x, best, norm=norm) for c in copies])
-    for t in sweep_tiles(layer, fmt, 1, "rows"):
-        if time.time() >= deadline:
-            break
-        try:
-            us = graph_us([kernel_call(c, x, t, norm=norm) for c in copies], replays=3)
-        except Exception as err:  # a tile choice the compiler or the GPU refuses
-            print(f"{fmt} {rows}x{k}+norm {t.key()}: {type(err).__name__}", file=sys.stderr)
-            continue
-        if us < best_us:
-            best, best_us = t, us
+    best, best_us = fastest(sweep_tiles(layer, fmt, 1, "rows"), best, best_us,
+                            lambda t: [kernel_call(c, x, t, norm=norm) for c in copies],
+                            f"{fmt} {rows}x{k}+norm", deadline)
     return dict(norm_key=quant_gemm.table_key(kind, rows, k, 1, norm=True),
                 norm_default_us=default_us, norm_tiles=best.key(), norm_us=best_us)
 

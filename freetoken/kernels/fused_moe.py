@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from freetoken.kernels import gemv, moe_rows
 from freetoken.kernels.moe_align import align_pairs
 from freetoken.kernels.moe_rows import RowMoeTiles, SharedExpertRows
+from freetoken.kernels.quant_gemm import scale_mode
 
 
 @dataclass(frozen=True)
@@ -255,11 +256,11 @@ def _check_scales(weight: torch.Tensor, scales: ExpertBlockScales | None, name: 
 def _scale_args(scales: ExpertBlockScales | None, block_k: int, weight: torch.Tensor
                 ) -> tuple[dict, int]:
     """(the kernel's scale arguments, its K step): SCALE 0 without scales, else
-    `moe_rows.scale_mode`'s."""
+    `quant_gemm.scale_mode`'s."""
     if scales is None:
         return dict(scale_ptr=weight, scale_row_ptr=weight, col_offset=0,
                     stride_scale_expert=0, stride_scale_row=0, SCALE=0, BLOCK_COLS=1), block_k
-    mode, step = moe_rows.scale_mode(scales.block_cols, scales.col_offset, block_k)
+    mode, step = scale_mode(scales.block_cols, scales.col_offset, block_k)
     return dict(scale_ptr=scales.scale, scale_row_ptr=scales.rows,
                 col_offset=scales.col_offset, stride_scale_expert=scales.scale.stride(0),
                 stride_scale_row=scales.scale.stride(1), BLOCK_COLS=scales.block_cols,

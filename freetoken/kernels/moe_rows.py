@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from freetoken.kernels import interpreting, jit_module, next_pow2
-from freetoken.kernels.quant_gemm import SM_PROGRAMS, block_step
+from freetoken.kernels.quant_gemm import SM_PROGRAMS, scale_mode
 
 
 @dataclass(frozen=True)
@@ -243,14 +243,6 @@ def down(hidden_rows: RowHidden, weights: torch.Tensor, ids: torch.Tensor, w2: t
         EVEN_K=inter % block_k == 0, STEPS=_cdiv(inter, block_k), BLOCK_N=tiles.down_n,
         BLOCK_K=block_k, num_warps=tiles.num_warps, **shared_args, **scale_args)
     return out
-
-
-def scale_mode(block_cols: int, col_offset: int, block_k: int) -> tuple[int, int]:
-    """(SCALE, K step) of a block-FP8 dot in the expert kernels: 1 with
-    `quant_gemm.block_step`'s step (one scale column over each step), else 2 (a scale per
-    element) with `block_k`."""
-    step = block_step(block_cols, col_offset, block_k)
-    return (2, block_k) if step is None else (1, step)
 
 
 def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor,

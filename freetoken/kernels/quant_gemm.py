@@ -303,14 +303,20 @@ def block_step(block_cols: int, col_offset: int, block_k: int) -> int | None:
     return None
 
 
+def scale_mode(block_cols: int, col_offset: int, block_k: int) -> tuple[int, int]:
+    """(SCALE, K step) of a block-FP8 dot: 1 with `block_step`'s step (one scale column over
+    each step), else 2 (a scale per element) with `block_k`."""
+    step = block_step(block_cols, col_offset, block_k)
+    return (2, block_k) if step is None else (1, step)
+
+
 def _fp8_scale_mode(in_features: int, block_cols: int, col_offset: int, block_k: int
                     ) -> tuple[int, int]:
     """(SCALE, BLOCK_K) of an FP8 launch: 0 when one column block covers every input (per
-    tensor), 1 with `block_step`'s step, else 2 with `block_k`."""
+    tensor), else `scale_mode`'s."""
     if col_offset + in_features <= block_cols:
         return 0, block_k
-    step = block_step(block_cols, col_offset, block_k)
-    return (2, block_k) if step is None else (1, step)
+    return scale_mode(block_cols, col_offset, block_k)
 
 
 def _launch(kernel, x, rows, in_features, bias, tiles, block_k, args,
