@@ -8,8 +8,10 @@ before it for the row kernels, `quant_gemm_rows_jit`); a call it lacks gets
 row kernel in the sweep (`--sweep rows`); the NVFP4 one-token entries of the TP 1 shapes
 (9216x2048, 2048x4096, 1024x2048, 2048x512) on an H100 on 2026-12-06, when the NVFP4 row
 kernel came (`--formats nvfp4 --tp 1 --tokens 1 --sweep rows`: 1.4-1.7x the tensor-core
-tiles there); the TP 8 NVFP4 one-token entries keep the tensor-core tiles until an H200
-sweep."""
+tiles there), and those of the TP 8 shards (1536x2048, 128x2048, 2048x64) on an H100 on
+2026-12-06 (`--formats fp8-tensor,fp8-block,nvfp4 --tp 1,8 --tokens 1 --sweep rows`: 6.23 ->
+3.93, 5.12 -> 2.75 and 3.08 -> 2.65 us a call); the NVFP4 LM head shards keep the
+tensor-core tiles."""
 
 H200: dict[str, str] = {
     "fp8/1024x2048/1": "r1/2/2048/8/2/1",
@@ -30,15 +32,15 @@ H200: dict[str, str] = {
     "fp8/9216x2048/16": "16/32/128/4/4/1",
     "nvfp4/1024x2048/1": "r1/1/1024/4/2/1",
     "nvfp4/1024x2048/16": "16/32/256/4/4/4",
-    "nvfp4/128x2048/1": "16/16/256/4/4/8",
+    "nvfp4/128x2048/1": "r1/1/2048/8/2/1",
     "nvfp4/128x2048/16": "16/16/256/4/4/4",
-    "nvfp4/1536x2048/1": "16/32/256/4/4/8",
+    "nvfp4/1536x2048/1": "r1/4/2048/4/2/1",
     "nvfp4/1536x2048/16": "16/32/256/4/4/4",
     "nvfp4/2048x4096/1": "r1/4/2048/4/2/1",
     "nvfp4/2048x4096/16": "16/64/256/8/4/4",
     "nvfp4/2048x512/1": "r1/4/512/8/2/1",
     "nvfp4/2048x512/16": "16/16/256/4/4/1",
-    "nvfp4/2048x64/1": "16/16/64/4/4/1",
+    "nvfp4/2048x64/1": "r1/4/256/4/2/1",
     "nvfp4/2048x64/16": "16/16/64/4/4/1",
     "nvfp4/248320x2048/1": "16/64/128/4/4/1",
     "nvfp4/248320x2048/16": "16/64/128/4/4/1",
