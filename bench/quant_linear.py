@@ -195,7 +195,7 @@ def bench_row(name, fmt, tp, tokens, copy_gbs, gen, sweep, l2, timing=True,
     if sweep and tokens <= quant_gemm.DECODE_MAX_TOKENS and time.time() < deadline:
         best, best_us = fastest(sweep_tiles(layer, fmt, tokens, sweep), best, best_us,
                                 lambda t: [kernel_call(c, x, t) for c in copies],
-                                f"{name} {fmt} T={tokens}")
+                                f"{name} {fmt} T={tokens}", deadline)
         row["sweep_rel_l2"] = rel_l2(_with_tiles(layer.quant, layer, x, best), want)
     kind = "nvfp4" if fmt.startswith("nvfp4") else "fp8"
     if sweep and tokens <= quant_gemm.DECODE_MAX_TOKENS:
