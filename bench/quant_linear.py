@@ -51,7 +51,7 @@ from freetoken.kernels import gemv, next_pow2, nvfp4_linear, quant_gemm  # noqa:
 SWEEP = dict(block_n=(16, 32, 64), num_warps=(4, 8), split=(1, 2, 4, 8, 16))
 SWEEP_K = {"fp8": (128, 256, 512), "nvfp4": (64, 128, 256)}
 # the kernels without tensor cores (`quant_gemm_rows_jit`), swept at one token
-ROW_SWEEP = dict(block_n=(1, 2, 4, 8), num_warps=(4, 8), split=(1, 2))
+ROW_SWEEP = dict(block_n=(1, 2, 4, 8, 16, 32), num_warps=(4, 8), split=(1, 2))
 ROW_SWEEP_K = {"fp8": (512, 1024, 2048), "nvfp4": (256, 512, 1024, 2048)}
 ROW_SWEEP_TOKENS = 1
 # the projections that take the decoder layer's input norm in the engine: their one-token
