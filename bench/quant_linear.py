@@ -188,8 +188,8 @@ def bench_row(name, fmt, tp, tokens, copy_gbs, gen, sweep, l2, timing=True,
                 layer, x, gen, gated=name.endswith("gate_up"))
         return row
     copies = copies_of(layer, l2)
-    tiles = quant_gemm.tiles_for(tokens, layer.weight.shape[0], local_in,
-                                    "nvfp4" if fmt.startswith("nvfp4") else "fp8")
+    kind = "nvfp4" if fmt.startswith("nvfp4") else "fp8"
+    tiles = quant_gemm.tiles_for(tokens, layer.weight.shape[0], local_in, kind)
     best, best_us = tiles, graph_us([kernel_call(c, x, None) for c in copies])
     row["default_us"] = best_us
     if sweep and tokens <= quant_gemm.DECODE_MAX_TOKENS and time.time() < deadline:
@@ -197,7 +197,6 @@ def bench_row(name, fmt, tp, tokens, copy_gbs, gen, sweep, l2, timing=True,
                                 lambda t: [kernel_call(c, x, t) for c in copies],
                                 f"{name} {fmt} T={tokens}", deadline)
         row["sweep_rel_l2"] = rel_l2(_with_tiles(layer.quant, layer, x, best), want)
-    kind = "nvfp4" if fmt.startswith("nvfp4") else "fp8"
     if sweep and tokens <= quant_gemm.DECODE_MAX_TOKENS:
         row["key"] = quant_gemm.table_key(kind, layer.weight.shape[0], local_in, tokens)
     if sweep in ("all", "rows") and tokens <= ROW_SWEEP_TOKENS and name in NORMED:
@@ -213,7 +212,7 @@ def bench_row(name, fmt, tp, tokens, copy_gbs, gen, sweep, l2, timing=True,
     return row
 
 
-def fastest(candidates, best, best_us, calls_for, what, deadline=float("inf")):
+def fastest(candidates, best, best_us, calls_for, what, deadline):
     """(tiles, us): the fastest of `best` (timed at `best_us`) and `candidates`, each timed
     as a graph of `calls_for(tiles)`, until `deadline`; a choice the compiler or the GPU
     refuses is reported and skipped."""
