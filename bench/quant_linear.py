@@ -188,7 +188,7 @@ def bench_row(name, fmt, tp, tokens, copy_gbs, gen, sweep, l2, timing=True,
                 layer, x, gen, gated=name.endswith("gate_up"))
         return row
     copies = copies_of(layer, l2)
-    kind = "nvfp4" if fmt.startswith("nvfp4") else "fp8"
+    kind = layer.quant.tile_format
     tiles = quant_gemm.tiles_for(tokens, layer.weight.shape[0], local_in, kind)
     best, best_us = tiles, graph_us([kernel_call(c, x, None) for c in copies])
     row["default_us"] = best_us
@@ -233,7 +233,7 @@ def sweep_normed(layer, fmt, x, copies, gen, deadline) -> dict:
     """The row tiles of a one-token call with the input norm fused (Qwen3.5's 1 + w),
     starting from the tiles the engine takes for it now: `norm_default_us`, the fastest
     `norm_tiles` / `norm_us` and their `norm_key` (a `+norm` table key)."""
-    kind = "nvfp4" if fmt.startswith("nvfp4") else "fp8"
+    kind = layer.quant.tile_format
     rows, k = layer.weight.shape[0], x.shape[1]
     norm = gemv.Norm(torch.randn(k, device="cuda", generator=gen).to(x.dtype) * 0.3, 1e-6,
                      True)

@@ -83,8 +83,9 @@ def serves(x: torch.Tensor) -> bool:
 
 
 def table_key(fmt: str, rows: int, in_features: int, tokens: int, norm: bool = False) -> str:
-    """The measured table's key of a call: format kind, weight shape (`+norm` for a row
-    kernel call with the input norm fused), token bucket (1, or 2..DECODE_MAX_TOKENS)."""
+    """The measured table's key of a call: format kind (`fp8`, `nvfp4`, or a format of a kind
+    measured apart: `fp8-block`, `fp8-tensor`), weight shape (`+norm` for a row kernel call
+    with the input norm fused), token bucket (1, or 2..DECODE_MAX_TOKENS)."""
     return (f"{fmt}/{rows}x{in_features}{'+norm' if norm else ''}/"
             f"{1 if tokens == 1 else DECODE_MAX_TOKENS}")
 
@@ -104,16 +105,19 @@ def _shipped() -> dict:
 
 def tiles_for(tokens: int, rows: int, in_features: int, fmt: str, norm: bool = False
               ) -> QuantTiles:
-    """The tiles of a call: the measured table's entry for a decode call on a GPU (with
-    `norm`, the entry measured with the norm fused where the table has one, else the plain
-    call's), else `choose_tiles`."""
+    """The tiles of a call in `fmt` (a kind, "fp8" or "nvfp4", or a format of one:
+    "fp8-block", "fp8-tensor"): the measured table's entry for a decode call on a GPU, the
+    format's own before its kind's, and with `norm` the entry measured with the norm fused
+    before the plain call's; else `choose_tiles`."""
+    kind = fmt.split("-")[0]
     if 0 < tokens <= DECODE_MAX_TOKENS and not interpreting():
         table = _table()
-        entry = table.get(table_key(fmt, rows, in_features, tokens, norm)) if norm else None
-        entry = entry or table.get(table_key(fmt, rows, in_features, tokens))
-        if entry is not None:
-            return QuantTiles.parse(entry)
-    return choose_tiles(tokens, rows, in_features, fmt)
+        for fused in ((True, False) if norm else (False,)):
+            for name in dict.fromkeys((fmt, kind)):
+                entry = table.get(table_key(name, rows, in_features, tokens, fused))
+                if entry is not None:
+                    return QuantTiles.parse(entry)
+    return choose_tiles(tokens, rows, in_features, kind)
 
 
 def choose_tiles(tokens: int, rows: int, in_features: int, fmt: str) -> QuantTiles:
@@ -141,7 +145,8 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
              scale_row: torch.Tensor, block_cols: int, col_offset: int = 0,
              bias: torch.Tensor | None = None, tiles: QuantTiles | None = None, *,
              norm: Norm | None = None, residual: torch.Tensor | None = None,
-             normed: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+             normed: torch.Tensor | None = None, gated: bool = False,
+             tile_format: str = "fp8") -> torch.Tensor:
     """`x` [T, K] times an e4m3 weight [N, K] whose element (n, k) is scaled by
     `scale[scale_row[n], (k + col_offset) // block_cols]` (scale float32 [R, C], scale_row
     int32 [N]); FP8 per tensor is `scale` [G, 1] with `block_cols` >= K. Plus `bias`,
@@ -149,14 +154,15 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     `norm`: x's RMSNorm applied as it is loaded (`normed`, x's shape and dtype: stored
     there too); `gated`: the weight stacks [gate | up] and the result is `silu(gate) * up`
     [T, N / 2]; `residual` [T, output features]: `residual + ` the rounded result
-    (`gemv.linear`'s fusions and roundings)."""
+    (`gemv.linear`'s fusions and roundings). Without `tiles`, those `tiles_for` gives
+    `tile_format` ("fp8", "fp8-block" or "fp8-tensor")."""
     tokens, in_features = _check(x, weight.shape[1], "fp8_gemm", weight)
     if weight.dtype != torch.float8_e4m3fn or scale.dtype != torch.float32:
         raise ValueError(f"fp8_gemm: weight must be float8_e4m3fn and scale float32, got "
                          f"{weight.dtype} and {scale.dtype}")
     _check_rows(scale_row, weight.shape[0], "fp8_gemm")
     rows = weight.shape[0]
-    tiles = tiles or tiles_for(tokens, rows, in_features, "fp8")
+    tiles = tiles or tiles_for(tokens, rows, in_features, tile_format)
     fused = _check_fusions(x, rows, tiles, "fp8_gemm", norm=norm, residual=residual,
                            normed=normed, gated=gated)
     if tiles.rows:
@@ -173,7 +179,7 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 
 def fusing_tiles(tokens: int, rows: int, in_features: int, fmt: str = "fp8",
                  norm: bool = False) -> QuantTiles | None:
-    """The tiles of a call in `fmt` ("fp8" or "nvfp4") of `tokens` tokens over a
+    """The tiles of a call in `fmt` (`tiles_for`'s) of `tokens` tokens over a
     [rows, in_features] weight (`norm`: with the input norm fused) where they name the row
     kernel, which takes the norm, gate and residual fusions (the measured table's one-token
     entries on a GPU); None where they do not."""

@@ -1,6 +1,7 @@
 """Decode tiles of the weight-only quantized GEMMs (`quant_gemm.tiles_for`), measured on an
 H200 by `bench/quant_linear.py --sweep --write` at Qwen3.5-35B-A3B's TP 1 and TP 8 shapes
-(keys `quant_gemm.table_key`: format kind, TP-local weight shape (`+norm`: a row-kernel
+(keys `quant_gemm.table_key`: format kind, or a format where it wants tiles of its own
+(`fp8-block/...`, `fp8-tensor/...`: taken before the kind's `fp8/...`), TP-local weight shape (`+norm`: a row-kernel
 call with the input norm fused, where measured apart), token bucket; values
 `QuantTiles.key()`: tokens / rows / inputs per step / warps / stages / input split, an `r`
 before it for the row kernels, `quant_gemm_rows_jit`); a call it lacks gets

@@ -149,6 +149,38 @@ def test_normed_calls_take_their_own_table_entry(monkeypatch):
     assert quant_gemm.fusing_tiles(1, 64, 512, "fp8", norm=True) is None
 
 
+def test_formats_take_their_own_table_entries_before_their_kinds(monkeypatch):
+    """Block and per-tensor FP8 share the `fp8` entries but may each have their own
+    (`fp8-block/...`): a format's entry before its kind's, the norm's before the plain
+    call's, `choose_tiles` of the kind where the table has neither; each FP8 method looks
+    its calls up under its own format, apply and apply_fused alike."""
+    table = {"fp8/64x256/1": "r1/4/256/4/2/1", "fp8-block/64x256/1": "r1/8/256/4/2/1",
+             "fp8/64x256+norm/1": "r1/16/256/4/2/1",
+             "fp8-tensor/64x256+norm/1": "r1/32/256/4/2/1"}
+    monkeypatch.setattr(quant_gemm, "interpreting", lambda: False)
+    monkeypatch.setattr(quant_gemm, "_table", lambda: table)
+    assert quant_gemm.tiles_for(1, 64, 256, "fp8-block").block_n == 8
+    assert quant_gemm.tiles_for(1, 64, 256, "fp8-tensor").block_n == 4
+    assert quant_gemm.tiles_for(1, 64, 256, "fp8").block_n == 4
+    assert quant_gemm.tiles_for(1, 64, 256, "fp8-block", norm=True).block_n == 16
+    assert quant_gemm.tiles_for(1, 64, 256, "fp8-tensor", norm=True).block_n == 32
+    assert quant_gemm.tiles_for(16, 64, 512, "fp8-block") == \
+        quant_gemm.choose_tiles(16, 64, 512, "fp8")
+    asked = []
+    real = quant_gemm.tiles_for
+    monkeypatch.setattr(quant_gemm, "interpreting", lambda: True)
+    monkeypatch.setattr(quant_gemm, "tiles_for",
+                        lambda *a, **k: asked.append(a[3]) or real(*a, **k))
+    monkeypatch.setattr(quant_gemm, "serves", lambda x: True)
+    block, _ = _block_layer(_gdn_case(1), (16, 16), 0, 1)
+    tensor, _ = _tensor_layer(_gdn_case(1), 0, 1, "fp8")
+    for layer in (block, tensor):
+        layer.quant.apply(layer, _x(2, layer.weight.shape[1], 0))
+        layer.quant.apply_fused(layer, _x(1, layer.weight.shape[1], 0),
+                                residual=torch.zeros(1, layer.weight.shape[0]))
+    assert asked == ["fp8-block"] * 2 + ["fp8-tensor"] * 2, asked
+
+
 def _nvfp4_pair(rows=(20, 13), cols=272):
     """Two segments with their own globals (the second 50x larger): (packed, block scale,
     globals [2], the row-to-global index, the float64 oracle)."""

@@ -29,7 +29,8 @@ class WeightOnlyMethod:
     `residual` keywords of `quant_gemm.fp8_gemm` and `quant_gemm.nvfp4_gemm`) and their
     `tiles`."""
     tile_format = "fp8"
-    """The tile table's format kind of `kernel`'s calls (`quant_gemm.table_key`)."""
+    """The tile table's format of `kernel`'s calls (`quant_gemm.tiles_for`: its own entries
+    before its kind's)."""
 
     def apply_fused(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None,
                     **fused) -> torch.Tensor | None:

@@ -75,13 +75,15 @@ class BlockFP8Linear(WeightOnlyMethod):
         return torch.cat(parts)
 
     fuses = True
+    tile_format = "fp8-block"
 
     def kernel(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, **fused
                ) -> torch.Tensor:
         """x [T, local_in] times the weight through `quant_gemm.fp8_gemm` (`fused`: its
         tiles, norm and residual)."""
         return quant_gemm.fp8_gemm(x, layer.weight, layer.weight_scale, layer.weight_scale_row,
-                                   self.block[1], self.col_offset(), bias, **fused)
+                                   self.block[1], self.col_offset(), bias,
+                                   tile_format=self.tile_format, **fused)
 
     def col_offset(self) -> int:
         """The rank's input split's offset inside its first column block."""

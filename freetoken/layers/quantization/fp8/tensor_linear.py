@@ -52,6 +52,7 @@ class FP8TensorLinear(WeightOnlyMethod):
         return (layer.weight.float() * per_row[:, None]).to(dtype)
 
     fuses = True
+    tile_format = "fp8-tensor"
 
     def kernel(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, **fused
                ) -> torch.Tensor:
@@ -60,4 +61,4 @@ class FP8TensorLinear(WeightOnlyMethod):
         norm and residual)."""
         return quant_gemm.fp8_gemm(x, layer.weight, layer.weight_scale.view(-1, 1),
                                    layer.weight_scale_group, layer.weight.shape[1], 0, bias,
-                                   **fused)
+                                   tile_format=self.tile_format, **fused)
