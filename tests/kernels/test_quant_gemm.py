@@ -181,6 +181,28 @@ def test_formats_take_their_own_table_entries_before_their_kinds(monkeypatch):
     assert asked == ["fp8-block"] * 2 + ["fp8-tensor"] * 2, asked
 
 
+def test_the_shipped_table_spells_every_entry_as_tiles_for_reads_it():
+    """Every key of the shipped table is one `table_key` spells for a format the methods
+    name (`tile_format`), and every value parses, the row kernel's only at one token (the
+    only calls that take them)."""
+    import re
+
+    from freetoken.kernels.quant_tiles import H200
+    from freetoken.layers.quantization.fp8.block_linear import BlockFP8Linear
+    from freetoken.layers.quantization.fp8.tensor_linear import FP8TensorLinear
+    from freetoken.layers.quantization.nvfp4.linear import NVFP4Linear
+    methods = (BlockFP8Linear, FP8TensorLinear, NVFP4Linear)
+    formats = {m.tile_format for m in methods} | {m.tile_format.split("-")[0] for m in methods}
+    for key, entry in H200.items():
+        m = re.fullmatch(r"([a-z0-9-]+)/(\d+)x(\d+)(\+norm)?/(\d+)", key)
+        assert m and m[1] in formats, key
+        tokens = int(m[5])
+        assert key == quant_gemm.table_key(m[1], int(m[2]), int(m[3]), tokens, bool(m[4]))
+        tiles = quant_gemm.QuantTiles.parse(entry)
+        assert not tiles.rows or tokens == 1, (key, entry)
+        assert not m[4] or tiles.rows, f"{key}: a +norm entry must name the row kernel"
+
+
 def _nvfp4_pair(rows=(20, 13), cols=272):
     """Two segments with their own globals (the second 50x larger): (packed, block scale,
     globals [2], the row-to-global index, the float64 oracle)."""
