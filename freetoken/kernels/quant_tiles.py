@@ -3,9 +3,8 @@ H200 by `bench/quant_linear.py --sweep --write` at Qwen3.5-35B-A3B's TP 1 and TP
 (keys `quant_gemm.table_key`: format kind, or a format where it wants tiles of its own
 (`fp8-block/...`, `fp8-tensor/...`: taken before the kind's `fp8/...`), TP-local weight
 shape (`+norm`: a row-kernel call with the input norm fused, where measured apart), token
-bucket; values
-`QuantTiles.key()`: tokens / rows / inputs per step / warps / stages / input split, an `r`
-before it for the row kernels, `quant_gemm_rows_jit`); a call it lacks gets
+bucket; values `QuantTiles.key()`: tokens / rows / inputs per step / warps / stages / input
+split, an `r` before it for the row kernels, `quant_gemm_rows_jit`); a call it lacks gets
 `quant_gemm.choose_tiles`. The FP8 one-token entries were measured again 2026-12-04 with the
 row kernel in the sweep (`--sweep rows`); the NVFP4 one-token entries of the TP 1 shapes
 (9216x2048, 2048x4096, 1024x2048, 2048x512) on an H100 on 2026-12-06, when the NVFP4 row
