@@ -97,36 +97,21 @@ def copies_of(layer, l2: int) -> list:
 
 
 def kernel_call(layer, x, tiles, **fused):
-    method = layer.quant
-    if tiles is None:
-        return lambda: method.kernel(layer, x, None)
-    return lambda: _with_tiles(method, layer, x, tiles, **fused)
-
-
-def _with_tiles(method, layer, x, tiles, **fused):
-    """The method's kernel call with `tiles` instead of the default (`fused`: the row
-    kernel's norm, normed and residual)."""
-    if hasattr(layer, "weight_scale_2_group"):
-        return quant_gemm.nvfp4_gemm(x, layer.weight, layer.weight_scale, layer.weight_scale_2,
-                                     layer.weight_scale_2_group, method.reciprocal, None, tiles,
-                                     **fused)
-    if hasattr(layer, "weight_scale_group"):
-        return quant_gemm.fp8_gemm(x, layer.weight, layer.weight_scale.view(-1, 1),
-                                   layer.weight_scale_group, layer.weight.shape[1], 0, None,
-                                   tiles, **fused)
-    return quant_gemm.fp8_gemm(x, layer.weight, layer.weight_scale, layer.weight_scale_row,
-                               method.block[1], method.cols.offset(method.tp_rank,
-                                                                   method.tp_size),
-                               None, tiles, **fused)
+    """The layer's kernel call on x with `tiles` (None: the ones the engine takes) and
+    `fused`, the row kernel's norm, normed, gate and residual."""
+    return functools.partial(layer.quant.kernel, layer, x, None, tiles=tiles, **fused)
 
 
 def row_kernel_check(layer, x, gen, gated: bool) -> tuple[float, bool]:
-    """One token on the row kernel, two tilings (one split over the inputs), plain and with
-    the decode fusions (Qwen3.5's 1 + w RMSNorm, stored, SiLU-and-mul where the layer is
-    `gated` [gate | up], and the residual), against float32 of the separate steps: (the
-    worst relative L2, whether every graph replay equals its eager call)."""
+    """One token on the row kernel, two tilings (one split over the inputs) and the tile
+    table's own for this call where they name the row kernel (the plain call's, and with the
+    fusions the `+norm` entry where the table has one), plain and with the decode fusions
+    (Qwen3.5's 1 + w RMSNorm, stored, SiLU-and-mul where the layer is `gated` [gate | up],
+    and the residual), against float32 of the separate steps: (the worst relative L2,
+    whether every graph replay equals its eager call)."""
     k = x.shape[1]
     step = min(1024, next_pow2(k))
+    rows, fmt = layer.weight.shape[0], layer.quant.tile_format
     norm = gemv.Norm(torch.randn(k, device="cuda", generator=gen).to(x.dtype) * 0.3, 1e-6,
                      True)
     plain, fused_want = reference(layer, x), reference(layer, gemv.reference_norm(x, norm))
@@ -136,13 +121,15 @@ def row_kernel_check(layer, x, gen, gated: bool) -> tuple[float, bool]:
     residual = torch.randn(fused_want.shape, device="cuda", generator=gen).to(x.dtype)
     normed = torch.empty_like(x)
     worst, equal = 0.0, True
-    for tiles in (quant_gemm.QuantTiles(1, 2, step, num_stages=2, rows=True),
-                  quant_gemm.QuantTiles(1, 4, max(64, step // 2), num_stages=2, split=2,
-                                        rows=True)):
-        call = functools.partial(_with_tiles, layer.quant, layer, x, tiles)
+    fixed = (quant_gemm.QuantTiles(1, 2, step, num_stages=2, rows=True),
+             quant_gemm.QuantTiles(1, 4, max(64, step // 2), num_stages=2, split=2, rows=True))
+    own = (quant_gemm.fusing_tiles(1, rows, k, fmt),
+           quant_gemm.fusing_tiles(1, rows, k, fmt, norm=True))
+    for tiles, fused_tiles in [(t, t) for t in fixed] + ([own] if all(own) else []):
+        call = kernel_call(layer, x, tiles)
         worst = max(worst, rel_l2(call(), plain))
-        fused = functools.partial(call, norm=norm, residual=residual, normed=normed,
-                                  gated=gated)
+        fused = kernel_call(layer, x, fused_tiles, norm=norm, residual=residual,
+                            normed=normed, gated=gated)
         worst = max(worst, rel_l2(fused(), fused_want + residual.float()),
                     rel_l2(normed, gemv.reference_norm(x, norm)))
         equal = equal and graph_equals_eager(call) and graph_equals_eager(fused)
@@ -196,7 +183,7 @@ def bench_row(name, fmt, tp, tokens, copy_gbs, gen, sweep, l2, timing=True,
         best, best_us = fastest(sweep_tiles(layer, fmt, tokens, sweep), best, best_us,
                                 lambda t: [kernel_call(c, x, t) for c in copies],
                                 f"{name} {fmt} T={tokens}", deadline)
-        row["sweep_rel_l2"] = rel_l2(_with_tiles(layer.quant, layer, x, best), want)
+        row["sweep_rel_l2"] = rel_l2(kernel_call(layer, x, best)(), want)
     if sweep and tokens <= quant_gemm.DECODE_MAX_TOKENS:
         row["key"] = quant_gemm.table_key(kind, layer.weight.shape[0], local_in, tokens)
     if sweep in ("all", "rows") and tokens <= ROW_SWEEP_TOKENS and name in NORMED:
