@@ -324,6 +324,19 @@ def test_row_kernels_take_the_norm_and_the_residual(fmt, split, offset, gated):
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("block_n,block_k", [(32, 256), (16, 64)])
+def test_wide_normed_programs_take_the_norm_too(fmt, block_n, block_k):
+    """The tile table's widest normed programs (32 or 16 rows a program, as GatedDeltaNet's
+    in_proj and attention's qkv take with the norm fused): over 40 rows (a partial second
+    program) and in one whole-row step or several, the same oracle of the separate steps."""
+    tiles = quant_gemm.QuantTiles(1, block_n, block_k, num_stages=2, rows=True)
+    got, want, normed, want_normed = _fusion_call(1, True, fmt=fmt, tiles=tiles)
+    err = float((got.double() - want).norm() / want.norm())
+    assert err < RTOL, f"{fmt} {tiles.key()}: relative L2 {err:.2e}"
+    torch.testing.assert_close(normed, want_normed, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 @pytest.mark.parametrize("bug", ["norm dropped", "residual dropped", "plain norm for 1+w",
                                  "gate's scales for up"])
 @SIGMOID_SATURATES
