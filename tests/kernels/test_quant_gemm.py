@@ -21,6 +21,7 @@ from the code under test:
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -185,8 +186,6 @@ def test_the_shipped_table_spells_every_entry_as_tiles_for_reads_it():
     """Every key of the shipped table is one `table_key` spells for a format the methods
     name (`tile_format`), and every value parses, the row kernel's only at one token (the
     only calls that take them)."""
-    import re
-
     from freetoken.kernels.quant_tiles import H200
     from freetoken.layers.quantization.fp8.block_linear import BlockFP8Linear
     from freetoken.layers.quantization.fp8.tensor_linear import FP8TensorLinear
