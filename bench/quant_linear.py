@@ -136,12 +136,17 @@ def row_kernel_check(layer, x, gen, gated: bool) -> tuple[float, bool]:
     return worst, equal
 
 
-def sweep_tiles(layer, fmt, tokens, which="all"):
+def local_in(layer) -> int:
+    """The layer's TP-local input width: NVFP4 packs two values a byte."""
+    nvfp4 = layer.quant.tile_format.split("-")[0] == "nvfp4"
+    return layer.weight.shape[1] * (2 if nvfp4 else 1)
+
+
+def sweep_tiles(layer, tokens, which="all"):
     """Every decode tile choice of SWEEP and SWEEP_K that fits the layer's inputs (`which`:
     "all" or "dot"), and the row kernel's tiles of ROW_SWEEP and ROW_SWEEP_K at one token
     ("all" or "rows")."""
-    kind = "nvfp4" if fmt.startswith("nvfp4") else "fp8"
-    k = layer.weight.shape[1] * (2 if kind == "nvfp4" else 1)
+    kind, k = layer.quant.tile_format.split("-")[0], local_in(layer)
     if which in ("all", "dot"):
         for block_k, (block_n, warps, split) in itertools.product(
                 SWEEP_K[kind], itertools.product(*SWEEP.values())):
@@ -161,12 +166,12 @@ def bench_row(name, fmt, tp, tokens, copy_gbs, gen, sweep, l2, timing=True,
               deadline=float('inf')):
     shape = SHAPES[name]
     layer = make_layer(shape, fmt, tp - 1, tp, gen)
-    local_in = layer.weight.shape[1] * (2 if fmt.startswith("nvfp4") else 1)
-    x = torch.randn(tokens, local_in, device="cuda", dtype=torch.bfloat16, generator=gen)
+    width = local_in(layer)
+    x = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16, generator=gen)
     want = reference(layer, x)
     got = layer.quant.kernel(layer, x, None)
     row = dict(format=fmt, shape=name, tp=tp, tokens=tokens,
-               rows_x_in=f"{layer.weight.shape[0]}x{local_in}",
+               rows_x_in=f"{layer.weight.shape[0]}x{width}",
                MB=weight_bytes(layer) / 1e6, rel_l2=rel_l2(got, want),
                graph_eq=graph_equals_eager(lambda: layer.quant.kernel(layer, x, None)))
     if not timing:
@@ -175,17 +180,17 @@ def bench_row(name, fmt, tp, tokens, copy_gbs, gen, sweep, l2, timing=True,
                 layer, x, gen, gated=name.endswith("gate_up"))
         return row
     copies = copies_of(layer, l2)
-    kind = layer.quant.tile_format
-    tiles = quant_gemm.tiles_for(tokens, layer.weight.shape[0], local_in, kind)
+    tile_format = layer.quant.tile_format
+    tiles = quant_gemm.tiles_for(tokens, layer.weight.shape[0], width, tile_format)
     best, best_us = tiles, graph_us([kernel_call(c, x, None) for c in copies])
     row["default_us"] = best_us
     if sweep and tokens <= quant_gemm.DECODE_MAX_TOKENS and time.time() < deadline:
-        best, best_us = fastest(sweep_tiles(layer, fmt, tokens, sweep), best, best_us,
+        best, best_us = fastest(sweep_tiles(layer, tokens, sweep), best, best_us,
                                 lambda t: [kernel_call(c, x, t) for c in copies],
                                 f"{name} {fmt} T={tokens}", deadline)
         row["sweep_rel_l2"] = rel_l2(kernel_call(layer, x, best)(), want)
     if sweep and tokens <= quant_gemm.DECODE_MAX_TOKENS:
-        row["key"] = quant_gemm.table_key(kind, layer.weight.shape[0], local_in, tokens)
+        row["key"] = quant_gemm.table_key(tile_format, layer.weight.shape[0], width, tokens)
     if sweep in ("all", "rows") and tokens <= ROW_SWEEP_TOKENS and name in NORMED:
         row.update(sweep_normed(layer, fmt, x, copies, gen, deadline))
     row.update(us=best_us, tiles=best.key(),
@@ -220,17 +225,17 @@ def sweep_normed(layer, fmt, x, copies, gen, deadline) -> dict:
     """The row tiles of a one-token call with the input norm fused (Qwen3.5's 1 + w),
     starting from the tiles the engine takes for it now: `norm_default_us`, the fastest
     `norm_tiles` / `norm_us` and their `norm_key` (a `+norm` table key)."""
-    kind = layer.quant.tile_format
+    tile_format = layer.quant.tile_format
     rows, k = layer.weight.shape[0], x.shape[1]
     norm = gemv.Norm(torch.randn(k, device="cuda", generator=gen).to(x.dtype) * 0.3, 1e-6,
                      True)
-    best = quant_gemm.fusing_tiles(1, rows, k, kind, norm=True) or \
+    best = quant_gemm.fusing_tiles(1, rows, k, tile_format, norm=True) or \
         quant_gemm.QuantTiles(1, 4, min(1024, next_pow2(k)), num_stages=2, rows=True)
     best_us = default_us = graph_us([kernel_call(c, x, best, norm=norm) for c in copies])
-    best, best_us = fastest(sweep_tiles(layer, fmt, 1, "rows"), best, best_us,
+    best, best_us = fastest(sweep_tiles(layer, 1, "rows"), best, best_us,
                             lambda t: [kernel_call(c, x, t, norm=norm) for c in copies],
                             f"{fmt} {rows}x{k}+norm", deadline)
-    return dict(norm_key=quant_gemm.table_key(kind, rows, k, 1, norm=True),
+    return dict(norm_key=quant_gemm.table_key(tile_format, rows, k, 1, norm=True),
                 norm_default_us=default_us, norm_tiles=best.key(), norm_us=best_us)
 
 
