@@ -41,7 +41,7 @@ DIVISIBLE = {"x_ptr", "w_ptr", "w_scale_ptr", "h_ptr", "out_ptr", "intermediate"
 POINTERS = {"x_ptr": "*fp32", "h_ptr": "*fp32", "topk_ids_ptr": "*i32",
             "topk_weights_ptr": "*bf16", "w_ptr": "*u8", "w_scale_ptr": "*u8",
             "gate_up_global_ptr": "*fp32", "down_global_ptr": "*fp32", "out_ptr": "*bf16",
-            "x16_ptr": "*fp16", "h16_ptr": "*bf16", "xf_ptr": "*fp32", "hf_ptr": "*fp32"}
+            "x16_ptr": "*bf16", "h16_ptr": "*bf16", "out_scale_ptr": "*fp32"}
 
 
 def compile_kernel(fn, constexprs: dict, num_warps: int, arch: int):
@@ -130,8 +130,9 @@ def _mma_kernels(tiles, count: int, top_k: int, hidden: int, inter: int, arch: i
     vh, split_h, chunks_h, tiles_h = nvfp4_mma_launch.mma_shape(count, hidden, inter, top_k,
                                                                 tiles, tiles.mma_down_min_split)
     return [("gate_up_mma", nvfp4_mma_jit.gate_up_mma,
-             dict(V=v, TILES=row_tiles, S=split, VH=vh, ASM=1,
-                  FULL=nvfp4_mma_launch.mma_full(inter, hidden, 1, v, split, row_tiles), PDL=pdl),
+             dict(V=v, TILES=row_tiles, S=split, ASM=1,
+                  FULL=nvfp4_mma_launch.mma_full(inter, hidden, 1, v, split, row_tiles),
+                  BF16=1, PDL=pdl),
              split * row_tiles, 16 * row_tiles, 3 * 2 * 2 * v * 8),
             ("down_mma", nvfp4_mma_jit.down_mma,
              dict(V=vh, TILES=tiles_h, S=split_h, CHUNKS=chunks_h, ASM=1,

@@ -34,8 +34,8 @@ class Tiles:
     tensor-core decode, on unless `mma` is False): `mma_tiles` 16-row tiles per program, and
     the warps of a program split K while a launch has fewer than `mma_warps` warps, up to
     `mma_max_split` ways, down's at least `mma_down_min_split` ways (a down warp otherwise
-    walks all of a token's slots alone); `pdl`: the mma kernels after the first of a call
-    start with programmatic dependent launch where the GPU and Triton have it
+    walks all of a token's slots alone); `pdl`: a MoE call's down starts with programmatic
+    dependent launch after its gate_up where the GPU and Triton have it
     (`nvfp4_mma_launch.launches_early`)."""
 
     decode_n: int = 16

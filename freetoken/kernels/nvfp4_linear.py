@@ -48,15 +48,12 @@ def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tenso
 def _decode(x, w, s, g, out, k_inputs, tiles):
     """out = g * (w[0] @ x[:, :k_inputs].T).T (one expert: w [1, rows, k_inputs / 2], s its
     block scales, g [1] its global scale); `out` [T, rows] in any float dtype. 16-bit
-    activations on a GPU take the mma kernels (`down_mma` with one slot per token, g folded
-    into the fragments' float32 factor), others the CUDA-core ones."""
+    activations on a GPU take the mma kernels (`down_mma` with one slot per token on x in
+    place, its sums times g), others the CUDA-core ones."""
     ids = torch.zeros(x.shape[0], dtype=torch.int32, device=x.device)
     if nvfp4_launch.uses_mma(x, tiles):
-        v = nvfp4_mma_launch.mma_shape(x.shape[0], w.shape[1], k_inputs, 1, tiles)[0]
-        pdl = nvfp4_mma_launch.launches_early(x, tiles)
-        x16, xf = nvfp4_mma_launch.fragments(x, k_inputs, v, pdl)
-        nvfp4_mma_launch.down_mma_launch(x16, xf.mul_(g), ids, w, s, out, k_inputs=k_inputs,
-                                         top_k=1, tiles=tiles, pdl=pdl)
+        nvfp4_mma_launch.down_mma_launch(x, ids, w, s, out, k_inputs=k_inputs, top_k=1,
+                                         tiles=tiles, out_scale=g)
         return
     xw, stride_x_nibble = nvfp4_launch.word_order(x, k_inputs, scale=g)
     nvfp4_launch.down_decode_launch(xw, stride_x_nibble, ids, w, s, out, k_inputs=k_inputs,

@@ -1,8 +1,7 @@
-"""Warp-level pieces of the tensor-core NVFP4 decode (`nvfp4_mma_jit`): where activations sit
-in the mma fragments (`frag_pos`), a lane's weight and fragment loads (`rows_tile`, `b_tile`),
-the mma itself (`mma`: the PTX of `nvfp4_ptx.mma_asm`, or its emulation over the whole tensor
-in Triton's interpreter), and the programmatic-dependent-launch waits (`grid_wait`,
-`launch_next`).
+"""Warp-level pieces of the tensor-core NVFP4 decode (`nvfp4_mma_jit`): a lane's weight and
+activation loads (`rows_tile`, `b_tile`), the mma itself (`mma`: the PTX of
+`nvfp4_ptx.mma_asm`, or its emulation over the whole tensor in Triton's interpreter), and the
+programmatic-dependent-launch waits (`grid_wait`, `launch_next`).
 
 A program's tensors have one row per thread: tensor row r is lane r % 32 of warp r / 32, and
 lane (g, t) = (lane / 4, lane % 4) of a warp holds weight rows g and g + 8 of its 16-row tile.
@@ -29,21 +28,6 @@ _MMA_ASM_BF16_4 = tl.constexpr(mma_asm(4, bf16=True))
 _MMA_CONSTRAINTS_1 = tl.constexpr(mma_constraints(1))
 _MMA_CONSTRAINTS_2 = tl.constexpr(mma_constraints(2))
 _MMA_CONSTRAINTS_4 = tl.constexpr(mma_constraints(4))
-
-
-@triton.jit
-def frag_pos(k, V: tl.constexpr):
-    """Where input k of a row goes in the fragment order of chunks of 32 V inputs, in fp16
-    units: lane t's V words of a chunk, each word's inputs as the int64s ((0, 4), (2, 6))
-    then ((1, 5), (3, 7)) that `b_tile` loads (the first of each word position's steps, then
-    the second)."""
-    c = k // (32 * V)
-    rem = k % (32 * V)
-    t = rem // (8 * V)
-    rem = rem % (8 * V)
-    i = rem // 8
-    q = rem % 8
-    return 2 * ((c * 4 + t) * 4 * V + (q & 1) * 2 * V + i * 2 + ((q >> 1) & 1)) + (q >> 2)
 
 
 @triton.jit
@@ -129,18 +113,21 @@ def rows_tile(w_ptr, w_scale_ptr, expert_words, expert_bytes, rows, rows_end, li
 
 @triton.jit
 def b_tile(b_ptr, chunk, lane_t, live, k_words, V: tl.constexpr, FULL: tl.constexpr):
-    """Activation fragments of `chunk` for lane t from the fragment-ordered fp16 row `b_ptr`
-    (as int64): the two fp16 pairs of each mma step in one int64, so that they load into the
-    register pair the mma reads; (first steps, second steps) of the V word positions, [R, V]
-    each. Every lane loads its column's row (lanes of other columns only feed mma columns
-    that are never read); zeros past k_words or where not `live` [R] (unless FULL)."""
-    i = tl.arange(0, V)
-    offset = ((chunk * 4 + lane_t) * (2 * V))[:, None] + i[None, :]
+    """Activations of `chunk` for lane t from the 16-bit row `b_ptr` (as int64, input order):
+    each of the lane's V words' 8 inputs as two int64s, inputs 0..3 and 4..7 (the mma's PTX
+    pairs them as its steps take them); (first halves, second halves) [R, V] each, one
+    contiguous load of 16 V bytes per lane. Every lane loads its column's row (lanes of other
+    columns only feed mma columns that are never read); zeros past k_words or where not
+    `live` [R] (unless FULL)."""
+    j = tl.arange(0, 2 * V)
+    offset = ((chunk * 4 + lane_t) * (2 * V))[:, None] + j[None, :]
     if FULL:
-        return tl.load(b_ptr + offset), tl.load(b_ptr + offset + V)
-    ok = live[:, None] & (((chunk * (4 * V) + lane_t * V)[:, None] + i[None, :]) < k_words)
-    return (tl.load(b_ptr + offset, mask=ok, other=0),
-            tl.load(b_ptr + offset + V, mask=ok, other=0))
+        quads = tl.load(b_ptr + offset)
+    else:
+        ok = live[:, None] & (((chunk * (4 * V) + lane_t * V)[:, None] + j[None, :] // 2)
+                              < k_words)
+        quads = tl.load(b_ptr + offset, mask=ok, other=0)
+    return tl.split(tl.reshape(quads, (quads.shape[0], V, 2)))
 
 
 @triton.jit
@@ -161,9 +148,9 @@ def _columns(x, N: tl.constexpr):
 @triton.jit
 def mma(acc, w, b, NW: tl.constexpr, ASM: tl.constexpr, BF16: tl.constexpr = 0):
     """acc (4 float32 [R]) += the mma of weight words w = (wg [R, V], wh [R, V], scales
-    [R, G]) and fragments b (2 int64 [R, V]; fp16, or bf16 with BF16): the PTX (ASM 1), or
-    its emulation over the whole tensor (ASM 0: Triton's interpreter, which runs a program's
-    NW warps as one tensor and cannot run PTX)."""
+    [R, G]) and activations b (`b_tile`'s 2 int64 [R, V]; fp16, or bf16 with BF16): the PTX
+    (ASM 1), or its emulation over the whole tensor (ASM 0: Triton's interpreter, which runs
+    a program's NW warps as one tensor and cannot run PTX)."""
     V: tl.constexpr = w[0].shape[1]
     if ASM:
         args = (_columns(w[0], V) + _columns(w[1], V) + _columns(w[2], w[2].shape[1])
@@ -222,13 +209,13 @@ def _mma_portable(acc, w, b, NW: tl.constexpr, BF16: tl.constexpr):
     if BF16:    # 2^-7 -> 2^(BF16_SCALE_EXP - 126), exact in float32
         wg = wg * (128.0 / BF16_OUT)
         wh = wh * (128.0 / BF16_OUT)
-    # the int64 pairs hold inputs (0, 4, 2, 6) and (1, 5, 3, 7): back to input order q =
-    # 4 i2 + 2 i1 + i0 (each join adds a last axis: the innermost join's ends up first, i2)
-    even = tl.join(tl.join(_half(b[0], 0, BF16), _half(b[0], 16, BF16)),
-                   tl.join(_half(b[0], 32, BF16), _half(b[0], 48, BF16)))
-    odd = tl.join(tl.join(_half(b[1], 0, BF16), _half(b[1], 16, BF16)),
-                  tl.join(_half(b[1], 32, BF16), _half(b[1], 48, BF16)))
-    x = tl.reshape(tl.join(even, odd), (NW, 1, 8, 4, V, 8))
+    # b[h] holds inputs 4 h + s at bits 16 s: input q = 4 h + 2 s1 + s0 (each join adds a
+    # last axis, and the innermost join's ends up first: h, then s1, then s0)
+    x = tl.join(tl.join(tl.join(_half(b[0], 0, BF16), _half(b[1], 0, BF16)),
+                        tl.join(_half(b[0], 32, BF16), _half(b[1], 32, BF16))),
+                tl.join(tl.join(_half(b[0], 16, BF16), _half(b[1], 16, BF16)),
+                        tl.join(_half(b[0], 48, BF16), _half(b[1], 48, BF16))))
+    x = tl.reshape(x, (NW, 1, 8, 4, V, 8))
     out = ()
     for rows in tl.static_range(2):
         a = tl.reshape(wh if rows else wg, (NW, 8, 1, 4, V, 8))

@@ -89,13 +89,13 @@ def _decode(x, topk_ids, topk_weights, w13, s13, g13, w2, s2, g2, intermediate, 
 
 def _decode_mma(x, topk_ids, topk_weights, w13, s13, g13, w2, s2, g2, intermediate, top_k,
                 tiles):
-    """The tensor-core decode: fragments, gate_up per pair, down per token over its slots."""
+    """The tensor-core decode: gate_up per pair, down per token over its slots."""
     pdl = nvfp4_mma_launch.launches_early(x, tiles)
     h16 = nvfp4_mma_launch.gate_up_mma_launch(
         x, topk_ids, topk_weights, w13, s13, g13, g2, intermediate=intermediate, top_k=top_k,
         tiles=tiles, pdl=pdl)
     out = torch.empty(x.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
-    nvfp4_mma_launch.down_mma_launch(h16, None, topk_ids, w2, s2, out, k_inputs=intermediate,
+    nvfp4_mma_launch.down_mma_launch(h16, topk_ids, w2, s2, out, k_inputs=intermediate,
                                      top_k=top_k, tiles=tiles, pdl=pdl)
     return out
 

@@ -4,8 +4,9 @@ tests can read and emulate it without importing a kernel module).
 - `word_asm`: the CUDA-core decode's word of 8 e2m1 nibbles -> 8 float32 values, by `prmt`
   byte permutes used as 8-entry lookup tables (`BF16_HIGH`, `BF16_LOW`, `SIGN_TABLE`).
 - `mma_asm`: the tensor-core decode's lane step: nibbles -> fp16 (or bf16) pairs by bit
-  selects, block scales by `cvt.rn.f16x2.e4m3x2`, and `mma.m16n8k16` (operands:
-  `mma_operands`). `freetoken.kernels.nvfp4_mma_jit` says why each is exact.
+  selects, block scales by `cvt.rn.f16x2.e4m3x2`, the activations (in input order) paired
+  to match by `prmt`, and `mma.m16n8k16` (operands: `mma_operands`).
+  `freetoken.kernels.nvfp4_mma_jit` says why each is exact.
 """
 
 from __future__ import annotations
@@ -64,13 +65,17 @@ times a scale is a normal bf16 (2^-36 .. 2^-15) and exact; outputs are multiplie
 _FP16_NIBBLE_BITS = 0x8E008E00
 _BF16_NIBBLE_BITS = 0x81C081C0
 _LOP3_SELECT = 0xE4     # lop3 table of (a & c) | (b & ~c)
+# prmt selectors of two 16-bit pairs (a, b): the low halves (a0, b0), the high (a1, b1)
+_PAIR_LOW = 0x5410
+_PAIR_HIGH = 0x7632
 
 
 def mma_operands(v: int) -> dict[str, list[int]]:
     """Operand numbers of `mma_asm(v)`: out (the accumulator out, 4 float32), wg / wh (the
     v int32 words of rows g / g + 8), scales (one per 16-input group of the lane's words:
-    rows g and g + 8's scale bytes in bits 0..7 and 8..15), b0 / b1 (per word, the int64
-    activation pairs of inputs (0, 4), (2, 6) and of (1, 5), (3, 7)), acc (4 float32 in)."""
+    rows g and g + 8's scale bytes in bits 0..7 and 8..15), b0 / b1 (per word, the
+    activations of inputs 0..3 and of 4..7 as int64s: four 16-bit values each, in input
+    order), acc (4 float32 in)."""
     groups = max(1, v // 2)
     first = {"wg": 4, "wh": 4 + v, "scales": 4 + 2 * v, "b0": 4 + 2 * v + groups,
              "b1": 4 + 3 * v + groups, "acc": 4 + 4 * v + groups}
@@ -83,7 +88,9 @@ def mma_asm(v: int = 1, bf16: bool = False) -> str:
     """PTX for a lane's v word positions of one chunk (operands: `mma_operands`): each word
     position's two mma steps, chained through one accumulator (word i takes scale i / 2).
     fp16 operands (weights e2m1 * e4m3 * 2^-7), or with `bf16` bf16 ones (weights
-    e2m1 * e4m3 * 2^(BF16_SCALE_EXP - 126))."""
+    e2m1 * e4m3 * 2^(BF16_SCALE_EXP - 126)). A word's decoded pairs hold inputs (0, 4),
+    (2, 6) (the first step) and (1, 5), (3, 7) (the second); four `prmt`s pair the
+    activations, given in input order, the same way."""
     ops = mma_operands(v)
 
     def decode_fp16(word: str, r02h: str, r13h: str, r02l: str, r13l: str) -> list[str]:
@@ -132,7 +139,7 @@ def mma_asm(v: int = 1, bf16: bool = False) -> str:
         ".reg .b32 " + ", ".join(f"sg{j}, sh{j}" for j in scales) + ";",
         ".reg .b16 q, lo, hi;",
         ".reg .f32 fa, fb;",
-        ".reg .b32 b0, b1, b2, b3;",
+        ".reg .b32 b0, b1, b2, b3, xa, xb, xc, xd;",
         # fp16: (2^7, 2^7), the scales' factor; bf16: (-0, -0), the products' addend
         "mov.b32 k, 0x80008000;" if bf16 else "mov.b32 k, 0x58005800;",
     ]
@@ -151,7 +158,12 @@ def mma_asm(v: int = 1, bf16: bool = False) -> str:
     scale_op = ("fma.rn.bf16x2 {r}, {r}, {s}, k;" if bf16
                 else "mul.rn.f16x2 {r}, {r}, {s};")
     for i in range(v):
-        lines += [f"mov.b64 {{b0, b1}}, ${ops['b0'][i]};", f"mov.b64 {{b2, b3}}, ${ops['b1'][i]};"]
+        # inputs (0, 1), (2, 3) in xa, xb and (4, 5), (6, 7) in xc, xd -> (0, 4), (2, 6) in
+        # b0, b1 and (1, 5), (3, 7) in b2, b3
+        lines += [f"mov.b64 {{xa, xb}}, ${ops['b0'][i]};",
+                  f"mov.b64 {{xc, xd}}, ${ops['b1'][i]};",
+                  f"prmt.b32 b0, xa, xc, {_PAIR_LOW};", f"prmt.b32 b1, xb, xd, {_PAIR_LOW};",
+                  f"prmt.b32 b2, xa, xc, {_PAIR_HIGH};", f"prmt.b32 b3, xb, xd, {_PAIR_HIGH};"]
         lines += decode(f"${ops['wg'][i]}", "ga", "gb", "gc", "gd")
         lines += decode(f"${ops['wh'][i]}", "ha", "hb", "hc", "hd")
         lines += [scale_op.format(r=r, s=f"sg{i // 2}") for r in ("ga", "gb", "gc", "gd")]

@@ -1,8 +1,9 @@
 """The tensor-core NVFP4 decode kernels (`freetoken.kernels.nvfp4_mma_jit`) on a CPU: their inline
-PTX executed for a whole warp by `ptx_emulator` (decode, scales, the mma's fragments) against
-the reference dequantization, the activation fragments written by `to_fragments` in Triton's
-interpreter, and the launcher's shape rule. The kernels themselves run on GPUs only (compiled
-for sm_90 by test_nvfp4_kernels; checked in bf16 by bench/gpu_kernels_check.py)."""
+PTX executed for a whole warp by `ptx_emulator` (decode, scales, the activations paired as
+the mma's fragments) against the reference dequantization, the kernels in Triton's
+interpreter with the mma emulated, and the launcher's shape rule. The compiled kernels run on
+GPUs only (compiled for sm_90 by test_nvfp4_kernels; checked in bf16 by
+bench/gpu_kernels_check.py)."""
 
 from __future__ import annotations
 
@@ -14,16 +15,6 @@ import torch
 from freetoken.formats.nvfp4.format import E2M1_VALUES
 from freetoken.layers.quantization.nvfp4.reference import reference_moe
 from freetoken_verify.checks.kernels.check import make_experts
-
-
-def fragment_position(k: int, v: int) -> int:
-    """Where input k of a row goes in the fragment order of chunks of 32 v inputs (fp16 units),
-    as the mma kernels' docs lay it out: chunk c, lane t's words i, each word's inputs in the
-    int64s ((0, 4), (2, 6)) then ((1, 5), (3, 7))."""
-    c, rem = k // (32 * v), k % (32 * v)
-    t, rem = rem // (8 * v), rem % (8 * v)
-    i, q = rem // 8, rem % 8
-    return 2 * ((c * 4 + t) * 4 * v + (q & 1) * 2 * v + i * 2 + ((q >> 1) & 1)) + (q >> 2)
 
 
 def _e2m1(code: int) -> float:
@@ -39,7 +30,7 @@ def _f16_pair(lo: float, hi: float) -> int:
 def test_mma_ptx_decodes_scales_and_multiplies_a_warps_fragments(v, bf16):
     """A lane's v word positions of a chunk: lane (g, t) holds words t v .. t v + v - 1 of rows
     g and g + 8 (8 inputs each), the scale bytes of the groups they span, and for column
-    n = g the activations in fragment order (`fragment_position`). The emulated PTX gives
+    n = g the activations of the same inputs, in input order. The emulated PTX gives
     every lane the D entries (rows g, g + 8; columns 2t, 2t + 1) of C + W X^T with
     W = e2m1 * e4m3 * 2^-7 (fp16 operands) or e2m1 * e4m3 * 2^-26 (bf16 operands, down on
     gate_up's bf16 h), for every nibble value and scales including zero, subnormals and 448
@@ -65,6 +56,12 @@ def test_mma_ptx_decodes_scales_and_multiplies_a_warps_fragments(v, bf16):
      "mov.b32 k, 0x3F803F80"),
     (True, 1, "operands read as fp16", ".f32.bf16.bf16.f32", ".f32.f16.f16.f32"),
     (True, 2, "row g + 8's scale from row g", "bf16x2.f32 sh0, fb, fb", "bf16x2.f32 sh0, fa, fa"),
+    (False, 1, "activations paired (0, 1), not (0, 4)", "prmt.b32 b0, xa, xc, 21520;",
+     "prmt.b32 b0, xa, xc, 12816;"),
+    (True, 1, "the high pairs' halves swapped", "prmt.b32 b3, xb, xd, 30258;",
+     "prmt.b32 b3, xb, xd, 12870;"),
+    (True, 2, "the second word's activations from the first's", "{xa, xb}, $10;",
+     "{xa, xb}, $9;"),
 ])
 def test_mma_ptx_check_fails_on_injected_bugs(bf16, v, bug, good, bad):
     """The warp emulation above fails on each of these bugs in the fp16 or the bf16 PTX."""
@@ -94,13 +91,9 @@ def _check_mma_ptx(program: str, v: int, bf16: bool = False) -> None:
         x16 = x16.to(torch.bfloat16 if bf16 else torch.float16)
         x = x16.double().numpy()
         c = gen.standard_normal((16, 8)).astype(np.float32)
-        # x in fragment order, as to_fragments / gate_up write it, then each lane's int64
-        # pairs as _b_tile reads them (chunk 0: lane t's int64s 2 v t + i and 2 v t + v + i)
-        frag = np.zeros((8, 32 * v), dtype=np.uint16)
-        bits = x16.view(torch.int16).numpy().view(np.uint16)
-        for k in range(32 * v):
-            frag[:, fragment_position(k, v)] = bits[:, k]
-        as64 = frag.view(np.uint64)
+        # x in input order, as the kernels read it: lane t's word i is inputs 8 (v t + i) ..
+        # + 7 of its column, the int64s 2 (v t + i) and 2 (v t + i) + 1 (`b_tile`)
+        as64 = np.ascontiguousarray(x16.view(torch.int16).numpy().view(np.uint16)).view(np.uint64)
         lanes = []
         for lane in range(32):
             g, t = lane // 4, lane % 4
@@ -108,8 +101,8 @@ def _check_mma_ptx(program: str, v: int, bf16: bool = False) -> None:
             for i in range(v):
                 regs[f"${ops['wg'][i]}"] = int(words[g, t * v + i])
                 regs[f"${ops['wh'][i]}"] = int(words[g + 8, t * v + i])
-                regs[f"${ops['b0'][i]}"] = int(as64[g, 2 * v * t + i])
-                regs[f"${ops['b1'][i]}"] = int(as64[g, 2 * v * t + v + i])
+                regs[f"${ops['b0'][i]}"] = int(as64[g, 2 * (v * t + i)])
+                regs[f"${ops['b1'][i]}"] = int(as64[g, 2 * (v * t + i) + 1])
             for j, n in enumerate(ops["scales"]):
                 grp = t * v // 2 + j
                 regs[f"${n}"] = int(scales[g, grp]) | int(scales[g + 8, grp]) << 8
@@ -135,44 +128,6 @@ def _check_mma_ptx(program: str, v: int, bf16: bool = False) -> None:
                 ref = want[at]
                 assert abs(got - ref) <= 1e-6 * size[at], (
                     f"trial {trial} lane {lane} d{i}: PTX {got}, reference {ref}")
-
-
-@pytest.mark.parametrize("v", [1, 2, 4])
-def test_fragment_positions_are_a_permutation(v):
-    """Every input of a padded row has its own fragment position, inside the row (the kernels'
-    `_frag_pos` is checked against this layout by the to_fragments test)."""
-    padded = 3 * 32 * v
-    assert sorted(fragment_position(k, v) for k in range(padded)) == list(range(padded))
-
-
-def test_to_fragments_writes_scaled_fp16_fragments():
-    """`to_fragments` (in Triton's interpreter) stores x * 2^-e in fp16 at each input's
-    fragment position with e per row such that the row's largest magnitude lands in
-    [2^14, 2^15) (rows of 1e6 and 1e-6 alike; e = 0 for a zero row, -100 at the least),
-    zero padding, and 2^(7 + e) as the row's output factor."""
-    from interpreted import require_interpreter
-
-    from freetoken.kernels import nvfp4_mma_launch
-
-    require_interpreter()
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(5, 80, generator=gen)
-    x[1] *= 1e6
-    x[2] *= 1e-6
-    x[3] = 0
-    x[4] *= 1e-32    # e stops at -100
-    x16, xf = nvfp4_mma_launch.fragments(x, 80, 1)
-    assert x16.shape == (5, 96)
-    pos = torch.tensor([fragment_position(k, 1) for k in range(80)])
-    pad = torch.tensor([fragment_position(k, 1) for k in range(80, 96)])
-    for row in range(5):
-        amax = float(x[row].abs().max())
-        e = 0 if amax == 0 else max(int(np.floor(np.log2(amax))) + 1 - 15, -100)
-        assert float(xf[row]) == 2.0 ** (7 + e), row
-        if amax and e > -100:
-            assert 2**14 <= amax * 2.0**-e < 2**15
-        assert torch.equal(x16[row, pos], (x[row] * 2.0**-e).to(torch.float16)), row
-        assert not x16[row, pad].any(), row
 
 
 def test_mma_shape_rule():
@@ -220,15 +175,23 @@ def mma_in_interpreter(monkeypatch):
     monkeypatch.setattr(nvfp4_launch, "down_decode_launch", refuse)
 
 
-def _routing(tokens, experts, top_k, hidden, seed):
+def _routing(tokens, experts, top_k, hidden, seed, dtype=torch.bfloat16):
+    """x [tokens, hidden] in `dtype` (the mma path's 16-bit activations), routing weights and
+    ids."""
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, hidden, generator=gen)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
     weights, ids = torch.softmax(torch.randn(tokens, experts, generator=gen), -1).topk(top_k)
     return x, weights, ids
 
 
 def _rel_l2(got, want):
+    got, want = got.float(), want.float()
     return float((got - want).norm() / want.norm())
+
+
+def _reference_moe(x, weights, ids, **w):
+    """The float32 reference of the 16-bit x's values."""
+    return reference_moe(x.float(), weights, ids, **w)
 
 
 H_BF16_REL_L2 = 4e-3
@@ -251,32 +214,31 @@ def _reference_h(x, weights, ids, w, inter):
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("tokens, experts, top_k, hidden, inter, tiles", [
-    (3, 6, 2, 48, 16, {}),                          # 1 word per lane, the last chunk half
-    (5, 8, 3, 64, 64, {"mma_max_split": 1}),        # 2 words per lane, one warp per program
-    (2, 4, 3, 256, 32, {"mma_tiles": 2}),           # 4 words per lane, split K, 2 tiles
-    (16, 4, 4, 64, 32, {}),                         # 16 pairs per expert
+@pytest.mark.parametrize("tokens, experts, top_k, hidden, inter, tiles, dtype", [
+    (3, 6, 2, 48, 16, {}, torch.bfloat16),          # 1 word per lane, the last chunk half
+    (5, 8, 3, 64, 64, {"mma_max_split": 1}, torch.float16),  # 2 words, one warp a program
+    (2, 4, 3, 256, 32, {"mma_tiles": 2}, torch.bfloat16),    # 4 words, split K, 2 tiles
+    (16, 4, 4, 64, 32, {}, torch.float16),          # 16 pairs per expert
 ])
 def test_mma_decode_matches_reference(mma_in_interpreter, tokens, experts, top_k, hidden,
-                                      inter, tiles):
-    """gate_up and down on the mma path (K split across warps, partial chunks, rows past the
-    end of a tile, many pairs per expert) give the reference's routed-expert sum up to the
-    fp16 rounding of the activations and the bf16 rounding of h (as the model's own h); and
-    gate_up's h fragments, read in fragment order, are the bf16 h of every pair."""
+                                      inter, tiles, dtype):
+    """gate_up and down on the mma path (bf16 and fp16 activations; K split across warps,
+    partial chunks, rows past the end of a tile, many pairs per expert) give the reference's
+    routed-expert sum of x's values up to the bf16 rounding of h (as the model's own h) and
+    of the output; and gate_up's h is the bf16 h of every pair, in input order."""
     from freetoken.kernels import nvfp4_launch, nvfp4_mma_launch, nvfp4_moe
 
     w = make_experts(experts, hidden, inter, 1, seed=tokens)
-    x, weights, ids = _routing(tokens, experts, top_k, hidden, seed=tokens)
-    want = reference_moe(x, weights, ids, **w)
+    x, weights, ids = _routing(tokens, experts, top_k, hidden, seed=tokens, dtype=dtype)
+    want = _reference_moe(x, weights, ids, **w)
     tiles = nvfp4_launch.Tiles(**tiles)
     got = nvfp4_moe.fused_moe(x, weights, ids, **w, path="decode", tiles=tiles)
-    assert _rel_l2(got, want) < H_BF16_REL_L2
+    assert got.dtype == dtype and _rel_l2(got, want) < H_BF16_REL_L2
     h16 = nvfp4_mma_launch.gate_up_mma_launch(
         x, ids.reshape(-1).to(torch.int32), weights.reshape(-1), w["w13"],
         w["w13_scale"].view(torch.uint8), w["w13_global"], w["w2_global"], inter, top_k, tiles)
-    vh = nvfp4_mma_launch.mma_shape(tokens, hidden, inter, top_k, tiles)[0]
-    h = h16[:, [fragment_position(k, vh) for k in range(inter)]].float()
-    assert _rel_l2(h, _reference_h(x, weights, ids, w, inter)) < 5e-3
+    assert h16.shape == (tokens * top_k, inter)
+    assert _rel_l2(h16, _reference_h(x, weights, ids, w, inter)) < 5e-3
 
 
 def test_mma_decode_with_an_expert_repeated(mma_in_interpreter):
@@ -286,24 +248,46 @@ def test_mma_decode_with_an_expert_repeated(mma_in_interpreter):
     w = make_experts(4, 64, 32, 1, seed=7)
     x, weights, _ = _routing(3, 4, 3, 64, seed=7)
     ids = torch.tensor([[1, 1, 2], [0, 3, 0], [2, 2, 2]])
-    want = reference_moe(x, weights, ids, **w)
+    want = _reference_moe(x, weights, ids, **w)
     assert _rel_l2(nvfp4_moe.fused_moe(x, weights, ids, **w, path="decode"), want) < H_BF16_REL_L2
 
 
-@pytest.mark.parametrize("tokens, rows, k_inputs", [(3, 24, 80), (16, 40, 256)])
-def test_dense_linear_decode_on_the_mma_path(mma_in_interpreter, tokens, rows, k_inputs):
-    """The dense NVFP4 linear's decode on the mma kernels (one slot per token, the global
-    scale in the fragments' scale; partial chunks, a partial row tile) gives the reference
-    up to the fp16 rounding of the activations."""
+@pytest.mark.parametrize("tokens, rows, k_inputs, dtype, bias", [
+    (3, 24, 80, torch.bfloat16, True), (16, 40, 256, torch.float16, False)])
+def test_dense_linear_decode_on_the_mma_path(mma_in_interpreter, tokens, rows, k_inputs,
+                                             dtype, bias):
+    """The dense NVFP4 linear's decode on the mma kernels (down with one slot per token on x
+    in place, the global scale on its sums; partial chunks, a partial row tile) gives the
+    reference of x's values up to the rounding of the output to x's dtype. (bf16 takes a
+    bias, so its kernel output is float32: the interpreter truncates bf16 stores.)"""
     from freetoken.formats.nvfp4.quantizer import quantize
     from freetoken.kernels.nvfp4_linear import nvfp4_linear
     from freetoken.layers.quantization.nvfp4.reference import reference_linear
 
     gen = torch.Generator().manual_seed(rows)
     q = quantize(torch.randn(rows, k_inputs, generator=gen) * 3)
-    lin = dict(packed=q.packed, block_scale=q.block_scale, global_scale=q.global_scale)
-    x = torch.randn(tokens, k_inputs, generator=gen)
-    assert _rel_l2(nvfp4_linear(x, **lin, path="decode"), reference_linear(x, **lin)) < 2e-3
+    lin = dict(packed=q.packed, block_scale=q.block_scale, global_scale=q.global_scale,
+               bias=torch.randn(rows, generator=gen) if bias else None)
+    x = torch.randn(tokens, k_inputs, generator=gen).to(dtype)
+    got = nvfp4_linear(x, **lin, path="decode")
+    assert got.dtype == dtype
+    assert _rel_l2(got, reference_linear(x.float(), **lin)) < 2e-3
+
+
+def test_mma_activations_are_read_in_place_when_aligned():
+    """The mma kernels read 16-byte-aligned rows of 16-bit activations in place; a row that
+    is not aligned is copied (its values kept), and float32 activations are refused, named."""
+    from freetoken.kernels.nvfp4_mma_launch import activations
+
+    x = torch.randn(3, 96).to(torch.bfloat16)
+    assert activations(x) is x
+    for view in (torch.randn(3, 104).to(torch.float16)[:, 4:84],    # starts 8 bytes in
+                 torch.randn(3, 84).to(torch.bfloat16)[:, :80]):     # rows 168 bytes apart
+        got = activations(view)
+        assert got.data_ptr() % 16 == 0 and got.stride(0) % 8 == 0
+        assert torch.equal(got[:, :80], view)
+    with pytest.raises(TypeError, match="bf16 or fp16.*float32"):
+        activations(torch.randn(2, 16))
 
 
 def test_h_rounds_to_bf16_to_nearest_even():
@@ -335,7 +319,7 @@ def test_mma_decode_with_slots_of_very_different_sizes(mma_in_interpreter):
     x, _, _ = _routing(2, 4, 3, 64, seed=9)
     ids = torch.tensor([[0, 1, 2], [3, 2, 1]])
     weights = torch.tensor([[2.0**-8, 1.0, 2.0**8], [2.0**8, 2.0**-8, 1.0]])
-    want = reference_moe(x, weights, ids, **w)
+    want = _reference_moe(x, weights, ids, **w)
     got = nvfp4_moe.fused_moe(x, weights, ids, **w, path="decode")
     assert _rel_l2(got, want) < H_BF16_REL_L2
 
@@ -355,29 +339,32 @@ def test_mma_decode_without_masks(mma_in_interpreter):
     assert (chunks, split) == (2, 2) and mma_full(inter, hidden, 1, v, split, row_tiles)
     v, split, chunks, row_tiles = mma_shape(tokens, hidden, inter, top_k, tiles)
     assert mma_full(hidden, inter, top_k, v, split, row_tiles)
-    want = reference_moe(x, weights, ids, **w)
+    want = _reference_moe(x, weights, ids, **w)
     got = nvfp4_moe.fused_moe(x, weights, ids, **w, path="decode", tiles=tiles)
     assert _rel_l2(got, want) < H_BF16_REL_L2
     assert not mma_full(64, 96, 1, 1, 2, 1)      # 3 chunks over 2 warps
     assert not mma_full(40, 64, 1, 2, 1, 1)      # a partial row tile
 
 
-def pdl_order_problems(ptx: str) -> list[str]:
+def pdl_order_problems(ptx: str, waits_for_previous: bool = True) -> list[str]:
     """What breaks programmatic dependent launch in a decode kernel's PTX: the kernel must let
-    the next one launch (`griddepcontrol.launch_dependents`) and wait for the previous one
-    (`griddepcontrol.wait`) exactly once each, and before the wait read nothing a kernel in
-    flight may still write: only the 32-bit words of weights (`.v4.b32`), scale bytes
-    (`.b16`) and routing ids (`.b32`) may load, never the 64-bit activation or h fragments,
-    and nothing may be stored; at least one weight load must precede the wait (the
-    overlap PDL is for)."""
+    the next one launch (`griddepcontrol.launch_dependents`) exactly once. One launched with
+    PDL (`waits_for_previous`, down) must wait for the previous one (`griddepcontrol.wait`)
+    exactly once, and before the wait read nothing a kernel in flight may still write: only
+    the 32-bit words of weights (`.v4.b32`), scale bytes (`.b16`) and routing ids (`.b32`)
+    may load, never the 64-bit activations or h, and nothing may be stored; at least one
+    weight load must precede the wait (the overlap PDL is for). One launched ordinarily
+    (gate_up) has no wait."""
     lines = [line.strip() for line in ptx.splitlines()]
     waits = [i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait")]
     launches = [i for i, line in enumerate(lines)
                 if line.startswith("griddepcontrol.launch_dependents")]
     problems = []
-    if len(waits) != 1 or len(launches) != 1:
+    if len(waits) != int(waits_for_previous) or len(launches) != 1:
         return [f"{len(waits)} griddepcontrol.wait and {len(launches)} launch_dependents, "
-                "want one of each"]
+                f"want {int(waits_for_previous)} and 1"]
+    if not waits_for_previous:
+        return []
     weights = 0
     for line in lines[:waits[0]]:
         words = [] if line.startswith("//") else line.split()
@@ -389,7 +376,7 @@ def pdl_order_problems(ptx: str) -> list[str]:
             if op.endswith(".v4.b32"):
                 weights += 1
             elif not op.endswith((".b16", ".b32")) or ".v2." in op:
-                problems.append(f"64-bit (fragment) load before the wait: {line}")
+                problems.append(f"64-bit (activation) load before the wait: {line}")
     if not weights:
         problems.append("no weight load before the wait")
     return problems
@@ -414,20 +401,24 @@ def _pdl_ptx(tmp_path) -> dict[str, str]:
 
 
 def test_pdl_kernels_read_upstream_outputs_only_after_the_wait(tmp_path):
-    """gate_up and down, launched with PDL, load their first weights before
-    `griddepcontrol.wait` and every fragment after it; with the wait moved to the end (the
-    activations read before the kernel that writes them has finished) or the early launch
-    dropped, the check fails."""
+    """down, launched with PDL after gate_up, loads its first weights before
+    `griddepcontrol.wait` and h after it; gate_up, an ordinary launch, lets down launch early
+    and waits for nothing. With down's wait moved to the end (h read before gate_up has
+    finished), either kernel's early launch dropped, or a wait in gate_up, the check
+    fails."""
     ptx = _pdl_ptx(tmp_path)
     assert sorted(ptx) == ["down_mma", "gate_up_mma"]
+    down, gate_up = ptx["down_mma"], ptx["gate_up_mma"]
+    assert pdl_order_problems(down) == []
+    assert pdl_order_problems(gate_up, waits_for_previous=False) == []
+    lines = down.splitlines()
+    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+    late = lines[:wait] + lines[wait + 1:-1] + [lines[wait], lines[-1]]
+    assert any("64-bit" in p or "store" in p for p in pdl_order_problems("\n".join(late)))
     for name, text in ptx.items():
-        assert pdl_order_problems(text) == [], name
-        lines = text.splitlines()
-        wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
-        late = lines[:wait] + lines[wait + 1:-1] + [lines[wait], lines[-1]]
-        assert any("fragment" in p or "store" in p for p in pdl_order_problems("\n".join(late)))
         dropped = text.replace("griddepcontrol.launch_dependents", "// dropped")
-        assert pdl_order_problems(dropped), name
+        assert pdl_order_problems(dropped, name == "down_mma"), name
+    assert pdl_order_problems(gate_up + "\ngriddepcontrol.wait;", waits_for_previous=False)
 
 
 def test_pdl_is_off_on_a_cpu():
