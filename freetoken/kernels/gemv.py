@@ -229,16 +229,21 @@ def check_normed(x: torch.Tensor, norm: Norm | None, normed: torch.Tensor | None
 
 
 def moe_combine(slots: torch.Tensor, x: torch.Tensor, gate_weight: torch.Tensor,
-                shared: torch.Tensor) -> torch.Tensor:
+                shared: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
     """`slots.sum(1).to(x.dtype) + sigmoid(F.linear(x, gate_weight)) * shared` in one
     launch: slots float32 [T, k, H] (the routed experts' weighted outputs), or one slot in
     x's dtype [T, 1, H] (experts that sum their slots themselves: the rounded sum), x [T, H]
-    the MoE block's input, gate_weight [1, H], shared [T, H] the shared expert's output."""
+    the MoE block's input, gate_weight [1, H], shared [T, H] the shared expert's output;
+    plus `residual` [T, H] where given (the decoder layer's add, rounded after the block's
+    output is, as `residual + block(x)` rounds)."""
     tokens, hidden = x.shape
     if slots.dim() != 3 or slots.shape[0] != tokens or slots.shape[2] != hidden or \
             gate_weight.numel() != hidden:
         raise ValueError(f"moe_combine: slots {tuple(slots.shape)}, gate weight "
                          f"{tuple(gate_weight.shape)} do not fit x {tuple(x.shape)}")
+    if residual is not None and tuple(residual.shape) != tuple(x.shape):
+        raise ValueError(f"moe_combine: residual {tuple(residual.shape)} does not fit x "
+                         f"{tuple(x.shape)}")
     if slots.dtype != torch.float32 and (slots.dtype != x.dtype or slots.shape[1] != 1):
         raise ValueError(f"moe_combine: slots {tuple(slots.shape)} {slots.dtype}: float32 "
                          f"slots, or one slot in x's dtype {x.dtype}")
@@ -246,13 +251,17 @@ def moe_combine(slots: torch.Tensor, x: torch.Tensor, gate_weight: torch.Tensor,
     x = x.contiguous()
     slots = slots.contiguous()
     shared = shared.contiguous()
+    residual = None if residual is None else residual.contiguous()
     block = min(1024, next_pow2(hidden))
     _jit().moe_combine_kernel[(tokens, _cdiv(hidden, block))](
         slots_ptr=slots, x_ptr=x, gate_weight_ptr=gate_weight.reshape(-1), shared_ptr=shared,
-        out_ptr=out, hidden=hidden, top_k=slots.shape[1],
-        stride_slots_token=slots.stride(0), stride_slots_slot=slots.stride(1),
-        stride_x_token=x.stride(0), stride_shared_token=shared.stride(0),
-        stride_out_token=out.stride(0), BLOCK_N=block, BLOCK_D=block, num_warps=4)
+        residual_ptr=x if residual is None else residual, out_ptr=out, hidden=hidden,
+        top_k=slots.shape[1], stride_slots_token=slots.stride(0),
+        stride_slots_slot=slots.stride(1), stride_x_token=x.stride(0),
+        stride_shared_token=shared.stride(0),
+        stride_residual_token=0 if residual is None else residual.stride(0),
+        stride_out_token=out.stride(0), BLOCK_N=block, BLOCK_D=block,
+        RESIDUAL=residual is not None, num_warps=4)
     return out
 
 
@@ -279,10 +288,12 @@ def reference_norm(x: torch.Tensor, norm: Norm) -> torch.Tensor:
 
 
 def reference_moe_combine(slots: torch.Tensor, x: torch.Tensor, gate_weight: torch.Tensor,
-                          shared: torch.Tensor) -> torch.Tensor:
+                          shared: torch.Tensor, residual: torch.Tensor | None = None
+                          ) -> torch.Tensor:
     """The torch steps `moe_combine` fuses (`SparseMoeBlock`'s CPU path)."""
     routed = slots.sum(dim=1).to(x.dtype)
-    return routed + torch.sigmoid(F.linear(x, gate_weight)) * shared
+    out = routed + torch.sigmoid(F.linear(x, gate_weight)) * shared
+    return out if residual is None else residual + out
 
 
 def _cdiv(n: int, d: int) -> int:

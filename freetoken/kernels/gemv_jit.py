@@ -212,6 +212,7 @@ def moe_combine_kernel(
     x_ptr,
     gate_weight_ptr,
     shared_ptr,
+    residual_ptr,
     out_ptr,
     # sizes
     hidden,
@@ -221,12 +222,15 @@ def moe_combine_kernel(
     stride_slots_slot,
     stride_x_token,
     stride_shared_token,
+    stride_residual_token,
     stride_out_token,
     # meta
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    RESIDUAL: tl.constexpr,
 ):
-    """Token program_id(0), hidden columns of block program_id(1): routed + gated shared."""
+    """Token program_id(0), hidden columns of block program_id(1): routed + gated shared,
+    rounded, plus the residual (RESIDUAL), rounded again."""
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = cols < hidden
@@ -247,4 +251,9 @@ def moe_combine_kernel(
         routed += tl.load(slots_ptr + token * stride_slots_token + k * stride_slots_slot + cols,
                           mask=ok, other=0.0)
     routed = routed.to(dtype).to(tl.float32)
-    tl.store(out_ptr + token * stride_out_token + cols, (routed + gated).to(dtype), mask=ok)
+    out = (routed + gated).to(dtype)
+    if RESIDUAL:
+        residual = tl.load(residual_ptr + token * stride_residual_token + cols, mask=ok,
+                           other=0.0)
+        out = (out.to(tl.float32) + residual.to(tl.float32)).to(dtype)
+    tl.store(out_ptr + token * stride_out_token + cols, out, mask=ok)

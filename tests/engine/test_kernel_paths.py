@@ -116,7 +116,7 @@ def _one_token_steps(core, prompt, quant_kernels=False):
         quant_gemm.fp8_gemm, gemv.moe_combine, quant_gemm.nvfp4_gemm
     counts = {"shared": 0, "residual": 0, "normed": 0, "fp8 norm": 0, "fp8 residual": 0,
               "fp8 gated": 0, "nvfp4 norm": 0, "nvfp4 residual": 0, "nvfp4 gated": 0,
-              "combine": 0}
+              "combine": 0, "combine residual": 0}
     if quant_kernels:
         # One-token FP8 and NVFP4 calls take the row kernel, as the GPU's tile table has
         # them.
@@ -151,6 +151,7 @@ def _one_token_steps(core, prompt, quant_kernels=False):
 
     def combine(*args, **kwargs):
         counts["combine"] += 1
+        counts["combine residual"] += kwargs.get("residual") is not None
         return originals[5](*args, **kwargs)
 
     moe_rows.down, gemv.linear, gemv.moe_combine = down, linear, combine
@@ -177,7 +178,8 @@ def test_one_token_decode_takes_the_shared_expert_in_the_row_kernels(tp, case):
     the shared expert's rank 1 starting 24 inputs into its column block at TP 2) takes
     the same launches, each block-FP8 operand with its own scales, and its mixers' FP8
     projections take the input norm and the residual add. NVFP4 experts keep their own
-    launches; their router still normalises the input. compressed-tensors NVFP4 (attention
+    launches; their router still normalises the input, and at TP 1 the launch that combines
+    their sum with the gated shared expert adds the residual. compressed-tensors NVFP4 (attention
     quantized, GatedDeltaNet 16-bit): each attention layer's NVFP4 qkv takes the input norm
     and its o_proj the residual on the NVFP4 row kernel, and each MoE layer's NVFP4 shared
     gate_up its SiLU-and-mul."""
@@ -198,11 +200,12 @@ def test_one_token_decode_takes_the_shared_expert_in_the_row_kernels(tp, case):
     nvfp4 = (NEW_TOKENS - 1) * attention if case.endswith("ct") else 0
     # NVFP4 experts take neither the shared expert nor the residual, only the router's norm,
     # and the combine of their rounded sum with the gated shared expert at every step; the
-    # others combine at the 5-token prefill only.
+    # others combine at the 5-token prefill only. At TP 1 every combine adds the residual.
     nvfp4_experts = case.endswith(("nvfp4", "ct"))
     rows = 0 if nvfp4_experts else decode
     combine = NEW_TOKENS * layers if nvfp4_experts else layers
-    assert counts == {"combine": combine, "shared": rows, "residual": rows if tp == 1 else 0,
+    assert counts == {"combine": combine, "combine residual": combine if tp == 1 else 0,
+                      "shared": rows, "residual": rows if tp == 1 else 0,
                       "normed": NEW_TOKENS * layers, "fp8 norm": fp8,
                       "fp8 residual": fp8 if tp == 1 else 0, "nvfp4 norm": nvfp4,
                       "nvfp4 residual": nvfp4 if tp == 1 else 0, "fp8 gated": 0,

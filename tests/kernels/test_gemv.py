@@ -162,6 +162,23 @@ def test_moe_combine(tokens, top_k, hidden):
                   f"combine T={tokens} k={top_k} H={hidden}")
 
 
+def test_moe_combine_adds_the_residual_after_rounding():
+    """With the decoder layer's residual, the combine gives `residual + block output` as the
+    torch steps give it (up to bf16 rounding), in float32 and bf16; a residual of another
+    shape is refused, named."""
+    slots, x, gate_weight, shared = _make_combine(3, 1, 96, 6)
+    residual = torch.randn(3, 96, generator=torch.Generator().manual_seed(7)) * 50
+    for dtype in (torch.float32, torch.bfloat16):
+        parts = tuple(t.to(dtype) for t in (slots, x, gate_weight, shared))
+        got = gemv.moe_combine(*parts, residual=residual.to(dtype))
+        want = gemv.reference_moe_combine(*parts, residual=residual.to(dtype))
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=0.5)
+        without = gemv.moe_combine(*parts)
+        assert (got.float() - without.float()).abs().max() > 10, "residual ignored"
+    with pytest.raises(ValueError, match=r"residual \(3, 95\) does not fit x \(3, 96\)"):
+        gemv.moe_combine(slots, x, gate_weight, shared, residual=residual[:, :95])
+
+
 def test_moe_combine_takes_one_rounded_slot():
     """Experts that sum their own slots (NVFP4) give one slot in x's dtype: combined as the
     MoE block's torch steps combine it (in bf16, to its roundings); other slot dtypes and

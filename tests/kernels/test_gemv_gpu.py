@@ -95,6 +95,12 @@ def test_moe_combine_bf16(tokens):
     got = gemv.moe_combine(routed, x, gate_weight, shared)
     error = rel_l2(got, gemv.reference_moe_combine(routed, x, gate_weight, shared))
     assert error < 1e-2, f"moe_combine one bf16 slot T={tokens}: relative L2 {error:.2e}"
+    # ... plus the decoder layer's residual (TP 1), rounded after the block's output, as
+    # `residual + block(x)`: equal to torch's steps in bf16.
+    residual = torch.randn(tokens, 2048, dtype=torch.bfloat16, **kw) * 4
+    got = gemv.moe_combine(routed, x, gate_weight, shared, residual=residual)
+    want = residual + gemv.moe_combine(routed, x, gate_weight, shared)
+    assert torch.equal(got, want), f"moe_combine with the residual T={tokens}"
 
 
 @pytest.mark.parametrize("tokens", [1, 16])

@@ -86,22 +86,29 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._from_logits(x, self.gate(x))
 
-    def _from_logits(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """The block's output for x given its router logits."""
+    def _from_logits(self, x: torch.Tensor, logits: torch.Tensor,
+                     residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The block's output for x given its router logits, plus `residual` where given
+        (inside the combine launch of experts that sum their own slots, at TP 1)."""
         weights, ids = route(logits, self.top_k, True, x.dtype)
         if uses_kernels() and self._combines(x):
-            return get_communicator().all_reduce(self._routed_and_shared(
+            out = get_communicator().all_reduce(self._routed_and_shared(
                 x, weights, ids, self._shared_rows(x)))
-        if self.shared_expert.down_proj.canonical is not None:
-            return self._canonical(x, weights, ids)
-        if uses_kernels() and self._gates_in_combine(x):
+        elif self.shared_expert.down_proj.canonical is not None:
+            out = self._canonical(x, weights, ids)
+        elif uses_kernels() and self._gates_in_combine(x):
             # Experts that sum their own slots (NVFP4): their rounded sum is the one slot.
-            routed = self.experts(x, weights, ids)
-            return get_communicator().all_reduce(gemv.moe_combine(
-                routed[:, None], x, self.shared_expert_gate.weight, self.shared_expert(x)))
-        # The sigmoid gate is replicated, so scaling each rank's partial sum by it is exact.
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return get_communicator().all_reduce(self.experts(x, weights, ids) + shared)
+            routed = self.experts(x, weights, ids)[:, None]
+            gate, shared = self.shared_expert_gate.weight, self.shared_expert(x)
+            if residual is not None and get_tp_info().size == 1:
+                return gemv.moe_combine(routed, x, gate, shared, residual=residual)
+            out = get_communicator().all_reduce(gemv.moe_combine(routed, x, gate, shared))
+        else:
+            # The sigmoid gate is replicated, so scaling each rank's partial sum by it is
+            # exact.
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = get_communicator().all_reduce(self.experts(x, weights, ids) + shared)
+        return out if residual is None else residual + out
 
     def _canonical(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
         """tp_invariant mode: routed + gated shared leaves, chunk by chunk, in fp32, then one
@@ -130,10 +137,12 @@ class SparseMoeBlock(nn.Module):
         """`h + self(norm(h))`, the decoder layer's second half. On the CUDA path for a
         decode batch the norm runs inside the router's GEMV, which also stores the
         normalised x for the experts (where the tile table has that call,
-        `ReplicatedLinear.forward_keeping_normed`), whatever the experts' format; for
-        experts that `_combines` and where the shared expert joins the routed row kernels
-        (one token) at TP 1, the residual add runs inside their down launch: one token's
-        block is then the router, the routing and two expert launches. Called as a method,
+        `ReplicatedLinear.forward_keeping_normed`), whatever the experts' format; at TP 1
+        the residual add runs inside the block's last launch: for experts that `_combines`
+        and where the shared expert joins the routed row kernels (one token), their down
+        launch (one token's block is then the router, the routing and two expert
+        launches), else the launch that combines the routed sum with the gated shared
+        expert (`gemv.moe_combine`). Called as a method,
         not a module: on that path the block's own hooks would record the residual sum
         (bisect compares a module's output with HF's), as for the mixers."""
         if not uses_kernels():
@@ -145,22 +154,25 @@ class SparseMoeBlock(nn.Module):
         else:
             x, logits = fused
         if not self._combines(x):
-            return h + self._from_logits(x, logits)
+            return self._from_logits(x, logits, residual=h)
         weights, ids = route(logits, self.top_k, True, x.dtype)
         shared = self._shared_rows(x)
-        if shared is not None and get_tp_info().size == 1:
-            return self.experts.forward(x, weights, ids, shared=shared, residual=h)
+        if get_tp_info().size == 1:
+            return self._routed_and_shared(x, weights, ids, shared, residual=h)
         return h + get_communicator().all_reduce(self._routed_and_shared(x, weights, ids,
                                                                           shared))
 
     def _routed_and_shared(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                           shared: SharedExpertRows | None) -> torch.Tensor:
-        """This rank's routed sum plus the gated shared expert: in the routed row kernels
-        (`shared` given), or the slots and the shared expert combined in one launch."""
+                           shared: SharedExpertRows | None,
+                           residual: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's routed sum plus the gated shared expert (plus `residual`, added in the
+        same launch): in the routed row kernels (`shared` given), or the slots and the
+        shared expert combined in one launch."""
         if shared is not None:
-            return self.experts(x, weights, ids, shared=shared)
+            return self.experts(x, weights, ids, shared=shared, residual=residual)
         slots = self.experts(x, weights, ids, sum_slots=False)
-        return gemv.moe_combine(slots, x, self.shared_expert_gate.weight, self.shared_expert(x))
+        return gemv.moe_combine(slots, x, self.shared_expert_gate.weight, self.shared_expert(x),
+                                residual=residual)
 
     def _shared_rows(self, x: torch.Tensor) -> SharedExpertRows | None:
         """The shared expert and its gate for the routed experts' row kernels, which then
