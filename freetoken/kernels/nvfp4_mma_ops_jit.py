@@ -31,12 +31,6 @@ _MMA_CONSTRAINTS_4 = tl.constexpr(mma_constraints(4))
 
 
 @triton.jit
-def exp2i(e):
-    """2^e as float32 for int32 e in the normal range."""
-    return ((e + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def lanes(NW: tl.constexpr, S: tl.constexpr):
     """Per tensor row r (one per thread: lane r % 32 of warp r / 32): g, t, row tile, K split."""
     r = tl.arange(0, 32 * NW)
