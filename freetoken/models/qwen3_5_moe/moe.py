@@ -88,21 +88,17 @@ class SparseMoeBlock(nn.Module):
 
     def _from_logits(self, x: torch.Tensor, logits: torch.Tensor,
                      residual: torch.Tensor | None = None) -> torch.Tensor:
-        """The block's output for x given its router logits, plus `residual` where given
-        (inside the combine launch of experts that sum their own slots, at TP 1)."""
+        """The block's output for x given its router logits, plus `residual` where given:
+        on the CUDA path at TP 1 (no all-reduce between) inside the block's last launch."""
         weights, ids = route(logits, self.top_k, True, x.dtype)
-        if uses_kernels() and self._combines(x):
-            out = get_communicator().all_reduce(self._routed_and_shared(
-                x, weights, ids, self._shared_rows(x)))
+        if uses_kernels() and self._gates_in_combine(x):
+            shared = self._shared_rows(x) if self.experts.combines(x) else None
+            if residual is not None and get_tp_info().size == 1:
+                return self._routed_and_shared(x, weights, ids, shared, residual=residual)
+            out = get_communicator().all_reduce(self._routed_and_shared(x, weights, ids,
+                                                                         shared))
         elif self.shared_expert.down_proj.canonical is not None:
             out = self._canonical(x, weights, ids)
-        elif uses_kernels() and self._gates_in_combine(x):
-            # Experts that sum their own slots (NVFP4): their rounded sum is the one slot.
-            routed = self.experts(x, weights, ids)[:, None]
-            gate, shared = self.shared_expert_gate.weight, self.shared_expert(x)
-            if residual is not None and get_tp_info().size == 1:
-                return gemv.moe_combine(routed, x, gate, shared, residual=residual)
-            out = get_communicator().all_reduce(gemv.moe_combine(routed, x, gate, shared))
         else:
             # The sigmoid gate is replicated, so scaling each rank's partial sum by it is
             # exact.
@@ -117,15 +113,6 @@ class SparseMoeBlock(nn.Module):
         leaves = self.experts.leaves(x, weights, ids) + gate * self.shared_expert.leaves(x)
         return invariant.finish(leaves, x.dtype)
 
-    def _combines(self, x: torch.Tensor) -> bool:
-        """Whether the CUDA path sums the routed slots, the gated shared expert and the
-        gate itself in one launch (`freetoken.kernels.gemv.moe_combine`, or at one token
-        the routed row kernels themselves): routed experts that take the slots and the
-        shared expert (`FusedExperts`, `BlockFP8FusedExperts` where its kernels serve x;
-        `combines`) outside the tp_invariant mode, and a decode batch of the 16-bit
-        router's dtype."""
-        return self.experts.combines(x) and self._gates_in_combine(x)
-
     def _gates_in_combine(self, x: torch.Tensor) -> bool:
         """Whether `gemv.moe_combine` serves x: a decode batch of the 16-bit router's and
         shared gate's dtype, the decode kernels on, outside the tp_invariant mode."""
@@ -137,14 +124,12 @@ class SparseMoeBlock(nn.Module):
         """`h + self(norm(h))`, the decoder layer's second half. On the CUDA path for a
         decode batch the norm runs inside the router's GEMV, which also stores the
         normalised x for the experts (where the tile table has that call,
-        `ReplicatedLinear.forward_keeping_normed`), whatever the experts' format; at TP 1
-        the residual add runs inside the block's last launch: for experts that `_combines`
-        and where the shared expert joins the routed row kernels (one token), their down
-        launch (one token's block is then the router, the routing and two expert
-        launches), else the launch that combines the routed sum with the gated shared
-        expert (`gemv.moe_combine`). Called as a method,
-        not a module: on that path the block's own hooks would record the residual sum
-        (bisect compares a module's output with HF's), as for the mixers."""
+        `ReplicatedLinear.forward_keeping_normed`), whatever the experts' format, and at
+        TP 1 the residual add runs inside the block's last launch (`_routed_and_shared`):
+        one token's block with the shared expert in the routed row kernels is then the
+        router, the routing and two expert launches. Called as a method, not a module: on
+        that path the block's own hooks would record the residual sum (bisect compares a
+        module's output with HF's), as for the mixers."""
         if not uses_kernels():
             return h + self(norm(h))
         fused = self.gate.forward_keeping_normed(h, norm)
@@ -153,24 +138,23 @@ class SparseMoeBlock(nn.Module):
             logits = self.gate(x)
         else:
             x, logits = fused
-        if not self._combines(x):
-            return self._from_logits(x, logits, residual=h)
-        weights, ids = route(logits, self.top_k, True, x.dtype)
-        shared = self._shared_rows(x)
-        if get_tp_info().size == 1:
-            return self._routed_and_shared(x, weights, ids, shared, residual=h)
-        return h + get_communicator().all_reduce(self._routed_and_shared(x, weights, ids,
-                                                                          shared))
+        return self._from_logits(x, logits, residual=h)
 
     def _routed_and_shared(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                            shared: SharedExpertRows | None,
                            residual: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's routed sum plus the gated shared expert (plus `residual`, added in the
-        same launch): in the routed row kernels (`shared` given), or the slots and the
-        shared expert combined in one launch."""
+        same launch), on the CUDA path for a decode batch (`_gates_in_combine`): in the
+        routed row kernels (`shared` given), or the routed slots, the shared expert and its
+        gate combined in one launch (`gemv.moe_combine`). Experts that do not give their
+        slots (`combines` False: NVFP4, or block FP8 where its kernels do not serve x) give
+        their rounded sum as the one slot."""
         if shared is not None:
             return self.experts(x, weights, ids, shared=shared, residual=residual)
-        slots = self.experts(x, weights, ids, sum_slots=False)
+        if self.experts.combines(x):
+            slots = self.experts(x, weights, ids, sum_slots=False)
+        else:
+            slots = self.experts(x, weights, ids)[:, None]
         return gemv.moe_combine(slots, x, self.shared_expert_gate.weight, self.shared_expert(x),
                                 residual=residual)
 
