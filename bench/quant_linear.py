@@ -138,7 +138,7 @@ def row_kernel_check(layer, x, gen, gated: bool) -> tuple[float, bool]:
 
 def local_in(layer) -> int:
     """The layer's TP-local input width: NVFP4 packs two values a byte."""
-    nvfp4 = layer.quant.tile_format.split("-")[0] == "nvfp4"
+    nvfp4 = quant_gemm.format_kind(layer.quant.tile_format) == "nvfp4"
     return layer.weight.shape[1] * (2 if nvfp4 else 1)
 
 
@@ -146,7 +146,7 @@ def sweep_tiles(layer, tokens, which="all"):
     """Every decode tile choice of SWEEP and SWEEP_K that fits the layer's inputs (`which`:
     "all" or "dot"), and the row kernel's tiles of ROW_SWEEP and ROW_SWEEP_K at one token
     ("all" or "rows")."""
-    kind, k = layer.quant.tile_format.split("-")[0], local_in(layer)
+    kind, k = quant_gemm.format_kind(layer.quant.tile_format), local_in(layer)
     if which in ("all", "dot"):
         for block_k, (block_n, warps, split) in itertools.product(
                 SWEEP_K[kind], itertools.product(*SWEEP.values())):

@@ -63,7 +63,6 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels.nvfp4_mma_ops_jit import (
-    BF16_OUT,
     b_tile,
     bf16_bits,
     grid_wait,
@@ -71,12 +70,9 @@ from freetoken.kernels.nvfp4_mma_ops_jit import (
     launch_next,
     mma,
     rows_tile,
+    sum_factor,
     tile_sum,
 )
-
-FP16_OUT = tl.constexpr(128.0)
-"""fp16 operands: decoded weights are e2m1 * e4m3 * 2^-7, so the sums are multiplied by
-2^7."""
 
 
 @triton.jit
@@ -197,10 +193,7 @@ def gate_up_mma(
                                          k_words=k_words, V=V, NW=TILES * S, ASM=ASM, FULL=FULL,
                                          BF16=BF16)
     # lane (g, t) holds column 2t of rows g (d0) and g + 8 (d2): the pair is column 0
-    if BF16:
-        f = BF16_OUT
-    else:
-        f = FP16_OUT
+    f = sum_factor(BF16)
     gate_factor = f * tl.load(gate_up_global_ptr + 2 * expert)
     up_factor = f * tl.load(gate_up_global_ptr + 2 * expert + 1)
     scale = (tl.load(down_global_ptr + expert)
@@ -339,10 +332,7 @@ def down_mma(
         acc = mma(acc, a[0], a[1], TILES * S, ASM, BF16)
     if steps % 3 == 2:
         acc = mma(acc, b[0], b[1], TILES * S, ASM, BF16)
-    if BF16:
-        f = BF16_OUT
-    else:
-        f = FP16_OUT
+    f = sum_factor(BF16)
     if SCALED:
         f = f * tl.load(out_scale_ptr)
     lane = tl.arange(0, 32)[None, :]

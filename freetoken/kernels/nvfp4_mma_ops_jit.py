@@ -18,6 +18,8 @@ from freetoken.kernels.nvfp4_ptx import BF16_SCALE_EXP, mma_asm, mma_constraints
 
 BF16_OUT = tl.constexpr(2.0 ** (126 - BF16_SCALE_EXP))
 """What the bf16 mma's sums are multiplied by."""
+FP16_OUT = tl.constexpr(128.0)
+"""What the fp16 mma's sums are multiplied by (its weights decode to e2m1 * e4m3 * 2^-7)."""
 
 _MMA_ASM_1 = tl.constexpr(mma_asm(1))
 _MMA_ASM_2 = tl.constexpr(mma_asm(2))
@@ -28,6 +30,16 @@ _MMA_ASM_BF16_4 = tl.constexpr(mma_asm(4, bf16=True))
 _MMA_CONSTRAINTS_1 = tl.constexpr(mma_constraints(1))
 _MMA_CONSTRAINTS_2 = tl.constexpr(mma_constraints(2))
 _MMA_CONSTRAINTS_4 = tl.constexpr(mma_constraints(4))
+
+
+@triton.jit
+def sum_factor(BF16: tl.constexpr):
+    """What `mma`'s sums are multiplied by to undo the decoded weights' scale."""
+    if BF16:
+        f = BF16_OUT
+    else:
+        f = FP16_OUT
+    return f
 
 
 @triton.jit
@@ -201,8 +213,8 @@ def _mma_portable(acc, w, b, NW: tl.constexpr, BF16: tl.constexpr):
     wg = _word_weights(w[0], sc & 0xFF)
     wh = _word_weights(w[1], (sc >> 8) & 0xFF)
     if BF16:    # 2^-7 -> 2^(BF16_SCALE_EXP - 126), exact in float32
-        wg = wg * (128.0 / BF16_OUT)
-        wh = wh * (128.0 / BF16_OUT)
+        wg = wg * (FP16_OUT / BF16_OUT)
+        wh = wh * (FP16_OUT / BF16_OUT)
     # b[h] holds inputs 4 h + s at bits 16 s: input q = 4 h + 2 s1 + s0 (each join adds a
     # last axis, and the innermost join's ends up first: h, then s1, then s0)
     x = tl.join(tl.join(tl.join(_half(b[0], 0, BF16), _half(b[1], 0, BF16)),

@@ -103,13 +103,18 @@ def _shipped() -> dict:
     return H200
 
 
+def format_kind(fmt: str) -> str:
+    """The kind ("fp8" or "nvfp4") of a tile table format ("fp8-block" -> "fp8")."""
+    return fmt.split("-")[0]
+
+
 def tiles_for(tokens: int, rows: int, in_features: int, fmt: str, norm: bool = False
               ) -> QuantTiles:
     """The tiles of a call in `fmt` (a kind, "fp8" or "nvfp4", or a format of one:
     "fp8-block", "fp8-tensor"): the measured table's entry for a decode call on a GPU, the
     format's own before its kind's, and with `norm` the entry measured with the norm fused
     before the plain call's; else `choose_tiles`."""
-    kind = fmt.split("-")[0]
+    kind = format_kind(fmt)
     if 0 < tokens <= DECODE_MAX_TOKENS and not interpreting():
         table = _table()
         for fused in ((True, False) if norm else (False,)):
