@@ -2,10 +2,11 @@
 machine, no rank group needed.
 
     python bench/gpu_kernels_check.py [--dtype bfloat16|float16|float32] [--quick] [--faults]
-        [--fault NAME] [--json FILE]
+        [--fault NAME] [--kind moe|moe+shared|linear] [--json FILE]
 
 Runs `freetoken_verify.checks.kernels.check.gpu_matrix()` (tokens {1, 7, 64, 300} x experts {8, 64}
-x top-k {1, 2, 8} x H {2048, 1040} x TP-local I = 512 / tp for tp {1, 2, 4, 8}, plus dense linears)
+x top-k {1, 2, 8} x H {2048, 1040} x TP-local I = 512 / tp for tp {1, 2, 4, 8}, plus dense linears
+and the MoE block with its shared expert as one more slot and the residual at 1, 7 and 16 tokens)
 through the same `run_matrix` the check uses, and prints every case with its path, error metrics and
 status; first it compares the decode kernels' PTX word decode with the portable one bit for bit.
 `--quick` takes every 8th case. `--faults` then re-runs the quick matrix once per NVFP4 kernel
@@ -114,6 +115,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--quick", action="store_true", help="every 8th case only")
+    p.add_argument("--kind", choices=["moe", "moe+shared", "linear"], default=None,
+                   help="only the cases of this kind")
     p.add_argument("--faults", action="store_true", help="also prove each NVFP4 fault fails")
     p.add_argument("--fault", "--inject", dest="inject", choices=NVFP4_FAULTS, default=None)
     p.add_argument("--json", type=Path, default=None)
@@ -124,7 +127,7 @@ def main() -> int:
         return 2
     if args.inject:
         FAULTS[args.inject]()
-    cases = gpu_matrix()[:: 8 if args.quick else 1]
+    cases = [c for c in gpu_matrix() if args.kind in (None, c.kind)][:: 8 if args.quick else 1]
     print(f"{torch.cuda.get_device_name(0)}; torch {torch.__version__}, triton "
           f"{__import__('triton').__version__}; {len(cases)} cases in {args.dtype}"
           + (f"; injected {args.inject}" if args.inject else ""), flush=True)

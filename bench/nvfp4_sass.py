@@ -37,11 +37,15 @@ DIVISIBLE = {"x_ptr", "w_ptr", "w_scale_ptr", "h_ptr", "out_ptr", "intermediate"
              "stride_x_token", "stride_x_nibble", "stride_h_nibble", "stride_w_expert",
              "stride_scale_expert", "stride_scale_row", "stride_h_pair", "stride_out_token",
              "n_rows", "x16_ptr", "h16_ptr", "stride_x16_token", "stride_h16_pair",
-             "stride_w_row"}
+             "stride_w_row", "shared_w_ptr", "shared_w_scale_ptr", "residual_ptr",
+             "stride_residual_token"}
 POINTERS = {"x_ptr": "*fp32", "h_ptr": "*fp32", "topk_ids_ptr": "*i32",
             "topk_weights_ptr": "*bf16", "w_ptr": "*u8", "w_scale_ptr": "*u8",
             "gate_up_global_ptr": "*fp32", "down_global_ptr": "*fp32", "out_ptr": "*bf16",
-            "x16_ptr": "*bf16", "h16_ptr": "*bf16", "out_scale_ptr": "*fp32"}
+            "x16_ptr": "*bf16", "h16_ptr": "*bf16", "out_scale_ptr": "*fp32",
+            "shared_w_ptr": "*u8", "shared_w_scale_ptr": "*u8", "shared_global_ptr": "*fp32",
+            "shared_down_global_ptr": "*fp32", "shared_gate_ptr": "*bf16",
+            "residual_ptr": "*bf16"}
 
 
 def compile_kernel(fn, constexprs: dict, num_warps: int, arch: int):
@@ -118,30 +122,33 @@ def _word_kernels(tiles, count: int, top_k: int, hidden: int, inter: int):
     return out
 
 
-def _mma_kernels(tiles, count: int, top_k: int, hidden: int, inter: int, arch: int = 90):
+def _mma_kernels(tiles, count: int, top_k: int, hidden: int, inter: int, arch: int = 90,
+                 shared: bool = False):
     """The same for the tensor-core decode kernels (16-bit activations): a lane handles rows g
     and g + 8 of its tile, 8 inputs per word, V words per step, three steps per trip. With
-    programmatic dependent launch (PDL) where the launcher uses it (sm_90+)."""
+    programmatic dependent launch (PDL) where the launcher uses it (sm_90+); `shared`: with
+    the shared expert as one more slot of every token, and the residual in down."""
     from freetoken.kernels import nvfp4_mma_jit, nvfp4_mma_launch
 
     pdl = int(tiles.pdl and arch >= 90)
-
-    v, split, _, row_tiles = nvfp4_mma_launch.mma_shape(count * top_k, inter, hidden, 1, tiles)
-    vh, split_h, chunks_h, tiles_h = nvfp4_mma_launch.mma_shape(count, hidden, inter, top_k,
+    walk = top_k + shared
+    v, split, _, row_tiles = nvfp4_mma_launch.mma_shape(count * walk, inter, hidden, 1, tiles)
+    vh, split_h, chunks_h, tiles_h = nvfp4_mma_launch.mma_shape(count, hidden, inter, walk,
                                                                 tiles, tiles.mma_down_min_split)
+    extra = {"SHARED": int(shared)}
     return [("gate_up_mma", nvfp4_mma_jit.gate_up_mma,
              dict(V=v, TILES=row_tiles, S=split, ASM=1,
                   FULL=nvfp4_mma_launch.mma_full(inter, hidden, 1, v, split, row_tiles),
-                  BF16=1, PDL=pdl),
+                  BF16=1, PDL=pdl, **extra),
              split * row_tiles, 16 * row_tiles, 3 * 2 * 2 * v * 8),
             ("down_mma", nvfp4_mma_jit.down_mma,
              dict(V=vh, TILES=tiles_h, S=split_h, CHUNKS=chunks_h, ASM=1,
-                  FULL=nvfp4_mma_launch.mma_full(hidden, inter, top_k, vh, split_h, tiles_h),
-                  BF16=1, PDL=pdl),
+                  FULL=nvfp4_mma_launch.mma_full(hidden, inter, walk, vh, split_h, tiles_h),
+                  BF16=1, PDL=pdl, RESIDUAL=int(shared), ALIGNED=int(shared), **extra),
              split_h * tiles_h, 16 * tiles_h, 3 * 2 * vh * 8)]
 
 
-def rows(tps: list[int], tokens: list[int], arch: int) -> list[dict]:
+def rows(tps: list[int], tokens: list[int], arch: int, shared: bool = False) -> list[dict]:
     from freetoken.kernels import nvfp4_launch
 
     tiles, top_k, hidden, inter_full = nvfp4_launch.GPU_TILES, 8, 2048, 512
@@ -151,7 +158,7 @@ def rows(tps: list[int], tokens: list[int], arch: int) -> list[dict]:
         for count in tokens:
             for name, fn, meta, warps, n_rows, weights in (
                     _word_kernels(tiles, count, top_k, hidden, inter)
-                    + _mma_kernels(tiles, count, top_k, hidden, inter, arch)):
+                    + _mma_kernels(tiles, count, top_k, hidden, inter, arch, shared)):
                 sass, regs, spill = compile_sass(fn, meta, warps, arch)
                 total, mix = loop_mix(sass)
                 out.append({"tp": tp, "tokens": count, "kernel": name, "rows": n_rows,
@@ -166,12 +173,15 @@ def main() -> int:
     p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200)")
     p.add_argument("--tp", type=int_list, default=[1, 8])
     p.add_argument("--tokens", type=int_list, default=[1, 16])
+    p.add_argument("--shared", action="store_true",
+                   help="the mma kernels with the shared expert as one more slot of every "
+                        "token and the residual in down")
     args = p.parse_args()
     # the decode PTX path is what a GPU runs: make sure the kernels are not interpreted
     os.environ.pop("TRITON_INTERPRET", None)
     from tabulate import tabulate
 
-    table = rows(args.tp, args.tokens, args.arch)
+    table = rows(args.tp, args.tokens, args.arch, args.shared)
     print(f"sm_{args.arch}, triton {__import__('triton').__version__}, GPU tiles "
           f"(`nvfp4_launch.GPU_TILES`), E=256 top-8 H=2048 I=512/tp; gate_up / down: CUDA-core "
           f"kernels (float32 activations), *_mma: tensor-core kernels (16-bit activations)")

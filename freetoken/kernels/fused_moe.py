@@ -59,7 +59,8 @@ computes its shared expert of the same kind and its gate in them as well
 (`fused_moe(shared=...)`): three launches a MoE layer fewer at batch 1, measured 990.9 ->
 933.4 us a qwen3.5-moe-realdims 8-layer step on an H100 (docs/performance.md). False keeps
 the shared expert's own launches and the separate combine (an A/B of `bench/tile_ab.py`,
-switch `no-shared-rows`)."""
+switch `no-shared-rows`). NVFP4 routed experts on the tensor-core decode likewise take an
+NVFP4 shared expert as one more slot (`nvfp4_mma_launch.SharedSlot`), at up to 16 tokens."""
 
 DECODE_MAX_PAIRS = 1024
 """Up to this many (token, slot) pairs take DECODE_TILES."""

@@ -69,10 +69,14 @@ from freetoken.kernels.nvfp4_mma_ops_jit import (
     lanes,
     launch_next,
     mma,
+    round_to,
     rows_tile,
     sum_factor,
     tile_sum,
 )
+
+GATE_BLOCK = tl.constexpr(256)
+"""Inputs a shared-expert program takes per step of its sigmoid gate's dot product."""
 
 
 @triton.jit
@@ -120,11 +124,18 @@ def gate_up_mma(
     w_scale_ptr,            # [experts, 2 * intermediate, k_words / 2] e4m3 bytes
     gate_up_global_ptr,     # [experts, 2] float32 (gate, up)
     down_global_ptr,        # [experts] float32
-    h16_ptr,                # [pairs, >= intermediate] bf16 h (out)
+    h16_ptr,                # [tokens * (top_k + SHARED), >= intermediate] bf16 h (out)
+    shared_w_ptr,           # with SHARED: the shared expert's [2 * intermediate, k_words] words
+    shared_w_scale_ptr,     # and their e4m3 block scales (the routed experts' row strides)
+    shared_global_ptr,      # its gate_up globals, float32 (gate at shared_gate_group, up at
+    shared_down_global_ptr,     # shared_up_group), its down's global [1] float32
+    shared_gate_ptr,        # [8 * k_words] the sigmoid gate's weights, x's dtype
     # sizes
     intermediate,
     k_words,
     top_k,
+    shared_gate_group,
+    shared_up_group,
     # strides (x and h in 16-bit units, w in int32 words, its scales in bytes)
     stride_x16_token,
     stride_w_expert,
@@ -140,19 +151,31 @@ def gate_up_mma(
     FULL: tl.constexpr,     # no masks: whole row tiles, whole chunks, even K split
     BF16: tl.constexpr,     # bf16 activations (else fp16)
     PDL: tl.constexpr = 0,  # let down launch early (programmatic dependent launch)
+    SHARED: tl.constexpr = 0,   # each token's slot top_k is the gated shared expert
+    SHARED_RECIPROCAL: tl.constexpr = 0,    # the shared expert's stored globals divide
 ):
-    """Each program computes one (pair, block of 16 TILES rows) of h:
-    h[p, n] = silu(gate_e[n] . x_t) * (up_e[n] . x_t) * topk_weights[p] * down_global[e] for
-    pair p = (token t, slot) routed to expert e; its warps split K S ways. h is stored in
-    bf16 for down. An ordinary launch: x and the routing ids come from the kernels before."""
+    """Each program computes one (slot, block of 16 TILES rows) of h:
+    h[p, n] = silu(gate_e[n] . x_t) * (up_e[n] . x_t) * topk_weights[q] * down_global[e] for
+    slot p = (token t, slot s) routed to expert e (pair q = t top_k + s); its warps split K S
+    ways. With SHARED a token has top_k + 1 slots, and its last is the shared expert's, whose
+    h is silu(gate . x_t) * (up . x_t) * sigmoid(shared_gate . x_t) times its down's global
+    (the gate's logit and sigmoid rounded to x's dtype, as the MoE block's combine rounds
+    them). h is stored in bf16 for down. An ordinary launch: x and the routing ids come from
+    the kernels before."""
     launch_next(PDL)
-    pair = tl.program_id(0)
-    token = pair // top_k
+    slot_id = tl.program_id(0)
+    token = slot_id // (top_k + SHARED)
+    slot = slot_id % (top_k + SHARED)
+    pair = token * top_k + tl.minimum(slot, top_k - 1)
     expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
     lane_g, lane_t, tile, split = lanes(TILES * S, S)
     rows = tl.program_id(1) * (16 * TILES) + 16 * tile + lane_g
     w_expert_ptr = w_ptr.to(tl.pointer_type(tl.int32)) + expert * stride_w_expert
     scale_expert_ptr = w_scale_ptr + expert * stride_scale_expert
+    if SHARED:
+        w_expert_ptr = tl.where(slot < top_k, w_expert_ptr,
+                                shared_w_ptr.to(tl.pointer_type(tl.int32)))
+        scale_expert_ptr = tl.where(slot < top_k, scale_expert_ptr, shared_w_scale_ptr)
     x_row_ptr = (x16_ptr.to(tl.pointer_type(tl.int64))
                  + token.to(tl.int64) * (stride_x16_token // 4))
     z = tl.full([32 * TILES * S], 0.0, tl.float32)
@@ -194,14 +217,23 @@ def gate_up_mma(
                                          BF16=BF16)
     # lane (g, t) holds column 2t of rows g (d0) and g + 8 (d2): the pair is column 0
     f = sum_factor(BF16)
-    gate_factor = f * tl.load(gate_up_global_ptr + 2 * expert)
-    up_factor = f * tl.load(gate_up_global_ptr + 2 * expert + 1)
+    gate_global = tl.load(gate_up_global_ptr + 2 * expert)
+    up_global = tl.load(gate_up_global_ptr + 2 * expert + 1)
     scale = (tl.load(down_global_ptr + expert)
              * tl.load(topk_weights_ptr + pair).to(tl.float32))
+    if SHARED:
+        if slot == top_k:
+            gate_global = _global(shared_global_ptr + shared_gate_group, SHARED_RECIPROCAL)
+            up_global = _global(shared_global_ptr + shared_up_group, SHARED_RECIPROCAL)
+            scale = (_global(shared_down_global_ptr, SHARED_RECIPROCAL)
+                     * _shared_gate(x16_ptr + token.to(tl.int64) * stride_x16_token,
+                                    shared_gate_ptr, 8 * k_words))
+    gate_factor = f * gate_global
+    up_factor = f * up_global
     lane = tl.arange(0, 32)[None, :]
     n = tl.program_id(1) * (16 * TILES) + 16 * tl.arange(0, TILES)[:, None] + lane // 4
     keep = (lane % 4) == 0
-    h_out = h16_ptr.to(tl.pointer_type(tl.int16)) + pair.to(tl.int64) * stride_h16_pair
+    h_out = h16_ptr.to(tl.pointer_type(tl.int16)) + slot_id.to(tl.int64) * stride_h16_pair
     for half in tl.static_range(2):
         gate = tile_sum(acc_gate[2 * half], TILES, S) * gate_factor
         up = tile_sum(acc_up[2 * half], TILES, S) * up_factor
@@ -211,64 +243,107 @@ def gate_up_mma(
 
 
 @triton.jit
-def _down_slot(token, top_k, q, CHUNKS: tl.constexpr, FULL: tl.constexpr):
-    """(pair, live, chunk) of walk step q (per tensor row): slot q / CHUNKS, chunk q % CHUNKS;
-    not live past the last slot, or with FULL, where every step of the warps is a whole chunk
-    of whole row tiles, the last step's again."""
+def _global(ptr, RECIPROCAL: tl.constexpr):
+    """A stored global scale as a multiplier (its reciprocal where the stored one divides)."""
+    g = tl.load(ptr)
+    if RECIPROCAL:
+        g = 1.0 / g
+    return g
+
+
+@triton.jit
+def _shared_gate(x_row_ptr, gate_ptr, hidden):
+    """sigmoid(gate . x) of a token's 16-bit row, the logit and the sigmoid each rounded to
+    x's dtype (as `gemv.moe_combine` rounds them)."""
+    offs = tl.arange(0, GATE_BLOCK)
+    acc = tl.zeros([GATE_BLOCK], tl.float32)
+    for k0 in range(0, hidden, GATE_BLOCK):
+        ok = k0 + offs < hidden
+        acc += (tl.load(x_row_ptr + k0 + offs, mask=ok, other=0.0).to(tl.float32)
+                * tl.load(gate_ptr + k0 + offs, mask=ok, other=0.0).to(tl.float32))
+    logit = round_to(tl.sum(acc, axis=0), x_row_ptr.dtype.element_ty)
+    return round_to(1.0 / (1.0 + tl.exp(-logit)), x_row_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _down_slot(token, top_k, q, CHUNKS: tl.constexpr, FULL: tl.constexpr,
+               SHARED: tl.constexpr):
+    """(pair, h row, live, chunk, routed) of walk step q (per tensor row): slot q / CHUNKS
+    of the token's top_k + SHARED, chunk q % CHUNKS; the pair (routing ids) and the h row of
+    that slot; not live past the last slot, or with FULL, where every step of the warps is a
+    whole chunk of whole row tiles, the last step's again; routed: not the shared slot."""
     if FULL:
-        q = tl.minimum(q, top_k * CHUNKS - 1)
+        q = tl.minimum(q, (top_k + SHARED) * CHUNKS - 1)
     slot = q // CHUNKS
-    return token * top_k + tl.minimum(slot, top_k - 1), slot < top_k, q % CHUNKS
+    last = tl.minimum(slot, top_k + SHARED - 1)
+    return (token * top_k + tl.minimum(slot, top_k - 1), token * (top_k + SHARED) + last,
+            slot < top_k + SHARED, q % CHUNKS, slot < top_k)
 
 
 @triton.jit
 def _down_weights(experts, token, top_k, q, rows, n_rows, lane_t, k_words, V: tl.constexpr,
-                  CHUNKS: tl.constexpr, FULL: tl.constexpr):
+                  CHUNKS: tl.constexpr, FULL: tl.constexpr, SHARED: tl.constexpr,
+                  ALIGNED: tl.constexpr):
     """Weights of walk step q (zeros where not live); `experts` = (topk_ids_ptr, w_ptr,
-    w_scale_ptr, stride_w_expert, stride_w_row, stride_scale_expert, stride_scale_row)."""
+    w_scale_ptr, stride_w_expert, stride_w_row, stride_scale_expert, stride_scale_row,
+    shared_w_ptr, shared_w_scale_ptr): the shared expert's rows for its slot (SHARED). The
+    choice between the two loses the wide loads' alignment, which ALIGNED (both experts'
+    rows start 16-byte aligned) restores."""
     topk_ids_ptr, w_ptr, w_scale_ptr = experts[0], experts[1], experts[2]
     stride_w_expert, stride_w_row = experts[3], experts[4]
     stride_scale_expert, stride_scale_row = experts[5], experts[6]
-    pair, live, chunk = _down_slot(token, top_k, q, CHUNKS, FULL)
+    pair, _, live, chunk, routed = _down_slot(token, top_k, q, CHUNKS, FULL, SHARED)
     expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
-    return rows_tile(w_ptr, w_scale_ptr, expert_words=expert * stride_w_expert,
-                     expert_bytes=expert * stride_scale_expert, rows=rows, rows_end=n_rows,
-                     live=live, chunk=chunk, lane_t=lane_t, k_words=k_words,
+    w_rows_ptr = w_ptr + expert * stride_w_expert
+    scale_rows_ptr = w_scale_ptr + expert * stride_scale_expert
+    if SHARED:
+        w_rows_ptr = tl.where(routed, w_rows_ptr, experts[7])
+        scale_rows_ptr = tl.where(routed, scale_rows_ptr, experts[8])
+        if ALIGNED:
+            w_rows_ptr = tl.multiple_of(w_rows_ptr, 16)
+            scale_rows_ptr = tl.multiple_of(scale_rows_ptr, 16)
+    return rows_tile(w_rows_ptr, scale_rows_ptr, expert_words=0, expert_bytes=0, rows=rows,
+                     rows_end=n_rows, live=live, chunk=chunk, lane_t=lane_t, k_words=k_words,
                      stride_w_row=stride_w_row, stride_scale_row=stride_scale_row, V=V,
                      FULL=FULL)
 
 
 @triton.jit
 def _down_acts(h_rows, token, top_k, q, lane_t, k_words, V: tl.constexpr,
-               CHUNKS: tl.constexpr, FULL: tl.constexpr):
+               CHUNKS: tl.constexpr, FULL: tl.constexpr, SHARED: tl.constexpr):
     """h (or x) of walk step q (zeros where not live); `h_rows` = (h16_ptr,
     stride_h16_pair)."""
     h16_ptr, stride_h16_pair = h_rows
-    pair, live, chunk = _down_slot(token, top_k, q, CHUNKS, FULL)
+    _, h_row, live, chunk, _ = _down_slot(token, top_k, q, CHUNKS, FULL, SHARED)
     h16_row_ptr = (h16_ptr.to(tl.pointer_type(tl.int64))
-                   + (pair.to(tl.int64) * (stride_h16_pair // 4))[:, None])
+                   + (h_row.to(tl.int64) * (stride_h16_pair // 4))[:, None])
     return b_tile(h16_row_ptr, chunk, lane_t, live, k_words, V, FULL)
 
 
 @triton.jit
 def _down_load(experts, h_rows, token, top_k, q, rows, n_rows, lane_t, k_words,
-               V: tl.constexpr, CHUNKS: tl.constexpr, FULL: tl.constexpr):
+               V: tl.constexpr, CHUNKS: tl.constexpr, FULL: tl.constexpr,
+               SHARED: tl.constexpr, ALIGNED: tl.constexpr):
     """Weights and fragments of walk step q."""
     weights = _down_weights(experts, token, top_k, q=q, rows=rows, n_rows=n_rows,
-                            lane_t=lane_t, k_words=k_words, V=V, CHUNKS=CHUNKS, FULL=FULL)
+                            lane_t=lane_t, k_words=k_words, V=V, CHUNKS=CHUNKS, FULL=FULL,
+                            SHARED=SHARED, ALIGNED=ALIGNED)
     acts = _down_acts(h_rows, token, top_k, q=q, lane_t=lane_t, k_words=k_words, V=V,
-                      CHUNKS=CHUNKS, FULL=FULL)
+                      CHUNKS=CHUNKS, FULL=FULL, SHARED=SHARED)
     return weights, acts
 
 
 @triton.jit
 def down_mma(
     # pointers
-    h16_ptr,                # [pairs, >= k] 16-bit activations: gate_up's bf16 h, or x
+    h16_ptr,                # [slots, >= k] 16-bit activations: gate_up's bf16 h, or x
     out_scale_ptr,          # [1] float32 factor of the outputs (with SCALED)
     topk_ids_ptr,           # [pairs] expert of pair p = token * top_k + slot
     w_ptr,                  # [experts, n_rows, k_words] int32 words
     w_scale_ptr,            # [experts, n_rows, k_words / 2] e4m3 bytes
+    shared_w_ptr,           # with SHARED: the shared expert's [n_rows, k_words] words and
+    shared_w_scale_ptr,     # their block scales (the routed experts' row strides)
+    residual_ptr,           # [tokens, n_rows] added to the output (with RESIDUAL)
     out_ptr,                # [tokens, n_rows] (out)
     # sizes
     n_rows,
@@ -281,6 +356,7 @@ def down_mma(
     stride_scale_expert,
     stride_scale_row,
     stride_out_token,
+    stride_residual_token,
     # meta-parameters
     V: tl.constexpr,        # words per lane and chunk
     TILES: tl.constexpr,    # 16-row tiles per program
@@ -291,42 +367,52 @@ def down_mma(
     BF16: tl.constexpr,     # bf16 activations (else fp16)
     SCALED: tl.constexpr = 0,   # outputs times out_scale[0] (a dense linear's global scale)
     PDL: tl.constexpr = 0,  # launched with programmatic dependent launch, after gate_up
+    SHARED: tl.constexpr = 0,   # each token's slot top_k is the shared expert's
+    ALIGNED: tl.constexpr = 0,  # with SHARED: every expert's rows start 16-byte aligned
+    RESIDUAL: tl.constexpr = 0,     # out = residual + the sums rounded to out's dtype
 ):
     """Each program computes one (token, block of 16 TILES rows) of out:
     out[t, n] = f * sum over t's slots p (routed to e) of w_e[n] . h16[p], walking all of
-    the token's slots (CHUNKS chunks each) as one float32 dot product, its warps taking every
-    S-th step of the walk; f undoes the decode's weight scale (and is times out_scale[0]
-    with SCALED). PDL: the first two steps' weights load before waiting for gate_up."""
+    the token's top_k + SHARED slots (CHUNKS chunks each) as one float32 dot product, its
+    warps taking every S-th step of the walk; f undoes the decode's weight scale (and is
+    times out_scale[0] with SCALED). RESIDUAL: the sums are rounded to out's dtype and the
+    residual added (as `residual + block(x)` rounds). PDL: the first two steps' weights load
+    before waiting for gate_up."""
     launch_next(PDL)
     token = tl.program_id(0)
     lane_g, lane_t, tile, split = lanes(TILES * S, S)
     rows = tl.program_id(1) * (16 * TILES) + 16 * tile + lane_g
-    w_words_ptr = w_ptr.to(tl.pointer_type(tl.int32))
-    experts = (topk_ids_ptr, w_words_ptr, w_scale_ptr, stride_w_expert, stride_w_row,
-               stride_scale_expert, stride_scale_row)
+    experts = (topk_ids_ptr, w_ptr.to(tl.pointer_type(tl.int32)), w_scale_ptr,
+               stride_w_expert, stride_w_row, stride_scale_expert, stride_scale_row,
+               shared_w_ptr.to(tl.pointer_type(tl.int32)), shared_w_scale_ptr)
     h_rows = (h16_ptr, stride_h16_pair)
-    steps = (top_k * CHUNKS + S - 1) // S
+    steps = ((top_k + SHARED) * CHUNKS + S - 1) // S
     z = tl.full([32 * TILES * S], 0.0, tl.float32)
     acc = (z, z, z, z)
     weights_a = _down_weights(experts, token, top_k, q=split, rows=rows, n_rows=n_rows,
-                              lane_t=lane_t, k_words=k_words, V=V, CHUNKS=CHUNKS, FULL=FULL)
+                              lane_t=lane_t, k_words=k_words, V=V, CHUNKS=CHUNKS, FULL=FULL,
+                              SHARED=SHARED, ALIGNED=ALIGNED)
     weights_b = _down_weights(experts, token, top_k, q=split + S, rows=rows, n_rows=n_rows,
-                              lane_t=lane_t, k_words=k_words, V=V, CHUNKS=CHUNKS, FULL=FULL)
+                              lane_t=lane_t, k_words=k_words, V=V, CHUNKS=CHUNKS, FULL=FULL,
+                              SHARED=SHARED, ALIGNED=ALIGNED)
     grid_wait(PDL)
     a = (weights_a, _down_acts(h_rows, token, top_k, q=split, lane_t=lane_t, k_words=k_words,
-                               V=V, CHUNKS=CHUNKS, FULL=FULL))
+                               V=V, CHUNKS=CHUNKS, FULL=FULL, SHARED=SHARED))
     b = (weights_b, _down_acts(h_rows, token, top_k, q=split + S, lane_t=lane_t,
-                               k_words=k_words, V=V, CHUNKS=CHUNKS, FULL=FULL))
+                               k_words=k_words, V=V, CHUNKS=CHUNKS, FULL=FULL, SHARED=SHARED))
     for j in range(0, steps - 2, 3):
         q = (j + 2) * S + split
         c = _down_load(experts, h_rows, token, top_k, q=q, rows=rows, n_rows=n_rows,
-                       lane_t=lane_t, k_words=k_words, V=V, CHUNKS=CHUNKS, FULL=FULL)
+                       lane_t=lane_t, k_words=k_words, V=V, CHUNKS=CHUNKS, FULL=FULL,
+                       SHARED=SHARED, ALIGNED=ALIGNED)
         acc = mma(acc, a[0], a[1], TILES * S, ASM, BF16)
         a = _down_load(experts, h_rows, token, top_k, q=q + S, rows=rows, n_rows=n_rows,
-                       lane_t=lane_t, k_words=k_words, V=V, CHUNKS=CHUNKS, FULL=FULL)
+                       lane_t=lane_t, k_words=k_words, V=V, CHUNKS=CHUNKS, FULL=FULL,
+                       SHARED=SHARED, ALIGNED=ALIGNED)
         acc = mma(acc, b[0], b[1], TILES * S, ASM, BF16)
         b = _down_load(experts, h_rows, token, top_k, q=q + 2 * S, rows=rows, n_rows=n_rows,
-                       lane_t=lane_t, k_words=k_words, V=V, CHUNKS=CHUNKS, FULL=FULL)
+                       lane_t=lane_t, k_words=k_words, V=V, CHUNKS=CHUNKS, FULL=FULL,
+                       SHARED=SHARED, ALIGNED=ALIGNED)
         acc = mma(acc, c[0], c[1], TILES * S, ASM, BF16)
     if steps % 3 >= 1:
         acc = mma(acc, a[0], a[1], TILES * S, ASM, BF16)
@@ -339,7 +425,12 @@ def down_mma(
     n = tl.program_id(1) * (16 * TILES) + 16 * tl.arange(0, TILES)[:, None] + lane // 4
     keep = (lane % 4) == 0
     out_row_ptr = out_ptr + token.to(tl.int64) * stride_out_token
+    residual_row_ptr = residual_ptr + token.to(tl.int64) * stride_residual_token
     for half in tl.static_range(2):
         out_rows = n + 8 * half
-        tl.store(out_row_ptr + out_rows, tile_sum(acc[2 * half], TILES, S) * f,
-                 mask=keep & (out_rows < n_rows))
+        ok = keep & (out_rows < n_rows)
+        out = tile_sum(acc[2 * half], TILES, S) * f
+        if RESIDUAL:
+            out = (round_to(out, out_ptr.dtype.element_ty)
+                   + tl.load(residual_row_ptr + out_rows, mask=ok, other=0.0).to(tl.float32))
+        tl.store(out_row_ptr + out_rows, out, mask=ok)

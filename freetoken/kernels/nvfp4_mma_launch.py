@@ -1,9 +1,12 @@
 """Launchers of the tensor-core NVFP4 decode kernels (`nvfp4_mma_jit`): 16-bit activations on
 a GPU, read in place, a warp per 16 rows, warps splitting K when a launch has few warps. On
 sm_90+ a MoE call's down uses programmatic dependent launch after its gate_up
-(`launches_early`)."""
+(`launches_early`). A MoE call may take an NVFP4 shared expert as one more slot of every
+token (`SharedSlot`) and the decoder layer's residual in down."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -16,6 +19,29 @@ from freetoken.kernels.nvfp4_launch import (
     weight_strides,
     word_vector,
 )
+
+
+@dataclass(frozen=True)
+class SharedSlot:
+    """An NVFP4 shared expert and its sigmoid gate, for the MoE decode to compute as slot
+    top_k of every token (h times sigmoid(gate . x) instead of a routing weight): the
+    TP-local `w13` uint8 [2I, H/2] (gate rows, then up rows) and `w13_scale` e4m3
+    [2I, H/16] with the routed experts' I and row strides, `w13_global` float32 [n] the
+    checkpoint tensors' globals (`gate_group`, `up_group` index them); `w2` [H, I/2],
+    `w2_scale` [H, I/16], `w2_global` float32 (its element 0); `gate_weight` [H] in x's
+    dtype; `reciprocal`: the stored globals divide (compressed-tensors)."""
+
+    w13: torch.Tensor
+    w13_scale: torch.Tensor
+    w13_global: torch.Tensor
+    gate_group: int
+    up_group: int
+    w2: torch.Tensor
+    w2_scale: torch.Tensor
+    w2_global: torch.Tensor
+    gate_weight: torch.Tensor
+    reciprocal: bool
+
 
 _PDL_LAUNCH: dict[str, bool] = {}
 """{"supported": whether this Triton takes the `launch_pdl` launch option}, once a launch with
@@ -90,19 +116,47 @@ def activations(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _shared_args(shared: SharedSlot | None, w: torch.Tensor, s: torch.Tensor,
+                 which: str) -> dict:
+    """The kernels' shared-expert pointers (`which`: "w13" or "w2"; the routed experts' own
+    where there is no shared slot, never read)."""
+    if shared is None:
+        return dict(shared_w_ptr=w, shared_w_scale_ptr=s)
+    sw, ss = getattr(shared, which), getattr(shared, f"{which}_scale").view(torch.uint8)
+    word_vector(f"shared {which}", sw[None])
+    return dict(shared_w_ptr=sw, shared_w_scale_ptr=ss)
+
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    """Whether every expert's rows of these weights and scales (routed [E, ...] ones, each
+    expert at its stride, and shared ones) start 16-byte aligned."""
+    return all(t.data_ptr() % 16 == 0 and (t.dim() < 3 or t.stride(0) % 16 == 0)
+               for t in tensors)
+
+
 def gate_up_mma_launch(x, topk_ids, topk_weights, w13, s13, g13, g2, intermediate, top_k,
-                       tiles, pdl=False) -> torch.Tensor:
+                       tiles, pdl=False, shared: SharedSlot | None = None) -> torch.Tensor:
     """gate_up on tensor cores: h (times the routing weight and down's global scale) as bf16
-    [pairs, intermediate] for `down_mma_launch`. An ordinary launch; pdl (the call's
+    [slots, intermediate] for `down_mma_launch`, a token's top_k slots (and the shared
+    expert's after them, where given) one after another. An ordinary launch; pdl (the call's
     `launches_early`): it lets down launch early."""
-    pairs, hidden = topk_ids.numel(), x.shape[1]
-    v, split, _, row_tiles = mma_shape(pairs, intermediate, hidden, 1, tiles)
+    hidden, slots = x.shape[1], x.shape[0] * (top_k + (shared is not None))
+    v, split, _, row_tiles = mma_shape(slots, intermediate, hidden, 1, tiles)
     x16 = activations(x)
-    h16 = torch.empty(pairs, intermediate, dtype=torch.bfloat16, device=x.device)
+    h16 = torch.empty(slots, intermediate, dtype=torch.bfloat16, device=x.device)
     word_vector("w13", w13)
-    jit_module("nvfp4_mma_jit").gate_up_mma[(pairs, -(-intermediate // (16 * row_tiles)))](
+    if shared is None:
+        gate = dict(shared_global_ptr=g13, shared_down_global_ptr=g2, shared_gate_ptr=x16,
+                    shared_gate_group=0, shared_up_group=0)
+    else:
+        gate = dict(shared_global_ptr=shared.w13_global, shared_down_global_ptr=shared.w2_global,
+                    shared_gate_ptr=shared.gate_weight, shared_gate_group=shared.gate_group,
+                    shared_up_group=shared.up_group, SHARED=1,
+                    SHARED_RECIPROCAL=int(shared.reciprocal))
+    jit_module("nvfp4_mma_jit").gate_up_mma[(slots, -(-intermediate // (16 * row_tiles)))](
         x16_ptr=x16, topk_ids_ptr=topk_ids, topk_weights_ptr=topk_weights, w_ptr=w13,
         w_scale_ptr=s13, gate_up_global_ptr=g13, down_global_ptr=g2, h16_ptr=h16,
+        **_shared_args(shared, w13, s13, "w13"), **gate,
         intermediate=intermediate, k_words=hidden // 8, top_k=top_k,
         stride_x16_token=x16.stride(0), **weight_strides(w13, s13, word_bytes=4),
         stride_h16_pair=h16.stride(0), V=v, TILES=row_tiles, S=split, ASM=dequant_mode(x),
@@ -112,23 +166,30 @@ def gate_up_mma_launch(x, topk_ids, topk_weights, w13, s13, g13, g2, intermediat
 
 
 def down_mma_launch(h16, topk_ids, w2, s2, out, k_inputs, top_k, tiles, pdl=False,
-                    out_scale=None):
+                    out_scale=None, shared: SharedSlot | None = None,
+                    residual: torch.Tensor | None = None):
     """down on tensor cores: out[t] = the sum over t's slots of w2[topk_ids[p]] @ h16[p]
-    (times out_scale [1] float32 where given); h16 [pairs, >= k_inputs] 16-bit: gate_up's h
-    (pdl: launched with programmatic dependent launch after it), or a dense linear's x (one
-    slot per token)."""
+    (times out_scale [1] float32 where given; the shared expert's down on its slot, after
+    the token's top_k, where given; rounded to out's dtype and `residual` [tokens, n_rows]
+    added, where given); h16 [slots, >= k_inputs] 16-bit: gate_up's h (pdl: launched with
+    programmatic dependent launch after it), or a dense linear's x (one slot per token)."""
     tokens, n_rows = out.shape[0], w2.shape[1]
-    v, split, chunks, row_tiles = mma_shape(tokens, n_rows, k_inputs, top_k, tiles,
+    walk = top_k + (shared is not None)
+    v, split, chunks, row_tiles = mma_shape(tokens, n_rows, k_inputs, walk, tiles,
                                             tiles.mma_down_min_split)
     word_vector("w2", w2)
     h16 = activations(h16)
     _launch(jit_module("nvfp4_mma_jit").down_mma,
             (tokens, -(-n_rows // (16 * row_tiles))), pdl,
             h16_ptr=h16, out_scale_ptr=h16 if out_scale is None else out_scale,
-            topk_ids_ptr=topk_ids, w_ptr=w2, w_scale_ptr=s2, out_ptr=out, n_rows=n_rows,
+            topk_ids_ptr=topk_ids, w_ptr=w2, w_scale_ptr=s2, **_shared_args(shared, w2, s2, "w2"),
+            residual_ptr=out if residual is None else residual, out_ptr=out, n_rows=n_rows,
             k_words=k_inputs // 8, top_k=top_k, stride_h16_pair=h16.stride(0),
-            **weight_strides(w2, s2, word_bytes=4), stride_out_token=out.stride(0), V=v,
+            **weight_strides(w2, s2, word_bytes=4), stride_out_token=out.stride(0),
+            stride_residual_token=0 if residual is None else residual.stride(0), V=v,
             TILES=row_tiles, S=split, CHUNKS=chunks, ASM=dequant_mode(h16),
-            FULL=mma_full(n_rows, k_inputs, top_k, v, split, row_tiles),
+            FULL=mma_full(n_rows, k_inputs, walk, v, split, row_tiles),
             BF16=int(h16.dtype == torch.bfloat16), SCALED=int(out_scale is not None),
+            SHARED=int(shared is not None), RESIDUAL=int(residual is not None),
+            ALIGNED=int(shared is not None and _aligned(w2, s2, shared.w2, shared.w2_scale)),
             num_warps=split * row_tiles)

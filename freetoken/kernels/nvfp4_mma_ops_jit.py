@@ -75,11 +75,11 @@ def rows_tile(w_ptr, w_scale_ptr, expert_words, expert_bytes, rows, rows_end, li
               lane_t, k_words, stride_w_row, stride_scale_row, V: tl.constexpr,
               FULL: tl.constexpr):
     """int32 words [R, V] of weight `rows` and `rows + 8` (valid below `rows_end`, where
-    `live`) of the expert at word offset `expert_words` (scale byte offset `expert_bytes`;
-    scalars or per row) for `chunk` (lane t's words chunk 4V + t V + i), and the block scale
-    bytes [R, max(1, V / 2)] of the groups they span in both rows, packed as
-    (row) | (row + 8) << 8 (word i in group i / 2; a row's are one load). FULL: every row and
-    word exists and is live, nothing masked."""
+    `live`) of the expert at word offset `expert_words` from `w_ptr` (scale byte offset
+    `expert_bytes` from `w_scale_ptr`; pointers and offsets scalars or per row) for `chunk`
+    (lane t's words chunk 4V + t V + i), and the block scale bytes [R, max(1, V / 2)] of the
+    groups they span in both rows, packed as (row) | (row + 8) << 8 (word i in group i / 2;
+    a row's are one load). FULL: every row and word exists and is live, nothing masked."""
     i = tl.arange(0, V)
     first_word = chunk * (4 * V) + lane_t * V
     word = first_word[:, None] + i[None, :]
@@ -88,11 +88,11 @@ def rows_tile(w_ptr, w_scale_ptr, expert_words, expert_bytes, rows, rows_end, li
     ok_h1 = (rows + 8 < rows_end) & live & (first_word < k_words)
     ok_g = ok_g1[:, None] & (word < k_words)
     ok_h = ok_h1[:, None] & (word < k_words)
-    words_ptr = w_ptr + (expert_words + rows.to(tl.int64) * stride_w_row)[:, None] + word
+    words_ptr = (w_ptr + expert_words + rows.to(tl.int64) * stride_w_row)[:, None] + word
     if V >= 4:
         j = tl.arange(0, V // 2)
         group = tl.multiple_of(first_word // 2, V // 2)[:, None] + j[None, :]
-        scales_ptr = (w_scale_ptr + (expert_bytes + rows.to(tl.int64) * stride_scale_row)[:, None]
+        scales_ptr = ((w_scale_ptr + expert_bytes + rows.to(tl.int64) * stride_scale_row)[:, None]
                       + group)
         ok_sg = ok_g1[:, None]
         ok_sh = ok_h1[:, None]
@@ -245,3 +245,13 @@ def bf16_bits(x):
     b = x.to(tl.uint32, bitcast=True)
     r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
     return tl.where(x != x, 0x7FC0, r).to(tl.int16)
+
+
+@triton.jit
+def round_to(x, DTYPE: tl.constexpr):
+    """float32 x rounded to DTYPE (bf16 or fp16 to nearest even; float32 kept), as float32."""
+    if DTYPE == tl.bfloat16:
+        x = (bf16_bits(x).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    elif DTYPE == tl.float16:
+        x = x.to(tl.float16).to(tl.float32)
+    return x

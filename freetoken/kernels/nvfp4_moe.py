@@ -3,7 +3,9 @@ then down, weighted by the routing weights and summed over each token's top-k sl
 partial sum; the MoE block all-reduces it). Few tokens take the decode kernels: on tensor
 cores for 16-bit activations on a GPU (`nvfp4_mma_launch`), else the CUDA-core GEMVs
 (`nvfp4_launch`, float32 activations and CPUs); more tokens take the prefill kernels, on
-pairs sorted by expert into blocks.
+pairs sorted by expert into blocks. The tensor-core decode can also take an NVFP4 shared
+expert as one more slot of every token and the decoder layer's residual
+(`nvfp4_mma_launch.SharedSlot`, `takes_shared`): the MoE block is then two launches.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 from freetoken.formats.nvfp4.format import GROUP, NVFP4FormatError
 from freetoken.kernels import nvfp4_launch, nvfp4_mma_launch
 from freetoken.kernels.moe_align import align_pairs
+from freetoken.kernels.nvfp4_mma_launch import SharedSlot
 
 
 def _local_intermediate(w13: torch.Tensor, w2: torch.Tensor) -> int:
@@ -43,12 +46,39 @@ def _check(x, topk_ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global) -> 
                                f"{x.shape[0]} tokens")
 
 
+def _check_shared(x: torch.Tensor, routed: dict, shared: SharedSlot) -> None:
+    """A shared slot must have one routed expert's shapes and strides, and a gate of x's
+    width and dtype; `routed`: the routed experts' w13, w13_scale, w2, w2_scale."""
+    want = {name: t[0] for name, t in routed.items()}
+    for name, like in want.items():
+        got = getattr(shared, name)
+        if tuple(got.shape) != tuple(like.shape) or got.stride() != like.stride():
+            raise NVFP4FormatError(f"fused_moe: shared expert {name} has shape "
+                                   f"{tuple(got.shape)} strides {got.stride()}, expected "
+                                   f"{tuple(like.shape)} {like.stride()} (a routed expert's)")
+    if shared.gate_weight.numel() != x.shape[1] or shared.gate_weight.dtype != x.dtype:
+        raise NVFP4FormatError(f"fused_moe: shared expert gate {tuple(shared.gate_weight.shape)} "
+                               f"{shared.gate_weight.dtype} does not fit x "
+                               f"{tuple(x.shape)} {x.dtype}")
+
+
+def takes_shared(x: torch.Tensor, tiles: nvfp4_launch.Tiles | None = None) -> bool:
+    """Whether `fused_moe` serves x on the tensor-core decode, which alone takes a shared
+    slot and the residual."""
+    tiles = tiles or nvfp4_launch.tiles_for(x.device)
+    return 0 < x.shape[0] <= nvfp4_launch.DECODE_MAX_TOKENS and nvfp4_launch.uses_mma(x, tiles)
+
+
 def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               w13: torch.Tensor, w13_scale: torch.Tensor, w13_global: torch.Tensor,
               w2: torch.Tensor, w2_scale: torch.Tensor, w2_global: torch.Tensor,
-              path: str = "auto", tiles: nvfp4_launch.Tiles | None = None
+              path: str = "auto", tiles: nvfp4_launch.Tiles | None = None,
+              shared: SharedSlot | None = None, residual: torch.Tensor | None = None
               ) -> torch.Tensor:
-    """Routed-expert partial sum for `x` [T, H] with NVFP4 experts, in x's dtype.
+    """Routed-expert partial sum for `x` [T, H] with NVFP4 experts, in x's dtype; plus the
+    gated shared expert `shared` (its partial sum: one more slot of every token) and then
+    `residual` [T, H], where given, which only the tensor-core decode takes
+    (`takes_shared`).
 
     Shapes as `NVFP4FusedExperts`: w13 [E, 2I, H/2] uint8 (gate rows, then up rows),
     w13_scale [E, 2I, H/16] e4m3, w13_global [E, 2] float32 (gate, up); w2 [E, H, I/2],
@@ -56,6 +86,16 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
     Rank-dependent through the TP-local intermediate size I."""
     _check(x, topk_ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global)
     tiles = tiles or nvfp4_launch.tiles_for(x.device)
+    if shared is not None or residual is not None:
+        if path == "prefill" or not takes_shared(x, tiles):
+            raise ValueError("fused_moe: a shared slot or residual needs the tensor-core decode "
+                             f"(x {tuple(x.shape)} {x.dtype} on {x.device}, path {path!r})")
+        if shared is not None:
+            _check_shared(x, dict(w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale),
+                          shared)
+        if residual is not None and tuple(residual.shape) != tuple(x.shape):
+            raise ValueError(f"fused_moe: residual {tuple(residual.shape)} does not fit x "
+                             f"{tuple(x.shape)}")
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     if path == "auto":
@@ -70,7 +110,9 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
     if tokens == 0:
         return x.new_zeros(0, hidden)
     if path == "decode":
-        return _decode_mma(**args) if nvfp4_launch.uses_mma(x, tiles) else _decode(**args)
+        if nvfp4_launch.uses_mma(x, tiles):
+            return _decode_mma(**args, shared=shared, residual=residual)
+        return _decode(**args)
     out = torch.empty(tokens * top_k, hidden, dtype=torch.float32, device=x.device)
     _prefill(out=out, **args)
     return out.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)
@@ -88,15 +130,17 @@ def _decode(x, topk_ids, topk_weights, w13, s13, g13, w2, s2, g2, intermediate, 
 
 
 def _decode_mma(x, topk_ids, topk_weights, w13, s13, g13, w2, s2, g2, intermediate, top_k,
-                tiles):
-    """The tensor-core decode: gate_up per pair, down per token over its slots."""
+                tiles, shared=None, residual=None):
+    """The tensor-core decode: gate_up per slot (the routed pairs and the shared expert's),
+    down per token over its slots (and the residual)."""
     pdl = nvfp4_mma_launch.launches_early(x, tiles)
     h16 = nvfp4_mma_launch.gate_up_mma_launch(
         x, topk_ids, topk_weights, w13, s13, g13, g2, intermediate=intermediate, top_k=top_k,
-        tiles=tiles, pdl=pdl)
+        tiles=tiles, pdl=pdl, shared=shared)
     out = torch.empty(x.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
     nvfp4_mma_launch.down_mma_launch(h16, topk_ids, w2, s2, out, k_inputs=intermediate,
-                                     top_k=top_k, tiles=tiles, pdl=pdl)
+                                     top_k=top_k, tiles=tiles, pdl=pdl, shared=shared,
+                                     residual=None if residual is None else residual.contiguous())
     return out
 
 

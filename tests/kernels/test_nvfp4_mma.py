@@ -241,6 +241,197 @@ def test_mma_decode_matches_reference(mma_in_interpreter, tokens, experts, top_k
     assert _rel_l2(h16, _reference_h(x, weights, ids, w, inter)) < 5e-3
 
 
+def _shared_case(experts, hidden, inter, seed, dtype, reciprocal=False):
+    """Routed experts and a shared expert of their shapes (the last of `experts + 1`
+    generated ones, stored with reciprocal globals where `reciprocal`) with a sigmoid gate:
+    (all experts' tensors, the routed ones, the `SharedSlot`)."""
+    from freetoken.kernels.nvfp4_mma_launch import SharedSlot
+
+    full = make_experts(experts + 1, hidden, inter, 1, seed=seed)
+    routed = {k: v[:experts] for k, v in full.items()}
+    g13, g2 = full["w13_global"][experts], full["w2_global"][experts:]
+    if reciprocal:
+        g13, g2 = 1.0 / g13, 1.0 / g2
+    gen = torch.Generator().manual_seed(seed + 1)
+    gate = (torch.randn(hidden, generator=gen) * 2 / hidden**0.5).to(dtype)
+    slot = SharedSlot(full["w13"][experts], full["w13_scale"][experts], g13, 0, 1,
+                      full["w2"][experts], full["w2_scale"][experts], g2, gate, reciprocal)
+    return full, routed, slot
+
+
+def _reference_with_shared(x, weights, ids, full, slot, residual=None):
+    """The float32 reference: the shared expert as expert E of `full`, weighted by its gate
+    (logit and sigmoid rounded to x's dtype, as the MoE block's combine rounds them), then
+    the block's output rounded and the residual added."""
+    experts = full["w13"].shape[0] - 1
+    logit = (x.float() @ slot.gate_weight.float()).to(x.dtype).float()
+    gate = torch.sigmoid(logit).to(x.dtype).float()
+    out = reference_moe(x.float(), torch.cat([weights.float(), gate[:, None]], 1),
+                        torch.cat([ids, torch.full_like(ids[:, :1], experts)], 1), **full)
+    return out if residual is None else out.to(x.dtype).float() + residual.float()
+
+
+@pytest.mark.parametrize("tokens, experts, top_k, hidden, inter, tiles, dtype, reciprocal", [
+    (1, 6, 2, 64, 32, {}, torch.bfloat16, False),                   # one token, 2 words
+    (3, 4, 3, 256, 64, {"mma_tiles": 2}, torch.float16, True),       # split K, 2 tiles
+    (5, 8, 2, 48, 16, {"mma_max_split": 1}, torch.bfloat16, True),   # partial chunk
+    (3, 4, 3, 256, 64, {"mma_max_split": 2}, torch.bfloat16, False),  # no masks
+])
+def test_mma_decode_takes_the_shared_expert_as_one_more_slot(mma_in_interpreter, tokens,
+                                                             experts, top_k, hidden, inter,
+                                                             tiles, dtype, reciprocal):
+    """With a `SharedSlot` every token's slot top_k is the shared expert (its own weights,
+    block scales and globals, stored reciprocal or not, weighted by sigmoid(gate . x)):
+    the routed sum plus the gated shared expert, as the reference computes them with the
+    shared expert as one more expert; the residual, where given, added after the block's
+    output is rounded. gate_up's h holds each token's routed slots, then its shared one. The
+    shared expert's share and the residual each move the output far beyond the tolerance,
+    so dropping either fails."""
+    from freetoken.kernels import nvfp4_launch, nvfp4_mma_launch, nvfp4_moe
+
+    full, routed, slot = _shared_case(experts, hidden, inter, tokens + hidden, dtype,
+                                      reciprocal)
+    x, weights, ids = _routing(tokens, experts, top_k, hidden, seed=tokens, dtype=dtype)
+    tiles = nvfp4_launch.Tiles(**tiles)
+    if hidden == 256 and not reciprocal:
+        v, split, _, row_tiles = nvfp4_mma_launch.mma_shape(tokens, hidden, inter, top_k + 1,
+                                                            tiles)
+        assert nvfp4_mma_launch.mma_full(hidden, inter, top_k + 1, v, split, row_tiles)
+    want = _reference_with_shared(x, weights, ids, full, slot)
+    got = nvfp4_moe.fused_moe(x, weights, ids, **routed, tiles=tiles, shared=slot)
+    assert got.dtype == dtype and _rel_l2(got, want) < H_BF16_REL_L2
+    assert _rel_l2(_reference_moe(x, weights, ids, **routed), want) > 10 * H_BF16_REL_L2
+    residual = (torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(5))
+                * want.norm(dim=1, keepdim=True) / hidden**0.5).to(dtype)
+    want_res = _reference_with_shared(x, weights, ids, full, slot, residual)
+    got_res = nvfp4_moe.fused_moe(x, weights, ids, **routed, tiles=tiles, shared=slot,
+                                  residual=residual)
+    assert _rel_l2(got_res, want_res) < H_BF16_REL_L2
+    assert _rel_l2(got, want_res) > 10 * H_BF16_REL_L2
+    h16 = nvfp4_mma_launch.gate_up_mma_launch(
+        x, ids.reshape(-1).to(torch.int32), weights.reshape(-1), routed["w13"],
+        routed["w13_scale"].view(torch.uint8), routed["w13_global"], routed["w2_global"],
+        inter, top_k, tiles, shared=slot).view(tokens, top_k + 1, inter)
+    shared_ids = torch.full_like(ids[:, :1], experts)
+    logit = (x.float() @ slot.gate_weight.float()).to(dtype).float()
+    gate = torch.sigmoid(logit).to(dtype).float()[:, None]
+    assert _rel_l2(h16[:, :top_k].reshape(-1, inter),
+                   _reference_h(x, weights, ids, routed, inter)) < 5e-3
+    assert _rel_l2(h16[:, top_k], _reference_h(x, gate, shared_ids, full, inter)) < 5e-3
+
+
+def test_mma_decode_refuses_a_shared_slot_it_cannot_take(mma_in_interpreter):
+    """A shared expert whose down is not a routed expert's shape is refused, named; so are a
+    shared slot on the prefill path and a residual of the wrong shape."""
+    import dataclasses
+
+    from freetoken.formats.nvfp4.format import NVFP4FormatError
+    from freetoken.kernels import nvfp4_moe
+
+    _, routed, slot = _shared_case(4, 64, 32, 3, torch.bfloat16)
+    x, weights, ids = _routing(2, 4, 2, 64, seed=3)
+    bad = dataclasses.replace(slot, w2=slot.w2[:, :8])
+    with pytest.raises(NVFP4FormatError, match=r"shared expert w2 has shape \(64, 8\)"):
+        nvfp4_moe.fused_moe(x, weights, ids, **routed, shared=bad)
+    with pytest.raises(ValueError, match="needs the tensor-core decode.*prefill"):
+        nvfp4_moe.fused_moe(x, weights, ids, **routed, shared=slot, path="prefill")
+    with pytest.raises(ValueError, match=r"residual \(2, 32\) does not fit x \(2, 64\)"):
+        nvfp4_moe.fused_moe(x, weights, ids, **routed, shared=slot,
+                            residual=x[:, :32].contiguous())
+
+
+@pytest.mark.parametrize("bug", [None, "ungated", "no residual", "routed only"])
+def test_kernels_check_catches_a_broken_shared_slot(mma_in_interpreter, monkeypatch, bug):
+    """The `kernels` check's "moe+shared" case (a TP 2 shard here; the GPU matrix has every
+    TP size) passes on the tensor-core decode with the shared slot, against the format
+    oracle and the torch backend, and fails when the kernels weight the shared expert by
+    sigmoid(0), drop the residual or drop the shared slot."""
+    import dataclasses
+
+    from freetoken.kernels import nvfp4_moe
+    from freetoken_verify.checks.kernels.nvfp4 import run_case
+    from freetoken_verify.checks.kernels.nvfp4_cases import KernelCase
+
+    original = nvfp4_moe.fused_moe
+
+    def broken(*args, shared=None, residual=None, **kwargs):
+        if bug == "ungated":
+            shared = dataclasses.replace(shared, gate_weight=torch.zeros_like(
+                shared.gate_weight))
+        return original(*args, shared=None if bug == "routed only" else shared,
+                        residual=None if bug == "no residual" else residual, **kwargs)
+
+    monkeypatch.setattr(nvfp4_moe, "fused_moe", broken)
+    row = run_case(KernelCase("moe+shared", 3, 4, 2, 64, 64, 2), "cpu", torch.bfloat16,
+                   seed=1)
+    assert row["backend_failure"] is None, row
+    assert (row["failure"] is None) == (bug is None), row
+
+
+def test_moe_block_takes_its_nvfp4_shared_expert_as_one_more_slot(mma_in_interpreter,
+                                                                  monkeypatch):
+    """A Qwen3.5 MoE block of the bundled compressed-tensors NVFP4 checkpoint (shared expert
+    NVFP4 of the routed experts' size, reciprocal globals), its experts on the tensor-core
+    decode: the decoder layer's second half is the router, the routing, gate_up with the
+    shared slot and down with the residual, no combine launch, and gives the torch path's
+    `residual + block(x)` up to bf16 rounding; with `fused_moe.SHARED_IN_ROWS` off the
+    shared expert takes its own launches and the combine, to the same result. Dropping the
+    shared expert's share or the block's output would each fail."""
+    from conftest import GOLDEN
+
+    from freetoken.config import EngineConfig
+    from freetoken.context import ForwardContext, device_batch, set_forward_context
+    from freetoken.engine.core import EngineCore
+    from freetoken.kernels import fused_moe, gemv, nvfp4_mma_launch
+    from freetoken.layers.quantization.nvfp4.backend import TRITON, BackendChoice
+    from freetoken.models.qwen3_5_moe.moe import SparseMoeBlock
+    from freetoken.models.registry import load_config
+
+    folder = GOLDEN / "tiny-qwen3.5-moe-nvfp4-ct"
+    core = EngineCore(folder, load_config(folder),
+                      EngineConfig(dtype="bfloat16", progress=False, max_num_seqs=1,
+                                   enforce_eager=True), torch.device("cpu"))
+    block = next(m for m in core.model.modules() if isinstance(m, SparseMoeBlock))
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(3, block.experts.hidden, generator=gen).to(torch.bfloat16)
+    residual = (torch.randn(3, block.experts.hidden, generator=gen) * 0.1).to(torch.bfloat16)
+    want = residual.float() + block(x).float()
+    # the triton backend on bf16 in the interpreter (which it refuses for its CUDA-core
+    # kernels; the mma ones emulate their products exactly)
+    monkeypatch.setattr(block.experts, "backend_for",
+                        lambda x: BackendChoice(TRITON, "the mma decode in the interpreter"))
+    calls = {"combine": 0, "shared slot": 0}
+    combine, gate_up = gemv.moe_combine, nvfp4_mma_launch.gate_up_mma_launch
+
+    def counted_combine(*args, **kwargs):
+        calls["combine"] += 1
+        return combine(*args, **kwargs)
+
+    def counted_gate_up(*args, shared=None, **kwargs):
+        calls["shared slot"] += shared is not None
+        return gate_up(*args, shared=shared, **kwargs)
+
+    monkeypatch.setattr(gemv, "moe_combine", counted_combine)
+    monkeypatch.setattr(nvfp4_mma_launch, "gate_up_mma_launch", counted_gate_up)
+    steps = [1, 1, 1]
+    set_forward_context(ForwardContext(False, steps, steps, torch.zeros(3, dtype=torch.long),
+                                       [[0]] * 3, [0, 1, 2],
+                                       device_batch(steps, steps, [[0]] * 3, [0, 1, 2],
+                                                    "cpu")))
+    try:
+        got = block._from_logits(x, block.gate(x), residual=residual)
+        assert calls == {"combine": 0, "shared slot": 1}, calls
+        monkeypatch.setattr(fused_moe, "SHARED_IN_ROWS", False)
+        apart = block._from_logits(x, block.gate(x), residual=residual)
+        assert calls == {"combine": 1, "shared slot": 1}, calls
+    finally:
+        set_forward_context(None)
+    # bf16 stores truncate in the interpreter (the combine's and down's): 2^-8 relative
+    assert _rel_l2(got, want) < 2e-2 and _rel_l2(apart, want) < 2e-2
+    shared = torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
+    assert _rel_l2(want - shared.float(), want) > 0.1 and _rel_l2(residual, want) > 0.5
+
+
 def test_mma_decode_with_an_expert_repeated(mma_in_interpreter):
     """A token routed twice to one expert counts once per slot."""
     from freetoken.kernels import nvfp4_moe

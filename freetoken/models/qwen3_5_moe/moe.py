@@ -20,6 +20,7 @@ from freetoken.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
 from freetoken.layers.moe import FusedExperts, route
 from freetoken.layers.quantization.fp8.block_linear import BlockFP8Linear
 from freetoken.layers.quantization.fp8.moe import BlockFP8FusedExperts
+from freetoken.layers.quantization.nvfp4.moe import NVFP4FusedExperts
 from freetoken.models.qwen3_5_moe.config import Qwen35MoeConfig
 
 SHARED = "shared_expert_intermediate_size"
@@ -61,8 +62,6 @@ def _routed_experts(cfg: Qwen35MoeConfig, fmt) -> nn.Module:
                                     cfg.moe_intermediate_size, fmt.block, fmt.input_scales)
     if not cfg.nvfp4_experts:
         return FusedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
-    from freetoken.layers.quantization.nvfp4 import NVFP4FusedExperts
-
     return NVFP4FusedExperts(
         cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
         global_scale_is_reciprocal=cfg.quantization.global_scale_is_reciprocal)
@@ -92,7 +91,7 @@ class SparseMoeBlock(nn.Module):
         on the CUDA path at TP 1 (no all-reduce between) inside the block's last launch."""
         weights, ids = route(logits, self.top_k, True, x.dtype)
         if uses_kernels() and self._gates_in_combine(x):
-            shared = self._shared_rows(x) if self.experts.combines(x) else None
+            shared = self._shared_rows(x)
             if residual is not None and get_tp_info().size == 1:
                 return self._routed_and_shared(x, weights, ids, shared, residual=residual)
             out = get_communicator().all_reduce(self._routed_and_shared(x, weights, ids,
@@ -127,7 +126,8 @@ class SparseMoeBlock(nn.Module):
         `ReplicatedLinear.forward_keeping_normed`), whatever the experts' format, and at
         TP 1 the residual add runs inside the block's last launch (`_routed_and_shared`):
         one token's block with the shared expert in the routed row kernels is then the
-        router, the routing and two expert launches. Called as a method, not a module: on
+        router, the routing and two expert launches (16-bit and block-FP8 experts at one
+        token, NVFP4 ones on the tensor-core decode). Called as a method, not a module: on
         that path the block's own hooks would record the residual sum (bisect compares a
         module's output with HF's), as for the mixers."""
         if not uses_kernels():
@@ -145,8 +145,9 @@ class SparseMoeBlock(nn.Module):
                            residual: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's routed sum plus the gated shared expert (plus `residual`, added in the
         same launch), on the CUDA path for a decode batch (`_gates_in_combine`): in the
-        routed row kernels (`shared` given), or the routed slots, the shared expert and its
-        gate combined in one launch (`gemv.moe_combine`). Experts that do not give their
+        routed experts' own launches (`shared` given: the row kernels, or NVFP4's
+        tensor-core decode), or the routed slots, the shared expert and its gate combined in
+        one launch (`gemv.moe_combine`). Experts that do not give their
         slots (`combines` False: NVFP4, or block FP8 where its kernels do not serve x) give
         their rounded sum as the one slot."""
         if shared is not None:
@@ -158,16 +159,22 @@ class SparseMoeBlock(nn.Module):
         return gemv.moe_combine(slots, x, self.shared_expert_gate.weight, self.shared_expert(x),
                                 residual=residual)
 
-    def _shared_rows(self, x: torch.Tensor) -> SharedExpertRows | None:
-        """The shared expert and its gate for the routed experts' row kernels, which then
-        compute them as one more slot (one token, rows taken: `fused_moe.SHARED_IN_ROWS`):
-        16-bit projections beside 16-bit routed experts, or block-FP8 ones beside block-FP8
-        experts of the same column block. None otherwise: more tokens, biased or unfused
-        formats (a 16-bit shared expert beside quantized experts, NVFP4)."""
-        if x.shape[0] != 1 or not (fused_moe.ROWS_AT_ONE_TOKEN and fused_moe.SHARED_IN_ROWS):
-            return None
+    def _shared_rows(self, x: torch.Tensor):
+        """The shared expert and its gate for the routed experts' kernels, which then
+        compute them as one more slot (`fused_moe.SHARED_IN_ROWS`): for the row kernels
+        (one token, rows taken, experts that give their slots) 16-bit projections beside
+        16-bit routed experts, or block-FP8 ones beside block-FP8 experts of the same column
+        block (`SharedExpertRows`); for NVFP4 experts on their tensor-core decode an NVFP4
+        shared expert of their shapes (`NVFP4FusedExperts.shared_slot`). None otherwise:
+        more tokens, biased or unfused formats (a 16-bit shared expert beside quantized
+        experts)."""
         gate_up, down = self.shared_expert.gate_up_proj, self.shared_expert.down_proj
         gate = self.shared_expert_gate
+        if isinstance(self.experts, NVFP4FusedExperts):
+            return self.experts.shared_slot(x, gate_up, down, gate)
+        if x.shape[0] != 1 or not (fused_moe.ROWS_AT_ONE_TOKEN and fused_moe.SHARED_IN_ROWS) \
+                or not self.experts.combines(x):
+            return None
         if any(lin.bias is not None for lin in (gate_up, down, gate)) or \
                 gate.quant is not None or gate.weight.dtype != x.dtype:
             return None

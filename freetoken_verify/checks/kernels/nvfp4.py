@@ -56,6 +56,8 @@ def run_case(case: KernelCase, device, dtype: torch.dtype, seed: int,
         want = oracle.linear(x, truth["weight"])
         backend = reference.reference_linear(x, **w)
         out = nvfp4_linear.nvfp4_linear(x, **w)
+    elif case.kind == "moe+shared":
+        want, backend, out = _moe_with_shared(case, x, w, truth, gen)
     else:
         weights, ids = _routing(case.tokens, case.experts, case.top_k, gen)
         weights, ids = weights.to(device, dtype), ids.to(device)
@@ -66,6 +68,32 @@ def run_case(case: KernelCase, device, dtype: torch.dtype, seed: int,
     row["backend_failure"] = truth["backend_failure"] or _backend_output(case, backend, want,
                                                                          dtype)
     return row
+
+
+def _moe_with_shared(case: KernelCase, x: torch.Tensor, w: dict, truth: dict,
+                     gen: torch.Generator) -> tuple:
+    """(oracle, torch backend, kernel) outputs of the MoE block with its shared expert (the
+    last of `w`'s experts) as one more slot of every token, weighted by sigmoid(gate . x)
+    (the logit and the sigmoid rounded to x's dtype, as the block's combine rounds them),
+    plus the residual: the oracle and the backend take the shared expert as expert E."""
+    from freetoken.kernels.nvfp4_mma_launch import SharedSlot
+
+    e, device, dtype = case.experts, x.device, x.dtype
+    weights, ids = _routing(case.tokens, e, case.top_k, gen)
+    gate_weight = (torch.randn(case.hidden, generator=gen) * 2 / case.hidden**0.5).to(device,
+                                                                                     dtype)
+    residual = torch.randn(case.tokens, case.hidden, generator=gen).to(device, dtype)
+    gate = torch.sigmoid((x.float() @ gate_weight.float()).to(dtype).float()).to(dtype)
+    all_weights = torch.cat([weights.to(device, dtype), gate[:, None]], 1)
+    all_ids = torch.cat([ids, torch.full_like(ids[:, :1], e)], 1).to(device)
+    want = oracle.moe(x, all_weights, all_ids, truth["w13"], truth["w2"]) + residual.double()
+    backend = reference.reference_moe(x, all_weights, all_ids, **w) + residual
+    routed = {k: v[:e] for k, v in w.items()}
+    slot = SharedSlot(w["w13"][e], w["w13_scale"][e], w["w13_global"][e], 0, 1, w["w2"][e],
+                      w["w2_scale"][e], w["w2_global"][e:], gate_weight, False)
+    out = nvfp4_moe.fused_moe(x, weights.to(device, dtype), ids.to(device), **routed,
+                              shared=slot, residual=residual)
+    return want, backend, out
 
 
 def _oracle_weights(case: KernelCase, w: dict, cache: dict) -> dict:

@@ -20,8 +20,10 @@ TOKENS = (1, 7, 64, 300)
 
 @dataclass(frozen=True)
 class KernelCase:
-    """One kernel launch to check. kind "moe": `experts`, `top_k`; kind "linear": a dense
-    [intermediate / tp, hidden] weight (experts = top_k = 1)."""
+    """One kernel launch to check. kind "moe": `experts`, `top_k`; "moe+shared": the same
+    plus a shared expert of the routed shapes as one more slot of every token, gated by a
+    sigmoid, and the residual (the tensor-core decode's MoE block, GPU only); kind
+    "linear": a dense [intermediate / tp, hidden] weight (experts = top_k = 1)."""
 
     kind: str
     tokens: int
@@ -41,15 +43,23 @@ class KernelCase:
                 f"I={self.intermediate}/tp{self.tp}={self.local_intermediate}"
         if self.kind == "linear":
             return f"linear {shape}"
-        return f"moe experts={self.experts} top_k={self.top_k} {shape}"
+        return f"{self.kind} experts={self.experts} top_k={self.top_k} {shape}"
+
+
+SHARED_TOKENS = (1, 7, 16)
+"""Decode batches of the MoE block with its shared expert as one more slot."""
 
 
 def gpu_matrix(hiddens=(2048, 1040), intermediate=512) -> list[KernelCase]:
-    """The full product on GPU, plus a dense linear per tokens x hidden."""
+    """The full product on GPU, plus a dense linear per tokens x hidden, plus the MoE block
+    with its shared expert (64 experts, top-8) per decode tokens x hidden x TP size, each
+    eighth case (`--quick`) among them."""
     cases = [KernelCase("moe", t, e, k, h, intermediate, tp) for t, e, k, h, tp
              in itertools.product(TOKENS, (8, 64), (1, 2, 8), hiddens, TP_SIZES) if k <= e]
-    return cases + [KernelCase("linear", t, 1, 1, h, intermediate, 1)
-                    for t, h in itertools.product(TOKENS, hiddens)]
+    cases += [KernelCase("linear", t, 1, 1, h, intermediate, 1)
+              for t, h in itertools.product(TOKENS, hiddens)]
+    return cases + [KernelCase("moe+shared", t, 64, 8, h, intermediate, tp) for t, h, tp
+                    in itertools.product(SHARED_TOKENS, hiddens, TP_SIZES)]
 
 
 # (tp, tokens, experts, top_k, hidden index): one decode (<= 16 tokens) and one prefill case per
@@ -120,7 +130,7 @@ def weights_for(case: KernelCase, device, cache: dict) -> dict:
             q = quantize(_heavy_tailed(shape, 1.0 / math.sqrt(case.hidden), gen))
             cache[key] = {"packed": q.packed, "block_scale": q.block_scale,
                           "global_scale": q.global_scale}
-        else:
-            cache[key] = make_experts(case.experts, case.hidden, case.intermediate, case.tp,
-                                      seed, device)
+        else:   # "moe+shared": the last expert is the shared one
+            cache[key] = make_experts(case.experts + (case.kind == "moe+shared"), case.hidden,
+                                      case.intermediate, case.tp, seed, device)
     return cache[key]

@@ -14,6 +14,7 @@ from freetoken.kernels import fused_moe
 from freetoken.layers import invariant
 from freetoken.layers.layout import GATE_UP, LocalRows
 from freetoken.layers.quantization.nvfp4.backend import TRITON, choose_backend
+from freetoken.layers.quantization.nvfp4.linear import NVFP4Linear
 from freetoken.layers.quantization.nvfp4.reference import reference_moe, reference_moe_leaves
 
 
@@ -101,15 +102,47 @@ class NVFP4FusedExperts(nn.Module):
                                     self.canonical)
 
     def combines(self, x: torch.Tensor) -> bool:
-        """Never: `forward` sums the slots itself and takes no shared expert or residual
-        (the MoE block combines that sum with its gated shared expert instead)."""
+        """Never: `forward` sums the slots itself (the MoE block combines that sum with its
+        gated shared expert, unless `shared_slot` gives the shared expert to `forward`)."""
         return False
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor) -> torch.Tensor:
+    def shared_slot(self, x: torch.Tensor, gate_up: nn.Module, down: nn.Module,
+                    gate: nn.Module):
+        """The MoE block's shared expert (`gate_up`, `down`) and its sigmoid `gate` as one
+        more slot of every token of x (`nvfp4_mma_launch.SharedSlot`), where the tensor-core
+        decode serves x (`nvfp4_moe.takes_shared`) and the shared expert is NVFP4 of the
+        routed experts' TP-local shapes without biases, its globals of one convention, and
+        the gate x's dtype and unquantized; else None (the block combines it apart)."""
+        from freetoken.kernels import nvfp4_moe
+        from freetoken.kernels.nvfp4_mma_launch import SharedSlot
+
+        if not fused_moe.SHARED_IN_ROWS or self.backend_for(x).name != TRITON or \
+                not nvfp4_moe.takes_shared(x):
+            return None
+        up_q, down_q = gate_up.quant, down.quant
+        if not (isinstance(up_q, NVFP4Linear) and isinstance(down_q, NVFP4Linear)) or \
+                up_q.reciprocal != down_q.reciprocal or \
+                up_q.rows != (self.local_intermediate,) * 2 or \
+                any(lin.bias is not None for lin in (gate_up, down, gate)) or \
+                gate.quant is not None or gate.weight.dtype != x.dtype or \
+                tuple(down.weight.shape) != tuple(self.w2_weight.shape[1:]):
+            return None
+        return SharedSlot(gate_up.weight, gate_up.weight_scale, gate_up.weight_scale_2,
+                          up_q.groups[0], up_q.groups[1], down.weight, down.weight_scale,
+                          down.weight_scale_2[down_q.groups[0]:], gate.weight.reshape(-1),
+                          up_q.reciprocal)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                shared=None, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's routed sum for x; with `shared` (a `shared_slot`) plus the gated
+        shared expert's partial sum, and then `residual` where given."""
         args = self._tensors()
         if self.backend_for(x).name == TRITON:
             from freetoken.kernels import nvfp4_moe
 
-            return nvfp4_moe.fused_moe(x, topk_weights, topk_ids, *args)
+            return nvfp4_moe.fused_moe(x, topk_weights, topk_ids, *args, shared=shared,
+                                       residual=residual)
+        if shared is not None or residual is not None:
+            raise ValueError("NVFP4FusedExperts: a shared slot or residual needs the triton "
+                             "backend's tensor-core decode")
         return reference_moe(x, topk_weights, topk_ids, *args)
