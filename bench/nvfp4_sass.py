@@ -127,7 +127,8 @@ def _mma_kernels(tiles, count: int, top_k: int, hidden: int, inter: int, arch: i
     """The same for the tensor-core decode kernels (16-bit activations): a lane handles rows g
     and g + 8 of its tile, 8 inputs per word, V words per step, three steps per trip. With
     programmatic dependent launch (PDL) where the launcher uses it (sm_90+); `shared`: with
-    the shared expert as one more slot of every token, and the residual in down."""
+    the shared expert as one more slot of every token, the residual in down, and globals
+    that divide (compressed-tensors)."""
     from freetoken.kernels import nvfp4_mma_jit, nvfp4_mma_launch
 
     pdl = int(tiles.pdl and arch >= 90)
@@ -139,7 +140,8 @@ def _mma_kernels(tiles, count: int, top_k: int, hidden: int, inter: int, arch: i
     return [("gate_up_mma", nvfp4_mma_jit.gate_up_mma,
              dict(V=v, TILES=row_tiles, S=split, ASM=1,
                   FULL=nvfp4_mma_launch.mma_full(inter, hidden, 1, v, split, row_tiles),
-                  BF16=1, PDL=pdl, **extra),
+                  BF16=1, PDL=pdl, RECIPROCAL=int(shared), SHARED_RECIPROCAL=int(shared),
+                  **extra),
              split * row_tiles, 16 * row_tiles, 3 * 2 * 2 * v * 8),
             ("down_mma", nvfp4_mma_jit.down_mma,
              dict(V=vh, TILES=tiles_h, S=split_h, CHUNKS=chunks_h, ASM=1,

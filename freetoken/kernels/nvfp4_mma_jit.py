@@ -122,8 +122,8 @@ def gate_up_mma(
     topk_weights_ptr,       # [pairs] routing weights
     w_ptr,                  # [experts, 2 * intermediate, k_words] int32 words (gate, up rows)
     w_scale_ptr,            # [experts, 2 * intermediate, k_words / 2] e4m3 bytes
-    gate_up_global_ptr,     # [experts, 2] float32 (gate, up)
-    down_global_ptr,        # [experts] float32
+    gate_up_global_ptr,     # [experts, 2] float32 (gate, up) global scales
+    down_global_ptr,        # [experts] float32 (RECIPROCAL: the stored ones, which divide)
     h16_ptr,                # [tokens * (top_k + SHARED), >= intermediate] bf16 h (out)
     shared_w_ptr,           # with SHARED: the shared expert's [2 * intermediate, k_words] words
     shared_w_scale_ptr,     # and their e4m3 block scales (the routed experts' row strides)
@@ -153,6 +153,7 @@ def gate_up_mma(
     PDL: tl.constexpr = 0,  # let down launch early (programmatic dependent launch)
     SHARED: tl.constexpr = 0,   # each token's slot top_k is the gated shared expert
     SHARED_RECIPROCAL: tl.constexpr = 0,    # the shared expert's stored globals divide
+    RECIPROCAL: tl.constexpr = 0,   # the routed experts' stored globals divide
 ):
     """Each program computes one (slot, block of 16 TILES rows) of h:
     h[p, n] = silu(gate_e[n] . x_t) * (up_e[n] . x_t) * topk_weights[q] * down_global[e] for
@@ -217,9 +218,9 @@ def gate_up_mma(
                                          BF16=BF16)
     # lane (g, t) holds column 2t of rows g (d0) and g + 8 (d2): the pair is column 0
     f = sum_factor(BF16)
-    gate_global = tl.load(gate_up_global_ptr + 2 * expert)
-    up_global = tl.load(gate_up_global_ptr + 2 * expert + 1)
-    scale = (tl.load(down_global_ptr + expert)
+    gate_global = _global(gate_up_global_ptr + 2 * expert, RECIPROCAL)
+    up_global = _global(gate_up_global_ptr + 2 * expert + 1, RECIPROCAL)
+    scale = (_global(down_global_ptr + expert, RECIPROCAL)
              * tl.load(topk_weights_ptr + pair).to(tl.float32))
     if SHARED:
         if slot == top_k:
@@ -244,10 +245,11 @@ def gate_up_mma(
 
 @triton.jit
 def _global(ptr, RECIPROCAL: tl.constexpr):
-    """A stored global scale as a multiplier (its reciprocal where the stored one divides)."""
+    """A stored global scale as a multiplier (its reciprocal where the stored one divides,
+    rounded to nearest as torch's `1.0 / g` is)."""
     g = tl.load(ptr)
     if RECIPROCAL:
-        g = 1.0 / g
+        g = tl.math.div_rn(tl.full([], 1.0, tl.float32), g)
     return g
 
 

@@ -135,11 +135,13 @@ def _aligned(*tensors: torch.Tensor) -> bool:
 
 
 def gate_up_mma_launch(x, topk_ids, topk_weights, w13, s13, g13, g2, intermediate, top_k,
-                       tiles, pdl=False, shared: SharedSlot | None = None) -> torch.Tensor:
+                       tiles, pdl=False, shared: SharedSlot | None = None,
+                       reciprocal: bool = False) -> torch.Tensor:
     """gate_up on tensor cores: h (times the routing weight and down's global scale) as bf16
     [slots, intermediate] for `down_mma_launch`, a token's top_k slots (and the shared
-    expert's after them, where given) one after another. An ordinary launch; pdl (the call's
-    `launches_early`): it lets down launch early."""
+    expert's after them, where given) one after another; `reciprocal`: g13 and g2 are the
+    stored globals that divide (inverted in the kernel). An ordinary launch; pdl (the
+    call's `launches_early`): it lets down launch early."""
     hidden, slots = x.shape[1], x.shape[0] * (top_k + (shared is not None))
     v, split, _, row_tiles = mma_shape(slots, intermediate, hidden, 1, tiles)
     x16 = activations(x)
@@ -161,7 +163,8 @@ def gate_up_mma_launch(x, topk_ids, topk_weights, w13, s13, g13, g2, intermediat
         stride_x16_token=x16.stride(0), **weight_strides(w13, s13, word_bytes=4),
         stride_h16_pair=h16.stride(0), V=v, TILES=row_tiles, S=split, ASM=dequant_mode(x),
         FULL=mma_full(intermediate, hidden, 1, v, split, row_tiles),
-        BF16=int(x.dtype == torch.bfloat16), PDL=int(pdl), num_warps=split * row_tiles)
+        BF16=int(x.dtype == torch.bfloat16), PDL=int(pdl), RECIPROCAL=int(reciprocal),
+        num_warps=split * row_tiles)
     return h16
 
 

@@ -73,8 +73,8 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
               w13: torch.Tensor, w13_scale: torch.Tensor, w13_global: torch.Tensor,
               w2: torch.Tensor, w2_scale: torch.Tensor, w2_global: torch.Tensor,
               path: str = "auto", tiles: nvfp4_launch.Tiles | None = None,
-              shared: SharedSlot | None = None, residual: torch.Tensor | None = None
-              ) -> torch.Tensor:
+              shared: SharedSlot | None = None, residual: torch.Tensor | None = None,
+              reciprocal: bool = False) -> torch.Tensor:
     """Routed-expert partial sum for `x` [T, H] with NVFP4 experts, in x's dtype; plus the
     gated shared expert `shared` (its partial sum: one more slot of every token) and then
     `residual` [T, H], where given, which only the tensor-core decode takes
@@ -82,8 +82,10 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
 
     Shapes as `NVFP4FusedExperts`: w13 [E, 2I, H/2] uint8 (gate rows, then up rows),
     w13_scale [E, 2I, H/16] e4m3, w13_global [E, 2] float32 (gate, up); w2 [E, H, I/2],
-    w2_scale [E, H, I/16], w2_global [E]. `path`: "auto", "decode" or "prefill".
-    Rank-dependent through the TP-local intermediate size I."""
+    w2_scale [E, H, I/16], w2_global [E]; `reciprocal`: the globals are stored ones that
+    divide (compressed-tensors: the tensor-core decode inverts them in its kernel, the other
+    paths first). `path`: "auto", "decode" or "prefill". Rank-dependent through the
+    TP-local intermediate size I."""
     _check(x, topk_ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global)
     tiles = tiles or nvfp4_launch.tiles_for(x.device)
     if shared is not None or residual is not None:
@@ -109,9 +111,11 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
                 intermediate=_local_intermediate(w13, w2), top_k=top_k, tiles=tiles)
     if tokens == 0:
         return x.new_zeros(0, hidden)
+    if path == "decode" and nvfp4_launch.uses_mma(x, tiles):
+        return _decode_mma(**args, shared=shared, residual=residual, reciprocal=reciprocal)
+    if reciprocal:
+        args["g13"], args["g2"] = 1.0 / args["g13"], 1.0 / args["g2"]
     if path == "decode":
-        if nvfp4_launch.uses_mma(x, tiles):
-            return _decode_mma(**args, shared=shared, residual=residual)
         return _decode(**args)
     out = torch.empty(tokens * top_k, hidden, dtype=torch.float32, device=x.device)
     _prefill(out=out, **args)
@@ -130,13 +134,13 @@ def _decode(x, topk_ids, topk_weights, w13, s13, g13, w2, s2, g2, intermediate, 
 
 
 def _decode_mma(x, topk_ids, topk_weights, w13, s13, g13, w2, s2, g2, intermediate, top_k,
-                tiles, shared=None, residual=None):
+                tiles, shared=None, residual=None, reciprocal=False):
     """The tensor-core decode: gate_up per slot (the routed pairs and the shared expert's),
     down per token over its slots (and the residual)."""
     pdl = nvfp4_mma_launch.launches_early(x, tiles)
     h16 = nvfp4_mma_launch.gate_up_mma_launch(
         x, topk_ids, topk_weights, w13, s13, g13, g2, intermediate=intermediate, top_k=top_k,
-        tiles=tiles, pdl=pdl, shared=shared)
+        tiles=tiles, pdl=pdl, shared=shared, reciprocal=reciprocal)
     out = torch.empty(x.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
     nvfp4_mma_launch.down_mma_launch(h16, topk_ids, w2, s2, out, k_inputs=intermediate,
                                      top_k=top_k, tiles=tiles, pdl=pdl, shared=shared,

@@ -181,6 +181,23 @@ def test_decode_kernels_compile_for_sm90_with_their_ptx():
             assert per_weight[(tp, kernel + "_mma")] < per_weight[(tp, kernel)], proc.stdout
 
 
+def test_mma_kernels_with_the_shared_slot_compile_for_sm90():
+    """The tensor-core decode kernels with the shared expert's slot, the residual and globals
+    that divide compile for sm_90 (ptxas on this CPU machine) without spills; down keeps
+    its wide weight loads (the choice of expert per slot would cost their alignment without
+    `ALIGNED`), so its instructions per weight stay near the plain kernel's."""
+    from conftest import run_compiled
+
+    proc = run_compiled(["bench/nvfp4_sass.py", "--tp", "8", "--tokens", "1", "--shared"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {r[2]: r for r in (line.split() for line in proc.stdout.splitlines())
+            if r[:1] == ["8"]}
+    for kernel in ("gate_up_mma", "down_mma"):
+        regs, spill, per_weight = int(rows[kernel][5]), int(rows[kernel][6]), \
+            float(rows[kernel][8])
+        assert 0 < regs <= 255 and spill == 0 and per_weight < 5.5, rows[kernel]
+
+
 def test_decode_refuses_weights_whose_rows_are_not_whole_words():
     """The decode kernels read packed weights as int32 words: a w13 view whose rows do not
     start on 4-byte boundaries is refused with an error naming it, not read misaligned."""

@@ -243,8 +243,9 @@ def test_mma_decode_matches_reference(mma_in_interpreter, tokens, experts, top_k
 
 def _shared_case(experts, hidden, inter, seed, dtype, reciprocal=False):
     """Routed experts and a shared expert of their shapes (the last of `experts + 1`
-    generated ones, stored with reciprocal globals where `reciprocal`) with a sigmoid gate:
-    (all experts' tensors, the routed ones, the `SharedSlot`)."""
+    generated ones; every global stored as its reciprocal where `reciprocal`, as
+    compressed-tensors stores them) with a sigmoid gate: (all experts' tensors with
+    multiplying globals, the routed ones as stored, the `SharedSlot`)."""
     from freetoken.kernels.nvfp4_mma_launch import SharedSlot
 
     full = make_experts(experts + 1, hidden, inter, 1, seed=seed)
@@ -252,6 +253,8 @@ def _shared_case(experts, hidden, inter, seed, dtype, reciprocal=False):
     g13, g2 = full["w13_global"][experts], full["w2_global"][experts:]
     if reciprocal:
         g13, g2 = 1.0 / g13, 1.0 / g2
+        routed["w13_global"] = 1.0 / routed["w13_global"]
+        routed["w2_global"] = 1.0 / routed["w2_global"]
     gen = torch.Generator().manual_seed(seed + 1)
     gate = (torch.randn(hidden, generator=gen) * 2 / hidden**0.5).to(dtype)
     slot = SharedSlot(full["w13"][experts], full["w13_scale"][experts], g13, 0, 1,
@@ -281,7 +284,8 @@ def test_mma_decode_takes_the_shared_expert_as_one_more_slot(mma_in_interpreter,
                                                              experts, top_k, hidden, inter,
                                                              tiles, dtype, reciprocal):
     """With a `SharedSlot` every token's slot top_k is the shared expert (its own weights,
-    block scales and globals, stored reciprocal or not, weighted by sigmoid(gate . x)):
+    block scales and globals, weighted by sigmoid(gate . x); every global stored as the
+    reciprocal in some cases, inverted in the kernel):
     the routed sum plus the gated shared expert, as the reference computes them with the
     shared expert as one more expert; the residual, where given, added after the block's
     output is rounded. gate_up's h holds each token's routed slots, then its shared one. The
@@ -298,25 +302,27 @@ def test_mma_decode_takes_the_shared_expert_as_one_more_slot(mma_in_interpreter,
                                                             tiles)
         assert nvfp4_mma_launch.mma_full(hidden, inter, top_k + 1, v, split, row_tiles)
     want = _reference_with_shared(x, weights, ids, full, slot)
-    got = nvfp4_moe.fused_moe(x, weights, ids, **routed, tiles=tiles, shared=slot)
+    got = nvfp4_moe.fused_moe(x, weights, ids, **routed, tiles=tiles, shared=slot,
+                              reciprocal=reciprocal)
     assert got.dtype == dtype and _rel_l2(got, want) < H_BF16_REL_L2
-    assert _rel_l2(_reference_moe(x, weights, ids, **routed), want) > 10 * H_BF16_REL_L2
+    routed_only = {k: v[:experts] for k, v in full.items()}
+    assert _rel_l2(_reference_moe(x, weights, ids, **routed_only), want) > 10 * H_BF16_REL_L2
     residual = (torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(5))
                 * want.norm(dim=1, keepdim=True) / hidden**0.5).to(dtype)
     want_res = _reference_with_shared(x, weights, ids, full, slot, residual)
     got_res = nvfp4_moe.fused_moe(x, weights, ids, **routed, tiles=tiles, shared=slot,
-                                  residual=residual)
+                                  residual=residual, reciprocal=reciprocal)
     assert _rel_l2(got_res, want_res) < H_BF16_REL_L2
     assert _rel_l2(got, want_res) > 10 * H_BF16_REL_L2
     h16 = nvfp4_mma_launch.gate_up_mma_launch(
         x, ids.reshape(-1).to(torch.int32), weights.reshape(-1), routed["w13"],
         routed["w13_scale"].view(torch.uint8), routed["w13_global"], routed["w2_global"],
-        inter, top_k, tiles, shared=slot).view(tokens, top_k + 1, inter)
+        inter, top_k, tiles, shared=slot, reciprocal=reciprocal).view(tokens, top_k + 1, inter)
     shared_ids = torch.full_like(ids[:, :1], experts)
     logit = (x.float() @ slot.gate_weight.float()).to(dtype).float()
     gate = torch.sigmoid(logit).to(dtype).float()[:, None]
     assert _rel_l2(h16[:, :top_k].reshape(-1, inter),
-                   _reference_h(x, weights, ids, routed, inter)) < 5e-3
+                   _reference_h(x, weights, ids, routed_only, inter)) < 5e-3
     assert _rel_l2(h16[:, top_k], _reference_h(x, gate, shared_ids, full, inter)) < 5e-3
 
 

@@ -136,12 +136,16 @@ class NVFP4FusedExperts(nn.Module):
                 shared=None, residual: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's routed sum for x; with `shared` (a `shared_slot`) plus the gated
         shared expert's partial sum, and then `residual` where given."""
-        args = self._tensors()
         if self.backend_for(x).name == TRITON:
             from freetoken.kernels import nvfp4_moe
 
-            return nvfp4_moe.fused_moe(x, topk_weights, topk_ids, *args, shared=shared,
-                                       residual=residual)
+            # the stored globals as they are: inverted where the kernels read them
+            return nvfp4_moe.fused_moe(
+                x, topk_weights, topk_ids, self.w13_weight, self.w13_weight_scale,
+                self.w13_weight_scale_2.float(), self.w2_weight, self.w2_weight_scale,
+                self.w2_weight_scale_2.float(), shared=shared, residual=residual,
+                reciprocal=self.global_scale_is_reciprocal)
+        args = self._tensors()
         if shared is not None or residual is not None:
             raise ValueError("NVFP4FusedExperts: a shared slot or residual needs the triton "
                              "backend's tensor-core decode")
