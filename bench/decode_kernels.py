@@ -167,6 +167,39 @@ def bench_combine(tokens, copy_gbs, gen):
                 key="-", choice="-")
 
 
+def bench_route(tokens, gen):
+    """The routing launch (softmax, top-8 of 256, renormalised) at each warp count of one
+    program per token, against the torch steps it replaces; ids must equal torch's."""
+    from freetoken.kernels import fused_moe
+    from freetoken.layers.moe import route as torch_route
+
+    experts, top_k = 256, 8
+    # float32 logits: bf16 ones tie often enough that torch's order among equals could differ
+    logits = torch.randn(tokens, experts, device="cuda", generator=gen)
+    want_w, want_ids = torch_route(logits, top_k, True, torch.bfloat16)
+    calls, shipped, times, err, same = 32, fused_moe.ROUTE_WARPS, {}, 0.0, True
+    try:
+        for warps in (1, 2, 4, 8):
+            fused_moe.ROUTE_WARPS = warps
+            w, ids = fused_moe.route(logits, top_k, True, torch.bfloat16)
+            err, same = max(err, rel_l2(w, want_w)), same and torch.equal(ids, want_ids)
+            times[warps] = graph_us([lambda: fused_moe.route(logits, top_k, True,
+                                                             torch.bfloat16)] * calls)
+        fused_moe.ROUTE_WARPS = shipped
+        graph_eq = graph_equals_eager(lambda: fused_moe.route(logits, top_k, True,
+                                                              torch.bfloat16)[0])
+    finally:
+        fused_moe.ROUTE_WARPS = shipped
+    best = min(times, key=times.get)
+    return dict(name="qwen35.route", tokens=tokens, MB=logits.numel() * 4 / 1e6,
+                rel_l2=err if same else float("inf"), graph_eq=graph_eq,
+                old_us=graph_us([lambda: torch_route(logits, top_k, True, torch.bfloat16)]
+                                * calls),
+                default_us=times[shipped], best_us=times[best], pct_copy=float("nan"),
+                tiles=" ".join(f"{w}w:{t:.2f}" for w, t in times.items()), key="-",
+                choice=f"{best} warps")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int_list, default=[1, 16])
@@ -191,6 +224,7 @@ def main() -> int:
             rows.append(bench_shape(name, tokens, copy_gbs, args.sweep, gen))
             print(rows[-1], flush=True)
         rows.append(bench_combine(tokens, copy_gbs, gen))
+        rows.append(bench_route(tokens, gen))
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth "
           f"{copy_gbs:.0f} GB/s; times per call in CUDA graphs, weights not in L2")
     print(tabulate(rows, headers="keys", floatfmt=".3g"))

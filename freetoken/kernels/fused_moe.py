@@ -268,6 +268,11 @@ def _scale_args(scales: ExpertBlockScales | None, block_k: int, weight: torch.Te
                 SCALE=mode), step
 
 
+ROUTE_WARPS = 4
+"""Warps of the routing launch (one program per token; `bench/decode_kernels.py` times
+1, 2, 4 and 8 at Qwen3.5's 256 experts)."""
+
+
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax in fp32 -> top-k -> optional renormalisation in one launch: weights [T, k]
@@ -281,7 +286,7 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: tor
             logits_ptr=logits, weights_ptr=weights, ids_ptr=ids, num_experts=num_experts,
             stride_logits_token=logits.stride(0), TOP_K=top_k,
             BLOCK_K=1 << max(0, (top_k - 1).bit_length()), BLOCK_E=_pow2(num_experts),
-            RENORMALIZE=renormalize, num_warps=4)
+            RENORMALIZE=renormalize, num_warps=ROUTE_WARPS)
     return weights, ids
 
 
