@@ -46,20 +46,27 @@ def _check(x, topk_ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global) -> 
                                f"{x.shape[0]} tokens")
 
 
-def _check_shared(x: torch.Tensor, routed: dict, shared: SharedSlot) -> None:
-    """A shared slot must have one routed expert's shapes and strides, and a gate of x's
-    width and dtype; `routed`: the routed experts' w13, w13_scale, w2, w2_scale."""
-    want = {name: t[0] for name, t in routed.items()}
-    for name, like in want.items():
-        got = getattr(shared, name)
+def shared_mismatch(x: torch.Tensor, routed: dict, shared: SharedSlot) -> str | None:
+    """Why `shared` cannot be a slot beside the routed experts `routed` (their w13,
+    w13_scale, w2, w2_scale) for x, or None: it must have one routed expert's shapes and
+    strides, float32 globals holding the groups it names, and a gate of x's width and
+    dtype."""
+    for name, experts in routed.items():
+        got, like = getattr(shared, name), experts[0]
         if tuple(got.shape) != tuple(like.shape) or got.stride() != like.stride():
-            raise NVFP4FormatError(f"fused_moe: shared expert {name} has shape "
-                                   f"{tuple(got.shape)} strides {got.stride()}, expected "
-                                   f"{tuple(like.shape)} {like.stride()} (a routed expert's)")
+            return (f"shared expert {name} has shape {tuple(got.shape)} strides "
+                    f"{got.stride()}, expected {tuple(like.shape)} {like.stride()} (a routed "
+                    f"expert's)")
+    groups = max(shared.gate_group, shared.up_group) + 1
+    for name, g, need in (("w13_global", shared.w13_global, groups),
+                          ("w2_global", shared.w2_global, 1)):
+        if g.dtype != torch.float32 or g.numel() < need or not g.is_contiguous():
+            return (f"shared expert {name} is {g.dtype} {tuple(g.shape)}, expected "
+                    f">= {need} contiguous float32 values")
     if shared.gate_weight.numel() != x.shape[1] or shared.gate_weight.dtype != x.dtype:
-        raise NVFP4FormatError(f"fused_moe: shared expert gate {tuple(shared.gate_weight.shape)} "
-                               f"{shared.gate_weight.dtype} does not fit x "
-                               f"{tuple(x.shape)} {x.dtype}")
+        return (f"shared expert gate {tuple(shared.gate_weight.shape)} "
+                f"{shared.gate_weight.dtype} does not fit x {tuple(x.shape)} {x.dtype}")
+    return None
 
 
 def takes_shared(x: torch.Tensor, tiles: nvfp4_launch.Tiles | None = None) -> bool:
@@ -92,9 +99,10 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
         if path == "prefill" or not takes_shared(x, tiles):
             raise ValueError("fused_moe: a shared slot or residual needs the tensor-core decode "
                              f"(x {tuple(x.shape)} {x.dtype} on {x.device}, path {path!r})")
-        if shared is not None:
-            _check_shared(x, dict(w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale),
-                          shared)
+        mismatch = None if shared is None else shared_mismatch(
+            x, dict(w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale), shared)
+        if mismatch:
+            raise NVFP4FormatError(f"fused_moe: {mismatch}")
         if residual is not None and tuple(residual.shape) != tuple(x.shape):
             raise ValueError(f"fused_moe: residual {tuple(residual.shape)} does not fit x "
                              f"{tuple(x.shape)}")

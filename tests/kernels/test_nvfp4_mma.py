@@ -327,8 +327,9 @@ def test_mma_decode_takes_the_shared_expert_as_one_more_slot(mma_in_interpreter,
 
 
 def test_mma_decode_refuses_a_shared_slot_it_cannot_take(mma_in_interpreter):
-    """A shared expert whose down is not a routed expert's shape is refused, named; so are a
-    shared slot on the prefill path and a residual of the wrong shape."""
+    """A shared expert whose down is not a routed expert's shape, or whose globals are not
+    float32, is refused, named; so are a shared slot on the prefill path and a residual of
+    the wrong shape."""
     import dataclasses
 
     from freetoken.formats.nvfp4.format import NVFP4FormatError
@@ -338,6 +339,9 @@ def test_mma_decode_refuses_a_shared_slot_it_cannot_take(mma_in_interpreter):
     x, weights, ids = _routing(2, 4, 2, 64, seed=3)
     bad = dataclasses.replace(slot, w2=slot.w2[:, :8])
     with pytest.raises(NVFP4FormatError, match=r"shared expert w2 has shape \(64, 8\)"):
+        nvfp4_moe.fused_moe(x, weights, ids, **routed, shared=bad)
+    bad = dataclasses.replace(slot, w2_global=slot.w2_global.to(torch.float64))
+    with pytest.raises(NVFP4FormatError, match="shared expert w2_global is torch.float64"):
         nvfp4_moe.fused_moe(x, weights, ids, **routed, shared=bad)
     with pytest.raises(ValueError, match="needs the tensor-core decode.*prefill"):
         nvfp4_moe.fused_moe(x, weights, ids, **routed, shared=slot, path="prefill")
@@ -424,6 +428,11 @@ def test_moe_block_takes_its_nvfp4_shared_expert_as_one_more_slot(mma_in_interpr
                                        [[0]] * 3, [0, 1, 2],
                                        device_batch(steps, steps, [[0]] * 3, [0, 1, 2],
                                                     "cpu")))
+    shared_expert = (block.shared_expert.gate_up_proj, block.shared_expert.down_proj,
+                     block.shared_expert_gate)
+    # a shared expert that does not fit (here its gate's dtype) stays apart
+    assert block.experts.shared_slot(x.half(), *shared_expert) is None
+    assert block.experts.shared_slot(x, *shared_expert) is not None
     try:
         got = block._from_logits(x, block.gate(x), residual=residual)
         assert calls == {"combine": 0, "shared slot": 1}, calls

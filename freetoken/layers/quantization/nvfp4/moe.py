@@ -112,7 +112,8 @@ class NVFP4FusedExperts(nn.Module):
         more slot of every token of x (`nvfp4_mma_launch.SharedSlot`), where the tensor-core
         decode serves x (`nvfp4_moe.takes_shared`) and the shared expert is NVFP4 of the
         routed experts' TP-local shapes without biases, its globals of one convention, and
-        the gate x's dtype and unquantized; else None (the block combines it apart)."""
+        the gate x's dtype and unquantized (`nvfp4_moe.shared_mismatch`); else None (the
+        block combines it apart)."""
         from freetoken.kernels import nvfp4_moe
         from freetoken.kernels.nvfp4_mma_launch import SharedSlot
 
@@ -124,13 +125,15 @@ class NVFP4FusedExperts(nn.Module):
                 up_q.reciprocal != down_q.reciprocal or \
                 up_q.rows != (self.local_intermediate,) * 2 or \
                 any(lin.bias is not None for lin in (gate_up, down, gate)) or \
-                gate.quant is not None or gate.weight.dtype != x.dtype or \
-                tuple(down.weight.shape) != tuple(self.w2_weight.shape[1:]):
+                gate.quant is not None:
             return None
-        return SharedSlot(gate_up.weight, gate_up.weight_scale, gate_up.weight_scale_2,
+        slot = SharedSlot(gate_up.weight, gate_up.weight_scale, gate_up.weight_scale_2,
                           up_q.groups[0], up_q.groups[1], down.weight, down.weight_scale,
                           down.weight_scale_2[down_q.groups[0]:], gate.weight.reshape(-1),
                           up_q.reciprocal)
+        routed = dict(w13=self.w13_weight, w13_scale=self.w13_weight_scale,
+                      w2=self.w2_weight, w2_scale=self.w2_weight_scale)
+        return None if nvfp4_moe.shared_mismatch(x, routed, slot) else slot
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 shared=None, residual: torch.Tensor | None = None) -> torch.Tensor:
