@@ -588,16 +588,18 @@ def pdl_order_problems(ptx: str, waits_for_previous: bool = True) -> list[str]:
     return problems
 
 
-def _pdl_ptx(tmp_path) -> dict[str, str]:
+def _pdl_ptx(tmp_path, shared: bool = False) -> dict[str, str]:
     """The PTX of the mma decode kernels as the launcher builds them for an H200 at TP 1 / 16
-    tokens (with PDL), compiled in a process without the interpreter."""
+    tokens (with PDL; `shared`: with the shared expert's slot and the residual), compiled in
+    a process without the interpreter."""
     from conftest import run_compiled
 
     code = (
         "import sys; from pathlib import Path\n"
         "from bench import nvfp4_sass\n"
         "from freetoken.kernels.nvfp4_launch import GPU_TILES\n"
-        "for name, fn, meta, warps, *_ in nvfp4_sass._mma_kernels(GPU_TILES, 16, 8, 2048, 512):\n"
+        f"kernels = nvfp4_sass._mma_kernels(GPU_TILES, 16, 8, 2048, 512, 90, {shared})\n"
+        "for name, fn, meta, warps, *_ in kernels:\n"
         "    assert meta['PDL'] == 1, meta\n"
         "    kernel = nvfp4_sass.compile_kernel(fn, meta, warps, 90)\n"
         "    (Path(sys.argv[1]) / (name + '.ptx')).write_text(kernel.asm['ptx'])\n")
@@ -606,13 +608,14 @@ def _pdl_ptx(tmp_path) -> dict[str, str]:
     return {p.stem: p.read_text() for p in tmp_path.glob("*.ptx")}
 
 
-def test_pdl_kernels_read_upstream_outputs_only_after_the_wait(tmp_path):
+@pytest.mark.parametrize("shared", [False, True])
+def test_pdl_kernels_read_upstream_outputs_only_after_the_wait(tmp_path, shared):
     """down, launched with PDL after gate_up, loads its first weights before
     `griddepcontrol.wait` and h after it; gate_up, an ordinary launch, lets down launch early
-    and waits for nothing. With down's wait moved to the end (h read before gate_up has
-    finished), either kernel's early launch dropped, or a wait in gate_up, the check
-    fails."""
-    ptx = _pdl_ptx(tmp_path)
+    and waits for nothing; so with the shared expert's slot and the residual. With down's
+    wait moved to the end (h read before gate_up has finished), either kernel's early
+    launch dropped, or a wait in gate_up, the check fails."""
+    ptx = _pdl_ptx(tmp_path, shared)
     assert sorted(ptx) == ["down_mma", "gate_up_mma"]
     down, gate_up = ptx["down_mma"], ptx["gate_up_mma"]
     assert pdl_order_problems(down) == []
