@@ -70,6 +70,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from freetoken.kernels.jit_ops import sum_
 from freetoken.kernels.nvfp4_mma_ops_jit import (
     b_tile,
     bf16_bits,
@@ -266,12 +267,12 @@ def _shared_gate(x_row_ptr, gate_ptr, hidden):
     """sigmoid(gate . x) of a token's 16-bit row, the logit and the sigmoid each rounded to
     x's dtype (as `gemv.moe_combine` rounds them)."""
     offs = tl.arange(0, GATE_BLOCK)
-    acc = tl.zeros([GATE_BLOCK], tl.float32)
+    acc = tl.full([GATE_BLOCK], 0.0, tl.float32)
     for k0 in range(0, hidden, GATE_BLOCK):
         ok = k0 + offs < hidden
         acc += (tl.load(x_row_ptr + k0 + offs, mask=ok, other=0.0).to(tl.float32)
                 * tl.load(gate_ptr + k0 + offs, mask=ok, other=0.0).to(tl.float32))
-    logit = round_to(tl.sum(acc, axis=0), x_row_ptr.dtype.element_ty)
+    logit = round_to(sum_(acc, 0), x_row_ptr.dtype.element_ty)
     return round_to(1.0 / (1.0 + tl.exp(-logit)), x_row_ptr.dtype.element_ty)
 
 
