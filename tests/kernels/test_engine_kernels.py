@@ -153,6 +153,33 @@ def test_route_matches_torch_routing(top_k, renormalize):
         _assert_close(got_w, want_w, f"experts={experts} weights")
 
 
+def test_route_breaks_ties_by_the_lowest_expert():
+    """Equal probabilities are taken lowest expert first (torch.topk leaves their order to
+    the implementation, so the reference here is a stable descending sort), and experts whose
+    probability underflows to zero are chosen after every positive one: the kernel orders a
+    probability by its float32 bits with the expert in the low bits of one key."""
+    from freetoken.kernels.fused_moe import route as kernel_route
+
+    logits = torch.zeros(4, 64)
+    logits[0, [5, 9, 40, 41]] = 3.0                   # four equal leaders
+    logits[1] = torch.arange(64).remainder(3).float()  # many ties at each of three values
+    logits[2, :] = -200.0                               # all but two underflow to zero
+    logits[2, [17, 50]] = 0.0
+    logits[3, ::2] = 1.0
+    probs = torch.softmax(logits, dim=-1)
+    assert (probs[2] == 0).sum() == 62
+    for top_k, renormalize in ((8, True), (3, False)):
+        want_w, want_ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+        want_w, want_ids = want_w[:, :top_k], want_ids[:, :top_k]
+        if renormalize:
+            want_w = want_w / want_w.sum(dim=-1, keepdim=True)
+        got_w, got_ids = kernel_route(logits, top_k, renormalize, torch.float32)
+        assert torch.equal(got_ids, want_ids), f"top_k={top_k}: {got_ids} != {want_ids}"
+        _assert_close(got_w, want_w, f"top_k={top_k} weights")
+    with pytest.raises(ValueError, match="top_k 9 of 8 experts"):
+        kernel_route(torch.zeros(1, 8), 9, True, torch.float32)
+
+
 def test_one_token_layout_computes_the_sorted_layouts_sum():
     """A single token's pairs on the grouped kernels (named tiles; without them one token
     takes the row kernels), one block each in slot order, give the same routed sum as the
