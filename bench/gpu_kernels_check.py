@@ -35,6 +35,7 @@ import triton.language as tl  # noqa: E402
 
 from freetoken.kernels import nvfp4_decode_jit  # noqa: E402
 from freetoken_verify.checks.kernels.check import gpu_matrix, run_matrix, summarize  # noqa: E402
+from freetoken_verify.checks.kernels.nvfp4_cases import KINDS  # noqa: E402
 from freetoken_verify.faults import FAULTS, NVFP4_MOE_KERNEL_FAULTS  # noqa: E402
 
 NVFP4_FAULTS = list(NVFP4_MOE_KERNEL_FAULTS)
@@ -115,7 +116,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--quick", action="store_true", help="every 8th case only")
-    p.add_argument("--kind", choices=["moe", "moe+shared", "linear"], default=None,
+    p.add_argument("--kind", choices=KINDS, default=None,
                    help="only the cases of this kind")
     p.add_argument("--faults", action="store_true", help="also prove each NVFP4 fault fails")
     p.add_argument("--fault", "--inject", dest="inject", choices=NVFP4_FAULTS, default=None)

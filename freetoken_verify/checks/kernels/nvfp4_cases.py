@@ -16,6 +16,8 @@ from freetoken.formats.specs import Split
 
 TP_SIZES = (1, 2, 4, 8)
 TOKENS = (1, 7, 64, 300)
+KINDS = ("moe", "moe+shared", "linear")
+"""The kinds of `KernelCase`."""
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,10 @@ class KernelCase:
     hidden: int
     intermediate: int
     tp: int
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"KernelCase: kind {self.kind!r} is none of {', '.join(KINDS)}")
 
     @property
     def local_intermediate(self) -> int:
