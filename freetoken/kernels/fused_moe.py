@@ -268,9 +268,10 @@ def _scale_args(scales: ExpertBlockScales | None, block_k: int, weight: torch.Te
                 SCALE=mode), step
 
 
-ROUTE_WARPS = 4
+ROUTE_WARPS = 1
 """Warps of the routing launch (one program per token; `bench/decode_kernels.py` times
-1, 2, 4 and 8 at Qwen3.5's 256 experts)."""
+1, 2, 4 and 8 at Qwen3.5's 256 experts). One warp needs no barrier between its block
+reductions: 2.63 us a call against 3.61 at 4 warps (H100, docs/performance.md)."""
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype

@@ -213,21 +213,16 @@ def route_kernel(
     p = tl.exp(x - ops.max_(x, axis=0))
     p = tl.where(ok, p, 0.0)
     p = p / ops.sum_(p, axis=0)
-    # One reduction per chosen expert: a probability (>= 0) orders as its float32 bits, so
-    # the key (bits << 16 | BLOCK_E - 1 - expert) orders by probability, then lowest expert
-    # first; -1 marks experts that are padding or already chosen.
-    rank = (BLOCK_E - 1 - experts).to(tl.int64)
-    left = tl.where(ok, (p.to(tl.int32, bitcast=True).to(tl.int64) << 16) | rank, -1)
+    left = tl.where(ok, p, -1.0)
     slots = tl.arange(0, BLOCK_K)
     chosen = tl.full((BLOCK_K,), 0, dtype=tl.float32)
     chosen_ids = tl.full((BLOCK_K,), 0, dtype=tl.int64)
     for j in tl.static_range(TOP_K):
-        key = ops.max_(left, axis=0)
-        index = BLOCK_E - 1 - (key & 0xFFFF)
-        best = (key >> 16).to(tl.int32).to(tl.float32, bitcast=True)
+        best = ops.max_(left, axis=0)
+        index = ops.min_(tl.where(left == best, experts, BLOCK_E), axis=0)
         chosen = tl.where(slots == j, best, chosen)
-        chosen_ids = tl.where(slots == j, index, chosen_ids)
-        left = tl.where(experts == index, -1, left)
+        chosen_ids = tl.where(slots == j, index.to(tl.int64), chosen_ids)
+        left = tl.where(experts == index, -1.0, left)
     if RENORMALIZE:
         chosen = chosen / ops.sum_(chosen, axis=0)
     tl.store(weights_ptr + token * TOP_K + slots, chosen.to(weights_ptr.dtype.element_ty),
