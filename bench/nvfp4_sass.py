@@ -10,8 +10,10 @@ Triton for `--arch` (ptxas and cuobjdump come with the triton wheel), with the i
 arguments the launcher passes marked divisible by 16 as Triton's own specialisation would.
 The loop is the longest backward branch of the SASS that multiplies (FFMA or HMMA);
 `instr/weight` is its instruction count over the weights a thread handles per trip (three
-K-steps per trip; a tensor-core lane holds 8 weights of each of two rows per word). Counts,
-not times: what a change to the decode arithmetic moves (docs/performance.md says where
+K-steps per trip; a tensor-core lane holds 8 weights of each of two rows per word);
+`smem` counts the loop's shared-memory loads and stores and `bar` its barriers (a layout
+conversion Triton inserts: every warp of the program then waits for the others each trip,
+which cost the tensor-core decode a sixth of its speed when it crept in). Counts, not times: what a change to the decode arithmetic moves (docs/performance.md says where
 else the time goes).
 """
 
@@ -166,6 +168,7 @@ def rows(tps: list[int], tokens: list[int], arch: int, shared: bool = False) -> 
                 out.append({"tp": tp, "tokens": count, "kernel": name, "rows": n_rows,
                             "warps": warps, "regs": regs, "spill": spill, "loop instr": total,
                             "instr/weight": total / weights,
+                            "smem": mix["LDS"] + mix["STS"], "bar": mix["BAR"],
                             "top ops": ", ".join(f"{op} {n}" for op, n in mix.most_common(6))})
     return out
 

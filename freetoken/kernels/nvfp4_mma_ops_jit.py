@@ -125,15 +125,13 @@ def b_tile(b_ptr, chunk, lane_t, live, k_words, V: tl.constexpr, FULL: tl.conste
     contiguous load of 16 V bytes per lane. Every lane loads its column's row (lanes of other
     columns only feed mma columns that are never read); zeros past k_words or where not
     `live` [R] (unless FULL)."""
-    j = tl.arange(0, 2 * V)
-    offset = ((chunk * 4 + lane_t) * (2 * V))[:, None] + j[None, :]
+    i = tl.arange(0, V)
+    offset = ((chunk * 4 + lane_t) * (2 * V))[:, None] + 2 * i[None, :]
     if FULL:
-        quads = tl.load(b_ptr + offset)
-    else:
-        ok = live[:, None] & (((chunk * (4 * V) + lane_t * V)[:, None] + j[None, :] // 2)
-                              < k_words)
-        quads = tl.load(b_ptr + offset, mask=ok, other=0)
-    return tl.split(tl.reshape(quads, (quads.shape[0], V, 2)))
+        return tl.load(b_ptr + offset), tl.load(b_ptr + offset + 1)
+    ok = live[:, None] & (((chunk * (4 * V) + lane_t * V)[:, None] + i[None, :]) < k_words)
+    return (tl.load(b_ptr + offset, mask=ok, other=0),
+            tl.load(b_ptr + offset + 1, mask=ok, other=0))
 
 
 @triton.jit

@@ -175,6 +175,10 @@ def test_decode_kernels_compile_for_sm90_with_their_ptx():
     for row in rows:
         regs, spill, per_weight[(row[0], row[2])] = int(row[5]), int(row[6]), float(row[8])
         assert 0 < regs <= 255 and spill == 0, row
+        # the tensor-core kernels: no layout conversion through shared memory, no barrier in
+        # the inner loop (the CUDA-core gate_up of float32 activations has one)
+        assert row[9:11] == ["0", "0"] or not row[2].endswith("_mma"), \
+            f"smem / bar in the loop: {row}"
         assert 2.0 < per_weight[(row[0], row[2])] < 40.0, row
     for tp in ("1", "8"):
         for kernel in ("gate_up", "down"):
@@ -196,6 +200,7 @@ def test_mma_kernels_with_the_shared_slot_compile_for_sm90():
         regs, spill, per_weight = int(rows[kernel][5]), int(rows[kernel][6]), \
             float(rows[kernel][8])
         assert 0 < regs <= 255 and spill == 0 and per_weight < 5.5, rows[kernel]
+        assert rows[kernel][9:11] == ["0", "0"], f"smem / bar in the loop: {rows[kernel]}"
 
 
 def test_decode_refuses_weights_whose_rows_are_not_whole_words():
