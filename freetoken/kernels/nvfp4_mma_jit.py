@@ -17,7 +17,9 @@ is one inside one 16-input scale group. Of a word's bytes b0..b3 (element 2j in 
 nibble of b_j) the decoder builds four 16-bit pairs, inputs (0, 4), (2, 6), (1, 5) and
 (3, 7): two mma steps per word. The activations stay in input order in memory (the model's
 x, gate_up's h): a lane loads the same 8 inputs of its column as two int64s (16 contiguous
-bytes) and four `prmt`s pair them as the weights are paired. The operands are the
+bytes, as two loads: one 16-byte load split in two went through shared memory with a
+barrier every step, `bench/nvfp4_sass.py`) and four `prmt`s pair them as the weights are
+paired. The operands are the
 activations' own type, fp16 or bf16, unscaled: a product of two 16-bit values is exact in
 the mma's float32.
 
@@ -61,8 +63,8 @@ is slot top_k of every token: gate_up's programs for it take the shared weights,
 globals and weight h by sigmoid(gate . x) instead of a routing weight, and down walks it
 after the routed slots, then adds the decoder layer's residual (RESIDUAL). down chooses the
 rows per lane and step; ALIGNED tells it that both experts' rows start 16-byte aligned, which
-keeps its wide weight loads (without it the choice costs them: 1153 against 929 inner-loop
-instructions at TP 1, one token).
+keeps its wide weight loads (without it the choice costs them, and a layout conversion
+through shared memory: 1167 against 729 inner-loop instructions at TP 1, one token).
 """
 
 from __future__ import annotations

@@ -121,8 +121,9 @@ def rows_tile(w_ptr, w_scale_ptr, expert_words, expert_bytes, rows, rows_end, li
 def b_tile(b_ptr, chunk, lane_t, live, k_words, V: tl.constexpr, FULL: tl.constexpr):
     """Activations of `chunk` for lane t from the 16-bit row `b_ptr` (as int64, input order):
     each of the lane's V words' 8 inputs as two int64s, inputs 0..3 and 4..7 (the mma's PTX
-    pairs them as its steps take them); (first halves, second halves) [R, V] each, one
-    contiguous load of 16 V bytes per lane. Every lane loads its column's row (lanes of other
+    pairs them as its steps take them); (first halves, second halves) [R, V] each, loaded
+    apart (one load of the 16 V bytes split in two costs a layout conversion through shared
+    memory, and a barrier, every step). Every lane loads its column's row (lanes of other
     columns only feed mma columns that are never read); zeros past k_words or where not
     `live` [R] (unless FULL)."""
     i = tl.arange(0, V)
