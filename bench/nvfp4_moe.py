@@ -45,8 +45,8 @@ from freetoken.layers.quantization.nvfp4.reference import reference_moe  # noqa:
 from freetoken_verify.checks.kernels.check import make_experts  # noqa: E402
 
 DEVICE = "cuda"
-SWEEP_DECODE = [dict(mma_warps=w, mma_max_split=s, mma_tiles=t)
-                for w in (1024, 2048, 4096) for s in (4, 8) for t in (1, 2)]
+SWEEP_DECODE = [dict(mma_warps=w, mma_max_split=s, mma_tiles=t, mma_maxnreg=r)
+                for w in (1024, 2048, 4096) for s in (4, 8) for t in (1, 2) for r in (None, 88)]
 SWEEP_PREFILL = [dict(prefill_m=m, prefill_n=n, prefill_groups=g, num_warps=w, num_stages=s)
                  for m, n in ((64, 64), (64, 128), (128, 64), (128, 128)) for g in (2, 4)
                  for w, s in ((4, 3), (8, 3), (4, 4))]

@@ -13,8 +13,9 @@ The loop is the longest backward branch of the SASS that multiplies (FFMA or HMM
 K-steps per trip; a tensor-core lane holds 8 weights of each of two rows per word);
 `smem` counts the loop's shared-memory loads and stores and `bar` its barriers (a layout
 conversion Triton inserts: every warp of the program then waits for the others each trip,
-which cost the tensor-core decode a sixth of its speed when it crept in). Counts, not times: what a change to the decode arithmetic moves (docs/performance.md says where
-else the time goes).
+which cost the tensor-core decode up to a third of its speed when it crept in). Counts, not
+times: what a change to the decode arithmetic moves (docs/performance.md says where else the
+time goes). `--maxnreg` caps gate_up_mma's registers (`Tiles.mma_maxnreg`).
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ POINTERS = {"x_ptr": "*fp32", "h_ptr": "*fp32", "topk_ids_ptr": "*i32",
             "residual_ptr": "*bf16"}
 
 
-def compile_kernel(fn, constexprs: dict, num_warps: int, arch: int):
+def compile_kernel(fn, constexprs: dict, num_warps: int, arch: int,
+                   maxnreg: int | None = None):
     """`fn` compiled by Triton for sm_`arch` (its `asm` holds the PTX and the cubin); every
     parameter not in `constexprs` is a runtime argument."""
     import triton
@@ -63,14 +65,16 @@ def compile_kernel(fn, constexprs: dict, num_warps: int, arch: int):
     src = ASTSource(fn=fn, signature=signature, attrs=attrs,
                     constexprs={(params.index(k),): v for k, v in constexprs.items()})
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": num_warps})
+                          options={"num_warps": num_warps,
+                                   **({} if maxnreg is None else {"maxnreg": maxnreg})})
 
 
-def compile_sass(fn, constexprs: dict, num_warps: int, arch: int) -> tuple[str, int, int]:
+def compile_sass(fn, constexprs: dict, num_warps: int, arch: int,
+                 maxnreg: int | None = None) -> tuple[str, int, int]:
     """(SASS text, registers, spill bytes) of `fn` compiled for sm_`arch`."""
     import triton
 
-    kernel = compile_kernel(fn, constexprs, num_warps, arch)
+    kernel = compile_kernel(fn, constexprs, num_warps, arch, maxnreg)
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
@@ -152,7 +156,8 @@ def _mma_kernels(tiles, count: int, top_k: int, hidden: int, inter: int, arch: i
              split_h * tiles_h, 16 * tiles_h, 3 * 2 * vh * 8)]
 
 
-def rows(tps: list[int], tokens: list[int], arch: int, shared: bool = False) -> list[dict]:
+def rows(tps: list[int], tokens: list[int], arch: int, shared: bool = False,
+         maxnreg: int | None = None) -> list[dict]:
     from freetoken.kernels import nvfp4_launch
 
     tiles, top_k, hidden, inter_full = nvfp4_launch.GPU_TILES, 8, 2048, 512
@@ -163,7 +168,8 @@ def rows(tps: list[int], tokens: list[int], arch: int, shared: bool = False) -> 
             for name, fn, meta, warps, n_rows, weights in (
                     _word_kernels(tiles, count, top_k, hidden, inter)
                     + _mma_kernels(tiles, count, top_k, hidden, inter, arch, shared)):
-                sass, regs, spill = compile_sass(fn, meta, warps, arch)
+                cap = maxnreg if name == "gate_up_mma" else None
+                sass, regs, spill = compile_sass(fn, meta, warps, arch, cap)
                 total, mix = loop_mix(sass)
                 out.append({"tp": tp, "tokens": count, "kernel": name, "rows": n_rows,
                             "warps": warps, "regs": regs, "spill": spill, "loop instr": total,
@@ -181,12 +187,14 @@ def main() -> int:
     p.add_argument("--shared", action="store_true",
                    help="the mma kernels with the shared expert as one more slot of every "
                         "token and the residual in down")
+    p.add_argument("--maxnreg", type=int, default=None,
+                   help="register cap of gate_up_mma (`Tiles.mma_maxnreg`)")
     args = p.parse_args()
     # the decode PTX path is what a GPU runs: make sure the kernels are not interpreted
     os.environ.pop("TRITON_INTERPRET", None)
     from tabulate import tabulate
 
-    table = rows(args.tp, args.tokens, args.arch, args.shared)
+    table = rows(args.tp, args.tokens, args.arch, args.shared, args.maxnreg)
     print(f"sm_{args.arch}, triton {__import__('triton').__version__}, GPU tiles "
           f"(`nvfp4_launch.GPU_TILES`), E=256 top-8 H=2048 I=512/tp; gate_up / down: CUDA-core "
           f"kernels (float32 activations), *_mma: tensor-core kernels (16-bit activations)")

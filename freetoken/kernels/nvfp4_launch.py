@@ -36,7 +36,10 @@ class Tiles:
     `mma_max_split` ways, down's at least `mma_down_min_split` ways (a down warp otherwise
     walks all of a token's slots alone); `pdl`: a MoE call's down starts with programmatic
     dependent launch after its gate_up where the GPU and Triton have it
-    (`nvfp4_mma_launch.launches_early`)."""
+    (`nvfp4_mma_launch.launches_early`); `mma_maxnreg`: a register cap for the tensor-core
+    gate_up (ptxas `maxnreg`; None: ptxas chooses). Registers are allocated per SM quarter,
+    so gate_up's 97-99 give 16 warps an SM and 88 would give 20 (no spill at 88,
+    `bench/nvfp4_sass.py --maxnreg`); off until a GPU timing says it pays."""
 
     decode_n: int = 16
     decode_words: int = 8
@@ -53,6 +56,7 @@ class Tiles:
     mma_tiles: int = 1
     mma_down_min_split: int = 2
     pdl: bool = True
+    mma_maxnreg: int | None = None
 
 
 GPU_TILES = Tiles()

@@ -62,6 +62,12 @@ def pdl_args(on: bool) -> dict:
     return {"PDL": 1, "launch_pdl": True} if on else {}
 
 
+def register_cap(tiles: Tiles) -> dict:
+    """gate_up's launch option of `Tiles.mma_maxnreg` (none where unset). down keeps what
+    ptxas chooses: with the shared slot it needs 128 registers at TP 1 and spills under 88."""
+    return {} if tiles.mma_maxnreg is None else {"maxnreg": tiles.mma_maxnreg}
+
+
 def _launch(kernel, grid, pdl: bool, **kwargs) -> None:
     """`kernel[grid](**kwargs)`, with programmatic dependent launch when `pdl`. The first such
     launch of the process finds out whether this Triton has the `launch_pdl` option (one
@@ -164,7 +170,7 @@ def gate_up_mma_launch(x, topk_ids, topk_weights, w13, s13, g13, g2, intermediat
         stride_h16_pair=h16.stride(0), V=v, TILES=row_tiles, S=split, ASM=dequant_mode(x),
         FULL=mma_full(intermediate, hidden, 1, v, split, row_tiles),
         BF16=int(x.dtype == torch.bfloat16), PDL=int(pdl), RECIPROCAL=int(reciprocal),
-        num_warps=split * row_tiles)
+        num_warps=split * row_tiles, **register_cap(tiles))
     return h16
 
 

@@ -159,6 +159,23 @@ def test_layers_triton_backend_matches_torch_backend():
     _assert_close(layers["triton"](x, weights, ids), layers["torch"](x, weights, ids), "moe")
 
 
+def test_gate_up_mma_fits_the_register_cap_without_spilling():
+    """`Tiles.mma_maxnreg` 88 (20 warps an SM where gate_up's own 97-99 registers give 16)
+    compiles gate_up_mma for sm_90 without spills, plain and with the shared slot, and
+    ptxas keeps to the cap."""
+    from conftest import run_compiled
+
+    for shape in (["--tp", "1,8", "--tokens", "1,16"], ["--tp", "1", "--tokens", "1",
+                                                        "--shared"]):
+        proc = run_compiled(["bench/nvfp4_sass.py", "--maxnreg", "88", *shape])
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        rows = [line.split() for line in proc.stdout.splitlines()
+                if line[:1].isdigit() and line.split()[2] == "gate_up_mma"]
+        assert rows, proc.stdout
+        for row in rows:
+            assert int(row[5]) <= 88 and row[6] == "0", row
+
+
 def test_decode_kernels_compile_for_sm90_with_their_ptx():
     """`bench/nvfp4_sass.py` compiles the decode kernels' PTX path for sm_90 on this CPU
     machine (ptxas validates the inline PTX the interpreter never runs: the CUDA-core word

@@ -219,6 +219,7 @@ def _reference_h(x, weights, ids, w, inter):
     (5, 8, 3, 64, 64, {"mma_max_split": 1}, torch.float16),  # 2 words, one warp a program
     (2, 4, 3, 256, 32, {"mma_tiles": 2}, torch.bfloat16),    # 4 words, split K, 2 tiles
     (16, 4, 4, 64, 32, {}, torch.float16),          # 16 pairs per expert
+    (3, 6, 2, 64, 32, {"mma_maxnreg": 88}, torch.bfloat16),  # gate_up's register cap
 ])
 def test_mma_decode_matches_reference(mma_in_interpreter, tokens, experts, top_k, hidden,
                                       inter, tiles, dtype):
