@@ -279,9 +279,9 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: tor
     """Softmax in fp32 -> top-k -> optional renormalisation in one launch: weights [T, k]
     in `dtype` (descending) and expert ids [T, k] int64, as `freetoken.layers.moe.route`."""
     tokens, num_experts = router_logits.shape
-    if not 0 < top_k <= num_experts <= 1 << 16:
+    if not 0 < top_k <= num_experts:
         raise ValueError(f"fused_moe.route: top_k {top_k} of {num_experts} experts; the routing "
-                         f"kernel takes 1 <= top_k <= experts <= 65536")
+                         f"kernel takes 1 <= top_k <= experts")
     weights = torch.empty(tokens, top_k, dtype=dtype, device=router_logits.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=router_logits.device)
     if tokens:

@@ -156,8 +156,8 @@ def test_route_matches_torch_routing(top_k, renormalize):
 def test_route_breaks_ties_by_the_lowest_expert():
     """Equal probabilities are taken lowest expert first (torch.topk leaves their order to
     the implementation, so the reference here is a stable descending sort), and experts whose
-    probability underflows to zero are chosen after every positive one: the kernel orders a
-    probability by its float32 bits with the expert in the low bits of one key."""
+    probability underflows to zero are chosen after every positive one; a top_k above the
+    experts is refused."""
     from freetoken.kernels.fused_moe import route as kernel_route
 
     logits = torch.zeros(4, 64)
