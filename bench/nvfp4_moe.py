@@ -180,7 +180,7 @@ def main() -> int:
     args = p.parse_args()
     try:
         nvfp4_launch.GPU_TILES = dataclasses.replace(nvfp4_launch.GPU_TILES, **args.tiles)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         fields = ", ".join(f.name for f in dataclasses.fields(nvfp4_launch.Tiles))
         p.error(f"--tiles: {e} (fields: {fields})")
     if not torch.cuda.is_available():

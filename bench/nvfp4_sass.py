@@ -52,9 +52,10 @@ POINTERS = {"x_ptr": "*fp32", "h_ptr": "*fp32", "topk_ids_ptr": "*i32",
 
 
 def compile_kernel(fn, constexprs: dict, num_warps: int, arch: int,
-                   maxnreg: int | None = None):
+                   options: dict | None = None):
     """`fn` compiled by Triton for sm_`arch` (its `asm` holds the PTX and the cubin); every
-    parameter not in `constexprs` is a runtime argument."""
+    parameter not in `constexprs` is a runtime argument; `options`: launch options beside
+    num_warps (the launcher's, e.g. `maxnreg`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -65,16 +66,15 @@ def compile_kernel(fn, constexprs: dict, num_warps: int, arch: int,
     src = ASTSource(fn=fn, signature=signature, attrs=attrs,
                     constexprs={(params.index(k),): v for k, v in constexprs.items()})
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": num_warps,
-                                   **({} if maxnreg is None else {"maxnreg": maxnreg})})
+                          options={"num_warps": num_warps, **(options or {})})
 
 
 def compile_sass(fn, constexprs: dict, num_warps: int, arch: int,
-                 maxnreg: int | None = None) -> tuple[str, int, int]:
+                 options: dict | None = None) -> tuple[str, int, int]:
     """(SASS text, registers, spill bytes) of `fn` compiled for sm_`arch`."""
     import triton
 
-    kernel = compile_kernel(fn, constexprs, num_warps, arch, maxnreg)
+    kernel = compile_kernel(fn, constexprs, num_warps, arch, options)
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
@@ -108,8 +108,9 @@ def loop_mix(sass: str) -> tuple[int, collections.Counter]:
 
 
 def _word_kernels(tiles, count: int, top_k: int, hidden: int, inter: int):
-    """(name, kernel, constexprs, warps, rows, weights per thread per loop trip) of the CUDA-core
-    decode kernels (float32 activations) as the launcher shapes them."""
+    """(name, kernel, constexprs, warps, rows, weights per thread per loop trip, launch
+    options) of the CUDA-core decode kernels (float32 activations) as the launcher shapes
+    them."""
     import torch
 
     from freetoken.kernels import nvfp4_decode_jit, nvfp4_launch
@@ -124,7 +125,7 @@ def _word_kernels(tiles, count: int, top_k: int, hidden: int, inter: int):
         warps = meta.pop("num_warps")
         # three K-steps per trip; gate_up handles a gate and an up row per row
         weights = 3 * weights_per_row * block_n * meta["KW"] * 8 / (32 * warps)
-        out.append((name, fn, meta, warps, block_n, weights))
+        out.append((name, fn, meta, warps, block_n, weights, {}))
     return out
 
 
@@ -148,28 +149,29 @@ def _mma_kernels(tiles, count: int, top_k: int, hidden: int, inter: int, arch: i
                   FULL=nvfp4_mma_launch.mma_full(inter, hidden, 1, v, split, row_tiles),
                   BF16=1, PDL=pdl, RECIPROCAL=int(shared), SHARED_RECIPROCAL=int(shared),
                   **extra),
-             split * row_tiles, 16 * row_tiles, 3 * 2 * 2 * v * 8),
+             split * row_tiles, 16 * row_tiles, 3 * 2 * 2 * v * 8,
+             nvfp4_mma_launch.register_cap(tiles)),
             ("down_mma", nvfp4_mma_jit.down_mma,
              dict(V=vh, TILES=tiles_h, S=split_h, CHUNKS=chunks_h, ASM=1,
                   FULL=nvfp4_mma_launch.mma_full(hidden, inter, walk, vh, split_h, tiles_h),
                   BF16=1, PDL=pdl, RESIDUAL=int(shared), ALIGNED=int(shared), **extra),
-             split_h * tiles_h, 16 * tiles_h, 3 * 2 * vh * 8)]
+             split_h * tiles_h, 16 * tiles_h, 3 * 2 * vh * 8, {})]
 
 
 def rows(tps: list[int], tokens: list[int], arch: int, shared: bool = False,
-         maxnreg: int | None = None) -> list[dict]:
+         tiles=None) -> list[dict]:
     from freetoken.kernels import nvfp4_launch
 
-    tiles, top_k, hidden, inter_full = nvfp4_launch.GPU_TILES, 8, 2048, 512
+    tiles = tiles or nvfp4_launch.GPU_TILES
+    top_k, hidden, inter_full = 8, 2048, 512
     out = []
     for tp in tps:
         inter = inter_full // tp
         for count in tokens:
-            for name, fn, meta, warps, n_rows, weights in (
+            for name, fn, meta, warps, n_rows, weights, options in (
                     _word_kernels(tiles, count, top_k, hidden, inter)
                     + _mma_kernels(tiles, count, top_k, hidden, inter, arch, shared)):
-                cap = maxnreg if name == "gate_up_mma" else None
-                sass, regs, spill = compile_sass(fn, meta, warps, arch, cap)
+                sass, regs, spill = compile_sass(fn, meta, warps, arch, options)
                 total, mix = loop_mix(sass)
                 out.append({"tp": tp, "tokens": count, "kernel": name, "rows": n_rows,
                             "warps": warps, "regs": regs, "spill": spill, "loop instr": total,
@@ -192,9 +194,17 @@ def main() -> int:
     args = p.parse_args()
     # the decode PTX path is what a GPU runs: make sure the kernels are not interpreted
     os.environ.pop("TRITON_INTERPRET", None)
+    import dataclasses
+
     from tabulate import tabulate
 
-    table = rows(args.tp, args.tokens, args.arch, args.shared, args.maxnreg)
+    from freetoken.kernels import nvfp4_launch
+
+    try:
+        tiles = dataclasses.replace(nvfp4_launch.GPU_TILES, mma_maxnreg=args.maxnreg)
+    except ValueError as e:
+        p.error(f"--maxnreg: {e}")
+    table = rows(args.tp, args.tokens, args.arch, args.shared, tiles)
     print(f"sm_{args.arch}, triton {__import__('triton').__version__}, GPU tiles "
           f"(`nvfp4_launch.GPU_TILES`), E=256 top-8 H=2048 I=512/tp; gate_up / down: CUDA-core "
           f"kernels (float32 activations), *_mma: tensor-core kernels (16-bit activations)")

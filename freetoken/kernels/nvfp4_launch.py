@@ -58,6 +58,11 @@ class Tiles:
     pdl: bool = True
     mma_maxnreg: int | None = None
 
+    def __post_init__(self):
+        if self.mma_maxnreg is not None and not 24 <= self.mma_maxnreg <= 255:
+            raise ValueError(f"Tiles.mma_maxnreg {self.mma_maxnreg}: a register cap is None "
+                             f"or 24..255 (ptxas maxnreg)")
+
 
 GPU_TILES = Tiles()
 # The interpreter runs programs one after another in numpy: fewer, larger programs are faster.

@@ -19,9 +19,8 @@ nibble of b_j) the decoder builds four 16-bit pairs, inputs (0, 4), (2, 6), (1, 
 x, gate_up's h): a lane loads the same 8 inputs of its column as two int64s (16 contiguous
 bytes, as two loads: one 16-byte load split in two went through shared memory with a
 barrier every step, `bench/nvfp4_sass.py`) and four `prmt`s pair them as the weights are
-paired. The operands are the
-activations' own type, fp16 or bf16, unscaled: a product of two 16-bit values is exact in
-the mma's float32.
+paired. The operands are the activations' own type, fp16 or bf16, unscaled: a product of
+two 16-bit values is exact in the mma's float32.
 
 Decode. An e2m1 code `s e1 e0 m` at fp16 bits 15 and 11..9 is the fp16 number e2m1 * 2^-14
 exactly (codes 0 and 1 on subnormals). A word's high nibbles are placed for both pairs they
@@ -72,7 +71,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from freetoken.kernels.jit_ops import sum_
+from freetoken.kernels.jit_ops import sigmoid, sum_
 from freetoken.kernels.nvfp4_mma_ops_jit import (
     b_tile,
     bf16_bits,
@@ -275,7 +274,7 @@ def _shared_gate(x_row_ptr, gate_ptr, hidden):
         acc += (tl.load(x_row_ptr + k0 + offs, mask=ok, other=0.0).to(tl.float32)
                 * tl.load(gate_ptr + k0 + offs, mask=ok, other=0.0).to(tl.float32))
     logit = round_to(sum_(acc, 0), x_row_ptr.dtype.element_ty)
-    return round_to(1.0 / (1.0 + tl.exp(-logit)), x_row_ptr.dtype.element_ty)
+    return round_to(sigmoid(logit), x_row_ptr.dtype.element_ty)
 
 
 @triton.jit

@@ -130,6 +130,18 @@ def _check_mma_ptx(program: str, v: int, bf16: bool = False) -> None:
                     f"trial {trial} lane {lane} d{i}: PTX {got}, reference {ref}")
 
 
+def test_register_cap_is_gate_ups_launch_option_and_refuses_what_ptxas_cannot_take():
+    """`Tiles.mma_maxnreg` becomes gate_up's `maxnreg` launch option (nothing where unset);
+    a cap outside 24..255 is refused, naming the field."""
+    from freetoken.kernels.nvfp4_launch import Tiles
+    from freetoken.kernels.nvfp4_mma_launch import register_cap
+
+    assert register_cap(Tiles()) == {} and register_cap(Tiles(mma_maxnreg=88)) == {"maxnreg": 88}
+    for bad in (0, 16, 256):
+        with pytest.raises(ValueError, match=f"Tiles.mma_maxnreg {bad}"):
+            Tiles(mma_maxnreg=bad)
+
+
 def test_mma_shape_rule():
     """V is the largest of 4, 2, 1 with whole chunks of 32 V inputs; the K split doubles
     while a launch has few warps (or below a minimum split), up to mma_max_split, keeping
