@@ -5,6 +5,11 @@ steps), checked in bf16 against the torch composition, graph replay against eage
 
     python3 bench/decode_kernels.py [--tokens 1,16] [--sweep [--write FILE]] [--only NAME,...]
 
+`--only` takes the shape names below, `combine` (the MoE combine), `route` (the routing
+launch at 1-8 warps) and `attention` (the medium Llama's decode attention with its rotary
+and cache write, at 96, 1024 and 4096 positions, each arm of `ATTENTION_ARMS`; `MB` is
+the context's keys and values).
+
 Times are per call from CUDA graphs of many calls, each call on its own copy of the
 weight (copies filling more than twice the L2), so no call finds its weight cached: what
 a decode step sees. `% copy` is the weight's bytes per call against the device-to-device
@@ -200,6 +205,80 @@ def bench_route(tokens, gen):
                 choice=f"{best} warps")
 
 
+ATTENTION = dict(heads=16, kv_heads=4, head_dim=64, block=16, theta=10000.0)
+"""The medium Llama's attention (`engine_decode.py --size medium`)."""
+ATTENTION_CONTEXTS = (96, 1024, 4096)
+ATTENTION_ARMS = ((True, None), (True, 128), (False, None), (False, 128))
+"""(`paged_attention.NEW_INLINE`, `DECODE_BLOCK_N`) of each timed arm; the first is the
+shipped one."""
+
+
+def bench_attention(tokens, context, copy_gbs, gen):
+    """The decode attention launch with its rotary and cache write (`DecodeRope`), one query
+    per sequence at `context` positions (this step's included), at each arm of
+    `ATTENTION_ARMS`, against the rotary launch followed by attention (the engine's path
+    before the fold); checked against the torch reference. Calls cycle through copies of
+    the caches, as the linear rows do through copies of the weights."""
+    from freetoken.kernels import paged_attention as pa
+    from freetoken.layers.rotary import RotaryEmbedding
+
+    heads, kv, dim, block = (ATTENTION[k] for k in ("heads", "kv_heads", "head_dim", "block"))
+    per_seq = -(-context // block)
+    kw = dict(device="cuda", dtype=torch.bfloat16, generator=gen)
+    cache_bytes = 2 * tokens * per_seq * block * kv * dim * 2
+    read_bytes = 2 * tokens * context * kv * dim * 2
+    copies = max(2, min(64, -(-2 * L2_BYTES // cache_bytes)))
+    caches = [(torch.randn(tokens * per_seq, block, kv, dim, **kw),
+               torch.randn(tokens * per_seq, block, kv, dim, **kw)) for _ in range(copies)]
+    tables = torch.randperm(tokens * per_seq, device="cuda", generator=gen).view(tokens, per_seq)
+    tables = tables.to(torch.int32)
+    q = torch.randn(tokens, heads, dim, **kw)
+    k = torch.randn(tokens, kv, dim, **kw)
+    v = torch.randn(tokens, kv, dim, **kw)
+    positions = torch.full((tokens,), context - 1, dtype=torch.int64, device="cuda")
+    slots = (tables[:, (context - 1) // block].to(torch.int64) * block + (context - 1) % block)
+    starts = torch.arange(tokens + 1, dtype=torch.int32, device="cuda")
+    lens = torch.full((tokens,), context, dtype=torch.int32, device="cuda")
+    rope = RotaryEmbedding(dim, dim, ATTENTION["theta"]).cuda()
+    fold = pa.DecodeRope(positions, rope.inv_freq, k, v, slots)
+
+    def folded(kc, vc):
+        return pa.paged_attention(q, kc, vc, tables, starts, lens, dim**-0.5, None, fold)
+
+    def unfolded(kc, vc):
+        q2, _ = rope(positions, q.clone(), k.clone(), (v, kc, vc, slots))
+        return pa.paged_attention(q2, kc, vc, tables, starts, lens, dim**-0.5)
+
+    want_q, want_k = RotaryEmbedding(dim, dim, ATTENTION["theta"])(
+        positions.cpu(), q.float().cpu(), k.float().cpu())
+    ref_k, ref_v = (c.float().cpu() for c in caches[0])
+    ref_k.view(-1, kv, dim)[slots.cpu()] = want_k
+    ref_v.view(-1, kv, dim)[slots.cpu()] = v.float().cpu()
+    want = pa.reference_paged_attention(want_q, ref_k, ref_v, tables.cpu().tolist(),
+                                        [1] * tokens, [context] * tokens, dim**-0.5)
+    shipped = (pa.NEW_INLINE, pa.DECODE_BLOCK_N)
+    times, err, graph_eq = {}, 0.0, True
+    try:
+        for inline, bn in ATTENTION_ARMS:
+            pa.NEW_INLINE, pa.DECODE_BLOCK_N = inline, bn
+            err = max(err, rel_l2(folded(*caches[0]), want))
+            graph_eq = graph_eq and graph_equals_eager(lambda: folded(*caches[0]))
+            times[(inline, bn)] = graph_us([lambda c=c: folded(*c) for c in caches])
+        pa.NEW_INLINE, pa.DECODE_BLOCK_N = shipped
+        old_us = graph_us([lambda c=c: unfolded(*c) for c in caches])
+    finally:
+        pa.NEW_INLINE, pa.DECODE_BLOCK_N = shipped
+    best = min(times, key=times.get)
+    label = {(i, b): f"{'inline' if i else 'readback'}/{b or 64}" for i, b in times}
+    return dict(name=f"llama.attention ctx {context}", tokens=tokens,
+                MB=read_bytes / 1e6, rel_l2=err,
+                graph_eq=graph_eq, old_us=old_us, default_us=times[shipped],
+                best_us=times[best],
+                pct_copy=100 * read_bytes / (times[shipped] * 1e-6) / (copy_gbs * 1e9),
+                tiles=" ".join(f"{label[a]}:{t:.2f}" for a, t in times.items()), key="-",
+                choice=label[best])
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int_list, default=[1, 16])
@@ -219,12 +298,23 @@ def main() -> int:
     copy_gbs = copy_bandwidth()
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
+    only = args.only or [*SHAPES, "combine", "route", "attention"]
+    unknown = set(only) - {*SHAPES, "combine", "route", "attention"}
+    if unknown:
+        p.error(f"--only: unknown {', '.join(sorted(unknown))} (the shapes, combine, route, "
+                f"attention)")
     for tokens in args.tokens:
-        for name in args.only or SHAPES:
-            rows.append(bench_shape(name, tokens, copy_gbs, args.sweep, gen))
+        for name in only:
+            if name in SHAPES:
+                rows.append(bench_shape(name, tokens, copy_gbs, args.sweep, gen))
+            elif name == "combine":
+                rows.append(bench_combine(tokens, copy_gbs, gen))
+            elif name == "route":
+                rows.append(bench_route(tokens, gen))
+            else:
+                rows.extend(bench_attention(tokens, c, copy_gbs, gen)
+                            for c in ATTENTION_CONTEXTS)
             print(rows[-1], flush=True)
-        rows.append(bench_combine(tokens, copy_gbs, gen))
-        rows.append(bench_route(tokens, gen))
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth "
           f"{copy_gbs:.0f} GB/s; times per call in CUDA graphs, weights not in L2")
     print(tabulate(rows, headers="keys", floatfmt=".3g"))

@@ -19,6 +19,23 @@ def _jit():
     return jit_module("attention_jit")
 
 
+NEW_INLINE = True
+"""Decode with `DecodeRope`: the step's own key and value join the attention from registers,
+after the cached positions, and the loop over the cache starts without waiting for the
+cache write (`attention_jit`). Off: the launch writes the cache, waits at a barrier, and
+reads the whole context back (`bench/tile_ab.py`'s `no-new-inline`)."""
+
+DECODE_BLOCK_N: int | None = None
+"""Cache positions per loop step of a decode launch; None: the prefill's (64, 32 for heads
+wider than 128). `bench/decode_kernels.py --only attention` times the choices."""
+
+
+def block_n(head_dim: int, decode: bool) -> int:
+    """BLOCK_N: cache positions per loop step (see `DECODE_BLOCK_N`)."""
+    if decode and DECODE_BLOCK_N:
+        return DECODE_BLOCK_N
+    return 32 if head_dim > 128 else 64
+
 
 @dataclass(frozen=True)
 class DecodeRope:
@@ -83,7 +100,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         stride_out_token=out.stride(0), stride_out_head=out.stride(1),
         stride_table_seq=block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)),
-        BLOCK_M=block_m, BLOCK_N=32 if head_dim > 128 else 64, DECODE=decode,
+        BLOCK_M=block_m, BLOCK_N=block_n(head_dim, decode), DECODE=decode,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
     return out
 
@@ -115,7 +132,7 @@ def _rope_args(rope: DecodeRope | None, q: torch.Tensor, k_flat: torch.Tensor,
                 v_new_ptr=rope.v, slot_mapping_ptr=rope.slot_mapping,
                 stride_k_new_token=rope.k.stride(0), stride_k_new_head=rope.k.stride(1),
                 stride_v_new_token=rope.v.stride(0), stride_v_new_head=rope.v.stride(1),
-                ROPE=True, HALF=rope.inv_freq.numel())
+                ROPE=True, HALF=rope.inv_freq.numel(), NEW_INLINE=NEW_INLINE)
 
 
 def reference_paged_attention(q, k_cache, v_cache, block_tables: list[list[int]],

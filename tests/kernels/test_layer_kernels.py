@@ -167,14 +167,21 @@ def test_gated_rms_norm_and_silu_and_mul_match_modules(tp):
     _assert_close(silu_and_mul(fused), torch_silu_and_mul(fused), f"silu_and_mul tp={tp}")
 
 
+@pytest.mark.parametrize("new_inline", [True, False], ids=["new-inline", "read-back"])
 @pytest.mark.parametrize("head_dim, rotary_dim", [(16, 16), (64, 16)])
-def test_decode_attention_folds_rotary_and_cache_write(head_dim, rotary_dim):
+def test_decode_attention_folds_rotary_and_cache_write(head_dim, rotary_dim, new_inline,
+                                                       monkeypatch):
     """Decode attention given unrotated q and this step's keys and values: the same output
     and caches as the rotary launch with the cache write followed by attention, q left as
-    it was. Positions one off (a rotation by the wrong angle) are caught."""
+    it was, whether the step's own key joins from registers or is read back from the cache
+    (`NEW_INLINE`; a context of one position has only that key). Positions one off (a
+    rotation by the wrong angle) are caught."""
+    from freetoken.kernels import paged_attention as module
     from freetoken.kernels.norm_rope import rotary_
     from freetoken.kernels.paged_attention import DecodeRope, paged_attention
     from freetoken.layers.rotary import RotaryEmbedding
+
+    monkeypatch.setattr(module, "NEW_INLINE", new_inline)
 
     rope = RotaryEmbedding(head_dim, rotary_dim, 10000.0)
     gen = torch.Generator().manual_seed(5)
