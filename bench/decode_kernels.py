@@ -208,7 +208,7 @@ def bench_route(tokens, gen):
 ATTENTION = dict(heads=16, kv_heads=4, head_dim=64, block=16, theta=10000.0)
 """The medium Llama's attention (`engine_decode.py --size medium`)."""
 ATTENTION_CONTEXTS = (96, 1024, 4096)
-ATTENTION_ARMS = ((True, None), (True, 128), (False, None), (False, 128))
+ATTENTION_ARMS = ((True, None), (True, 32), (False, None), (False, 32))
 """(`paged_attention.NEW_INLINE`, `DECODE_BLOCK_N`) of each timed arm; the first is the
 shipped one."""
 
