@@ -208,38 +208,34 @@ def bench_route(tokens, gen):
 ATTENTION = dict(heads=16, kv_heads=4, head_dim=64, block=16, theta=10000.0)
 """The medium Llama's attention (`engine_decode.py --size medium`)."""
 ATTENTION_CONTEXTS = (96, 1024, 4096)
-ATTENTION_ARMS = ((True, None), (True, 32), (False, None), (False, 32))
-"""(`paged_attention.NEW_INLINE`, `DECODE_BLOCK_N`) of each timed arm; the first is the
-shipped one."""
+ATTENTION_ARMS = (None, 32)
+"""`paged_attention.DECODE_BLOCK_N` of each timed arm; the first is the shipped one."""
 
 
-def bench_attention(tokens, context, copy_gbs, gen):
-    """The decode attention launch with its rotary and cache write (`DecodeRope`), one query
-    per sequence at `context` positions (this step's included), at each arm of
-    `ATTENTION_ARMS`, against the rotary launch followed by attention (the engine's path
-    before the fold); checked against the torch reference. Calls cycle through copies of
-    the caches, as the linear rows do through copies of the weights."""
+def attention_case(tokens, context, gen, device="cuda", dtype=torch.bfloat16):
+    """One decode step of `ATTENTION` at `context` positions (this step's included) for
+    `tokens` sequences, their cache blocks shuffled: (copies of the (k, v) caches, the
+    launch with the folded rotary `folded(k_cache, v_cache)`, the rotary launch followed by
+    attention `unfolded(k_cache, v_cache)`, and the torch reference's output on the CPU in
+    float32 for the first copy). Copies enough to fill twice the L2, at most 64."""
     from freetoken.kernels import paged_attention as pa
     from freetoken.layers.rotary import RotaryEmbedding
 
     heads, kv, dim, block = (ATTENTION[k] for k in ("heads", "kv_heads", "head_dim", "block"))
     per_seq = -(-context // block)
-    kw = dict(device="cuda", dtype=torch.bfloat16, generator=gen)
-    cache_bytes = 2 * tokens * per_seq * block * kv * dim * 2
-    read_bytes = 2 * tokens * context * kv * dim * 2
+    kw = dict(device=device, dtype=dtype, generator=gen)
+    cache_bytes = 2 * tokens * per_seq * block * kv * dim * dtype.itemsize
     copies = max(2, min(64, -(-2 * L2_BYTES // cache_bytes)))
     caches = [(torch.randn(tokens * per_seq, block, kv, dim, **kw),
                torch.randn(tokens * per_seq, block, kv, dim, **kw)) for _ in range(copies)]
-    tables = torch.randperm(tokens * per_seq, device="cuda", generator=gen).view(tokens, per_seq)
-    tables = tables.to(torch.int32)
-    q = torch.randn(tokens, heads, dim, **kw)
-    k = torch.randn(tokens, kv, dim, **kw)
-    v = torch.randn(tokens, kv, dim, **kw)
-    positions = torch.full((tokens,), context - 1, dtype=torch.int64, device="cuda")
-    slots = (tables[:, (context - 1) // block].to(torch.int64) * block + (context - 1) % block)
-    starts = torch.arange(tokens + 1, dtype=torch.int32, device="cuda")
-    lens = torch.full((tokens,), context, dtype=torch.int32, device="cuda")
-    rope = RotaryEmbedding(dim, dim, ATTENTION["theta"]).cuda()
+    tables = torch.randperm(tokens * per_seq, device=device, generator=gen)
+    tables = tables.view(tokens, per_seq).to(torch.int32)
+    q, k, v = (torch.randn(tokens, n, dim, **kw) for n in (heads, kv, kv))
+    positions = torch.full((tokens,), context - 1, dtype=torch.int64, device=device)
+    slots = tables[:, (context - 1) // block].to(torch.int64) * block + (context - 1) % block
+    starts = torch.arange(tokens + 1, dtype=torch.int32, device=device)
+    lens = torch.full((tokens,), context, dtype=torch.int32, device=device)
+    rope = RotaryEmbedding(dim, dim, ATTENTION["theta"]).to(device)
     fold = pa.DecodeRope(positions, rope.inv_freq, k, v, slots)
 
     def folded(kc, vc):
@@ -249,30 +245,44 @@ def bench_attention(tokens, context, copy_gbs, gen):
         q2, _ = rope(positions, q.clone(), k.clone(), (v, kc, vc, slots))
         return pa.paged_attention(q2, kc, vc, tables, starts, lens, dim**-0.5)
 
-    want_q, want_k = RotaryEmbedding(dim, dim, ATTENTION["theta"])(
-        positions.cpu(), q.float().cpu(), k.float().cpu())
-    ref_k, ref_v = (c.float().cpu() for c in caches[0])
-    ref_k.view(-1, kv, dim)[slots.cpu()] = want_k
-    ref_v.view(-1, kv, dim)[slots.cpu()] = v.float().cpu()
+    cpu = [t.float().cpu().clone() for t in (positions, q, k, v, slots)]
+    want_q, want_k = RotaryEmbedding(dim, dim, ATTENTION["theta"])(cpu[0].long(), cpu[1],
+                                                                   cpu[2])
+    ref_k, ref_v = (c.float().cpu().clone() for c in caches[0])
+    ref_k.view(-1, kv, dim)[cpu[4].long()] = want_k
+    ref_v.view(-1, kv, dim)[cpu[4].long()] = cpu[3]
     want = pa.reference_paged_attention(want_q, ref_k, ref_v, tables.cpu().tolist(),
                                         [1] * tokens, [context] * tokens, dim**-0.5)
-    shipped = (pa.NEW_INLINE, pa.DECODE_BLOCK_N)
+    return caches, folded, unfolded, want
+
+
+def bench_attention(tokens, context, copy_gbs, gen):
+    """The decode attention launch with its rotary and cache write (`DecodeRope`,
+    `attention_case`) at each arm of `ATTENTION_ARMS`, against the rotary launch followed
+    by attention (the engine's path before the fold); checked against the torch reference.
+    Calls cycle through copies of the caches, as the linear rows do through copies of the
+    weights."""
+    from freetoken.kernels import paged_attention as pa
+
+    caches, folded, unfolded, want = attention_case(tokens, context, gen)
+    read_bytes = 2 * tokens * context * ATTENTION["kv_heads"] * ATTENTION["head_dim"] * 2
+    shipped = pa.DECODE_BLOCK_N
     times, err, graph_eq = {}, 0.0, True
     try:
-        for inline, bn in ATTENTION_ARMS:
-            pa.NEW_INLINE, pa.DECODE_BLOCK_N = inline, bn
-            err = max(err, rel_l2(folded(*caches[0]), want))
+        for bn in ATTENTION_ARMS:
+            pa.DECODE_BLOCK_N = bn
+            err = max(err, rel_l2(folded(*caches[0]).cpu(), want))
             graph_eq = graph_eq and graph_equals_eager(lambda: folded(*caches[0]))
-            times[(inline, bn)] = graph_us([lambda c=c: folded(*c) for c in caches])
-        pa.NEW_INLINE, pa.DECODE_BLOCK_N = shipped
+            times[bn] = graph_us([lambda c=c: folded(*c) for c in caches])
+        pa.DECODE_BLOCK_N = shipped
         old_us = graph_us([lambda c=c: unfolded(*c) for c in caches])
     finally:
-        pa.NEW_INLINE, pa.DECODE_BLOCK_N = shipped
+        pa.DECODE_BLOCK_N = shipped
     best = min(times, key=times.get)
-    label = {(i, b): f"{'inline' if i else 'readback'}/{b or 64}" for i, b in times}
-    return dict(name=f"llama.attention ctx {context}", tokens=tokens,
-                MB=read_bytes / 1e6, rel_l2=err,
-                graph_eq=graph_eq, old_us=old_us, default_us=times[shipped],
+    label = {b: f"block_n {pa.block_n(ATTENTION['head_dim'], True) if b is None else b}"
+             for b in times}
+    return dict(name=f"llama.attention ctx {context}", tokens=tokens, MB=read_bytes / 1e6,
+                rel_l2=err, graph_eq=graph_eq, old_us=old_us, default_us=times[shipped],
                 best_us=times[best],
                 pct_copy=100 * read_bytes / (times[shipped] * 1e-6) / (copy_gbs * 1e9),
                 tiles=" ".join(f"{label[a]}:{t:.2f}" for a, t in times.items()), key="-",

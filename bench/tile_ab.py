@@ -16,9 +16,7 @@ expert and gate on their own launches, not inside the routed row kernels,
 without the input norm, the gate and the residual add, `quant_gemm.DECODE_FUSIONS`),
 `no-quant-norm` (the same without the input norm only, `quant_gemm.DECODE_NORM`) and
 `no-row-prefetch` (the 16-bit row kernel of a normed call loads each weight tile in its
-step, not a step ahead, `gemv.ROW_PREFETCH`) and `no-new-inline` (decode attention reads the
-step's own key back from the cache after a barrier, `paged_attention.NEW_INLINE`), all on
-otherwise. Before each arm's run the
+step, not a step ahead, `gemv.ROW_PREFETCH`), all on otherwise. Before each arm's run the
 tables are re-read and the decode graphs dropped, so they are captured again with that
 arm's tiles. A run is one warm-up and `--repeats` timed pairs (one token, then
 `--new-tokens`); the step time is their difference over the decode steps. Prints each arm's
@@ -41,13 +39,13 @@ from tabulate import tabulate
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from freetoken import LLM, SamplingParams  # noqa: E402
-from freetoken.kernels import fused_moe, gemv, paged_attention, quant_gemm  # noqa: E402
+from freetoken.kernels import fused_moe, gemv, quant_gemm  # noqa: E402
 
 TABLES = (("FREETOKEN_GEMV_TABLE", gemv), ("FREETOKEN_QUANT_TABLE", quant_gemm))
 
 
 SWITCHES = ("no-overlap", "no-moe-rows", "no-shared-rows", "no-quant-fusions",
-            "no-quant-norm", "no-row-prefetch", "no-new-inline")
+            "no-quant-norm", "no-row-prefetch")
 
 
 def parse_arm(text: str) -> tuple[str, tuple[str, str, frozenset]]:
@@ -73,7 +71,6 @@ def use_arm(llm: LLM, arm: tuple[str, str, frozenset]) -> None:
     quant_gemm.DECODE_FUSIONS = "no-quant-fusions" not in switches
     quant_gemm.DECODE_NORM = "no-quant-norm" not in switches
     gemv.ROW_PREFETCH = "no-row-prefetch" not in switches
-    paged_attention.NEW_INLINE = "no-new-inline" not in switches
     for path, (var, module) in zip(tables, TABLES):
         if path == "-":
             os.environ.pop(var, None)

@@ -11,12 +11,10 @@ softmax in float32; out-of-range rows are neither read nor written.
 Decode with ROPE: the program first rotates its query rows and this step's key of its KV head
 by the token's position (rotate-half over the first 2 * HALF channels, cos and sin rounded
 to the activations' dtype, each rotated value rounded to it: as `norm_rope_jit.rotary_kernel`)
-and stores that key and the value at the token's cache slot. One launch where rotary, the
-cache write and attention took two. With NEW_INLINE the program never reads that slot back:
-its loop covers the positions before the token's own, and the new key and value, held in
-registers, join the online softmax last, so the loop's first loads need not wait for the
-stores. Without it a barrier makes the stores visible to the program's own threads, which
-then read the whole context, the new key included, from the cache.
+and stores that key and the value at the token's cache slot; a barrier makes the stores
+visible to the program's own threads, which then read the context (the new key included)
+from the cache as without ROPE. One launch where rotary, the cache write and attention took
+two.
 """
 
 from __future__ import annotations
@@ -69,23 +67,19 @@ def paged_attention_kernel(
     PRECISION: tl.constexpr,
     ROPE: tl.constexpr = False,
     HALF: tl.constexpr = 1,
-    NEW_INLINE: tl.constexpr = False,
 ):
     """Program (work item, KV head). Decode: work item i is sequence i, rows are its one
     query's GROUP heads. Prefill: work item i is (sequence, first query) from `work_ptr`,
     rows cover BLOCK_M // GROUP queries from there."""
     kv_head = tl.program_id(1)
     if DECODE:
-        # One query per sequence: sequence i's query is token i.
         seq = tl.program_id(0)
         first = 0
-        q_start = seq
-        q_len = 1
     else:
         seq = tl.load(work_ptr + 2 * tl.program_id(0))
         first = tl.load(work_ptr + 2 * tl.program_id(0) + 1)
-        q_start = tl.load(query_starts_ptr + seq)
-        q_len = tl.load(query_starts_ptr + seq + 1) - q_start
+    q_start = tl.load(query_starts_ptr + seq)
+    q_len = tl.load(query_starts_ptr + seq + 1) - q_start
     ctx_len = tl.load(context_lens_ptr + seq)
 
     rows = tl.arange(0, BLOCK_M)
@@ -122,20 +116,15 @@ def paged_attention_kernel(
                         + kv_head * stride_v_new_head + d, mask=d_ok, other=0.0)
         new_slot = tl.load(slot_mapping_ptr + q_start).to(tl.int64)
         new_at = new_slot * stride_cache_slot + kv_head * stride_cache_head + d
-        k_new = k_new.to(k_cache_ptr.dtype.element_ty)
-        v_new = v_new.to(v_cache_ptr.dtype.element_ty)
-        tl.store(k_cache_ptr + new_at, k_new, mask=d_ok)
-        tl.store(v_cache_ptr + new_at, v_new, mask=d_ok)
-        if not NEW_INLINE:
-            tl.debug_barrier()
+        tl.store(k_cache_ptr + new_at, k_new.to(k_cache_ptr.dtype.element_ty), mask=d_ok)
+        tl.store(v_cache_ptr + new_at, v_new.to(v_cache_ptr.dtype.element_ty), mask=d_ok)
+        tl.debug_barrier()
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.full((BLOCK_M,), 0, dtype=tl.float32)
     acc = tl.full((BLOCK_M, BLOCK_D), 0, dtype=tl.float32)
     # Keys past the last row's own position are masked for every row: stop there.
     end = tl.minimum(ctx_len, ctx_len - q_len + first + BLOCK_M // GROUP)
-    if ROPE and NEW_INLINE:
-        end = ctx_len - 1
     table = block_tables_ptr + seq.to(tl.int64) * stride_table_seq
     for start in range(0, end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
@@ -145,7 +134,6 @@ def paged_attention_kernel(
         kv_offsets = slot[:, None] * stride_cache_slot + kv_head * stride_cache_head + d[None, :]
         kv_mask = pos_ok[:, None] & d_ok[None, :]
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         keep = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
         scores = tl.where(keep, scores, float("-inf"))
@@ -155,18 +143,9 @@ def paged_attention_kernel(
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(scores - m_safe[:, None])
         l_i = l_i * alpha + ops.sum_(p, axis=1)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
-    if ROPE and NEW_INLINE:
-        # The step's own key, last: every query row may see it (its position is the
-        # query's), its probability rounded to the values' dtype as the loop's are.
-        s_new = ops.sum_(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale
-        m_new = tl.maximum(m_i, s_new)
-        alpha = tl.exp(m_i - m_new)
-        p_new = tl.exp(s_new - m_new)
-        l_i = l_i * alpha + p_new
-        acc = acc * alpha[:, None] + (p_new.to(v_new.dtype).to(tl.float32)[:, None]
-                                      * v_new.to(tl.float32)[None, :])
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + token[:, None] * stride_out_token + head[:, None] * stride_out_head
              + d[None, :], out.to(out_ptr.dtype.element_ty),

@@ -19,15 +19,9 @@ def _jit():
     return jit_module("attention_jit")
 
 
-NEW_INLINE = True
-"""Decode with `DecodeRope`: the step's own key and value join the attention from registers,
-after the cached positions, and the loop over the cache starts without waiting for the
-cache write (`attention_jit`). Off: the launch writes the cache, waits at a barrier, and
-reads the whole context back (`bench/tile_ab.py`'s `no-new-inline`)."""
-
 DECODE_BLOCK_N: int | None = None
 """Cache positions per loop step of a decode launch; None: the prefill's (64, 32 for heads
-wider than 128). `bench/decode_kernels.py --only attention` times the choices."""
+wider than 128). `bench/decode_kernels.py --only attention` times 32 against the default."""
 
 
 def block_n(head_dim: int, decode: bool) -> int:
@@ -132,7 +126,7 @@ def _rope_args(rope: DecodeRope | None, q: torch.Tensor, k_flat: torch.Tensor,
                 v_new_ptr=rope.v, slot_mapping_ptr=rope.slot_mapping,
                 stride_k_new_token=rope.k.stride(0), stride_k_new_head=rope.k.stride(1),
                 stride_v_new_token=rope.v.stride(0), stride_v_new_head=rope.v.stride(1),
-                ROPE=True, HALF=rope.inv_freq.numel(), NEW_INLINE=NEW_INLINE)
+                ROPE=True, HALF=rope.inv_freq.numel())
 
 
 def reference_paged_attention(q, k_cache, v_cache, block_tables: list[list[int]],

@@ -167,21 +167,36 @@ def test_gated_rms_norm_and_silu_and_mul_match_modules(tp):
     _assert_close(silu_and_mul(fused), torch_silu_and_mul(fused), f"silu_and_mul tp={tp}")
 
 
-@pytest.mark.parametrize("new_inline", [True, False], ids=["new-inline", "read-back"])
+@pytest.mark.parametrize("block_n", [None, 32])
+def test_decode_attention_bench_case(block_n, monkeypatch):
+    """`bench/decode_kernels.py --only attention` times a case whose launch agrees with the
+    torch reference it reports against, at each of its arms (`DECODE_BLOCK_N`, here over
+    three shuffled cache blocks a sequence); another copy's cache is told apart."""
+    import sys
+    from pathlib import Path
+
+    from freetoken.kernels import paged_attention as pa
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import decode_kernels
+
+    monkeypatch.setattr(pa, "DECODE_BLOCK_N", block_n)
+    gen = torch.Generator().manual_seed(0)
+    caches, folded, _, want = decode_kernels.attention_case(2, 40, gen, "cpu", torch.float32)
+    got = folded(*caches[0])
+    _assert_close(got, want, "output")
+    other = folded(*caches[1])   # another copy's cache: the reference must tell them apart
+    assert (other - want).abs().max() > 1e-3
+
+
 @pytest.mark.parametrize("head_dim, rotary_dim", [(16, 16), (64, 16)])
-def test_decode_attention_folds_rotary_and_cache_write(head_dim, rotary_dim, new_inline,
-                                                       monkeypatch):
+def test_decode_attention_folds_rotary_and_cache_write(head_dim, rotary_dim):
     """Decode attention given unrotated q and this step's keys and values: the same output
     and caches as the rotary launch with the cache write followed by attention, q left as
-    it was, whether the step's own key joins from registers or is read back from the cache
-    (`NEW_INLINE`; a context of one position has only that key). Positions one off (a
-    rotation by the wrong angle) are caught."""
-    from freetoken.kernels import paged_attention as module
+    it was. Positions one off (a rotation by the wrong angle) are caught."""
     from freetoken.kernels.norm_rope import rotary_
     from freetoken.kernels.paged_attention import DecodeRope, paged_attention
     from freetoken.layers.rotary import RotaryEmbedding
-
-    monkeypatch.setattr(module, "NEW_INLINE", new_inline)
 
     rope = RotaryEmbedding(head_dim, rotary_dim, 10000.0)
     gen = torch.Generator().manual_seed(5)
