@@ -303,16 +303,16 @@ def main() -> int:
     args = p.parse_args()
     if args.write and not args.sweep:
         p.error("--write needs --sweep")
-    if not torch.cuda.is_available():
-        p.error("needs a CUDA device")
-    copy_gbs = copy_bandwidth()
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    rows = []
     only = args.only or [*SHAPES, "combine", "route", "attention"]
     unknown = set(only) - {*SHAPES, "combine", "route", "attention"}
     if unknown:
         p.error(f"--only: unknown {', '.join(sorted(unknown))} (the shapes, combine, route, "
                 f"attention)")
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA device")
+    copy_gbs = copy_bandwidth()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
     for tokens in args.tokens:
         for name in only:
             if name in SHAPES:

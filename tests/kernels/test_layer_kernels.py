@@ -189,6 +189,18 @@ def test_decode_attention_bench_case(block_n, monkeypatch):
     assert (other - want).abs().max() > 1e-3
 
 
+def test_decode_kernels_bench_refuses_unknown_rows():
+    """`bench/decode_kernels.py --only` names a row it does not know, before it needs a GPU."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, str(root / "bench/decode_kernels.py"), "--only",
+                           "route,atention"], capture_output=True, text=True, cwd=root)
+    assert proc.returncode == 2 and "unknown atention" in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("head_dim, rotary_dim", [(16, 16), (64, 16)])
 def test_decode_attention_folds_rotary_and_cache_write(head_dim, rotary_dim):
     """Decode attention given unrotated q and this step's keys and values: the same output
