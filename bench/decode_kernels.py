@@ -245,14 +245,8 @@ def attention_case(tokens, context, gen, device="cuda", dtype=torch.bfloat16):
         q2, _ = rope(positions, q.clone(), k.clone(), (v, kc, vc, slots))
         return pa.paged_attention(q2, kc, vc, tables, starts, lens, dim**-0.5)
 
-    cpu = [t.float().cpu().clone() for t in (positions, q, k, v, slots)]
-    want_q, want_k = RotaryEmbedding(dim, dim, ATTENTION["theta"])(cpu[0].long(), cpu[1],
-                                                                   cpu[2])
-    ref_k, ref_v = (c.float().cpu().clone() for c in caches[0])
-    ref_k.view(-1, kv, dim)[cpu[4].long()] = want_k
-    ref_v.view(-1, kv, dim)[cpu[4].long()] = cpu[3]
-    want = pa.reference_paged_attention(want_q, ref_k, ref_v, tables.cpu().tolist(),
-                                        [1] * tokens, [context] * tokens, dim**-0.5)
+    want, _, _ = pa.reference_decode_rope(rope, fold, q, *caches[0], tables.cpu().tolist(),
+                                          [context] * tokens, dim**-0.5)
     return caches, folded, unfolded, want
 
 
@@ -289,6 +283,10 @@ def bench_attention(tokens, context, copy_gbs, gen):
                 choice=label[best])
 
 
+ROWS = (*SHAPES, "combine", "route", "attention")
+"""The rows `--only` can name (all of them by default)."""
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int_list, default=[1, 16])
@@ -303,8 +301,8 @@ def main() -> int:
     args = p.parse_args()
     if args.write and not args.sweep:
         p.error("--write needs --sweep")
-    only = args.only or [*SHAPES, "combine", "route", "attention"]
-    unknown = set(only) - {*SHAPES, "combine", "route", "attention"}
+    only = args.only or ROWS
+    unknown = set(only) - set(ROWS)
     if unknown:
         p.error(f"--only: unknown {', '.join(sorted(unknown))} (the shapes, combine, route, "
                 f"attention)")

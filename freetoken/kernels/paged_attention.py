@@ -150,3 +150,25 @@ def reference_paged_attention(q, k_cache, v_cache, block_tables: list[list[int]]
         out[start:start + qlen] = part.transpose(0, 1)
         start += qlen
     return out
+
+
+def reference_decode_rope(rotary, rope: DecodeRope, q: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, block_tables: list[list[int]],
+                          context_lens: list[int], scale: float
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The torch path of a decode launch given `rope` (`paged_attention(..., rope=rope)`):
+    q and the step's keys rotated by `rotary` (a `RotaryEmbedding` on their device) in
+    float32, the rotated keys and the values written at the step's slots of copies of the
+    caches, then `reference_paged_attention` on the CPU in float32. Returns (the output on
+    the CPU, the k cache in float32 and the v cache in its dtype, on the caches' device);
+    the inputs are left as they were."""
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    want_q, new_k = rotary(rope.positions, q.float().clone(), rope.k.float().clone())
+    want_k = k_cache.float().clone()
+    want_k.view(-1, num_kv_heads, head_dim)[rope.slot_mapping] = new_k
+    want_v = v_cache.clone()
+    want_v.view(-1, num_kv_heads, head_dim)[rope.slot_mapping] = rope.v
+    out = reference_paged_attention(want_q.float().cpu(), want_k.cpu(), want_v.float().cpu(),
+                                    block_tables, [1] * len(context_lens), list(context_lens),
+                                    scale)
+    return out, want_k, want_v

@@ -120,17 +120,11 @@ def decode_rope(case: EngineCase, inp: _Inputs) -> list[Output]:
     starts = torch.arange(len(contexts) + 1, dtype=torch.int32, device=inp.device)
     q_before = q.clone()
     got_k, got_v = k_cache.clone(), v_cache.clone()
+    fold = attention.DecodeRope(positions, rope.inv_freq, k, v, slots)
     got = attention.paged_attention(q, got_k, got_v, padded, starts,
-                                    _int32(contexts, inp.device), dim**-0.5, None,
-                                    attention.DecodeRope(positions, rope.inv_freq, k, v, slots))
-    want_q, want_new_k = rope(positions, _ref(q), _ref(k))
-    want_k = _ref(k_cache)
-    want_k.view(-1, kv, dim)[slots] = want_new_k
-    want_v = v_cache.clone()
-    want_v.view(-1, kv, dim)[slots] = v
-    want = attention.reference_paged_attention(
-        _ref(want_q, "cpu"), _ref(want_k, "cpu"), _ref(want_v, "cpu"), tables,
-        [1] * len(contexts), list(contexts), dim**-0.5)
+                                    _int32(contexts, inp.device), dim**-0.5, None, fold)
+    want, want_k, want_v = attention.reference_decode_rope(rope, fold, q, k_cache, v_cache,
+                                                           tables, contexts, dim**-0.5)
     return [Output("output", got, want), Output("k cache", got_k, want_k),
             Output("v cache", got_v, want_v, exact=True),
             Output("q (left unrotated)", q, q_before, exact=True)]
