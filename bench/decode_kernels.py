@@ -25,6 +25,7 @@ import argparse
 import itertools
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -208,8 +209,20 @@ def bench_route(tokens, gen):
 ATTENTION = dict(heads=16, kv_heads=4, head_dim=64, block=16, theta=10000.0)
 """The medium Llama's attention (`engine_decode.py --size medium`)."""
 ATTENTION_CONTEXTS = (96, 1024, 4096)
-ATTENTION_ARMS = (None, 32)
-"""`paged_attention.DECODE_BLOCK_N` of each timed arm; the first is the shipped one."""
+
+
+def _attention_arms():
+    """(label, `paged_attention.DecodeLaunch`) of each timed arm; the first is the shipped
+    one."""
+    from freetoken.kernels.paged_attention import DECODE
+
+    fast = replace(DECODE, seq_row=True, v_early=True)
+    return (("shipped", DECODE), ("block_n 32", replace(DECODE, block_n=32)),
+            ("seq_row", replace(DECODE, seq_row=True)), ("seq+v_early", fast),
+            ("+stages 2", replace(fast, stages=2)), ("+stages 3", replace(fast, stages=3)),
+            ("+8 warps", replace(fast, num_warps=8)),
+            ("+8 warps stages 2", replace(fast, num_warps=8, stages=2)),
+            ("+block_n 32 stages 2", replace(fast, block_n=32, stages=2)))
 
 
 def attention_case(tokens, context, gen, device="cuda", dtype=torch.bfloat16):
@@ -219,6 +232,7 @@ def attention_case(tokens, context, gen, device="cuda", dtype=torch.bfloat16):
     attention `unfolded(k_cache, v_cache)`, and the torch reference's output on the CPU in
     float32 for the first copy). Copies enough to fill twice the L2, at most 64."""
     from freetoken.kernels import paged_attention as pa
+    from freetoken.kernels.norm_rope import rotary_
     from freetoken.layers.rotary import RotaryEmbedding
 
     heads, kv, dim, block = (ATTENTION[k] for k in ("heads", "kv_heads", "head_dim", "block"))
@@ -242,7 +256,7 @@ def attention_case(tokens, context, gen, device="cuda", dtype=torch.bfloat16):
         return pa.paged_attention(q, kc, vc, tables, starts, lens, dim**-0.5, None, fold)
 
     def unfolded(kc, vc):
-        q2, _ = rope(positions, q.clone(), k.clone(), (v, kc, vc, slots))
+        q2, _ = rotary_(q.clone(), k.clone(), positions, rope.inv_freq, dim, (v, kc, vc, slots))
         return pa.paged_attention(q2, kc, vc, tables, starts, lens, dim**-0.5)
 
     want, _, _ = pa.reference_decode_rope(rope, fold, q, *caches[0], tables.cpu().tolist(),
@@ -260,27 +274,25 @@ def bench_attention(tokens, context, copy_gbs, gen):
 
     caches, folded, unfolded, want = attention_case(tokens, context, gen)
     read_bytes = 2 * tokens * context * ATTENTION["kv_heads"] * ATTENTION["head_dim"] * 2
-    shipped = pa.DECODE_BLOCK_N
+    shipped = pa.DECODE
     times, err, graph_eq = {}, 0.0, True
     try:
-        for bn in ATTENTION_ARMS:
-            pa.DECODE_BLOCK_N = bn
+        for label, arm in _attention_arms():
+            pa.DECODE = arm
             err = max(err, rel_l2(folded(*caches[0]).cpu(), want))
             graph_eq = graph_eq and graph_equals_eager(lambda: folded(*caches[0]))
-            times[bn] = graph_us([lambda c=c: folded(*c) for c in caches])
-        pa.DECODE_BLOCK_N = shipped
+            times[label] = graph_us([lambda c=c: folded(*c) for c in caches])
+        pa.DECODE = shipped
         old_us = graph_us([lambda c=c: unfolded(*c) for c in caches])
     finally:
-        pa.DECODE_BLOCK_N = shipped
+        pa.DECODE = shipped
     best = min(times, key=times.get)
-    label = {b: f"block_n {pa.block_n(ATTENTION['head_dim'], True) if b is None else b}"
-             for b in times}
     return dict(name=f"llama.attention ctx {context}", tokens=tokens, MB=read_bytes / 1e6,
-                rel_l2=err, graph_eq=graph_eq, old_us=old_us, default_us=times[shipped],
+                rel_l2=err, graph_eq=graph_eq, old_us=old_us, default_us=times["shipped"],
                 best_us=times[best],
-                pct_copy=100 * read_bytes / (times[shipped] * 1e-6) / (copy_gbs * 1e9),
-                tiles=" ".join(f"{label[a]}:{t:.2f}" for a, t in times.items()), key="-",
-                choice=label[best])
+                pct_copy=100 * read_bytes / (times["shipped"] * 1e-6) / (copy_gbs * 1e9),
+                tiles=" ".join(f"{a}:{t:.2f}" for a, t in times.items()), key="-",
+                choice=best)
 
 
 ROWS = (*SHAPES, "combine", "route", "attention")

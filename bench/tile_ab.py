@@ -16,7 +16,10 @@ expert and gate on their own launches, not inside the routed row kernels,
 without the input norm, the gate and the residual add, `quant_gemm.DECODE_FUSIONS`),
 `no-quant-norm` (the same without the input norm only, `quant_gemm.DECODE_NORM`) and
 `no-row-prefetch` (the 16-bit row kernel of a normed call loads each weight tile in its
-step, not a step ahead, `gemv.ROW_PREFETCH`), all on otherwise. Before each arm's run the
+step, not a step ahead, `gemv.ROW_PREFETCH`), all on otherwise; and the decode attention's
+launch (`paged_attention.DECODE`, the shipped one otherwise) changed by `attn-seq-row`,
+`attn-v-early`, `attn-stages2`, `attn-stages3`, `attn-8-warps` and `attn-block32` (the
+`DecodeLaunch` fields of those names). Before each arm's run the
 tables are re-read and the decode graphs dropped, so they are captured again with that
 arm's tiles. A run is one warm-up and `--repeats` timed pairs (one token, then
 `--new-tokens`); the step time is their difference over the decode steps. Prints each arm's
@@ -26,6 +29,7 @@ from `bench/engine_decode.py`) the share of the copy bandwidth measured here."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -39,13 +43,17 @@ from tabulate import tabulate
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from freetoken import LLM, SamplingParams  # noqa: E402
-from freetoken.kernels import fused_moe, gemv, quant_gemm  # noqa: E402
+from freetoken.kernels import fused_moe, gemv, paged_attention, quant_gemm  # noqa: E402
 
 TABLES = (("FREETOKEN_GEMV_TABLE", gemv), ("FREETOKEN_QUANT_TABLE", quant_gemm))
 
 
+ATTENTION_SWITCHES = {"attn-seq-row": dict(seq_row=True), "attn-v-early": dict(v_early=True),
+                      "attn-stages2": dict(stages=2), "attn-stages3": dict(stages=3),
+                      "attn-8-warps": dict(num_warps=8), "attn-block32": dict(block_n=32)}
 SWITCHES = ("no-overlap", "no-moe-rows", "no-shared-rows", "no-quant-fusions",
-            "no-quant-norm", "no-row-prefetch")
+            "no-quant-norm", "no-row-prefetch", *ATTENTION_SWITCHES)
+SHIPPED_ATTENTION = paged_attention.DECODE
 
 
 def parse_arm(text: str) -> tuple[str, tuple[str, str, frozenset]]:
@@ -71,6 +79,10 @@ def use_arm(llm: LLM, arm: tuple[str, str, frozenset]) -> None:
     quant_gemm.DECODE_FUSIONS = "no-quant-fusions" not in switches
     quant_gemm.DECODE_NORM = "no-quant-norm" not in switches
     gemv.ROW_PREFETCH = "no-row-prefetch" not in switches
+    fields = {}
+    for name in switches & set(ATTENTION_SWITCHES):
+        fields.update(ATTENTION_SWITCHES[name])
+    paged_attention.DECODE = dataclasses.replace(SHIPPED_ATTENTION, **fields)
     for path, (var, module) in zip(tables, TABLES):
         if path == "-":
             os.environ.pop(var, None)

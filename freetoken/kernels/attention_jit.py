@@ -67,6 +67,9 @@ def paged_attention_kernel(
     PRECISION: tl.constexpr,
     ROPE: tl.constexpr = False,
     HALF: tl.constexpr = 1,
+    SEQ_ROW: tl.constexpr = False,
+    V_EARLY: tl.constexpr = False,
+    STAGES: tl.constexpr = 1,
 ):
     """Program (work item, KV head). Decode: work item i is sequence i, rows are its one
     query's GROUP heads. Prefill: work item i is (sequence, first query) from `work_ptr`,
@@ -78,8 +81,13 @@ def paged_attention_kernel(
     else:
         seq = tl.load(work_ptr + 2 * tl.program_id(0))
         first = tl.load(work_ptr + 2 * tl.program_id(0) + 1)
-    q_start = tl.load(query_starts_ptr + seq)
-    q_len = tl.load(query_starts_ptr + seq + 1) - q_start
+    if SEQ_ROW:
+        # Decode: sequence i's one query is row i (query_starts is 0, 1, ..., B).
+        q_start = seq
+        q_len = 1
+    else:
+        q_start = tl.load(query_starts_ptr + seq)
+        q_len = tl.load(query_starts_ptr + seq + 1) - q_start
     ctx_len = tl.load(context_lens_ptr + seq)
 
     rows = tl.arange(0, BLOCK_M)
@@ -126,7 +134,7 @@ def paged_attention_kernel(
     # Keys past the last row's own position are masked for every row: stop there.
     end = tl.minimum(ctx_len, ctx_len - q_len + first + BLOCK_M // GROUP)
     table = block_tables_ptr + seq.to(tl.int64) * stride_table_seq
-    for start in range(0, end, BLOCK_N):
+    for start in tl.range(0, end, BLOCK_N, num_stages=STAGES):
         pos = start + tl.arange(0, BLOCK_N)
         pos_ok = pos < end
         block = tl.load(table + pos // block_size, mask=pos_ok, other=0)
@@ -134,6 +142,8 @@ def paged_attention_kernel(
         kv_offsets = slot[:, None] * stride_cache_slot + kv_head * stride_cache_head + d[None, :]
         kv_mask = pos_ok[:, None] & d_ok[None, :]
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        if V_EARLY:
+            v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         keep = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
         scores = tl.where(keep, scores, float("-inf"))
@@ -143,7 +153,8 @@ def paged_attention_kernel(
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(scores - m_safe[:, None])
         l_i = l_i * alpha + ops.sum_(p, axis=1)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        if not V_EARLY:
+            v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

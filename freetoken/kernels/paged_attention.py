@@ -19,15 +19,28 @@ def _jit():
     return jit_module("attention_jit")
 
 
-DECODE_BLOCK_N: int | None = None
-"""Cache positions per loop step of a decode launch; None: the prefill's (64, 32 for heads
-wider than 128). `bench/decode_kernels.py --only attention` times 32 against the default."""
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """How a decode launch runs (`DECODE`; `bench/decode_kernels.py --only attention` times
+    the arms). `block_n`: cache positions per loop step, None for the prefill's (64, 32 for
+    heads wider than 128); `seq_row`: sequence i's query is row i, not read from
+    `query_starts`; `v_early`: each step's values are loaded beside its keys, not after the
+    scores; `stages`: the loop's software-pipelining depth (1: none); `num_warps`."""
+
+    block_n: int | None = None
+    seq_row: bool = False
+    v_early: bool = False
+    stages: int = 1
+    num_warps: int = 4
+
+
+DECODE = DecodeLaunch()
 
 
 def block_n(head_dim: int, decode: bool) -> int:
-    """BLOCK_N: cache positions per loop step (see `DECODE_BLOCK_N`)."""
-    if decode and DECODE_BLOCK_N:
-        return DECODE_BLOCK_N
+    """BLOCK_N: cache positions per loop step (see `DecodeLaunch.block_n`)."""
+    if decode and DECODE.block_n:
+        return DECODE.block_n
     return 32 if head_dim > 128 else 64
 
 
@@ -95,8 +108,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         stride_table_seq=block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)),
         BLOCK_M=block_m, BLOCK_N=block_n(head_dim, decode), DECODE=decode,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **_decode_args(decode))
     return out
+
+
+def _decode_args(decode: bool) -> dict:
+    """The launch's `DecodeLaunch` arguments (none but 4 warps for prefill)."""
+    if not decode:
+        return dict(num_warps=4)
+    return dict(SEQ_ROW=DECODE.seq_row, V_EARLY=DECODE.v_early, STAGES=DECODE.stages,
+                num_warps=DECODE.num_warps)
 
 
 def _rope_args(rope: DecodeRope | None, q: torch.Tensor, k_flat: torch.Tensor,

@@ -167,26 +167,33 @@ def test_gated_rms_norm_and_silu_and_mul_match_modules(tp):
     _assert_close(silu_and_mul(fused), torch_silu_and_mul(fused), f"silu_and_mul tp={tp}")
 
 
-@pytest.mark.parametrize("block_n", [None, 32])
-def test_decode_attention_bench_case(block_n, monkeypatch):
-    """`bench/decode_kernels.py --only attention` times a case whose launch agrees with the
-    torch reference it reports against, at each of its arms (`DECODE_BLOCK_N`, here over
-    three shuffled cache blocks a sequence); another copy's cache is told apart."""
+def _bench_module():
     import sys
     from pathlib import Path
-
-    from freetoken.kernels import paged_attention as pa
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     import decode_kernels
 
-    monkeypatch.setattr(pa, "DECODE_BLOCK_N", block_n)
+    return decode_kernels
+
+
+def test_decode_attention_bench_case(monkeypatch):
+    """`bench/decode_kernels.py --only attention` times a case whose launch agrees with the
+    torch reference it reports against, at each of its arms (`paged_attention.DECODE`,
+    here over three shuffled cache blocks a sequence), and so does the two-launch path it
+    compares with; another copy's cache is told apart."""
+    from freetoken.kernels import paged_attention as pa
+
+    decode_kernels = _bench_module()
     gen = torch.Generator().manual_seed(0)
-    caches, folded, _, want = decode_kernels.attention_case(2, 40, gen, "cpu", torch.float32)
-    got = folded(*caches[0])
-    _assert_close(got, want, "output")
-    other = folded(*caches[1])   # another copy's cache: the reference must tell them apart
-    assert (other - want).abs().max() > 1e-3
+    caches, folded, unfolded, want = decode_kernels.attention_case(2, 40, gen, "cpu",
+                                                                   torch.float32)
+    _assert_close(unfolded(*caches[0]), want, "output (rotary launch, then attention)")
+    for label, arm in decode_kernels._attention_arms():
+        monkeypatch.setattr(pa, "DECODE", arm)
+        _assert_close(folded(*caches[0]), want, f"output ({label})")
+        other = folded(*caches[1])   # another copy's cache: the reference must tell them apart
+        assert (other - want).abs().max() > 1e-3, label
 
 
 def test_decode_kernels_bench_refuses_unknown_rows():
