@@ -220,9 +220,10 @@ def _attention_arms():
     return (("shipped", DECODE), ("block_n 32", replace(DECODE, block_n=32)),
             ("seq_row", replace(DECODE, seq_row=True)), ("seq+v_early", fast),
             ("+stages 2", replace(fast, stages=2)), ("+stages 3", replace(fast, stages=3)),
-            ("+8 warps", replace(fast, num_warps=8)),
             ("+8 warps stages 2", replace(fast, num_warps=8, stages=2)),
-            ("+block_n 32 stages 2", replace(fast, block_n=32, stages=2)))
+            ("+block_n 32 stages 2", replace(fast, block_n=32, stages=2)),
+            ("+stages 2 splits 8", replace(fast, stages=2, splits=8)),
+            ("+stages 2 splits 16/128", replace(fast, stages=2, splits=16, split_min=128)))
 
 
 def attention_case(tokens, context, gen, device="cuda", dtype=torch.bfloat16):

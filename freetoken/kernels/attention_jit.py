@@ -42,6 +42,8 @@ def paged_attention_kernel(
     k_new_ptr,          # ROPE: [T, kv_heads, head_dim] this step's keys (unrotated)
     v_new_ptr,          # ROPE: [T, kv_heads, head_dim] this step's values
     slot_mapping_ptr,   # ROPE: [T] int64
+    partial_ptr,        # SPLITS > 1: float32 [B, kv_heads, SPLITS, BLOCK_M, BLOCK_D + 2]
+    counter_ptr,        # SPLITS > 1: int32 [B * kv_heads], zero between launches
     # sizes
     scale,
     block_size,
@@ -70,6 +72,8 @@ def paged_attention_kernel(
     SEQ_ROW: tl.constexpr = False,
     V_EARLY: tl.constexpr = False,
     STAGES: tl.constexpr = 1,
+    SPLITS: tl.constexpr = 1,
+    SPLIT_MIN: tl.constexpr = 256,
 ):
     """Program (work item, KV head). Decode: work item i is sequence i, rows are its one
     query's GROUP heads. Prefill: work item i is (sequence, first query) from `work_ptr`,
@@ -81,6 +85,15 @@ def paged_attention_kernel(
     else:
         seq = tl.load(work_ptr + 2 * tl.program_id(0))
         first = tl.load(work_ptr + 2 * tl.program_id(0) + 1)
+    ctx_len = tl.load(context_lens_ptr + seq)
+    if SPLITS > 1:
+        # Decode over up to SPLITS programs along the context (`decode_split`); the split
+        # holding the new position writes it (the others do not read it).
+        # A split past the last has an empty range: it reads, writes and merges nothing.
+        n_split, lo, hi = decode_split(ctx_len, tl.program_id(2), SPLITS, SPLIT_MIN, BLOCK_N)
+        writes_new = (hi == ctx_len) & (lo < hi)
+    else:
+        n_split, lo, hi, writes_new = 1, 0, ctx_len, True
     if SEQ_ROW:
         # Decode: sequence i's one query is row i (query_starts is 0, 1, ..., B).
         q_start = seq
@@ -88,7 +101,6 @@ def paged_attention_kernel(
     else:
         q_start = tl.load(query_starts_ptr + seq)
         q_len = tl.load(query_starts_ptr + seq + 1) - q_start
-    ctx_len = tl.load(context_lens_ptr + seq)
 
     rows = tl.arange(0, BLOCK_M)
     q_local = first + rows // GROUP
@@ -124,17 +136,19 @@ def paged_attention_kernel(
                         + kv_head * stride_v_new_head + d, mask=d_ok, other=0.0)
         new_slot = tl.load(slot_mapping_ptr + q_start).to(tl.int64)
         new_at = new_slot * stride_cache_slot + kv_head * stride_cache_head + d
-        tl.store(k_cache_ptr + new_at, k_new.to(k_cache_ptr.dtype.element_ty), mask=d_ok)
-        tl.store(v_cache_ptr + new_at, v_new.to(v_cache_ptr.dtype.element_ty), mask=d_ok)
+        tl.store(k_cache_ptr + new_at, k_new.to(k_cache_ptr.dtype.element_ty),
+                 mask=d_ok & writes_new)
+        tl.store(v_cache_ptr + new_at, v_new.to(v_cache_ptr.dtype.element_ty),
+                 mask=d_ok & writes_new)
         tl.debug_barrier()
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.full((BLOCK_M,), 0, dtype=tl.float32)
     acc = tl.full((BLOCK_M, BLOCK_D), 0, dtype=tl.float32)
     # Keys past the last row's own position are masked for every row: stop there.
-    end = tl.minimum(ctx_len, ctx_len - q_len + first + BLOCK_M // GROUP)
+    end = tl.minimum(hi, ctx_len - q_len + first + BLOCK_M // GROUP)
     table = block_tables_ptr + seq.to(tl.int64) * stride_table_seq
-    for start in tl.range(0, end, BLOCK_N, num_stages=STAGES):
+    for start in tl.range(lo, end, BLOCK_N, num_stages=STAGES):
         pos = start + tl.arange(0, BLOCK_N)
         pos_ok = pos < end
         block = tl.load(table + pos // block_size, mask=pos_ok, other=0)
@@ -157,7 +171,69 @@ def paged_attention_kernel(
             v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + token[:, None] * stride_out_token + head[:, None] * stride_out_head
-             + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & d_ok[None, :])
+    out_at = out_ptr + token[:, None] * stride_out_token + head[:, None] * stride_out_head \
+        + d[None, :]
+    out_mask = row_ok[:, None] & d_ok[None, :]
+    if SPLITS > 1:
+        if n_split > 1:
+            if lo < hi:
+                merge_splits(acc, m_i, l_i, partial_ptr, counter_ptr,
+                             seq * tl.num_programs(1) + kv_head, n_split, out_at, out_mask,
+                             SPLITS, BLOCK_M, BLOCK_D)
+        elif lo < hi:
+            tl.store(out_at, (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(
+                out_at.dtype.element_ty), mask=out_mask)
+    else:
+        tl.store(out_at, (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(
+            out_at.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def merge_splits(acc, m_i, l_i, partial_ptr, counter_ptr, pair, n_split, out_at, out_mask,
+                 SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One split of a decode (`decode_split`) leaves its unnormalised rows `acc`, maxima
+    and sums at its place of the (sequence, KV head) `pair`'s workspace; the last of the
+    pair's splits to finish (the pair's counter) merges all of them in split order, so the
+    bits do not depend on which that is, writes the rows and sets the counter back to 0."""
+    rows = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    row_at = partial_ptr + (pair.to(tl.int64) * SPLITS * BLOCK_M + rows) * (BLOCK_D + 2)
+    split_stride = BLOCK_M * (BLOCK_D + 2)
+    mine = row_at + tl.program_id(2) * split_stride
+    tl.store(mine[:, None] + d[None, :], acc)
+    tl.store(mine + BLOCK_D, m_i)
+    tl.store(mine + BLOCK_D + 1, l_i)
+    tl.debug_barrier()   # every thread's part is written before the count says so
+    if tl.atomic_add(counter_ptr + pair, 1, sem="acq_rel", scope="gpu") == n_split - 1:
+        m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+        l_i = tl.full((BLOCK_M,), 0, dtype=tl.float32)
+        acc = tl.full((BLOCK_M, BLOCK_D), 0, dtype=tl.float32)
+        for split in range(0, n_split):
+            at = row_at + split * split_stride
+            m_s = tl.load(at + BLOCK_D, cache_modifier=".cg")
+            m_new = tl.maximum(m_i, m_s)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            beta = tl.exp(m_s - m_safe)
+            l_i = l_i * alpha + tl.load(at + BLOCK_D + 1, cache_modifier=".cg") * beta
+            acc = acc * alpha[:, None] + tl.load(at[:, None] + d[None, :],
+                                                 cache_modifier=".cg") * beta[:, None]
+            m_i = m_new
+        tl.store(out_at, (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(
+            out_at.dtype.element_ty), mask=out_mask)
+        tl.atomic_xchg(counter_ptr + pair, 0)
+
+
+@triton.jit
+def decode_split(ctx_len, split, SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """(splits, first position, end) of program `split` of a decode over `ctx_len`
+    positions: as many splits as give each at least SPLIT_MIN positions, at most SPLITS,
+    each a whole number of BLOCK_N steps; the range is empty for a split past the last.
+    A function of the context alone, so a sequence's bits do not depend on its batch."""
+    n_split = tl.minimum((ctx_len + SPLIT_MIN - 1) // SPLIT_MIN, SPLITS)
+    n_split = tl.maximum(n_split, 1)
+    chunk = ((ctx_len + n_split - 1) // n_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    n_split = (ctx_len + chunk - 1) // chunk
+    lo = split * chunk
+    return n_split, lo, tl.minimum(lo + chunk, ctx_len)

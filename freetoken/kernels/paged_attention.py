@@ -25,13 +25,18 @@ class DecodeLaunch:
     the arms). `block_n`: cache positions per loop step, None for the prefill's (64, 32 for
     heads wider than 128); `seq_row`: sequence i's query is row i, not read from
     `query_starts`; `v_early`: each step's values are loaded beside its keys, not after the
-    scores; `stages`: the loop's software-pipelining depth (1: none); `num_warps`."""
+    scores; `stages`: the loop's software-pipelining depth (1: none); `num_warps`; `splits`:
+    programs a sequence and KV head at most, each over a part of the context of at least
+    `split_min` positions (so a short context is one program, as with `splits` 1), merged
+    by the last of them to finish, in split order."""
 
     block_n: int | None = None
     seq_row: bool = False
     v_early: bool = False
     stages: int = 1
     num_warps: int = 4
+    splits: int = 1
+    split_min: int = 256
 
 
 DECODE = DecodeLaunch()
@@ -96,8 +101,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-    _jit().paged_attention_kernel[(programs, num_kv_heads)](
+    splits = DECODE.splits if decode else 1
+    _jit().paged_attention_kernel[(programs, num_kv_heads, splits)](
         **_rope_args(rope, q, k_flat, decode),
+        **_split_args(splits, programs * num_kv_heads, block_m, head_dim, q),
         q_ptr=q, k_cache_ptr=k_flat, v_cache_ptr=v_flat, out_ptr=out,
         block_tables_ptr=block_tables, query_starts_ptr=query_starts,
         context_lens_ptr=context_lens, work_ptr=block_tables if decode else work,
@@ -117,7 +124,28 @@ def _decode_args(decode: bool) -> dict:
     if not decode:
         return dict(num_warps=4)
     return dict(SEQ_ROW=DECODE.seq_row, V_EARLY=DECODE.v_early, STAGES=DECODE.stages,
-                num_warps=DECODE.num_warps)
+                SPLITS=DECODE.splits, SPLIT_MIN=DECODE.split_min, num_warps=DECODE.num_warps)
+
+
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+"""Per device, every split counter buffer handed out, the largest last: int32 zeros that
+each split launch leaves at zero. None is ever freed, since a captured graph keeps the
+address it was given."""
+
+
+def _split_args(splits: int, pairs: int, block_m: int, head_dim: int, q: torch.Tensor) -> dict:
+    """The split decode's workspace (float32 partial rows, uninitialised) and its counters
+    (one a (sequence, KV head) pair); placeholders for one split."""
+    if splits == 1:
+        return dict(partial_ptr=q, counter_ptr=q)
+    kept = _COUNTERS.setdefault(q.device, [])
+    if not kept or kept[-1].numel() < pairs:
+        kept.append(torch.zeros(max(pairs, 2 * kept[-1].numel() if kept else 64),
+                                dtype=torch.int32, device=q.device))
+    width = max(16, next_pow2(head_dim)) + 2
+    partial = torch.empty(pairs * splits * block_m * width, dtype=torch.float32,
+                          device=q.device)
+    return dict(partial_ptr=partial, counter_ptr=kept[-1])
 
 
 def _rope_args(rope: DecodeRope | None, q: torch.Tensor, k_flat: torch.Tensor,

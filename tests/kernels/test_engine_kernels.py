@@ -122,6 +122,49 @@ def test_paged_attention_fails_on_a_wrong_block_table():
     assert not torch.allclose(got, want, atol=1e-3)
 
 
+SPLIT = dict(splits=4, split_min=16, block_n=16, stages=2, seq_row=True, v_early=True)
+"""A split decode (`DecodeLaunch`) that splits the contexts below over 1, 3, 3 and 4
+programs."""
+
+
+def test_split_decode_matches_reference_and_its_batch(monkeypatch):
+    """Decode with the context split over programs and merged by the last to finish: the
+    torch path's attention; a sequence gets the same bits alone as in its batch; the
+    counters are left at zero."""
+    from freetoken.kernels import paged_attention as pa
+
+    monkeypatch.setattr(pa, "DECODE", pa.DecodeLaunch(**SPLIT))
+    contexts = [1, 40, 90, 100]
+    got, want = _run_attention(8, 2, 16, [1] * 4, contexts, True)
+    _assert_close(got, want, "split decode")
+    assert not (pa._COUNTERS[torch.device("cpu")][-1]).any()
+    k_cache, v_cache = _make_cache(64, 4, 2, 16, 0)
+    tables, padded = _tables(contexts, 4, 64, 0)
+    q = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(9))
+    lens = torch.tensor(contexts, dtype=torch.int32)
+    batch = pa.paged_attention(q, k_cache, v_cache, padded, torch.arange(5, dtype=torch.int32),
+                               lens, 0.25)
+    one = pa.paged_attention(q[3:], k_cache, v_cache, padded[3:],
+                             torch.arange(2, dtype=torch.int32), lens[3:], 0.25)
+    assert torch.equal(batch[3:], one)
+
+
+def test_split_decode_fails_on_a_merge_before_every_split(monkeypatch):
+    """A counter that does not start at zero (a launch that left it set) merges before the
+    last split is written: the output differs from the torch path's and the counter is
+    left set."""
+    from freetoken.kernels import paged_attention as pa
+
+    monkeypatch.setattr(pa, "DECODE", pa.DecodeLaunch(**SPLIT))
+    _run_attention(8, 2, 16, [1], [100], True)   # the counters exist
+    counters = pa._COUNTERS[torch.device("cpu")][-1]
+    counters[0] = 1
+    got, want = _run_attention(8, 2, 16, [1], [100], True)
+    assert not torch.allclose(got, want, atol=1e-3)
+    assert counters.any()
+    counters.zero_()
+
+
 @pytest.mark.parametrize("pairs, experts, block_m", [(1, 8, 16), (24, 8, 16), (7, 3, 16),
                                                      (130, 256, 16), (300, 64, 4),
                                                      (1024, 32, 16), (600, 1, 64)])

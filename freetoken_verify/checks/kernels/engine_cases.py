@@ -33,7 +33,7 @@ FAMILIES = {"paged_attention": "paged_attention", "decode_rope": "paged_attentio
 # Token counts (not part of a config). Attention: (query lens, context lens) per sequence,
 # prefill covering a fresh prompt, a prompt continued from a cached prefix and one longer than
 # a program's queries; decode contexts of one position, a block boundary and several blocks.
-DECODE_CONTEXTS = {"cpu": (1, 16, 37), "cuda": (1, 16, 37, 300)}
+DECODE_CONTEXTS = {"cpu": (1, 16, 37), "cuda": (1, 16, 37, 300, 1300)}
 PREFILL = {"cpu": ((7, 3, 37), (7, 19, 37)), "cuda": ((7, 3, 300), (7, 19, 300))}
 # MoE tokens: one token (its own layout), decode tiles with the one-launch alignment, and more
 # than 1024 (token, slot) pairs (the torch alignment and the prefill tiles).
