@@ -213,17 +213,15 @@ ATTENTION_CONTEXTS = (96, 1024, 4096)
 
 def _attention_arms():
     """(label, `paged_attention.DecodeLaunch`) of each timed arm; the first is the shipped
-    one."""
-    from freetoken.kernels.paged_attention import DECODE
+    one, the second the launch before its options (`paged_attention.BEFORE`)."""
+    from freetoken.kernels.paged_attention import BEFORE, DECODE
 
-    fast = replace(DECODE, seq_row=True, v_early=True)
-    return (("shipped", DECODE), ("block_n 32", replace(DECODE, block_n=32)),
-            ("seq_row", replace(DECODE, seq_row=True)), ("seq+v_early", fast),
-            ("+stages 2", replace(fast, stages=2)), ("+stages 3", replace(fast, stages=3)),
-            ("+8 warps stages 2", replace(fast, num_warps=8, stages=2)),
-            ("+block_n 32 stages 2", replace(fast, block_n=32, stages=2)),
-            ("+stages 2 splits 8", replace(fast, stages=2, splits=8)),
-            ("+stages 2 splits 16/128", replace(fast, stages=2, splits=16, split_min=128)))
+    return (("shipped", DECODE), ("before", BEFORE),
+            ("4 warps", replace(DECODE, num_warps=4)),
+            ("no splits", replace(DECODE, splits=1)),
+            ("splits 16/128", replace(DECODE, splits=16, split_min=128)),
+            ("4 warps splits 16/128", replace(DECODE, num_warps=4, splits=16, split_min=128)),
+            ("stages 3", replace(DECODE, stages=3)))
 
 
 def attention_case(tokens, context, gen, device="cuda", dtype=torch.bfloat16):

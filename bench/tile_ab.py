@@ -17,9 +17,9 @@ without the input norm, the gate and the residual add, `quant_gemm.DECODE_FUSION
 `no-quant-norm` (the same without the input norm only, `quant_gemm.DECODE_NORM`) and
 `no-row-prefetch` (the 16-bit row kernel of a normed call loads each weight tile in its
 step, not a step ahead, `gemv.ROW_PREFETCH`), all on otherwise; and the decode attention's
-launch (`paged_attention.DECODE`, the shipped one otherwise) changed by `attn-seq-row`,
-`attn-v-early`, `attn-stages2`, `attn-stages3`, `attn-8-warps` and `attn-block32` (the
-`DecodeLaunch` fields of those names). Before each arm's run the
+launch (`paged_attention.DECODE`, the shipped one otherwise) changed by `attn-before` (the
+launch before its options, `paged_attention.BEFORE`), `attn-4-warps`, `attn-no-splits`
+(one program a sequence and KV head) and `attn-stages1` (no pipelining). Before each arm's run the
 tables are re-read and the decode graphs dropped, so they are captured again with that
 arm's tiles. A run is one warm-up and `--repeats` timed pairs (one token, then
 `--new-tokens`); the step time is their difference over the decode steps. Prints each arm's
@@ -48,9 +48,9 @@ from freetoken.kernels import fused_moe, gemv, paged_attention, quant_gemm  # no
 TABLES = (("FREETOKEN_GEMV_TABLE", gemv), ("FREETOKEN_QUANT_TABLE", quant_gemm))
 
 
-ATTENTION_SWITCHES = {"attn-seq-row": dict(seq_row=True), "attn-v-early": dict(v_early=True),
-                      "attn-stages2": dict(stages=2), "attn-stages3": dict(stages=3),
-                      "attn-8-warps": dict(num_warps=8), "attn-block32": dict(block_n=32)}
+ATTENTION_SWITCHES = {"attn-before": dataclasses.asdict(paged_attention.BEFORE),
+                      "attn-4-warps": dict(num_warps=4), "attn-no-splits": dict(splits=1),
+                      "attn-stages1": dict(stages=1)}
 SWITCHES = ("no-overlap", "no-moe-rows", "no-shared-rows", "no-quant-fusions",
             "no-quant-norm", "no-row-prefetch", *ATTENTION_SWITCHES)
 SHIPPED_ATTENTION = paged_attention.DECODE

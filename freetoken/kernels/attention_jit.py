@@ -89,9 +89,10 @@ def paged_attention_kernel(
     if SPLITS > 1:
         # Decode over up to SPLITS programs along the context (`decode_split`); the split
         # holding the new position writes it (the others do not read it).
-        # A split past the last has an empty range: it reads, writes and merges nothing.
         n_split, lo, hi = decode_split(ctx_len, tl.program_id(2), SPLITS, SPLIT_MIN, BLOCK_N)
-        writes_new = (hi == ctx_len) & (lo < hi)
+        if lo >= hi:
+            return   # a split past the last: nothing to read, write or merge
+        writes_new = hi == ctx_len
     else:
         n_split, lo, hi, writes_new = 1, 0, ctx_len, True
     if SEQ_ROW:
@@ -176,11 +177,10 @@ def paged_attention_kernel(
     out_mask = row_ok[:, None] & d_ok[None, :]
     if SPLITS > 1:
         if n_split > 1:
-            if lo < hi:
-                merge_splits(acc, m_i, l_i, partial_ptr, counter_ptr,
-                             seq * tl.num_programs(1) + kv_head, n_split, out_at, out_mask,
-                             SPLITS, BLOCK_M, BLOCK_D)
-        elif lo < hi:
+            merge_splits(acc, m_i, l_i, partial_ptr, counter_ptr,
+                         seq * tl.num_programs(1) + kv_head, n_split, out_at, out_mask,
+                         SPLITS, BLOCK_M, BLOCK_D)
+        else:
             tl.store(out_at, (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(
                 out_at.dtype.element_ty), mask=out_mask)
     else:

@@ -22,24 +22,28 @@ def _jit():
 @dataclass(frozen=True)
 class DecodeLaunch:
     """How a decode launch runs (`DECODE`; `bench/decode_kernels.py --only attention` times
-    the arms). `block_n`: cache positions per loop step, None for the prefill's (64, 32 for
-    heads wider than 128); `seq_row`: sequence i's query is row i, not read from
+    the alternatives). `block_n`: cache positions per loop step, None for the prefill's (64,
+    32 for heads wider than 128); `seq_row`: sequence i's query is row i, not read from
     `query_starts`; `v_early`: each step's values are loaded beside its keys, not after the
     scores; `stages`: the loop's software-pipelining depth (1: none); `num_warps`; `splits`:
     programs a sequence and KV head at most, each over a part of the context of at least
     `split_min` positions (so a short context is one program, as with `splits` 1), merged
-    by the last of them to finish, in split order."""
+    by the last of them to finish, in split order. The defaults are the fastest measured
+    (docs/performance.md); `BEFORE` is the launch before them."""
 
-    block_n: int | None = None
-    seq_row: bool = False
-    v_early: bool = False
-    stages: int = 1
-    num_warps: int = 4
-    splits: int = 1
+    seq_row: bool = True
+    v_early: bool = True
+    stages: int = 2
+    num_warps: int = 8
+    splits: int = 8
     split_min: int = 256
+    block_n: int | None = None
 
 
 DECODE = DecodeLaunch()
+BEFORE = DecodeLaunch(seq_row=False, v_early=False, stages=1, num_warps=4, splits=1)
+"""The decode launch before `DecodeLaunch`'s options (one program a sequence and KV head,
+an unpipelined loop, 4 warps), for A/B runs."""
 
 
 def block_n(head_dim: int, decode: bool) -> int:
