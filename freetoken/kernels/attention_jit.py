@@ -89,10 +89,8 @@ def paged_attention_kernel(
     if SPLITS > 1:
         # Decode over up to SPLITS programs along the context (`decode_split`); the split
         # holding the new position writes it (the others do not read it).
-        n_split, lo, hi = decode_split(ctx_len, tl.program_id(2), SPLITS, SPLIT_MIN, BLOCK_N)
-        if lo >= hi:
-            return   # a split past the last: nothing to read, write or merge
-        writes_new = hi == ctx_len
+        n_split, lo, hi = decode_split(ctx_len, tl.program_id(2), SPLITS, SPLIT_MIN)
+        writes_new = (hi == ctx_len) & (lo < hi)
     else:
         n_split, lo, hi, writes_new = 1, 0, ctx_len, True
     if SEQ_ROW:
@@ -142,6 +140,11 @@ def paged_attention_kernel(
         tl.store(v_cache_ptr + new_at, v_new.to(v_cache_ptr.dtype.element_ty),
                  mask=d_ok & writes_new)
         tl.debug_barrier()
+    if SPLITS > 1:
+        # A split past the last returns here, its prologue's loads issued beside the others'
+        # (returning before them would put them behind the split's arithmetic).
+        if lo >= hi:
+            return
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.full((BLOCK_M,), 0, dtype=tl.float32)
@@ -225,15 +228,13 @@ def merge_splits(acc, m_i, l_i, partial_ptr, counter_ptr, pair, n_split, out_at,
 
 
 @triton.jit
-def decode_split(ctx_len, split, SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
+def decode_split(ctx_len, split, SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr):
     """(splits, first position, end) of program `split` of a decode over `ctx_len`
-    positions: as many splits as give each at least SPLIT_MIN positions, at most SPLITS,
-    each a whole number of BLOCK_N steps; the range is empty for a split past the last.
-    A function of the context alone, so a sequence's bits do not depend on its batch."""
-    n_split = tl.minimum((ctx_len + SPLIT_MIN - 1) // SPLIT_MIN, SPLITS)
-    n_split = tl.maximum(n_split, 1)
-    chunk = ((ctx_len + n_split - 1) // n_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    n_split = (ctx_len + chunk - 1) // chunk
+    positions: each split takes the same whole number of SPLIT_MIN-position units, as few
+    as make at most SPLITS splits; the range is empty for a split past the last. Shifts
+    only before the range (SPLITS and SPLIT_MIN are powers of two); a function of the
+    context alone, so a sequence's bits do not depend on its batch."""
+    units = (ctx_len + SPLIT_MIN - 1) // SPLIT_MIN
+    chunk = (units + SPLITS - 1) // SPLITS * SPLIT_MIN
     lo = split * chunk
-    return n_split, lo, tl.minimum(lo + chunk, ctx_len)
+    return (ctx_len + chunk - 1) // chunk, lo, tl.minimum(lo + chunk, ctx_len)

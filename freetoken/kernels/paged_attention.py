@@ -127,6 +127,11 @@ def _decode_args(decode: bool) -> dict:
     """The launch's `DecodeLaunch` arguments (none but 4 warps for prefill)."""
     if not decode:
         return dict(num_warps=4)
+    for name in ("splits", "split_min"):
+        value = getattr(DECODE, name)
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"paged_attention: DecodeLaunch.{name} is {value}, not a power "
+                             f"of two")
     return dict(SEQ_ROW=DECODE.seq_row, V_EARLY=DECODE.v_early, STAGES=DECODE.stages,
                 SPLITS=DECODE.splits, SPLIT_MIN=DECODE.split_min, num_warps=DECODE.num_warps)
 
