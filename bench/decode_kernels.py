@@ -224,6 +224,46 @@ def _attention_arms():
             ("stages 3", replace(DECODE, stages=3)))
 
 
+ATTENTION_POINTERS = {
+    **{p: "*bf16" for p in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "k_new_ptr",
+                            "v_new_ptr")},
+    **{p: "*i32" for p in ("block_tables_ptr", "query_starts_ptr", "context_lens_ptr",
+                           "work_ptr", "counter_ptr")},
+    "positions_ptr": "*i64", "slot_mapping_ptr": "*i64", "inv_freq_ptr": "*fp32",
+    "partial_ptr": "*fp32", "scale": "fp32"}
+"""The attention kernel's argument types at `ATTENTION` in bf16 (the integers are i32)."""
+
+
+def attention_asm(launch, decode: bool, arch: int = 90):
+    """The attention kernel as `paged_attention` launches it at `ATTENTION` (decode with the
+    folded rotary, or prefill) under `launch` (a `paged_attention.DecodeLaunch`), compiled
+    by Triton for sm_`arch` without a GPU (`nvfp4_sass.compile_kernel`; pointers, head and
+    slot strides divisible by 16, as Triton specialises them at these dimensions)."""
+    import nvfp4_sass
+
+    from freetoken.kernels import attention_jit, next_pow2
+    from freetoken.kernels import paged_attention as pa
+
+    heads, kv, dim = (ATTENTION[k] for k in ("heads", "kv_heads", "head_dim"))
+    shipped, pa.DECODE = pa.DECODE, launch
+    try:
+        meta = pa._decode_args(decode)
+        meta.update(GROUP=heads // kv, HEAD_DIM=dim, BLOCK_D=max(16, next_pow2(dim)),
+                    BLOCK_M=pa.rows_per_program(heads, kv, dim, decode),
+                    BLOCK_N=pa.block_n(dim, decode), DECODE=decode, PRECISION="tf32")
+    finally:
+        pa.DECODE = shipped
+    if decode:
+        meta.update(ROPE=True, HALF=dim // 2)
+    warps = meta.pop("num_warps")
+    divisible = {*ATTENTION_POINTERS, "stride_q_token", "stride_q_head", "stride_cache_slot",
+                 "stride_cache_head", "stride_out_token", "stride_out_head",
+                 "stride_k_new_token", "stride_k_new_head", "stride_v_new_token",
+                 "stride_v_new_head"} - {"scale"}
+    return nvfp4_sass.compile_kernel(attention_jit.paged_attention_kernel, meta, warps, arch,
+                                     pointers=ATTENTION_POINTERS, divisible=divisible)
+
+
 def attention_case(tokens, context, gen, device="cuda", dtype=torch.bfloat16):
     """One decode step of `ATTENTION` at `context` positions (this step's included) for
     `tokens` sequences, their cache blocks shuffled: (copies of the (k, v) caches, the

@@ -52,17 +52,26 @@ POINTERS = {"x_ptr": "*fp32", "h_ptr": "*fp32", "topk_ids_ptr": "*i32",
 
 
 def compile_kernel(fn, constexprs: dict, num_warps: int, arch: int,
-                   options: dict | None = None):
+                   options: dict | None = None, pointers: dict | None = None,
+                   divisible: set | None = None):
     """`fn` compiled by Triton for sm_`arch` (its `asm` holds the PTX and the cubin); every
-    parameter not in `constexprs` is a runtime argument; `options`: launch options beside
-    num_warps (the launcher's, e.g. `maxnreg`)."""
+    parameter not in `constexprs` is a runtime argument, except constexpr parameters with a
+    default, which take it; `options`: launch options beside num_warps (the launcher's, e.g.
+    `maxnreg`); `pointers` (name -> Triton type) and `divisible` (arguments a multiple of
+    16) for another kernel than the NVFP4 ones (`POINTERS`, `DIVISIBLE`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    params = list(inspect.signature(fn.fn).parameters)
-    signature = {p: "constexpr" if p in constexprs else POINTERS.get(p, "i32") for p in params}
-    attrs = {(params.index(p),): [["tt.divisibility", 16]] for p in DIVISIBLE if p in params}
+    parameters = inspect.signature(fn.fn).parameters
+    constexprs = {**{p: v.default for p, v in parameters.items()
+                     if v.default is not inspect.Parameter.empty
+                     and "constexpr" in str(v.annotation)}, **constexprs}
+    pointers = POINTERS if pointers is None else pointers
+    divisible = DIVISIBLE if divisible is None else divisible
+    params = list(parameters)
+    signature = {p: "constexpr" if p in constexprs else pointers.get(p, "i32") for p in params}
+    attrs = {(params.index(p),): [["tt.divisibility", 16]] for p in divisible if p in params}
     src = ASTSource(fn=fn, signature=signature, attrs=attrs,
                     constexprs={(params.index(k),): v for k, v in constexprs.items()})
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
@@ -70,11 +79,12 @@ def compile_kernel(fn, constexprs: dict, num_warps: int, arch: int,
 
 
 def compile_sass(fn, constexprs: dict, num_warps: int, arch: int,
-                 options: dict | None = None) -> tuple[str, int, int]:
-    """(SASS text, registers, spill bytes) of `fn` compiled for sm_`arch`."""
+                 options: dict | None = None, **types) -> tuple[str, int, int]:
+    """(SASS text, registers, spill bytes) of `fn` compiled for sm_`arch` (`types`: the
+    `pointers` and `divisible` of `compile_kernel`)."""
     import triton
 
-    kernel = compile_kernel(fn, constexprs, num_warps, arch, options)
+    kernel = compile_kernel(fn, constexprs, num_warps, arch, options, **types)
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"

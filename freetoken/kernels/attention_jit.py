@@ -71,7 +71,7 @@ def paged_attention_kernel(
     HALF: tl.constexpr = 1,
     SEQ_ROW: tl.constexpr = False,
     V_EARLY: tl.constexpr = False,
-    STAGES: tl.constexpr = 1,
+    STAGES: tl.constexpr = None,   # decode: the loop's pipelining depth; None: the launch's
     SPLITS: tl.constexpr = 1,
     SPLIT_MIN: tl.constexpr = 256,
 ):

@@ -25,7 +25,8 @@ class DecodeLaunch:
     the alternatives). `block_n`: cache positions per loop step, None for the prefill's (64,
     32 for heads wider than 128); `seq_row`: sequence i's query is row i, not read from
     `query_starts`; `v_early`: each step's values are loaded beside its keys, not after the
-    scores; `stages`: the loop's software-pipelining depth (1: none); `num_warps`; `splits`:
+    scores; `stages`: the loop's software-pipelining depth (1: none; None: Triton's default for
+    the launch, as prefill takes); `num_warps`; `splits`:
     programs a sequence and KV head at most, each over a part of the context of at least
     `split_min` positions (so a short context is one program, as with `splits` 1), merged
     by the last of them to finish, in split order. The defaults are the fastest measured
@@ -33,7 +34,7 @@ class DecodeLaunch:
 
     seq_row: bool = True
     v_early: bool = True
-    stages: int = 2
+    stages: int | None = 2
     num_warps: int = 8
     splits: int = 8
     split_min: int = 256
@@ -41,9 +42,9 @@ class DecodeLaunch:
 
 
 DECODE = DecodeLaunch()
-BEFORE = DecodeLaunch(seq_row=False, v_early=False, stages=1, num_warps=4, splits=1)
+BEFORE = DecodeLaunch(seq_row=False, v_early=False, stages=None, num_warps=4, splits=1)
 """The decode launch before `DecodeLaunch`'s options (one program a sequence and KV head,
-an unpipelined loop, 4 warps), for A/B runs."""
+Triton's default pipelining, 4 warps; the same SASS as then), for A/B runs."""
 
 
 def block_n(head_dim: int, decode: bool) -> int:

@@ -196,6 +196,33 @@ def test_decode_attention_bench_case(monkeypatch):
         assert (other - want).abs().max() > 1e-3, label
 
 
+def test_attention_launches_pipeline_their_loops():
+    """Compiled for sm_90 on this CPU: the decode launch pipelines its loop (cp.async) and
+    carries the split merge's counter (atomics); the launch before its options
+    (`paged_attention.BEFORE`) and prefill keep Triton's default pipelining and no atomics.
+    A decode at one stage has no cp.async, so the check can fail."""
+    from conftest import run_compiled
+
+    code = (
+        "import dataclasses, sys; sys.path.insert(0, 'bench')\n"
+        "import decode_kernels as dk\n"
+        "from freetoken.kernels import paged_attention as pa\n"
+        "for name, launch, decode in (('decode', pa.DECODE, True), ('before', pa.BEFORE, True),\n"
+        "        ('one stage', dataclasses.replace(pa.DECODE, stages=1), True),\n"
+        "        ('prefill', pa.DECODE, False)):\n"
+        "    ptx = dk.attention_asm(launch, decode).asm['ptx']\n"
+        "    print(name, ptx.count('cp.async.cg') + ptx.count('cp.async.ca'),\n"
+        "          ptx.count('atom.'), sep=':')\n")
+    proc = run_compiled(["-c", code])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    counts = {line.split(":")[0]: tuple(map(int, line.split(":")[1:]))
+              for line in proc.stdout.splitlines()}
+    assert counts["decode"][0] > 0 and counts["decode"][1] > 0, counts
+    assert counts["before"][0] > 0 and counts["before"][1] == 0, counts
+    assert counts["prefill"][0] > 0 and counts["prefill"][1] == 0, counts
+    assert counts["one stage"][0] == 0, counts
+
+
 def test_decode_kernels_bench_refuses_unknown_rows():
     """`bench/decode_kernels.py --only` names a row it does not know, before it needs a GPU."""
     import subprocess
