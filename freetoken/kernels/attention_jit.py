@@ -15,6 +15,13 @@ and stores that key and the value at the token's cache slot; a barrier makes the
 visible to the program's own threads, which then read the context (the new key included)
 from the cache as without ROPE. One launch where rotary, the cache write and attention took
 two.
+
+Decode with SPLITS > 1: programs (sequence, KV head, split); a long context is cut into
+splits of whole SPLIT_MIN-position units (`decode_split`, a function of the context length
+alone), each split's rows, maxima and sums are left in a float32 workspace, and the last
+split of a pair to finish (an atomic counter per pair) merges them in split order
+(`merge_splits`), so the bits are the same whichever finishes last and whatever the batch.
+A context of one split writes its rows directly, as with SPLITS 1.
 """
 
 from __future__ import annotations

@@ -22,15 +22,19 @@ def _jit():
 @dataclass(frozen=True)
 class DecodeLaunch:
     """How a decode launch runs (`DECODE`; `bench/decode_kernels.py --only attention` times
-    the alternatives). `block_n`: cache positions per loop step, None for the prefill's (64,
-    32 for heads wider than 128); `seq_row`: sequence i's query is row i, not read from
-    `query_starts`; `v_early`: each step's values are loaded beside its keys, not after the
-    scores; `stages`: the loop's software-pipelining depth (1: none; None: Triton's default for
-    the launch, as prefill takes); `num_warps`; `splits`:
-    programs a sequence and KV head at most, each over a part of the context of at least
-    `split_min` positions (so a short context is one program, as with `splits` 1), merged
-    by the last of them to finish, in split order. The defaults are the fastest measured
-    (docs/performance.md); `BEFORE` is the launch before them."""
+    the alternatives).
+
+    `block_n`: cache positions per loop step, None for the prefill's (64, 32 for heads wider
+    than 128). `seq_row`: sequence i's query is row i, not read from `query_starts`.
+    `v_early`: each step's values are loaded beside its keys, not after the scores.
+    `stages`: the loop's software-pipelining depth (1: none; None: Triton's default for the
+    launch, as prefill takes). `num_warps`. `splits`: programs a (sequence, KV head) at
+    most, each over the same whole number of `split_min`-position units (the last takes the
+    rest; a context of at most `split_min` positions is one program, as with `splits` 1),
+    merged by the last of them to finish, in split order; both powers of two. Launches
+    that share a device share its split counters, so they run one after another, as the
+    engine's do (one stream). The defaults are the fastest measured (docs/performance.md);
+    `BEFORE` is the launch before them."""
 
     seq_row: bool = True
     v_early: bool = True
