@@ -6,6 +6,7 @@ import hashlib
 import json
 import math
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
@@ -26,6 +27,12 @@ BUNDLED = ["tiny-llama", "tiny-qwen3", "tiny-qwen3-moe"]
 def pytest_configure(config):
     # Two xdist workers on two cores: more intra-op threads only contend.
     torch.set_num_threads(1)
+    # Tests send SIGINT to the commands they start and want Ctrl-C's behaviour. A run started
+    # as a background job of a shell without job control inherits SIGINT ignored, and so
+    # would every child (an ignored signal stays ignored across exec): take Python's
+    # handler, which children reset to the default at exec.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     # The ranks of every group a test starts (the engine's, the harness's, the tests' own)
     # fork from one forkserver per test process: it imports what they import, once.
     from freetoken.distributed import preload_in_ranks
