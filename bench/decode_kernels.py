@@ -245,14 +245,10 @@ def attention_asm(launch, decode: bool, arch: int = 90):
     from freetoken.kernels import paged_attention as pa
 
     heads, kv, dim = (ATTENTION[k] for k in ("heads", "kv_heads", "head_dim"))
-    shipped, pa.DECODE = pa.DECODE, launch
-    try:
-        meta = pa._decode_args(decode)
-        meta.update(GROUP=heads // kv, HEAD_DIM=dim, BLOCK_D=max(16, next_pow2(dim)),
-                    BLOCK_M=pa.rows_per_program(heads, kv, dim, decode),
-                    BLOCK_N=pa.block_n(dim, decode), DECODE=decode, PRECISION="tf32")
-    finally:
-        pa.DECODE = shipped
+    meta = pa._decode_args(decode, launch)
+    meta.update(GROUP=heads // kv, HEAD_DIM=dim, BLOCK_D=max(16, next_pow2(dim)),
+                BLOCK_M=pa.rows_per_program(heads, kv, dim, decode),
+                BLOCK_N=pa.block_n(dim, decode, launch), DECODE=decode, PRECISION="tf32")
     if decode:
         meta.update(ROPE=True, HALF=dim // 2)
     warps = meta.pop("num_warps")

@@ -191,11 +191,17 @@ def paged_attention_kernel(
                          seq * tl.num_programs(1) + kv_head, n_split, out_at, out_mask,
                          SPLITS, BLOCK_M, BLOCK_D)
         else:
-            tl.store(out_at, (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(
-                out_at.dtype.element_ty), mask=out_mask)
+            store_rows(out_at, acc, l_i, out_mask)
     else:
-        tl.store(out_at, (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(
-            out_at.dtype.element_ty), mask=out_mask)
+        store_rows(out_at, acc, l_i, out_mask)
+
+
+@triton.jit
+def store_rows(out_at, acc, l_i, out_mask):
+    """The attention rows: the accumulated values over their sums (0 for a row with no
+    key), in the output's dtype."""
+    tl.store(out_at, (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(out_at.dtype.element_ty),
+             mask=out_mask)
 
 
 @triton.jit
@@ -229,8 +235,7 @@ def merge_splits(acc, m_i, l_i, partial_ptr, counter_ptr, pair, n_split, out_at,
             acc = acc * alpha[:, None] + tl.load(at[:, None] + d[None, :],
                                                  cache_modifier=".cg") * beta[:, None]
             m_i = m_new
-        tl.store(out_at, (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(
-            out_at.dtype.element_ty), mask=out_mask)
+        store_rows(out_at, acc, l_i, out_mask)
         tl.atomic_xchg(counter_ptr + pair, 0)
 
 

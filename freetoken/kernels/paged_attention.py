@@ -44,6 +44,13 @@ class DecodeLaunch:
     split_min: int = 256
     block_n: int | None = None
 
+    def __post_init__(self):
+        for name in ("splits", "split_min"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"paged_attention: DecodeLaunch.{name} is {value}, not a "
+                                 f"power of two")
+
 
 DECODE = DecodeLaunch()
 BEFORE = DecodeLaunch(seq_row=False, v_early=False, stages=None, num_warps=4, splits=1)
@@ -51,10 +58,12 @@ BEFORE = DecodeLaunch(seq_row=False, v_early=False, stages=None, num_warps=4, sp
 Triton's default pipelining, 4 warps; the same SASS as then), for A/B runs."""
 
 
-def block_n(head_dim: int, decode: bool) -> int:
-    """BLOCK_N: cache positions per loop step (see `DecodeLaunch.block_n`)."""
-    if decode and DECODE.block_n:
-        return DECODE.block_n
+def block_n(head_dim: int, decode: bool, launch: DecodeLaunch | None = None) -> int:
+    """BLOCK_N: cache positions per loop step (see `DecodeLaunch.block_n`; `launch`:
+    `DECODE` when None)."""
+    launch = launch or DECODE
+    if decode and launch.block_n:
+        return launch.block_n
     return 32 if head_dim > 128 else 64
 
 
@@ -128,17 +137,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-def _decode_args(decode: bool) -> dict:
-    """The launch's `DecodeLaunch` arguments (none but 4 warps for prefill)."""
+def _decode_args(decode: bool, launch: DecodeLaunch | None = None) -> dict:
+    """The launch's `DecodeLaunch` arguments (`DECODE` when `launch` is None; none but 4
+    warps for prefill)."""
     if not decode:
         return dict(num_warps=4)
-    for name in ("splits", "split_min"):
-        value = getattr(DECODE, name)
-        if value < 1 or value & (value - 1):
-            raise ValueError(f"paged_attention: DecodeLaunch.{name} is {value}, not a power "
-                             f"of two")
-    return dict(SEQ_ROW=DECODE.seq_row, V_EARLY=DECODE.v_early, STAGES=DECODE.stages,
-                SPLITS=DECODE.splits, SPLIT_MIN=DECODE.split_min, num_warps=DECODE.num_warps)
+    launch = launch or DECODE
+    return dict(SEQ_ROW=launch.seq_row, V_EARLY=launch.v_early, STAGES=launch.stages,
+                SPLITS=launch.splits, SPLIT_MIN=launch.split_min, num_warps=launch.num_warps)
 
 
 _COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
