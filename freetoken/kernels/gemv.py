@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from freetoken.kernels import interpreting, jit_module, next_pow2
+from freetoken.kernels.pdl import available as pdl_available
+from freetoken.kernels.pdl import launch as pdl_launch
 from freetoken.kernels.tile_table import parse_tiles, read_tile_table, spell_tiles
 
 MAX_TOKENS = 16
@@ -29,10 +31,19 @@ in_proj + norm 20.9 -> 20.7 us, the same bits (the FP8 row kernel gained nothing
 docs/performance.md)."""
 
 
-def prefetches(norm: bool) -> bool:
-    """The 16-bit row kernel's PREFETCH for a call with (`norm`) or without an input
-    norm."""
-    return ROW_PREFETCH and norm
+ROW_PDL = False
+"""True: the 16-bit row kernel launches with programmatic dependent launch where the GPU has
+it (`freetoken.kernels.pdl`): its programs start while the stream's previous kernel
+finishes, load their first weight tile and wait for it before they read x; each lets the
+next kernel launch as it starts. False: ordinary launches (`bench/tile_ab.py` switch
+`row-pdl` times the two)."""
+
+
+def prefetches(norm: bool, pdl: bool = False) -> bool:
+    """The 16-bit row kernel's PREFETCH for a call with (`norm`) or without an input norm,
+    launched with (`pdl`) or without programmatic dependent launch (which needs the first
+    tile loaded before the wait)."""
+    return pdl or (ROW_PREFETCH and norm)
 
 
 @dataclass(frozen=True)
@@ -202,9 +213,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **main)
     features = _cdiv(rows if splits > 1 else out_features, tiles.block_n)
     if tiles.rows:
-        _rows_jit().gemv_rows_kernel[(features, tokens, splits)](
-            NORM_BLOCK=min(NORM_BLOCK, next_pow2(in_features)),
-            PREFETCH=prefetches(norm is not None), **args)
+        early = ROW_PDL and pdl_available(x)
+        pdl_launch(_rows_jit().gemv_rows_kernel, (features, tokens, splits), early,
+                   NORM_BLOCK=min(NORM_BLOCK, next_pow2(in_features)),
+                   PREFETCH=prefetches(norm is not None, early), **args)
     else:
         _jit().gemv_kernel[(features, _cdiv(tokens, block_m), splits)](
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=block_m, **args)

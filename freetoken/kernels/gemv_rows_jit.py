@@ -38,9 +38,9 @@ def row_scale(x_row, in_features, eps, NORM_BLOCK: tl.constexpr):
 @triton.jit
 def prefetch(w_rows, up_rows, k0, k_end, col_ok, GATED: tl.constexpr, BLOCK_K: tl.constexpr):
     """The weight tile of the step at `k0` (and its up rows', GATED; else the same tile
-    twice), zeros past `k_end`: loaded a step ahead of its use (PREFETCH, `gemv.ROW_PREFETCH`),
-    the first one before the norm's full-row pass, so that pass runs while the weights are in
-    flight."""
+    twice), zeros past `k_end`: loaded a step ahead of its use (PREFETCH, `gemv.prefetches`),
+    the first one before the norm's full-row pass (and, with PDL, before the wait for the
+    previous kernel), so that pass runs while the weights are in flight."""
     ks = k0 + tl.arange(0, BLOCK_K)
     return load_pair(w_rows, up_rows, ks, col_ok[:, None] & (ks < k_end)[None, :], GATED)
 
@@ -114,11 +114,15 @@ def gemv_rows_kernel(
     BLOCK_K: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
     PREFETCH: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):
     """out[t, n] for token t = program_id(1) and the features of block program_id(0). With
     SPLIT, program_id(2) takes inputs [s * split_features, (s + 1) * split_features) only
     and stores its float32 sum at partial[s]; `split_features` is a whole number of
-    steps."""
+    steps. PDL (a launch with programmatic dependent launch, `gemv.ROW_PDL`): the program
+    lets the stream's next kernel launch, loads its first weight tile (PREFETCH is on) and
+    waits for the previous kernel before it reads x or writes anything."""
+    ops.launch_next(PDL)
     token = tl.program_id(1)
     rows = token + tl.arange(0, 1)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -131,6 +135,7 @@ def gemv_rows_kernel(
     k_end = tl.minimum(k_start + split_features, in_features)
     if PREFETCH:
         w_next, up_next = prefetch(w_rows, up_rows, k_start, k_end, col_ok, GATED, BLOCK_K)
+    ops.grid_wait(PDL)
     scale = 1.0
     if NORM:
         scale = row_scale(x_row, in_features, eps, NORM_BLOCK)

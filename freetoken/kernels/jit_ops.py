@@ -1,5 +1,6 @@
-"""Reductions, a scan and the sigmoid for the engine's Triton kernels, from Triton builtins and
-public APIs only.
+"""Reductions, a scan, the sigmoid and the programmatic-dependent-launch steps (`grid_wait`,
+`launch_next`: `freetoken.kernels.pdl`) for the engine's Triton kernels, from Triton builtins
+and public APIs only.
 
 Why not `tl.sum`, `tl.max`, `tl.cumsum`, `tl.sigmoid`: they are @jit functions of
 triton.language, interpreted or compiled as triton was when first imported, which may be
@@ -61,6 +62,24 @@ if not interpreting():
     def min_(x, axis: tl.constexpr):
         return tl.reduce(x, axis, _minimum)
 
+    @triton.jit
+    def grid_wait(PDL: tl.constexpr):
+        """With programmatic dependent launch (PDL 1, sm_90+): wait until the stream's
+        previous kernel has finished and its writes are visible. Loads before it may only
+        read what no kernel in flight writes (weights, routing ids)."""
+        if PDL:
+            tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+
+    @triton.jit
+    def launch_next(PDL: tl.constexpr):
+        """With PDL: the stream's next kernel may start once every program of this one got
+        here (its programs take SMs that this kernel's last ones leave idle, and wait in
+        `grid_wait`)."""
+        if PDL:
+            tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+
 else:
     # Plain Python here: the interpreter runs a kernel's calls to other @jit functions by
     # patching triton.language again (an `inspect.getmembers` over its modules) on every call,
@@ -95,6 +114,14 @@ else:
 
     def sigmoid(x):
         return 1.0 / (1.0 + tl.exp(-x))
+
+    def _no_pdl(PDL):
+        """The interpreter has no programmatic dependent launch (launchers never ask it)."""
+        if PDL:
+            raise ValueError("jit_ops: programmatic dependent launch (PDL 1) needs a GPU, "
+                             "not Triton's interpreter")
+
+    grid_wait = launch_next = _no_pdl
 
     def cumsum(x, axis):
         """Inclusive prefix sum of a 1-d x: the sum of a lower-triangular selection (one

@@ -11,7 +11,6 @@ synchronises with the host, so decode steps can be captured in CUDA graphs.
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
@@ -19,6 +18,7 @@ import torch
 
 from freetoken.formats.nvfp4.format import GROUP, NVFP4FormatError
 from freetoken.kernels import interpreting, jit_module, next_pow2
+from freetoken.kernels.pdl import capability
 
 DECODE_MAX_TOKENS = 16
 """Up to this many tokens, each (token, slot) pair streams its expert's weights itself."""
@@ -91,18 +91,6 @@ def uses_mma(x: torch.Tensor, tiles: Tiles) -> bool:
     activations keep the CUDA-core kernels, whose products are exact in float32."""
     return (tiles.mma and dequant_mode(x) == 1 and x.dtype in (torch.bfloat16, torch.float16)
             and capability(x) >= (8, 9))
-
-
-def capability(x: torch.Tensor) -> tuple[int, int]:
-    """The compute capability of x's GPU."""
-    return _device_capability(x.device.index if x.device.index is not None
-                              else torch.cuda.current_device())
-
-
-@functools.cache
-def _device_capability(device_index: int) -> tuple[int, int]:
-    """Asked once per device, not on every decode call."""
-    return torch.cuda.get_device_capability(device_index)
 
 
 def weight_strides(w: torch.Tensor, w_scale: torch.Tensor, word_bytes: int = 1) -> dict:

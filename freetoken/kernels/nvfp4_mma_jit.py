@@ -71,13 +71,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from freetoken.kernels.jit_ops import sigmoid, sum_
+from freetoken.kernels.jit_ops import grid_wait, launch_next, sigmoid, sum_
 from freetoken.kernels.nvfp4_mma_ops_jit import (
     b_tile,
     bf16_bits,
-    grid_wait,
     lanes,
-    launch_next,
     mma,
     round_to,
     rows_tile,

@@ -1,8 +1,8 @@
 """Launchers of the tensor-core NVFP4 decode kernels (`nvfp4_mma_jit`): 16-bit activations on
 a GPU, read in place, a warp per 16 rows, warps splitting K when a launch has few warps. On
 sm_90+ a MoE call's down uses programmatic dependent launch after its gate_up
-(`launches_early`). A MoE call may take an NVFP4 shared expert as one more slot of every
-token (`SharedSlot`) and the decoder layer's residual in down."""
+(`launches_early`, `freetoken.kernels.pdl`). A MoE call may take an NVFP4 shared expert as
+one more slot of every token (`SharedSlot`) and the decoder layer's residual in down."""
 
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ import torch
 from freetoken.kernels import jit_module, next_pow2
 from freetoken.kernels.nvfp4_launch import (
     Tiles,
-    capability,
     dequant_mode,
     uses_mma,
     weight_strides,
     word_vector,
 )
+from freetoken.kernels.pdl import available as pdl_available
+from freetoken.kernels.pdl import launch as pdl_launch
 
 
 @dataclass(frozen=True)
@@ -43,47 +44,18 @@ class SharedSlot:
     reciprocal: bool
 
 
-_PDL_LAUNCH: dict[str, bool] = {}
-"""{"supported": whether this Triton takes the `launch_pdl` launch option}, once a launch with
-it was tried in this process."""
-
-
 def launches_early(x: torch.Tensor, tiles: Tiles) -> bool:
     """Whether a MoE call's down uses programmatic dependent launch after its gate_up: on
-    tensor-core decode (`uses_mma`) with compute capability 9.0+ (`griddepcontrol`), unless
-    an earlier launch found that this Triton cannot launch with it (`_launch`). down then
-    starts while gate_up finishes, loads its first weights, and waits for h (`grid_wait`)."""
-    return (tiles.pdl and x.is_cuda and uses_mma(x, tiles) and capability(x) >= (9, 0)
-            and _PDL_LAUNCH.get("supported", True))
-
-
-def pdl_args(on: bool) -> dict:
-    """Kernel arguments for a launch with (or without) programmatic dependent launch."""
-    return {"PDL": 1, "launch_pdl": True} if on else {}
+    tensor-core decode (`uses_mma`) where the GPU and this Triton have it (`pdl.available`).
+    down then starts while gate_up finishes, loads its first weights, and waits for h
+    (`jit_ops.grid_wait`)."""
+    return tiles.pdl and x.is_cuda and uses_mma(x, tiles) and pdl_available(x)
 
 
 def register_cap(tiles: Tiles) -> dict:
     """gate_up's launch option of `Tiles.mma_maxnreg` (none where unset). down keeps what
     ptxas chooses: with the shared slot it needs 128 registers at TP 1 and spills under 88."""
     return {} if tiles.mma_maxnreg is None else {"maxnreg": tiles.mma_maxnreg}
-
-
-def _launch(kernel, grid, pdl: bool, **kwargs) -> None:
-    """`kernel[grid](**kwargs)`, with programmatic dependent launch when `pdl`. The first such
-    launch of the process finds out whether this Triton has the `launch_pdl` option (one
-    without it rejects the unknown option, naming it, before compiling anything); without it
-    that launch, and every later one, is an ordinary launch."""
-    if pdl and _PDL_LAUNCH.get("supported", True):
-        try:
-            kernel[grid](**kwargs, **pdl_args(True))
-        except (KeyError, TypeError) as err:
-            if "launch_pdl" not in str(err) or "supported" in _PDL_LAUNCH:
-                raise
-            _PDL_LAUNCH["supported"] = False
-        else:
-            _PDL_LAUNCH["supported"] = True
-            return
-    kernel[grid](**kwargs)
 
 
 def mma_shape(units: int, rows: int, k_inputs: int, walk: int, tiles: Tiles,
@@ -188,17 +160,18 @@ def down_mma_launch(h16, topk_ids, w2, s2, out, k_inputs, top_k, tiles, pdl=Fals
                                             tiles.mma_down_min_split)
     word_vector("w2", w2)
     h16 = activations(h16)
-    _launch(jit_module("nvfp4_mma_jit").down_mma,
-            (tokens, -(-n_rows // (16 * row_tiles))), pdl,
-            h16_ptr=h16, out_scale_ptr=h16 if out_scale is None else out_scale,
-            topk_ids_ptr=topk_ids, w_ptr=w2, w_scale_ptr=s2, **_shared_args(shared, w2, s2, "w2"),
-            residual_ptr=out if residual is None else residual, out_ptr=out, n_rows=n_rows,
-            k_words=k_inputs // 8, top_k=top_k, stride_h16_pair=h16.stride(0),
-            **weight_strides(w2, s2, word_bytes=4), stride_out_token=out.stride(0),
-            stride_residual_token=0 if residual is None else residual.stride(0), V=v,
-            TILES=row_tiles, S=split, CHUNKS=chunks, ASM=dequant_mode(h16),
-            FULL=mma_full(n_rows, k_inputs, walk, v, split, row_tiles),
-            BF16=int(h16.dtype == torch.bfloat16), SCALED=int(out_scale is not None),
-            SHARED=int(shared is not None), RESIDUAL=int(residual is not None),
-            ALIGNED=int(shared is not None and _aligned(w2, s2, shared.w2, shared.w2_scale)),
-            num_warps=split * row_tiles)
+    pdl_launch(jit_module("nvfp4_mma_jit").down_mma,
+               (tokens, -(-n_rows // (16 * row_tiles))), pdl,
+               h16_ptr=h16, out_scale_ptr=h16 if out_scale is None else out_scale,
+               topk_ids_ptr=topk_ids, w_ptr=w2, w_scale_ptr=s2,
+               **_shared_args(shared, w2, s2, "w2"),
+               residual_ptr=out if residual is None else residual, out_ptr=out, n_rows=n_rows,
+               k_words=k_inputs // 8, top_k=top_k, stride_h16_pair=h16.stride(0),
+               **weight_strides(w2, s2, word_bytes=4), stride_out_token=out.stride(0),
+               stride_residual_token=0 if residual is None else residual.stride(0), V=v,
+               TILES=row_tiles, S=split, CHUNKS=chunks, ASM=dequant_mode(h16),
+               FULL=mma_full(n_rows, k_inputs, walk, v, split, row_tiles),
+               BF16=int(h16.dtype == torch.bfloat16), SCALED=int(out_scale is not None),
+               SHARED=int(shared is not None), RESIDUAL=int(residual is not None),
+               ALIGNED=int(shared is not None and _aligned(w2, s2, shared.w2, shared.w2_scale)),
+               num_warps=split * row_tiles)

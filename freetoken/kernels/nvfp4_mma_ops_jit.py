@@ -52,25 +52,6 @@ def lanes(NW: tl.constexpr, S: tl.constexpr):
 
 
 @triton.jit
-def grid_wait(PDL: tl.constexpr):
-    """With programmatic dependent launch (PDL 1, sm_90+): wait until the stream's previous
-    kernel has finished and its writes are visible. Loads before it may only read what no
-    kernel in flight writes (weights, routing ids)."""
-    if PDL:
-        tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
-@triton.jit
-def launch_next(PDL: tl.constexpr):
-    """With PDL: the stream's next kernel may start once every program of this one got here
-    (its programs take SMs that this kernel's last ones leave idle, and wait in `grid_wait`)."""
-    if PDL:
-        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def rows_tile(w_ptr, w_scale_ptr, expert_words, expert_bytes, rows, rows_end, live, chunk,
               lane_t, k_words, stride_w_row, stride_scale_row, V: tl.constexpr,
               FULL: tl.constexpr):

@@ -92,7 +92,8 @@ _ROW_CASES = [(_ROW_TILES[0], 2, 14, 200), (_ROW_TILES[1], 1, 64, 256),
               (_ROW_TILES[2], 3, 28, 200)]
 
 
-@pytest.mark.parametrize("prefetch", [False, True], ids=["in-step", "prefetch"])
+@pytest.mark.parametrize("prefetch", [False, True, "all"],
+                         ids=["in-step", "prefetch", "prefetch-all"])
 @pytest.mark.parametrize("tiles, tokens, out_features, in_features", _ROW_CASES,
                          ids=[c[0].key() for c in _ROW_CASES])
 def test_row_kernel(tiles, tokens, out_features, in_features, prefetch, monkeypatch):
@@ -100,8 +101,11 @@ def test_row_kernel(tiles, tokens, out_features, in_features, prefetch, monkeypa
     fusion (bias, both norm forms, gated with norm and residual), over whole and ragged
     feature blocks and input steps, alone and split over the inputs (the second launch
     adding the parts), with the weights loaded in their step or a step ahead
-    (`gemv.ROW_PREFETCH`, the normed calls)."""
-    monkeypatch.setattr(gemv, "ROW_PREFETCH", prefetch)
+    (`gemv.ROW_PREFETCH`, the normed calls; "all": every call, as a launch with programmatic
+    dependent launch takes it, `gemv.prefetches`)."""
+    monkeypatch.setattr(gemv, "ROW_PREFETCH", bool(prefetch))
+    if prefetch == "all":
+        monkeypatch.setattr(gemv, "prefetches", lambda norm, pdl=False: True)
     x, w, b = _make_linear(tokens, out_features, in_features, out_features, bias=True)
     what = f"{tiles.key()} T={tokens} {out_features}x{in_features}"
     _assert_linear(f"{what} bias", x, w, b, tiles=tiles)
@@ -335,3 +339,78 @@ def test_every_launch_names_only_its_kernels_parameters(monkeypatch):
             gemv.linear(x, w, b, tiles=tiles, gated=True, residual=residual)
     seen = {name for recorder in recorders.values() for name, _ in recorder.seen}
     assert seen == {"gemv_kernel", "gemv_rows_kernel", "gemv_reduce_kernel"}, seen
+
+
+_ROW_PTX = """
+import json, sys
+from bench import nvfp4_sass
+from freetoken.kernels import gemv, jit_module
+fn = jit_module("gemv_rows_jit").gemv_rows_kernel
+pointers = {p: "*bf16" for p in ("x_ptr", "weight_ptr", "bias_ptr", "norm_weight_ptr",
+                                 "residual_ptr", "out_ptr", "normed_ptr")}
+pointers.update(partial_ptr="*fp32", eps="fp32")
+# the sizes and strides Triton marks divisible by 16 at the medium Llama's shapes
+DIVISIBLE = {"out_features", "in_features", "split_features", "stride_x_token",
+             "stride_weight_row", "stride_residual_token", "stride_out_token",
+             "stride_normed_token"}
+out = {}
+for name, entry, norm, gated, residual in json.loads(sys.argv[1]):
+    tiles = gemv.GemvTiles.parse(entry)
+    meta = dict(NORM=int(norm), STORE_NORMED=False, GATED=gated, HAS_BIAS=False,
+                HAS_RESIDUAL=residual, SPLIT=False, EVEN_K=True, BLOCK_N=tiles.block_n,
+                BLOCK_K=tiles.block_k, NORM_BLOCK=1024,
+                PREFETCH=gemv.prefetches(norm, bool(int(sys.argv[2]))), PDL=int(sys.argv[2]))
+    kernel = nvfp4_sass.compile_kernel(fn, meta, tiles.num_warps, 90,
+                                       {"num_stages": tiles.num_stages}, pointers=pointers,
+                                       divisible=set(pointers) - {"eps"} | DIVISIBLE)
+    out[name] = kernel.asm["ptx"]
+print(json.dumps(out))
+"""
+# The medium Llama's one-token layer at its shipped tiles: qkv + norm, o + residual,
+# gate_up + norm, down + residual.
+_MEDIUM_ROWS = [("qkv", "r2/1024/4/1/1", True, False, False),
+                ("o", "r2/1024/4/2/1", False, False, True),
+                ("gate_up", "r2/1024/4/1/1", True, True, False),
+                ("down", "r1/2048/4/2/1", False, False, True)]
+_ROW_EARLY = {"weight_ptr", "bias_ptr", "norm_weight_ptr", "tokens", "out_features",
+              "in_features", "split_features", "eps", "stride_x_token", "stride_weight_row",
+              "stride_residual_token", "stride_partial_split", "stride_out_token",
+              "stride_normed_token"}
+
+
+def _row_ptx(pdl: bool) -> dict[str, str]:
+    from conftest import run_compiled
+
+    proc = run_compiled(["-c", _ROW_PTX, json.dumps(_MEDIUM_ROWS), str(int(pdl))])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_row_kernel_with_pdl_reads_x_only_after_the_wait():
+    """The row kernel launched with programmatic dependent launch (`gemv.ROW_PDL`), compiled
+    for sm_90 at the medium Llama's one-token tiles: it lets the next kernel launch, loads
+    only weights before `griddepcontrol.wait` (at least one tile) and reads x, the
+    residual, and writes, only after it (traced from the PTX's parameters,
+    `ptx_order.early_read_problems`). The check fails on the wait moved to the end (x read
+    early), on the early launch dropped, and on the kernel launched without PDL."""
+    from ptx_order import early_read_problems, param_names
+
+    from freetoken.kernels import jit_module
+
+    names = param_names(jit_module("gemv_rows_jit").gemv_rows_kernel)
+    assert names[:2] == ["x_ptr", "weight_ptr"] and names[-1] == "stride_normed_token", names
+    ptx = _row_ptx(True)
+    assert sorted(ptx) == sorted(name for name, *_ in _MEDIUM_ROWS)
+    for name, text in ptx.items():
+        assert early_read_problems(text, names, _ROW_EARLY) == [], name
+        lines = text.splitlines()
+        wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+        end = max(i for i, line in enumerate(lines) if line.strip() == "ret;")
+        late = lines[:wait] + lines[wait + 1:end] + [lines[wait]] + lines[end:]
+        problems = early_read_problems("\n".join(late), names, _ROW_EARLY)
+        assert any("load of x_ptr" in p for p in problems), (name, problems)
+        dropped = text.replace("griddepcontrol.launch_dependents", "// dropped")
+        assert early_read_problems(dropped, names, _ROW_EARLY), name
+    for name, text in _row_ptx(False).items():
+        assert "griddepcontrol" not in text, name
+        assert early_read_problems(text, names, _ROW_EARLY), name

@@ -76,6 +76,39 @@ def test_row_kernel_bf16(name, tp):
         assert_graph_equals_eager(lambda t=tiles: gemv.linear(x, weight, **fused, tiles=t), what)
 
 
+def test_row_kernels_with_pdl_match_ordinary_launches(monkeypatch):
+    """The medium Llama's one-token MLP and attention projections as a chain of row
+    launches (each reads the previous one's output), with programmatic dependent launch
+    (`gemv.ROW_PDL`, where the GPU has it) and without: the same bits, eagerly call after
+    call and in a CUDA graph's replay. (A read before the wait would differ only when it
+    loses the race; the PTX test in test_gemv.py is the guard of the order.)"""
+    cases = [_make_case(name, 1, 1) for name in ("llama.qkv", "llama.o", "llama.gate_up",
+                                                  "llama.down")]
+
+    tiles = gemv.GemvTiles(2, 1024, num_stages=2, rows=True)
+
+    def chain(x):
+        for _ in range(3):
+            for _, weight, fused in cases:   # qkv's first 1024 outputs feed o
+                x = gemv.linear(x[:, :weight.shape[1]], weight, **fused, tiles=tiles)
+        return x
+
+    x = cases[0][0]
+    monkeypatch.setattr(gemv, "ROW_PDL", False)
+    want = chain(x)
+    monkeypatch.setattr(gemv, "ROW_PDL", True)
+    for _ in range(5):
+        assert torch.equal(chain(x), want)
+    graph_out = torch.empty_like(want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out.copy_(chain(x))
+    for _ in range(5):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(graph_out, want)
+
+
 @pytest.mark.parametrize("tokens", [1, 16])
 def test_moe_combine_bf16(tokens):
     """The MoE block's combination at realdims (hidden 2048, top 8) against torch."""

@@ -565,40 +565,33 @@ def test_mma_decode_without_masks(mma_in_interpreter):
     assert not mma_full(40, 64, 1, 2, 1, 1)      # a partial row tile
 
 
+DOWN_EARLY = {"out_scale_ptr", "topk_ids_ptr", "w_ptr", "w_scale_ptr", "shared_w_ptr",
+              "shared_w_scale_ptr", "n_rows", "k_words", "top_k", "stride_h16_pair",
+              "stride_w_expert", "stride_w_row", "stride_scale_expert", "stride_scale_row",
+              "stride_out_token", "stride_residual_token"}
+"""What down, launched with PDL after gate_up, may read before its wait: weights, scales,
+routing ids, the dense linear's global scale, sizes and strides; never h, the residual or
+the output."""
+
+
 def pdl_order_problems(ptx: str, waits_for_previous: bool = True) -> list[str]:
-    """What breaks programmatic dependent launch in a decode kernel's PTX: the kernel must let
-    the next one launch (`griddepcontrol.launch_dependents`) exactly once. One launched with
-    PDL (`waits_for_previous`, down) must wait for the previous one (`griddepcontrol.wait`)
-    exactly once, and before the wait read nothing a kernel in flight may still write: only
-    the 32-bit words of weights (`.v4.b32`), scale bytes (`.b16`) and routing ids (`.b32`)
-    may load, never the 64-bit activations or h, and nothing may be stored; at least one
-    weight load must precede the wait (the overlap PDL is for). One launched ordinarily
-    (gate_up) has no wait."""
-    lines = [line.strip() for line in ptx.splitlines()]
-    waits = [i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait")]
-    launches = [i for i, line in enumerate(lines)
-                if line.startswith("griddepcontrol.launch_dependents")]
-    problems = []
-    if len(waits) != int(waits_for_previous) or len(launches) != 1:
-        return [f"{len(waits)} griddepcontrol.wait and {len(launches)} launch_dependents, "
-                f"want {int(waits_for_previous)} and 1"]
-    if not waits_for_previous:
-        return []
-    weights = 0
-    for line in lines[:waits[0]]:
-        words = [] if line.startswith("//") else line.split()
-        words = words[1:] if words and words[0].startswith("@") else words   # predicate
-        op = words[0] if words else ""
-        if op.startswith(("st.global", "atom.", "red.")):
-            problems.append(f"store before the wait: {line}")
-        elif op.startswith("ld.global"):
-            if op.endswith(".v4.b32"):
-                weights += 1
-            elif not op.endswith((".b16", ".b32")) or ".v2." in op:
-                problems.append(f"64-bit (activation) load before the wait: {line}")
-    if not weights:
-        problems.append("no weight load before the wait")
-    return problems
+    """What breaks programmatic dependent launch in an mma decode kernel's PTX: each lets the
+    next kernel launch exactly once; down (`waits_for_previous`) waits once and before the
+    wait reads only `DOWN_EARLY`, stores nothing and loads at least one weight
+    (`ptx_order.early_read_problems`); gate_up, an ordinary launch, has no wait."""
+    from interpreted import require_interpreter
+    from ptx_order import early_read_problems, param_names
+
+    from freetoken.kernels import jit_module
+
+    if waits_for_previous:
+        require_interpreter()   # the kernels' parameters only; this process interprets
+        names = param_names(jit_module("nvfp4_mma_jit").down_mma)
+        return early_read_problems(ptx, names, DOWN_EARLY)
+    waits = ptx.count("griddepcontrol.wait")
+    launches = ptx.count("griddepcontrol.launch_dependents")
+    return [] if (waits, launches) == (0, 1) else [
+        f"{waits} griddepcontrol.wait and {launches} launch_dependents, want 0 and 1"]
 
 
 def _pdl_ptx(tmp_path, shared: bool = False) -> dict[str, str]:
@@ -636,7 +629,7 @@ def test_pdl_kernels_read_upstream_outputs_only_after_the_wait(tmp_path, shared)
     lines = down.splitlines()
     wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
     late = lines[:wait] + lines[wait + 1:-1] + [lines[wait], lines[-1]]
-    assert any("64-bit" in p or "store" in p for p in pdl_order_problems("\n".join(late)))
+    assert any("load of h16_ptr" in p for p in pdl_order_problems("\n".join(late)))
     for name, text in ptx.items():
         dropped = text.replace("griddepcontrol.launch_dependents", "// dropped")
         assert pdl_order_problems(dropped, name == "down_mma"), name
@@ -646,7 +639,8 @@ def test_pdl_kernels_read_upstream_outputs_only_after_the_wait(tmp_path, shared)
 def test_pdl_is_off_on_a_cpu():
     """Programmatic dependent launch is for the mma decode on sm_90+ GPUs only."""
     from freetoken.kernels.nvfp4_launch import GPU_TILES
-    from freetoken.kernels.nvfp4_mma_launch import launches_early, pdl_args
+    from freetoken.kernels.nvfp4_mma_launch import launches_early
+    from freetoken.kernels.pdl import pdl_args
 
     assert not launches_early(torch.zeros(1, 16, dtype=torch.bfloat16), GPU_TILES)
     assert pdl_args(False) == {}

@@ -1,4 +1,4 @@
-"""The launch-time probe for programmatic dependent launch (`nvfp4_mma_launch._launch`): a
+"""The launch-time probe for programmatic dependent launch (`freetoken.kernels.pdl.launch`): a
 Triton without the `launch_pdl` option turns the first PDL launch into an ordinary one and
 every later one too; one with it keeps PDL; other launch errors propagate."""
 
@@ -22,10 +22,10 @@ class _FakeKernel:
 
 
 def _make_probe(monkeypatch):
-    from freetoken.kernels import nvfp4_mma_launch
+    from freetoken.kernels import pdl
 
-    monkeypatch.setattr(nvfp4_mma_launch, "_PDL_LAUNCH", {})
-    return nvfp4_mma_launch
+    monkeypatch.setattr(pdl, "_SUPPORTED", {})
+    return pdl
 
 
 def test_pdl_probe_falls_back_once_and_remembers(monkeypatch):
@@ -33,10 +33,10 @@ def test_pdl_probe_falls_back_once_and_remembers(monkeypatch):
     PDL launches go straight to ordinary ones (no second rejection)."""
     launcher = _make_probe(monkeypatch)
     kernel = _FakeKernel(KeyError("Keyword argument launch_pdl was specified but unrecognised"))
-    launcher._launch(kernel, (1,), True, x=1)
-    launcher._launch(kernel, (1,), True, x=2)
+    launcher.launch(kernel, (1,), True, x=1)
+    launcher.launch(kernel, (1,), True, x=2)
     assert kernel.launches == [{"x": 1}, {"x": 2}], kernel.launches
-    assert launcher._PDL_LAUNCH == {"supported": False}
+    assert launcher._SUPPORTED == {"supported": False}
 
 
 def test_pdl_probe_keeps_pdl_where_triton_has_it(monkeypatch):
@@ -44,10 +44,10 @@ def test_pdl_probe_keeps_pdl_where_triton_has_it(monkeypatch):
     is remembered as supported."""
     launcher = _make_probe(monkeypatch)
     kernel = _FakeKernel(None)
-    launcher._launch(kernel, (1,), True, x=1)
-    launcher._launch(kernel, (1,), False, x=2)
+    launcher.launch(kernel, (1,), True, x=1)
+    launcher.launch(kernel, (1,), False, x=2)
     assert kernel.launches == [{"x": 1, "PDL": 1, "launch_pdl": True}, {"x": 2}]
-    assert launcher._PDL_LAUNCH == {"supported": True}
+    assert launcher._SUPPORTED == {"supported": True}
 
 
 def test_pdl_probe_propagates_other_errors(monkeypatch):
@@ -56,5 +56,5 @@ def test_pdl_probe_propagates_other_errors(monkeypatch):
     launcher = _make_probe(monkeypatch)
     kernel = _FakeKernel(TypeError("unexpected keyword argument 'stride_w_rows'"))
     with pytest.raises(TypeError, match="stride_w_rows"):
-        launcher._launch(kernel, (1,), True, x=1)
-    assert launcher._PDL_LAUNCH == {}
+        launcher.launch(kernel, (1,), True, x=1)
+    assert launcher._SUPPORTED == {}
