@@ -20,12 +20,13 @@ the input norm, the gate and the residual add, `quant_gemm.DECODE_FUSIONS`), `no
 programmatic dependent launch, `gemv.ROW_PDL`), off otherwise; and the decode attention's
 launch (`paged_attention.DECODE`, the shipped one otherwise) changed by `attn-before` (the
 launch before its options, `paged_attention.BEFORE`), `attn-4-warps`, `attn-no-splits` (one
-program a sequence and KV head) and `attn-stages1` (no pipelining). Before each arm's run
-the tables are re-read and the decode graphs dropped, so they are captured again with that
-arm's tiles. A run is one warm-up and `--repeats` timed pairs (one token, then
-`--new-tokens`); the step time is their difference over the decode steps. Prints each arm's
-median step over the rounds, every round's value, and with `--mb` (the bytes a step reads,
-from `bench/engine_decode.py`) the share of the copy bandwidth measured here."""
+program a sequence and KV head), `attn-stages1` (no pipelining) and `attn-launch-next` (lets
+the next kernel launch early, for `row-pdl`). Before each arm's run the tables are re-read
+and the decode graphs dropped, so they are captured again with that arm's tiles. A run is
+one warm-up and `--repeats` timed pairs (one token, then `--new-tokens`); the step time is
+their difference over the decode steps. Prints each arm's median step over the rounds, every
+round's value, and with `--mb` (the bytes a step reads, from `bench/engine_decode.py`) the
+share of the copy bandwidth measured here."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ TABLES = (("FREETOKEN_GEMV_TABLE", gemv), ("FREETOKEN_QUANT_TABLE", quant_gemm))
 
 ATTENTION_SWITCHES = {"attn-before": dataclasses.asdict(paged_attention.BEFORE),
                       "attn-4-warps": dict(num_warps=4), "attn-no-splits": dict(splits=1),
-                      "attn-stages1": dict(stages=1)}
+                      "attn-stages1": dict(stages=1), "attn-launch-next": dict(launch_next=True)}
 SWITCHES = ("no-overlap", "no-moe-rows", "no-shared-rows", "no-quant-fusions",
             "no-quant-norm", "no-row-prefetch", "row-pdl", *ATTENTION_SWITCHES)
 SHIPPED_ATTENTION = paged_attention.DECODE

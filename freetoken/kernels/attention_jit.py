@@ -81,10 +81,12 @@ def paged_attention_kernel(
     STAGES: tl.constexpr = None,   # decode: the loop's pipelining depth; None: the launch's
     SPLITS: tl.constexpr = 1,
     SPLIT_MIN: tl.constexpr = 256,
+    PDL: tl.constexpr = 0,      # decode: let the stream's next kernel launch as it starts
 ):
     """Program (work item, KV head). Decode: work item i is sequence i, rows are its one
     query's GROUP heads. Prefill: work item i is (sequence, first query) from `work_ptr`,
     rows cover BLOCK_M // GROUP queries from there."""
+    ops.launch_next(PDL)
     kv_head = tl.program_id(1)
     if DECODE:
         seq = tl.program_id(0)

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from freetoken.kernels import jit_module, next_pow2
+from freetoken.kernels.pdl import available as pdl_available
 
 
 def _jit():
@@ -33,8 +34,11 @@ class DecodeLaunch:
     rest; a context of at most `split_min` positions is one program, as with `splits` 1),
     merged by the last of them to finish, in split order; both powers of two. Launches
     that share a device share its split counters, so they run one after another, as the
-    engine's do (one stream). The defaults are the fastest measured (docs/performance.md);
-    `BEFORE` is the launch before them."""
+    engine's do (one stream). `launch_next`: each program lets the stream's next kernel
+    launch as it starts (programmatic dependent launch, sm_90+; the output projection's row
+    kernel, launched with it under `gemv.ROW_PDL`, then loads its weights while attention
+    runs). The defaults are the fastest measured (docs/performance.md); `BEFORE` is the
+    launch before them."""
 
     seq_row: bool = True
     v_early: bool = True
@@ -43,6 +47,7 @@ class DecodeLaunch:
     splits: int = 8
     split_min: int = 256
     block_n: int | None = None
+    launch_next: bool = False
 
     def __post_init__(self):
         for name in ("splits", "split_min"):
@@ -133,18 +138,21 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         stride_table_seq=block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)),
         BLOCK_M=block_m, BLOCK_N=block_n(head_dim, decode), DECODE=decode,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **_decode_args(decode))
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        **_decode_args(decode, pdl_ok=pdl_available(q)))
     return out
 
 
-def _decode_args(decode: bool, launch: DecodeLaunch | None = None) -> dict:
+def _decode_args(decode: bool, launch: DecodeLaunch | None = None, pdl_ok: bool = True) -> dict:
     """The launch's `DecodeLaunch` arguments (`DECODE` when `launch` is None; none but 4
-    warps for prefill)."""
+    warps for prefill); `pdl_ok`: the device has programmatic dependent launch
+    (`launch_next`)."""
     if not decode:
         return dict(num_warps=4)
     launch = launch or DECODE
     return dict(SEQ_ROW=launch.seq_row, V_EARLY=launch.v_early, STAGES=launch.stages,
-                SPLITS=launch.splits, SPLIT_MIN=launch.split_min, num_warps=launch.num_warps)
+                SPLITS=launch.splits, SPLIT_MIN=launch.split_min, num_warps=launch.num_warps,
+                PDL=int(launch.launch_next and pdl_ok))
 
 
 _COUNTERS: dict[torch.device, list[torch.Tensor]] = {}

@@ -200,7 +200,8 @@ def test_attention_launches_pipeline_their_loops():
     """Compiled for sm_90 on this CPU: the decode launch pipelines its loop (cp.async) and
     carries the split merge's counter (atomics); the launch before its options
     (`paged_attention.BEFORE`) and prefill keep Triton's default pipelining and no atomics.
-    A decode at one stage has no cp.async, so the check can fail."""
+    A decode at one stage has no cp.async, so the check can fail. Only a decode with
+    `launch_next` lets the next kernel launch early (once), and none waits."""
     from conftest import run_compiled
 
     code = (
@@ -209,10 +210,12 @@ def test_attention_launches_pipeline_their_loops():
         "from freetoken.kernels import paged_attention as pa\n"
         "for name, launch, decode in (('decode', pa.DECODE, True), ('before', pa.BEFORE, True),\n"
         "        ('one stage', dataclasses.replace(pa.DECODE, stages=1), True),\n"
-        "        ('prefill', pa.DECODE, False)):\n"
+        "        ('prefill', pa.DECODE, False),\n"
+        "        ('next', dataclasses.replace(pa.DECODE, launch_next=True), True)):\n"
         "    ptx = dk.attention_asm(launch, decode).asm['ptx']\n"
         "    print(name, ptx.count('cp.async.cg') + ptx.count('cp.async.ca'),\n"
-        "          ptx.count('atom.'), sep=':')\n")
+        "          ptx.count('atom.'), ptx.count('griddepcontrol.launch_dependents'),\n"
+        "          ptx.count('griddepcontrol.wait'), sep=':')\n")
     proc = run_compiled(["-c", code])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     counts = {line.split(":")[0]: tuple(map(int, line.split(":")[1:]))
@@ -221,6 +224,8 @@ def test_attention_launches_pipeline_their_loops():
     assert counts["before"][0] > 0 and counts["before"][1] == 0, counts
     assert counts["prefill"][0] > 0 and counts["prefill"][1] == 0, counts
     assert counts["one stage"][0] == 0, counts
+    assert counts["next"][2:] == (1, 0), counts
+    assert all(c[2:] == (0, 0) for name, c in counts.items() if name != "next"), counts
 
 
 def test_decode_kernels_bench_refuses_unknown_rows():
