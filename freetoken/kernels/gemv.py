@@ -31,6 +31,12 @@ in_proj + norm 20.9 -> 20.7 us, the same bits (the FP8 row kernel gained nothing
 docs/performance.md)."""
 
 
+ROW_EARLY = True
+"""True: the 16-bit row kernel loads the residual before its sums and, where it prefetches,
+the norm weight's tile beside the weights' (not after the norm's and the sums' cross-warp
+reductions, which a load cannot pass); False: where they are used (`bench/tile_ab.py`
+switch `no-row-early`). The same bits either way."""
+
 ROW_PDL = False
 """True: the 16-bit row kernel launches with programmatic dependent launch where the GPU has
 it (`freetoken.kernels.pdl`): its programs start while the stream's previous kernel
@@ -216,7 +222,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         early = ROW_PDL and pdl_available(x)
         pdl_launch(_rows_jit().gemv_rows_kernel, (features, tokens, splits), early,
                    NORM_BLOCK=min(NORM_BLOCK, next_pow2(in_features)),
-                   PREFETCH=prefetches(norm is not None, early), **args)
+                   PREFETCH=prefetches(norm is not None, early), EARLY=int(ROW_EARLY), **args)
     else:
         _jit().gemv_kernel[(features, _cdiv(tokens, block_m), splits)](
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=block_m, **args)

@@ -47,11 +47,20 @@ def normalise(x, scale, norm_w, NORM: tl.constexpr):
 
 
 @triton.jit
+def load_residual(residual_ptr, rows, cols, row_ok, col_ok, stride_residual_token):
+    """The residual [M, N] of the output block (rows, cols), zeros outside it."""
+    return tl.load(residual_ptr + rows.to(tl.int64)[:, None] * stride_residual_token
+                   + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+
+
+@triton.jit
 def epilogue(acc, acc_up, rows, cols, row_ok, col_ok, bias_ptr, residual_ptr, out_ptr,
              out_features, stride_residual_token, stride_out_token,
-             GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+             GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+             residual=None):
     """Bias, SiLU-and-mul, residual and the store of a finished [M, N] block, each rounded
-    where the torch path rounds."""
+    where the torch path rounds; `residual`: the residual where it was loaded ahead
+    (`load_residual`), else it is loaded here."""
     dtype = out_ptr.dtype.element_ty
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -64,8 +73,9 @@ def epilogue(acc, acc_up, rows, cols, row_ok, col_ok, bias_ptr, residual_ptr, ou
         y = (silu * acc_up.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     ok = row_ok[:, None] & col_ok[None, :]
     if HAS_RESIDUAL:
-        residual = tl.load(residual_ptr + rows.to(tl.int64)[:, None] * stride_residual_token
-                           + cols[None, :], mask=ok, other=0.0)
+        if residual is None:
+            residual = load_residual(residual_ptr, rows, cols, row_ok, col_ok,
+                                     stride_residual_token)
         y = y + residual.to(tl.float32)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_out_token + cols[None, :],
              y.to(dtype), mask=ok)

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels import jit_ops as ops
-from freetoken.kernels.gemv_jit import epilogue, normalise
+from freetoken.kernels.gemv_jit import epilogue, load_residual, normalise
 
 
 @triton.jit
@@ -36,13 +36,19 @@ def row_scale(x_row, in_features, eps, NORM_BLOCK: tl.constexpr):
 
 
 @triton.jit
-def prefetch(w_rows, up_rows, k0, k_end, col_ok, GATED: tl.constexpr, BLOCK_K: tl.constexpr):
+def prefetch(w_rows, up_rows, norm_weight_ptr, k0, k_end, col_ok, GATED: tl.constexpr,
+             NORM: tl.constexpr, BLOCK_K: tl.constexpr):
     """The weight tile of the step at `k0` (and its up rows', GATED; else the same tile
-    twice), zeros past `k_end`: loaded a step ahead of its use (PREFETCH, `gemv.prefetches`),
-    the first one before the norm's full-row pass (and, with PDL, before the wait for the
-    previous kernel), so that pass runs while the weights are in flight."""
+    twice) and the norm weight's (NORM; else the step's inputs, unused), zeros past
+    `k_end`: loaded a step ahead of their use (PREFETCH, `gemv.prefetches`), the first ones
+    before the norm's full-row pass (and, with PDL, before the wait for the previous
+    kernel), so that pass, and its barrier, run while they are in flight."""
     ks = k0 + tl.arange(0, BLOCK_K)
-    return load_pair(w_rows, up_rows, ks, col_ok[:, None] & (ks < k_end)[None, :], GATED)
+    w, up = load_pair(w_rows, up_rows, ks, col_ok[:, None] & (ks < k_end)[None, :], GATED)
+    norm_w = ks   # unused without NORM (a jit function cannot return None)
+    if NORM:
+        norm_w = tl.load(norm_weight_ptr + ks, mask=ks < k_end, other=0.0)
+    return w, up, norm_w
 
 
 @triton.jit
@@ -58,10 +64,12 @@ def load_pair(w_rows, up_rows, ks, mask, GATED: tl.constexpr):
 
 @triton.jit
 def row_input(x_row, ks, in_features, col_ok, norm_weight_ptr, norm_scale, normed_row,
-              EVEN_K: tl.constexpr, NORM: tl.constexpr, STORE_NORMED: tl.constexpr):
+              EVEN_K: tl.constexpr, NORM: tl.constexpr, STORE_NORMED: tl.constexpr,
+              norm_w=None):
     """(one step's input [1, BLOCK_K], normalised where NORM and stored to `normed_row` by
     the first feature block where STORE_NORMED; the weight tile's mask [BLOCK_N, BLOCK_K])
-    of a row kernel's step `ks`."""
+    of a row kernel's step `ks`; `norm_w`: the norm weight's step tile where it was loaded
+    ahead (`prefetch`), else it is loaded here."""
     if EVEN_K:
         w_mask = col_ok[:, None]
         xv = tl.load(x_row + ks)[None, :]
@@ -70,7 +78,8 @@ def row_input(x_row, ks, in_features, col_ok, norm_weight_ptr, norm_scale, norme
         w_mask = col_ok[:, None] & k_ok[None, :]
         xv = tl.load(x_row + ks, mask=k_ok, other=0.0)[None, :]
     if NORM:
-        norm_w = tl.load(norm_weight_ptr + ks, mask=ks < in_features, other=0.0)
+        if norm_w is None:
+            norm_w = tl.load(norm_weight_ptr + ks, mask=ks < in_features, other=0.0)
         xv = normalise(xv.to(tl.float32), norm_scale, norm_w, NORM)
         if STORE_NORMED:
             tl.store(normed_row + ks[None, :], xv.to(normed_row.dtype.element_ty),
@@ -115,13 +124,16 @@ def gemv_rows_kernel(
     NORM_BLOCK: tl.constexpr,
     PREFETCH: tl.constexpr,
     PDL: tl.constexpr = 0,
+    EARLY: tl.constexpr = 1,
 ):
     """out[t, n] for token t = program_id(1) and the features of block program_id(0). With
     SPLIT, program_id(2) takes inputs [s * split_features, (s + 1) * split_features) only
     and stores its float32 sum at partial[s]; `split_features` is a whole number of
     steps. PDL (a launch with programmatic dependent launch, `gemv.ROW_PDL`): the program
     lets the stream's next kernel launch, loads its first weight tile (PREFETCH is on) and
-    waits for the previous kernel before it reads x or writes anything."""
+    waits for the previous kernel before it reads x or writes anything. EARLY
+    (`gemv.ROW_EARLY`): the residual is loaded before the sums, and with PREFETCH the norm
+    weight's tile beside the weights', so neither waits behind a cross-warp reduction."""
     ops.launch_next(PDL)
     token = tl.program_id(1)
     rows = token + tl.arange(0, 1)
@@ -134,8 +146,14 @@ def gemv_rows_kernel(
     k_start = tl.program_id(2) * split_features
     k_end = tl.minimum(k_start + split_features, in_features)
     if PREFETCH:
-        w_next, up_next = prefetch(w_rows, up_rows, k_start, k_end, col_ok, GATED, BLOCK_K)
+        w_next, up_next, norm_next = prefetch(w_rows, up_rows, norm_weight_ptr, k_start, k_end,
+                                              col_ok, GATED, NORM * EARLY, BLOCK_K)
     ops.grid_wait(PDL)
+    residual = None
+    if EARLY and HAS_RESIDUAL and not SPLIT:
+        # the residual's load issued now, not after the sums' cross-warp reductions
+        residual = load_residual(residual_ptr, rows, cols, row_ok, col_ok,
+                                 stride_residual_token)
     scale = 1.0
     if NORM:
         scale = row_scale(x_row, in_features, eps, NORM_BLOCK)
@@ -144,13 +162,20 @@ def gemv_rows_kernel(
     acc_up = tl.full([BLOCK_N], 0, dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        xv, w_mask = row_input(x_row, ks, in_features, col_ok, norm_weight_ptr, scale,
-                               normed_row, EVEN_K, NORM, STORE_NORMED)
         if PREFETCH:
-            w, w_up = w_next, up_next
-            w_next, up_next = prefetch(w_rows, up_rows, k0 + BLOCK_K, k_end, col_ok, GATED,
-                                       BLOCK_K)
+            w, w_up, norm_w = w_next, up_next, norm_next
+            w_next, up_next, norm_next = prefetch(w_rows, up_rows, norm_weight_ptr,
+                                                  k0 + BLOCK_K, k_end, col_ok, GATED,
+                                                  NORM * EARLY, BLOCK_K)
+            if EARLY:
+                xv, w_mask = row_input(x_row, ks, in_features, col_ok, norm_weight_ptr, scale,
+                                       normed_row, EVEN_K, NORM, STORE_NORMED, norm_w)
+            else:
+                xv, w_mask = row_input(x_row, ks, in_features, col_ok, norm_weight_ptr, scale,
+                                       normed_row, EVEN_K, NORM, STORE_NORMED)
         else:
+            xv, w_mask = row_input(x_row, ks, in_features, col_ok, norm_weight_ptr, scale,
+                                   normed_row, EVEN_K, NORM, STORE_NORMED)
             w, w_up = load_pair(w_rows, up_rows, ks, w_mask, GATED)
         xf = xv.to(w.dtype).to(tl.float32)
         acc += ops.sum_(w.to(tl.float32) * xf, axis=1)
@@ -163,4 +188,4 @@ def gemv_rows_kernel(
     else:
         epilogue(acc[None, :], acc_up[None, :], rows, cols, row_ok, col_ok, bias_ptr,
                  residual_ptr, out_ptr, out_features, stride_residual_token, stride_out_token,
-                 GATED, HAS_BIAS, HAS_RESIDUAL)
+                 GATED, HAS_BIAS, HAS_RESIDUAL, residual)

@@ -42,7 +42,8 @@ def _instructions(ptx: str) -> list[tuple[str, list[str], list[str], str]]:
 def traced_params(ptx: str) -> list[tuple[str, str, set[int]]]:
     """("load" or "store", line, the parameter indices its address comes from) of every
     global load (`cp.async` included) and of every store or atomic, in order, and ("wait",
-    line, set()) for each `griddepcontrol.wait`."""
+    line, set()) for each `griddepcontrol.wait`, ("barrier", line, set()) for each
+    `bar.sync`."""
     instructions = _instructions(ptx)
     deps: dict[str, set[int]] = {}
     changed = True
@@ -65,6 +66,9 @@ def traced_params(ptx: str) -> list[tuple[str, str, set[int]]]:
     for op, _, _, line in instructions:
         if op.startswith("griddepcontrol.wait"):
             out.append(("wait", line, set()))
+            continue
+        if op.startswith(("bar.sync", "barrier.sync")):
+            out.append(("barrier", line, set()))
             continue
         if op.startswith(("ld.global", "cp.async.ca", "cp.async.cg")):
             kind = "load"
@@ -104,6 +108,8 @@ def early_read_problems(ptx: str, names: list[str], early: set[str]) -> list[str
     for kind, line, params in traced_params(ptx):
         if kind == "wait":
             break
+        if kind == "barrier":
+            continue
         named = {names[i] if i < len(names) else f"param_{i}" for i in params}
         if kind == "store":
             problems.append(f"store or atomic before the wait: {line}")

@@ -102,8 +102,10 @@ def test_row_kernel(tiles, tokens, out_features, in_features, prefetch, monkeypa
     feature blocks and input steps, alone and split over the inputs (the second launch
     adding the parts), with the weights loaded in their step or a step ahead
     (`gemv.ROW_PREFETCH`, the normed calls; "all": every call, as a launch with programmatic
-    dependent launch takes it, `gemv.prefetches`)."""
+    dependent launch takes it, `gemv.prefetches`), the residual and norm weight loaded
+    early (`gemv.ROW_EARLY`) where the weights are prefetched."""
     monkeypatch.setattr(gemv, "ROW_PREFETCH", bool(prefetch))
+    monkeypatch.setattr(gemv, "ROW_EARLY", bool(prefetch))   # in-step: the loads in place
     if prefetch == "all":
         monkeypatch.setattr(gemv, "prefetches", lambda norm, pdl=False: True)
     x, w, b = _make_linear(tokens, out_features, in_features, out_features, bias=True)
@@ -359,7 +361,8 @@ for name, entry, norm, gated, residual in json.loads(sys.argv[1]):
     meta = dict(NORM=int(norm), STORE_NORMED=False, GATED=gated, HAS_BIAS=False,
                 HAS_RESIDUAL=residual, SPLIT=False, EVEN_K=True, BLOCK_N=tiles.block_n,
                 BLOCK_K=tiles.block_k, NORM_BLOCK=1024,
-                PREFETCH=gemv.prefetches(norm, bool(int(sys.argv[2]))), PDL=int(sys.argv[2]))
+                PREFETCH=gemv.prefetches(norm, bool(int(sys.argv[2]))), PDL=int(sys.argv[2]),
+                EARLY=int(sys.argv[3]))
     kernel = nvfp4_sass.compile_kernel(fn, meta, tiles.num_warps, 90,
                                        {"num_stages": tiles.num_stages}, pointers=pointers,
                                        divisible=set(pointers) - {"eps"} | DIVISIBLE)
@@ -378,10 +381,11 @@ _ROW_EARLY = {"weight_ptr", "bias_ptr", "norm_weight_ptr", "tokens", "out_featur
               "stride_normed_token"}
 
 
-def _row_ptx(pdl: bool) -> dict[str, str]:
+def _row_ptx(pdl: bool, early: bool = True) -> dict[str, str]:
     from conftest import run_compiled
 
-    proc = run_compiled(["-c", _ROW_PTX, json.dumps(_MEDIUM_ROWS), str(int(pdl))])
+    proc = run_compiled(["-c", _ROW_PTX, json.dumps(_MEDIUM_ROWS), str(int(pdl)),
+                         str(int(early))])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(proc.stdout)
 
@@ -414,3 +418,38 @@ def test_row_kernel_with_pdl_reads_x_only_after_the_wait():
     for name, text in _row_ptx(False).items():
         assert "griddepcontrol" not in text, name
         assert early_read_problems(text, names, _ROW_EARLY), name
+
+
+def _loads_before_a_barrier(ptx: str, names: list[str], wanted: set[str]) -> set[str]:
+    """Which of the `wanted` parameters some load reads before the kernel's first
+    `bar.sync`."""
+    from ptx_order import traced_params
+
+    early = set()
+    for kind, _, params in traced_params(ptx):
+        if kind == "barrier":
+            break
+        if kind == "load":
+            early |= {names[i] for i in params if i < len(names)} & wanted
+    return early
+
+
+def test_row_kernel_loads_the_residual_and_norm_weight_before_its_reductions():
+    """With `gemv.ROW_EARLY` (compiled for sm_90 at the medium Llama's one-token tiles) the
+    row kernel issues its residual and its first norm-weight loads before the first
+    cross-warp reduction's barrier, which a load cannot pass; without it (the check
+    failing) they wait behind it. The launcher prefetches the normed calls here
+    (`gemv.prefetches`)."""
+    from ptx_order import param_names
+
+    from freetoken.kernels import jit_module
+
+    names = param_names(jit_module("gemv_rows_jit").gemv_rows_kernel)
+    wanted = {"residual_ptr", "norm_weight_ptr"}
+    want = {"qkv": {"norm_weight_ptr"}, "o": {"residual_ptr"}, "gate_up": {"norm_weight_ptr"},
+            "down": {"residual_ptr"}}
+    for early, expect in ((True, want), (False, dict.fromkeys(want, set()))):
+        ptx = _row_ptx(False, early)
+        assert all("bar.sync" in text for text in ptx.values())
+        got = {name: _loads_before_a_barrier(text, names, wanted) for name, text in ptx.items()}
+        assert got == expect, (early, got)
