@@ -32,10 +32,11 @@ docs/performance.md)."""
 
 
 ROW_EARLY = True
-"""True: the 16-bit row kernel loads the residual before its sums and, where it prefetches,
-the norm weight's tile beside the weights' (not after the norm's and the sums' cross-warp
-reductions, which a load cannot pass); False: where they are used (`bench/tile_ab.py`
-switch `no-row-early`). The same bits either way."""
+"""True: the row kernels (16-bit, and FP8 and NVFP4 in `quant_gemm`) load the residual
+before their sums and, where the 16-bit one prefetches, the norm weight's tile beside the
+weights' (not after the norm's and the sums' cross-warp reductions, which a load cannot
+pass); False: where they are used (`bench/tile_ab.py` switch `no-row-early`). The same bits
+either way."""
 
 ROW_PDL = False
 """True: the 16-bit row kernel launches with programmatic dependent launch where the GPU has

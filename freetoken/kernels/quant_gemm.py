@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from freetoken.kernels import interpreting, jit_module, next_pow2, nvfp4_linear
+from freetoken.kernels import gemv, interpreting, jit_module, next_pow2, nvfp4_linear
 from freetoken.kernels.gemv import NORM_BLOCK, Norm, check_normed
 from freetoken.kernels.tile_table import parse_tiles, read_tile_table, spell_tiles
 
@@ -354,7 +354,7 @@ def _launch(kernel, x, rows, in_features, bias, tiles, block_k, args,
         args = dict(args, residual_ptr=residual if residual is not None else out,
                     stride_residual_token=residual.stride(0) if residual is not None else 0,
                     HAS_RESIDUAL=residual is not None and splits == 1,
-                    GATED=gated and splits == 1)
+                    GATED=gated and splits == 1, EARLY=int(gemv.ROW_EARLY))
     kernel[(_cdiv(launched, tiles.block_n),
             tokens if tiles.rows else _cdiv(tokens, tiles.block_m), splits)](
         x_ptr=x, bias_ptr=bias if bias is not None else out, partial_ptr=partial, out_ptr=out,

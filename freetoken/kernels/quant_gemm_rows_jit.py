@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels import jit_ops as ops
-from freetoken.kernels.gemv_jit import epilogue
+from freetoken.kernels.gemv_jit import epilogue, load_residual
 from freetoken.kernels.gemv_rows_jit import load_pair, row_input, row_scale
 from freetoken.kernels.nvfp4_decode_jit import unbias, word_step, word_tables
 from freetoken.kernels.quant_gemm_jit import row_global, store_block
@@ -82,6 +82,7 @@ def fp8_gemm_rows_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
+    EARLY: tl.constexpr = 1,    # the residual loaded first (`early_residual`)
 ):
     """out[t, n] for token t = program_id(1) and the rows of block program_id(0) (see the
     module docstring); with SPLIT, program_id(2) takes `split_features` inputs (a whole
@@ -99,6 +100,8 @@ def fp8_gemm_rows_kernel(
     if GATED:
         s_up = scale_ptr + tl.load(scale_row_ptr + out_features + cols, mask=col_ok,
                                    other=0) * stride_scale_row
+    residual = early_residual(residual_ptr, rows, cols, row_ok, col_ok, stride_residual_token,
+                              EARLY, HAS_RESIDUAL, SPLIT)
     norm_scale = 1.0
     if NORM:
         norm_scale = row_scale(x_row, in_features, eps, NORM_BLOCK)
@@ -124,7 +127,7 @@ def fp8_gemm_rows_kernel(
             acc_up = acc_up * tl.load(s_up, mask=col_ok, other=0.0)
     _finish(acc, acc_up, rows, cols, row_ok, col_ok, bias_ptr, residual_ptr, partial_ptr,
             out_ptr, out_features, stride_residual_token, stride_partial_split,
-            stride_out_token, GATED, HAS_BIAS, HAS_RESIDUAL, SPLIT)
+            stride_out_token, GATED, HAS_BIAS, HAS_RESIDUAL, SPLIT, residual)
 
 
 @triton.jit
@@ -153,16 +156,30 @@ def _fp8_step(w, s_rows, xf, k0, ks, w_mask, col_ok, in_features, col_offset,
 def _finish(acc, acc_up, rows, cols, row_ok, col_ok, bias_ptr, residual_ptr, partial_ptr,
             out_ptr, out_features, stride_residual_token, stride_partial_split,
             stride_out_token, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-            HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr):
+            HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr, residual=None):
     """Store a program's finished [BLOCK_N] sums (and the up half's, GATED): float32
-    partials (SPLIT), else `gemv_jit.epilogue`'s bias, SiLU-and-mul, residual and rounding."""
+    partials (SPLIT), else `gemv_jit.epilogue`'s bias, SiLU-and-mul, residual (`residual`
+    where it was loaded ahead, `early_residual`) and rounding."""
     if SPLIT:
         store_block(acc[None, :], rows, cols, row_ok, col_ok, bias_ptr, partial_ptr, out_ptr,
                     out_features, stride_partial_split, stride_out_token, HAS_BIAS, SPLIT)
     else:
         epilogue(acc[None, :], acc_up[None, :], rows, cols, row_ok, col_ok, bias_ptr,
                  residual_ptr, out_ptr, out_features, stride_residual_token, stride_out_token,
-                 GATED, HAS_BIAS, HAS_RESIDUAL)
+                 GATED, HAS_BIAS, HAS_RESIDUAL, residual)
+
+
+@triton.jit
+def early_residual(residual_ptr, rows, cols, row_ok, col_ok, stride_residual_token,
+                   EARLY: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr):
+    """The residual of the program's block loaded at the start (EARLY, `gemv.ROW_EARLY`),
+    not after the norm's and the sums' cross-warp reductions; else None (`_finish` loads
+    it)."""
+    residual = None
+    if EARLY and HAS_RESIDUAL and not SPLIT:
+        residual = load_residual(residual_ptr, rows, cols, row_ok, col_ok,
+                                 stride_residual_token)
+    return residual
 
 
 @triton.jit
@@ -223,6 +240,7 @@ def nvfp4_gemm_rows_kernel(
     BLOCK_N: tl.constexpr,
     KW: tl.constexpr,       # words per step (8 KW inputs, KW even)
     NORM_BLOCK: tl.constexpr,
+    EARLY: tl.constexpr = 1,    # the residual loaded first (`early_residual`)
 ):
     """out[t, n] for token t = program_id(1) and the rows of block program_id(0) (see the
     module docstring); with SPLIT, program_id(2) takes `split_features` inputs (a whole
@@ -238,6 +256,8 @@ def nvfp4_gemm_rows_kernel(
     s_rows = scale_ptr + cols.to(tl.int64)[:, None] * stride_scale_row
     k_words, k_groups = in_features // 8, in_features // 16
     tables = word_tables(zero, BLOCK_N, KW)
+    residual = early_residual(residual_ptr, rows, cols, row_ok, col_ok, stride_residual_token,
+                              EARLY, HAS_RESIDUAL, SPLIT)
     norm_scale = 1.0
     if NORM:
         norm_scale = row_scale(x_row, in_features, eps, NORM_BLOCK)
@@ -270,4 +290,4 @@ def nvfp4_gemm_rows_kernel(
             global_ptr, group_ptr, out_features + cols, col_ok, RECIPROCAL)
     _finish(out, out_up, rows, cols, row_ok, col_ok, bias_ptr, residual_ptr, partial_ptr,
             out_ptr, out_features, stride_residual_token, stride_partial_split,
-            stride_out_token, GATED, HAS_BIAS, HAS_RESIDUAL, SPLIT)
+            stride_out_token, GATED, HAS_BIAS, HAS_RESIDUAL, SPLIT, residual)

@@ -305,16 +305,19 @@ SIGMOID_SATURATES = pytest.mark.filterwarnings("ignore:overflow encountered in e
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 @pytest.mark.parametrize("split", [1, 2], ids=["one-launch", "split"])
-@pytest.mark.parametrize("offset,gated", [(False, False), (True, False), (True, True)],
-                         ids=["w", "1+w", "1+w-gated"])
+@pytest.mark.parametrize("offset,gated,early", [(False, False, True), (True, False, True),
+                                                (True, True, True), (True, True, False)],
+                         ids=["w", "1+w", "1+w-gated", "1+w-gated-late"])
 @SIGMOID_SATURATES
-def test_row_kernels_take_the_norm_and_the_residual(fmt, split, offset, gated):
+def test_row_kernels_take_the_norm_and_the_residual(fmt, split, offset, gated, early,
+                                                    monkeypatch):
     """The FP8 and NVFP4 row kernels with the decode step's fusions: the RMSNorm (weight w,
     or Qwen3.5's 1 + w) applied as x is loaded and stored for the layers after it, a bias,
     SiLU-and-mul of a [gate | up] weight (the up half with its own scales and globals),
     and the residual added after the rounding (after a split, the reduction launch gates
-    and adds): equal to the oracle of the separate steps, and the stored normalised x to
-    `reference_norm`."""
+    and adds), loaded first or where it is added (`gemv.ROW_EARLY`, "late"): equal to the
+    oracle of the separate steps, and the stored normalised x to `reference_norm`."""
+    monkeypatch.setattr(gemv, "ROW_EARLY", early)
     got, want, normed, want_normed = _fusion_call(split, offset, with_bias=True, fmt=fmt,
                                                   gated=gated)
     err = float((got.double() - want).norm() / want.norm())
