@@ -14,17 +14,17 @@ the grouped kernels, `fused_moe.ROWS_AT_ONE_TOKEN`), `no-shared-rows` (one token
 expert and gate on their own launches, not inside the routed row kernels,
 `fused_moe.SHARED_IN_ROWS`), `no-quant-fusions` (one token's quantized projections without
 the input norm, the gate and the residual add, `quant_gemm.DECODE_FUSIONS`), `no-quant-norm`
-(the same without the input norm only, `quant_gemm.DECODE_NORM`) and `no-row-prefetch` (the
+(the same without the input norm only, `quant_gemm.DECODE_NORM`), `no-row-prefetch` (the
 16-bit row kernel of a normed call loads each weight tile in its step, not a step ahead,
-`gemv.ROW_PREFETCH`) and `no-row-early` (it loads the residual and the norm weight where
-they are used, `gemv.ROW_EARLY`), all on otherwise; `row-pdl` (the 16-bit row kernels
-launched with programmatic dependent launch, `gemv.ROW_PDL`), off otherwise; and the decode
+`gemv.ROW_PREFETCH`), `no-row-early` (the row kernels load the residual and the norm weight
+where they are used, `gemv.ROW_EARLY`) and `no-row-pdl` (the 16-bit row kernels launched
+without programmatic dependent launch, `gemv.ROW_PDL`), all on otherwise; and the decode
 attention's launch (`paged_attention.DECODE`, the shipped one otherwise) changed by
 `attn-before` (the launch before its options, `paged_attention.BEFORE`), `attn-4-warps`,
 `attn-no-splits` (one program a sequence and KV head), `attn-stages1` (no pipelining) and
-`attn-launch-next` (lets the next kernel launch early, for `row-pdl`). Before each arm's run
-the tables are re-read and the decode graphs dropped, so they are captured again with that
-arm's tiles. A run is one warm-up and `--repeats` timed pairs (one token, then
+`attn-no-launch-next` (the next kernel launches once attention has finished). Before each
+arm's run the tables are re-read and the decode graphs dropped, so they are captured again
+with that arm's tiles. A run is one warm-up and `--repeats` timed pairs (one token, then
 `--new-tokens`); the step time is their difference over the decode steps. Prints each arm's
 median step over the rounds, every round's value, and with `--mb` (the bytes a step reads,
 from `bench/engine_decode.py`) the share of the copy bandwidth measured here."""
@@ -53,9 +53,10 @@ TABLES = (("FREETOKEN_GEMV_TABLE", gemv), ("FREETOKEN_QUANT_TABLE", quant_gemm))
 
 ATTENTION_SWITCHES = {"attn-before": dataclasses.asdict(paged_attention.BEFORE),
                       "attn-4-warps": dict(num_warps=4), "attn-no-splits": dict(splits=1),
-                      "attn-stages1": dict(stages=1), "attn-launch-next": dict(launch_next=True)}
+                      "attn-stages1": dict(stages=1),
+                      "attn-no-launch-next": dict(launch_next=False)}
 SWITCHES = ("no-overlap", "no-moe-rows", "no-shared-rows", "no-quant-fusions",
-            "no-quant-norm", "no-row-prefetch", "no-row-early", "row-pdl", *ATTENTION_SWITCHES)
+            "no-quant-norm", "no-row-prefetch", "no-row-early", "no-row-pdl", *ATTENTION_SWITCHES)
 SHIPPED_ATTENTION = paged_attention.DECODE
 
 
@@ -83,7 +84,7 @@ def use_arm(llm: LLM, arm: tuple[str, str, frozenset]) -> None:
     quant_gemm.DECODE_NORM = "no-quant-norm" not in switches
     gemv.ROW_PREFETCH = "no-row-prefetch" not in switches
     gemv.ROW_EARLY = "no-row-early" not in switches
-    gemv.ROW_PDL = "row-pdl" in switches
+    gemv.ROW_PDL = "no-row-pdl" not in switches
     fields = {}
     for name in switches & set(ATTENTION_SWITCHES):
         fields.update(ATTENTION_SWITCHES[name])

@@ -38,12 +38,13 @@ weights' (not after the norm's and the sums' cross-warp reductions, which a load
 pass); False: where they are used (`bench/tile_ab.py` switch `no-row-early`). The same bits
 either way."""
 
-ROW_PDL = False
+ROW_PDL = True
 """True: the 16-bit row kernel launches with programmatic dependent launch where the GPU has
 it (`freetoken.kernels.pdl`): its programs start while the stream's previous kernel
 finishes, load their first weight tile and wait for it before they read x; each lets the
-next kernel launch as it starts. False: ordinary launches (`bench/tile_ab.py` switch
-`row-pdl` times the two)."""
+next kernel launch as it starts. With the decode attention's `launch_next`, the medium
+Llama's one-token step went from 324-330 to 284-286 us on an H100 (docs/performance.md).
+False: ordinary launches (`bench/tile_ab.py` switch `no-row-pdl`)."""
 
 
 def prefetches(norm: bool, pdl: bool = False) -> bool:

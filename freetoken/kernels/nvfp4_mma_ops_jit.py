@@ -1,7 +1,6 @@
 """Warp-level pieces of the tensor-core NVFP4 decode (`nvfp4_mma_jit`): a lane's weight and
 activation loads (`rows_tile`, `b_tile`), the mma itself (`mma`: the PTX of
-`nvfp4_ptx.mma_asm`, or its emulation over the whole tensor in Triton's interpreter), and the
-programmatic-dependent-launch waits (`grid_wait`, `launch_next`).
+`nvfp4_ptx.mma_asm`, or its emulation over the whole tensor in Triton's interpreter).
 
 A program's tensors have one row per thread: tensor row r is lane r % 32 of warp r / 32, and
 lane (g, t) = (lane / 4, lane % 4) of a warp holds weight rows g and g + 8 of its 16-row tile.

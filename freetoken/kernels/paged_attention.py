@@ -47,7 +47,7 @@ class DecodeLaunch:
     splits: int = 8
     split_min: int = 256
     block_n: int | None = None
-    launch_next: bool = False
+    launch_next: bool = True
 
     def __post_init__(self):
         for name in ("splits", "split_min"):
@@ -58,7 +58,8 @@ class DecodeLaunch:
 
 
 DECODE = DecodeLaunch()
-BEFORE = DecodeLaunch(seq_row=False, v_early=False, stages=None, num_warps=4, splits=1)
+BEFORE = DecodeLaunch(seq_row=False, v_early=False, stages=None, num_warps=4, splits=1,
+                      launch_next=False)
 """The decode launch before `DecodeLaunch`'s options (one program a sequence and KV head,
 Triton's default pipelining, 4 warps; the same SASS as then), for A/B runs."""
 

@@ -200,8 +200,9 @@ def test_attention_launches_pipeline_their_loops():
     """Compiled for sm_90 on this CPU: the decode launch pipelines its loop (cp.async) and
     carries the split merge's counter (atomics); the launch before its options
     (`paged_attention.BEFORE`) and prefill keep Triton's default pipelining and no atomics.
-    A decode at one stage has no cp.async, so the check can fail. Only a decode with
-    `launch_next` lets the next kernel launch early (once), and none waits."""
+    A decode at one stage has no cp.async, so the check can fail. The shipped decode lets
+    the next kernel launch early (`launch_next`, once), `BEFORE`, prefill and a decode
+    without `launch_next` do not, and none waits."""
     from conftest import run_compiled
 
     code = (
@@ -211,7 +212,7 @@ def test_attention_launches_pipeline_their_loops():
         "for name, launch, decode in (('decode', pa.DECODE, True), ('before', pa.BEFORE, True),\n"
         "        ('one stage', dataclasses.replace(pa.DECODE, stages=1), True),\n"
         "        ('prefill', pa.DECODE, False),\n"
-        "        ('next', dataclasses.replace(pa.DECODE, launch_next=True), True)):\n"
+        "        ('no next', dataclasses.replace(pa.DECODE, launch_next=False), True)):\n"
         "    ptx = dk.attention_asm(launch, decode).asm['ptx']\n"
         "    print(name, ptx.count('cp.async.cg') + ptx.count('cp.async.ca'),\n"
         "          ptx.count('atom.'), ptx.count('griddepcontrol.launch_dependents'),\n"
@@ -224,8 +225,9 @@ def test_attention_launches_pipeline_their_loops():
     assert counts["before"][0] > 0 and counts["before"][1] == 0, counts
     assert counts["prefill"][0] > 0 and counts["prefill"][1] == 0, counts
     assert counts["one stage"][0] == 0, counts
-    assert counts["next"][2:] == (1, 0), counts
-    assert all(c[2:] == (0, 0) for name, c in counts.items() if name != "next"), counts
+    early = {name: c[2:] for name, c in counts.items()}
+    assert early == {"decode": (1, 0), "one stage": (1, 0), "before": (0, 0),
+                     "prefill": (0, 0), "no next": (0, 0)}, counts
 
 
 def test_decode_kernels_bench_refuses_unknown_rows():
