@@ -52,6 +52,19 @@ def prefetch(w_rows, up_rows, norm_weight_ptr, k0, k_end, col_ok, GATED: tl.cons
 
 
 @triton.jit
+def early_residual(residual_ptr, rows, cols, row_ok, col_ok, stride_residual_token,
+                   EARLY: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr):
+    """The residual of a row kernel's output block, loaded at the program's start (EARLY,
+    `gemv.ROW_EARLY`), not after the norm's and the sums' cross-warp reductions; else None
+    (the epilogue loads it)."""
+    residual = None
+    if EARLY and HAS_RESIDUAL and not SPLIT:
+        residual = load_residual(residual_ptr, rows, cols, row_ok, col_ok,
+                                 stride_residual_token)
+    return residual
+
+
+@triton.jit
 def load_pair(w_rows, up_rows, ks, mask, GATED: tl.constexpr):
     """The weight tile of inputs `ks` (zeros outside `mask`) and, GATED, its up rows' (else
     the same tile twice)."""
@@ -149,11 +162,8 @@ def gemv_rows_kernel(
         w_next, up_next, norm_next = prefetch(w_rows, up_rows, norm_weight_ptr, k_start, k_end,
                                               col_ok, GATED, NORM * EARLY, BLOCK_K)
     ops.grid_wait(PDL)
-    residual = None
-    if EARLY and HAS_RESIDUAL and not SPLIT:
-        # the residual's load issued now, not after the sums' cross-warp reductions
-        residual = load_residual(residual_ptr, rows, cols, row_ok, col_ok,
-                                 stride_residual_token)
+    residual = early_residual(residual_ptr, rows, cols, row_ok, col_ok, stride_residual_token,
+                              EARLY, HAS_RESIDUAL, SPLIT)
     scale = 1.0
     if NORM:
         scale = row_scale(x_row, in_features, eps, NORM_BLOCK)
@@ -162,20 +172,17 @@ def gemv_rows_kernel(
     acc_up = tl.full([BLOCK_N], 0, dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
+        norm_w = None   # the norm weight's tile where prefetched (EARLY), else row_input's
         if PREFETCH:
-            w, w_up, norm_w = w_next, up_next, norm_next
+            w, w_up, step_norm = w_next, up_next, norm_next
             w_next, up_next, norm_next = prefetch(w_rows, up_rows, norm_weight_ptr,
                                                   k0 + BLOCK_K, k_end, col_ok, GATED,
                                                   NORM * EARLY, BLOCK_K)
             if EARLY:
-                xv, w_mask = row_input(x_row, ks, in_features, col_ok, norm_weight_ptr, scale,
-                                       normed_row, EVEN_K, NORM, STORE_NORMED, norm_w)
-            else:
-                xv, w_mask = row_input(x_row, ks, in_features, col_ok, norm_weight_ptr, scale,
-                                       normed_row, EVEN_K, NORM, STORE_NORMED)
-        else:
-            xv, w_mask = row_input(x_row, ks, in_features, col_ok, norm_weight_ptr, scale,
-                                   normed_row, EVEN_K, NORM, STORE_NORMED)
+                norm_w = step_norm
+        xv, w_mask = row_input(x_row, ks, in_features, col_ok, norm_weight_ptr, scale,
+                               normed_row, EVEN_K, NORM, STORE_NORMED, norm_w)
+        if not PREFETCH:
             w, w_up = load_pair(w_rows, up_rows, ks, w_mask, GATED)
         xf = xv.to(w.dtype).to(tl.float32)
         acc += ops.sum_(w.to(tl.float32) * xf, axis=1)

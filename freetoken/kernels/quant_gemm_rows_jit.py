@@ -34,8 +34,8 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels import jit_ops as ops
-from freetoken.kernels.gemv_jit import epilogue, load_residual
-from freetoken.kernels.gemv_rows_jit import load_pair, row_input, row_scale
+from freetoken.kernels.gemv_jit import epilogue
+from freetoken.kernels.gemv_rows_jit import early_residual, load_pair, row_input, row_scale
 from freetoken.kernels.nvfp4_decode_jit import unbias, word_step, word_tables
 from freetoken.kernels.quant_gemm_jit import row_global, store_block
 
@@ -159,7 +159,7 @@ def _finish(acc, acc_up, rows, cols, row_ok, col_ok, bias_ptr, residual_ptr, par
             HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr, residual=None):
     """Store a program's finished [BLOCK_N] sums (and the up half's, GATED): float32
     partials (SPLIT), else `gemv_jit.epilogue`'s bias, SiLU-and-mul, residual (`residual`
-    where it was loaded ahead, `early_residual`) and rounding."""
+    where it was loaded ahead, `gemv_rows_jit.early_residual`) and rounding."""
     if SPLIT:
         store_block(acc[None, :], rows, cols, row_ok, col_ok, bias_ptr, partial_ptr, out_ptr,
                     out_features, stride_partial_split, stride_out_token, HAS_BIAS, SPLIT)
@@ -167,19 +167,6 @@ def _finish(acc, acc_up, rows, cols, row_ok, col_ok, bias_ptr, residual_ptr, par
         epilogue(acc[None, :], acc_up[None, :], rows, cols, row_ok, col_ok, bias_ptr,
                  residual_ptr, out_ptr, out_features, stride_residual_token, stride_out_token,
                  GATED, HAS_BIAS, HAS_RESIDUAL, residual)
-
-
-@triton.jit
-def early_residual(residual_ptr, rows, cols, row_ok, col_ok, stride_residual_token,
-                   EARLY: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr):
-    """The residual of the program's block loaded at the start (EARLY, `gemv.ROW_EARLY`),
-    not after the norm's and the sums' cross-warp reductions; else None (`_finish` loads
-    it)."""
-    residual = None
-    if EARLY and HAS_RESIDUAL and not SPLIT:
-        residual = load_residual(residual_ptr, rows, cols, row_ok, col_ok,
-                                 stride_residual_token)
-    return residual
 
 
 @triton.jit
