@@ -78,6 +78,54 @@ def compile_kernel(fn, constexprs: dict, num_warps: int, arch: int,
                           options={"num_warps": num_warps, **(options or {})})
 
 
+_TRITON_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64",
+                 "float8_e4m3fn": "fp8e4nv", "float8_e5m2": "fp8e5", "int8": "i8",
+                 "uint8": "u8", "int16": "i16", "int32": "i32", "int64": "i64", "bool": "i1"}
+LAUNCH_OPTIONS = {"num_warps", "num_stages", "maxnreg", "launch_pdl"}
+
+
+def compile_launch(fn, kwargs: dict, arch: int = 90):
+    """@triton.jit `fn` compiled for sm_`arch` as a launch with keyword arguments `kwargs`
+    (torch tensors on any device, Python numbers, constexprs, launch options) would compile
+    it, specialised as Triton specialises at run time: tensors by their dtype and a pointer
+    aligned to 16 bytes as divisible, an integer equal to 1 as a constant, other integers
+    divisible by 16 as such; `launch_pdl` dropped (a launch option, not code)."""
+    import torch
+
+    parameters = inspect.signature(fn.fn).parameters
+    unknown = set(kwargs) - set(parameters) - LAUNCH_OPTIONS
+    if unknown:
+        raise TypeError(f"{fn.fn.__name__} takes no argument {sorted(unknown)}")
+    constexprs, pointers, divisible = {}, {}, set()
+    for name, value in kwargs.items():
+        if name in LAUNCH_OPTIONS:
+            continue
+        if "constexpr" in str(parameters[name].annotation):
+            constexprs[name] = value
+        elif isinstance(value, torch.Tensor):
+            pointers[name] = "*" + _TRITON_TYPES[str(value.dtype).removeprefix("torch.")]
+            if value.data_ptr() % 16 == 0:
+                divisible.add(name)
+        elif value is None:
+            constexprs[name] = None
+        elif isinstance(value, bool):
+            pointers[name] = "u1"
+        elif isinstance(value, int):
+            if value == 1:
+                constexprs[name] = 1
+            else:
+                pointers[name] = "i64" if not -2**31 <= value < 2**31 else "i32"
+                if value % 16 == 0:
+                    divisible.add(name)
+        elif isinstance(value, float):
+            pointers[name] = "fp32"
+        else:
+            raise TypeError(f"{fn.fn.__name__}: argument {name} is a {type(value).__name__}")
+    options = {k: kwargs[k] for k in ("num_stages", "maxnreg") if k in kwargs}
+    return compile_kernel(fn, constexprs, kwargs.get("num_warps", 4), arch, options,
+                          pointers=pointers, divisible=divisible)
+
+
 def compile_sass(fn, constexprs: dict, num_warps: int, arch: int,
                  options: dict | None = None, **types) -> tuple[str, int, int]:
     """(SASS text, registers, spill bytes) of `fn` compiled for sm_`arch` (`types`: the
