@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import torch
 
-from freetoken.kernels import interpreting, jit_module, next_pow2
+from freetoken.kernels import interpreting, jit_module, next_pow2, pdl
 
 
 def _jit():
     """The kernel module, imported on first use (see `freetoken.kernels.jit_module`)."""
     return jit_module("norm_rope_jit")
-
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -62,7 +61,7 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
             channels=channels, eps=eps,
             stride_x_row=channels, stride_z_token=z.stride(0), stride_z_head=z.stride(1),
             stride_out_row=channels, HEADS=heads, ROWS=block, BLOCK_N=next_pow2(channels),
-            num_warps=1)
+            LAUNCH_NEXT=int(pdl.available(x)), num_warps=1)
     return out
 
 

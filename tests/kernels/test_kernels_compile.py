@@ -79,3 +79,80 @@ def test_decode_linear_kernels_compile_for_sm90():
     results = json.loads(proc.stdout.splitlines()[-1])
     failed = {name: result for name, result in results.items() if result != "ok"}
     assert len(results) == 10 and not failed, failed
+
+
+_LAUNCHED = """
+import json, sys
+sys.path.insert(0, "bench")
+import torch
+import triton
+import nvfp4_sass
+from freetoken.kernels import delta_rule, fused_moe, norm_rope, pdl, step_io
+
+launches = []
+
+
+def record(self, grid):
+    # every launch of every kernel kept with its arguments, nothing run
+    return lambda **kw: launches.append((self, kw))
+
+
+triton.runtime.jit.JITFunction.__getitem__ = record
+pdl.available = lambda x: True   # the launchers' choices on an sm_90 GPU
+
+
+def bf16(*shape):
+    return torch.empty(*shape, dtype=torch.bfloat16)
+
+
+# Qwen3.5-MoE's decode-step kernels at one token and at 16 (TP 1 dimensions)
+for t in (1, 16):
+    norm_rope.rms_norm(bf16(t, 16, 256), bf16(256), 1e-6, True)
+    norm_rope.gated_rms_norm(bf16(t, 32, 128), bf16(t, 32, 128), bf16(128), 1e-6)
+    norm_rope.silu_and_mul(bf16(t, 1024))
+    slots = torch.arange(t)
+    mixed = delta_rule.conv_update(bf16(t, 8192), bf16(8192, 1, 4), bf16(t, 8192, 3), slots)
+    q, k, v = mixed.split([2048, 2048, 4096], dim=-1)
+    delta_rule.gated_delta_decode(q.reshape(t, 16, 128), k.reshape(t, 16, 128),
+                                  v.reshape(t, 32, 128), bf16(t, 32), bf16(t, 32),
+                                  torch.empty(32), torch.empty(32),
+                                  torch.empty(t, 32, 128, 128), slots, torch.bfloat16)
+    fused_moe.route(bf16(t, 256), 8, True, torch.bfloat16)
+    step_io.float_argmax(bf16(t, 248320))
+    step_io.unpack(torch.zeros(t, 5 + 64, dtype=torch.int64), torch.zeros(t, dtype=torch.int64),
+                   torch.empty(t, dtype=torch.int64), torch.empty(t, dtype=torch.int64),
+                   torch.empty(t, dtype=torch.int64), torch.empty(t, dtype=torch.int32),
+                   torch.empty(t, dtype=torch.int64), torch.empty(t, 64, dtype=torch.int32))
+out = []
+for kernel, kw in launches:
+    name = kernel.fn.__name__
+    try:
+        ptx = nvfp4_sass.compile_launch(kernel, kw).asm["ptx"]
+        out.append((name, "ok" if ".entry" in ptx else "no PTX entry",
+                    "griddepcontrol.launch_dependents" in ptx))
+    except Exception as err:   # the compiler's message names the kernel's line
+        out.append((name, f"{type(err).__name__}: {err}"[:2000], False))
+print(json.dumps(out))
+"""
+
+
+def test_decode_step_small_kernels_compile_as_launched():
+    """The decode step's other kernels (RMSNorm, GatedDeltaNet's gated norm, conv update and
+    delta rule, SiLU-and-mul, routing, the step's argmax and input unpacking), launched by
+    their own launchers at Qwen3.5-MoE's one- and 16-token shapes with the launches
+    recorded, not run, and each compiled for sm_90 with the arguments as launched
+    (`nvfp4_sass.compile_launch`): all compile, and the gated norm lets the next kernel
+    (out_proj, launched with programmatic dependent launch) start early."""
+    from conftest import run_compiled
+
+    proc = run_compiled(["-c", _LAUNCHED])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads(proc.stdout.splitlines()[-1])
+    names = {name for name, _, _ in results}
+    assert names == {"rms_norm_kernel", "gated_rms_norm_kernel", "silu_and_mul_kernel",
+                     "conv_update_kernel", "gated_delta_decode_kernel", "route_kernel",
+                     "float_argmax_kernel", "argmax_finish_kernel", "unpack_kernel"}, names
+    failed = [(name, result) for name, result, _ in results if result != "ok"]
+    assert not failed, failed
+    triggers = {name for name, _, trigger in results if trigger}
+    assert triggers == {"gated_rms_norm_kernel"}, triggers
