@@ -10,13 +10,16 @@ def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm())
 
 
-def assert_graph_equals_eager(fn, what: str) -> None:
-    """`fn()` captured in a CUDA graph and replayed gives exactly what it gives eagerly."""
-    eager = fn()
+def assert_graph_equals_eager(fn, what: str, want: torch.Tensor | None = None,
+                              replays: int = 1) -> None:
+    """`fn()` captured in a CUDA graph and replayed (`replays` times) gives exactly what it
+    gives eagerly, or `want` where given."""
+    eager = fn() if want is None else want
     fn()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager), f"{what}: graph replay differs from the eager call"
+    for _ in range(replays):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), f"{what}: graph replay differs from the eager call"

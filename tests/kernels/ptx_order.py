@@ -121,3 +121,12 @@ def early_read_problems(ptx: str, names: list[str], early: set[str]) -> list[str
     if not loads:
         problems.append("no load before the wait")
     return problems
+
+
+def wait_moved_to_end(ptx: str) -> str:
+    """The PTX with its `griddepcontrol.wait` moved just before the last `ret;` (the bug of a
+    kernel that reads its activations before waiting for the kernel that writes them)."""
+    lines = ptx.splitlines()
+    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+    end = max(i for i, line in enumerate(lines) if line.strip() == "ret;")
+    return "\n".join(lines[:wait] + lines[wait + 1:end] + [lines[wait]] + lines[end:])

@@ -397,7 +397,7 @@ def test_row_kernel_with_pdl_reads_x_only_after_the_wait():
     residual, and writes, only after it (traced from the PTX's parameters,
     `ptx_order.early_read_problems`). The check fails on the wait moved to the end (x read
     early), on the early launch dropped, and on the kernel launched without PDL."""
-    from ptx_order import early_read_problems, param_names
+    from ptx_order import early_read_problems, param_names, wait_moved_to_end
 
     from freetoken.kernels import jit_module
 
@@ -407,11 +407,7 @@ def test_row_kernel_with_pdl_reads_x_only_after_the_wait():
     assert sorted(ptx) == sorted(name for name, *_ in _MEDIUM_ROWS)
     for name, text in ptx.items():
         assert early_read_problems(text, names, _ROW_EARLY) == [], name
-        lines = text.splitlines()
-        wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
-        end = max(i for i, line in enumerate(lines) if line.strip() == "ret;")
-        late = lines[:wait] + lines[wait + 1:end] + [lines[wait]] + lines[end:]
-        problems = early_read_problems("\n".join(late), names, _ROW_EARLY)
+        problems = early_read_problems(wait_moved_to_end(text), names, _ROW_EARLY)
         assert any("load of x_ptr" in p for p in problems), (name, problems)
         dropped = text.replace("griddepcontrol.launch_dependents", "// dropped")
         assert early_read_problems(dropped, names, _ROW_EARLY), name

@@ -99,14 +99,7 @@ def test_row_kernels_with_pdl_match_ordinary_launches(monkeypatch):
     monkeypatch.setattr(gemv, "ROW_PDL", True)
     for _ in range(5):
         assert torch.equal(chain(x), want)
-    graph_out = torch.empty_like(want)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        graph_out.copy_(chain(x))
-    for _ in range(5):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(graph_out, want)
+    assert_graph_equals_eager(lambda: chain(x), "row kernels with PDL", want, replays=5)
 
 
 @pytest.mark.parametrize("tokens", [1, 16])

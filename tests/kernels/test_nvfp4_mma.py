@@ -621,15 +621,14 @@ def test_pdl_kernels_read_upstream_outputs_only_after_the_wait(tmp_path, shared)
     and waits for nothing; so with the shared expert's slot and the residual. With down's
     wait moved to the end (h read before gate_up has finished), either kernel's early
     launch dropped, or a wait in gate_up, the check fails."""
+    from ptx_order import wait_moved_to_end
+
     ptx = _pdl_ptx(tmp_path, shared)
     assert sorted(ptx) == ["down_mma", "gate_up_mma"]
     down, gate_up = ptx["down_mma"], ptx["gate_up_mma"]
     assert pdl_order_problems(down) == []
     assert pdl_order_problems(gate_up, waits_for_previous=False) == []
-    lines = down.splitlines()
-    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
-    late = lines[:wait] + lines[wait + 1:-1] + [lines[wait], lines[-1]]
-    assert any("load of h16_ptr" in p for p in pdl_order_problems("\n".join(late)))
+    assert any("load of h16_ptr" in p for p in pdl_order_problems(wait_moved_to_end(down)))
     for name, text in ptx.items():
         dropped = text.replace("griddepcontrol.launch_dependents", "// dropped")
         assert pdl_order_problems(dropped, name == "down_mma"), name

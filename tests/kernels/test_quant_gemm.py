@@ -818,7 +818,7 @@ def test_quantized_row_kernels_with_pdl_read_x_only_after_the_wait():
     reads x, the norm's row and the residual, or writes, only after it (traced from the PTX,
     `ptx_order.early_read_problems`). The check fails on the wait moved to the end and on
     the early launch dropped; without PDL the launch has neither step."""
-    from ptx_order import early_read_problems, param_names
+    from ptx_order import early_read_problems, param_names, wait_moved_to_end
 
     from freetoken.kernels import jit_module
 
@@ -827,11 +827,7 @@ def test_quantized_row_kernels_with_pdl_read_x_only_after_the_wait():
         names = param_names(getattr(module, kernel_name))
         early = _QUANT_EARLY | {n for n in names if n.startswith("stride_")}
         assert early_read_problems(text, names, early) == [], name
-        lines = text.splitlines()
-        wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
-        end = max(i for i, line in enumerate(lines) if line.strip() == "ret;")
-        late = lines[:wait] + lines[wait + 1:end] + [lines[wait]] + lines[end:]
-        problems = early_read_problems("\n".join(late), names, early)
+        problems = early_read_problems(wait_moved_to_end(text), names, early)
         assert any("load of x_ptr" in p for p in problems), (name, problems)
         dropped = text.replace("griddepcontrol.launch_dependents", "// dropped")
         assert early_read_problems(dropped, names, early), name

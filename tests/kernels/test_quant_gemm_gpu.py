@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gpu_checks import assert_graph_equals_eager
 
 from freetoken.formats.fp8.tensor import quantize_per_tensor
 from freetoken.formats.nvfp4.quantizer import quantize as quantize_nvfp4
@@ -75,11 +76,4 @@ def test_quantized_row_kernels_with_pdl_match_ordinary_launches(monkeypatch):
         monkeypatch.setattr(quant_gemm, name, True)
         for _ in range(5):
             assert torch.equal(chain(x0), want), name
-        out = torch.empty_like(want)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out.copy_(chain(x0))
-        for _ in range(5):
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, want), f"{name}, graph replay"
+        assert_graph_equals_eager(lambda: chain(x0), name, want, replays=5)
