@@ -87,7 +87,7 @@ sys.path.insert(0, "bench")
 import torch
 import triton
 import nvfp4_sass
-from freetoken.kernels import delta_rule, fused_moe, norm_rope, pdl, step_io
+from freetoken.kernels import delta_rule, fused_moe, norm_rope, pdl, quant_gemm, step_io
 
 launches = []
 
@@ -123,6 +123,15 @@ for t in (1, 16):
                    torch.empty(t, dtype=torch.int64), torch.empty(t, dtype=torch.int64),
                    torch.empty(t, dtype=torch.int64), torch.empty(t, dtype=torch.int32),
                    torch.empty(t, dtype=torch.int64), torch.empty(t, 64, dtype=torch.int32))
+# the 16-bit routed experts (row kernels at one token, grouped at 16) and a block-FP8
+# projection on the tiled kernel at 16 tokens
+w13, w2 = bf16(256, 1024, 2048), bf16(256, 2048, 512)
+for t in (1, 16):
+    ids = torch.randint(0, 256, (t, 8))
+    fused_moe.fused_moe(bf16(t, 2048), bf16(t, 8), ids, w13, w2)
+quant_gemm.fp8_gemm(bf16(16, 2048), torch.empty(9216, 2048, dtype=torch.float8_e4m3fn),
+                    torch.empty(72, 16), (torch.arange(9216) // 128).int(), 128,
+                    tile_format="fp8-block")
 out = []
 for kernel, kw in launches:
     name = kernel.fn.__name__
@@ -136,11 +145,12 @@ print(json.dumps(out))
 """
 
 
-def test_decode_step_small_kernels_compile_as_launched():
+def test_decode_step_kernels_compile_as_launched():
     """The decode step's other kernels (RMSNorm, GatedDeltaNet's gated norm, conv update and
-    delta rule, SiLU-and-mul, routing, the step's argmax and input unpacking), launched by
-    their own launchers at Qwen3.5-MoE's one- and 16-token shapes with the launches
-    recorded, not run, and each compiled for sm_90 with the arguments as launched
+    delta rule, SiLU-and-mul, routing, the step's argmax and input unpacking, the 16-bit
+    routed experts on their row and grouped kernels with the alignment, the block-FP8 tiled
+    GEMM), launched by their own launchers at Qwen3.5-MoE's one- and 16-token shapes with
+    the launches recorded, not run, and each compiled for sm_90 with the arguments as launched
     (`nvfp4_sass.compile_launch`): all compile, and the gated norm lets the next kernel
     (out_proj, launched with programmatic dependent launch) start early."""
     from conftest import run_compiled
@@ -151,7 +161,9 @@ def test_decode_step_small_kernels_compile_as_launched():
     names = {name for name, _, _ in results}
     assert names == {"rms_norm_kernel", "gated_rms_norm_kernel", "silu_and_mul_kernel",
                      "conv_update_kernel", "gated_delta_decode_kernel", "route_kernel",
-                     "float_argmax_kernel", "argmax_finish_kernel", "unpack_kernel"}, names
+                     "float_argmax_kernel", "argmax_finish_kernel", "unpack_kernel",
+                     "gate_up_rows_kernel", "down_rows_kernel", "align_kernel",
+                     "gate_up_kernel", "down_kernel", "fp8_gemm_kernel"}, names
     failed = [(name, result) for name, result, _ in results if result != "ok"]
     assert not failed, failed
     triggers = {name for name, _, trigger in results if trigger}
