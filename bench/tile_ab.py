@@ -18,11 +18,8 @@ the input norm, the gate and the residual add, `quant_gemm.DECODE_FUSIONS`), `no
 16-bit row kernel of a normed call loads each weight tile in its step, not a step ahead,
 `gemv.ROW_PREFETCH`), `no-row-early` (the row kernels load the residual and the norm weight
 where they are used, `gemv.ROW_EARLY`) and `no-row-pdl` (the 16-bit row kernels launched
-without programmatic dependent launch, `gemv.ROW_PDL`), all on otherwise; `quant-row-pdl`
-(the FP8 and NVFP4 row kernels launched with it, `quant_gemm.ROW_PDL`) and `quant-row-first`
-(their first step's weights loaded before the norm's pass, `quant_gemm.ROW_FIRST`), both off
-otherwise; and
-the decode attention's launch (`paged_attention.DECODE`, the shipped one otherwise) changed by
+without programmatic dependent launch, `gemv.ROW_PDL`), all on otherwise; and the decode
+attention's launch (`paged_attention.DECODE`, the shipped one otherwise) changed by
 `attn-before` (the launch before its options, `paged_attention.BEFORE`), `attn-4-warps`,
 `attn-no-splits` (one program a sequence and KV head), `attn-stages1` (no pipelining) and
 `attn-no-launch-next` (the next kernel launches once attention has finished). Before each
@@ -59,8 +56,7 @@ ATTENTION_SWITCHES = {"attn-before": dataclasses.asdict(paged_attention.BEFORE),
                       "attn-stages1": dict(stages=1),
                       "attn-no-launch-next": dict(launch_next=False)}
 SWITCHES = ("no-overlap", "no-moe-rows", "no-shared-rows", "no-quant-fusions",
-            "no-quant-norm", "no-row-prefetch", "no-row-early", "no-row-pdl", "quant-row-pdl",
-            "quant-row-first", *ATTENTION_SWITCHES)
+            "no-quant-norm", "no-row-prefetch", "no-row-early", "no-row-pdl", *ATTENTION_SWITCHES)
 SHIPPED_ATTENTION = paged_attention.DECODE
 
 
@@ -89,8 +85,6 @@ def use_arm(llm: LLM, arm: tuple[str, str, frozenset]) -> None:
     gemv.ROW_PREFETCH = "no-row-prefetch" not in switches
     gemv.ROW_EARLY = "no-row-early" not in switches
     gemv.ROW_PDL = "no-row-pdl" not in switches
-    quant_gemm.ROW_PDL = "quant-row-pdl" in switches
-    quant_gemm.ROW_FIRST = "quant-row-first" in switches
     fields = {}
     for name in switches & set(ATTENTION_SWITCHES):
         fields.update(ATTENTION_SWITCHES[name])

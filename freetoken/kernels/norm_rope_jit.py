@@ -91,8 +91,8 @@ def gated_rms_norm_kernel(
 ):
     """The ROWS rows r of block program_id(0) (token r // HEADS, head r % HEADS) of x and
     their gates z. LAUNCH_NEXT: the stream's next kernel, where it is launched with
-    programmatic dependent launch (GatedDeltaNet's out_proj on a row kernel), may start as
-    this one starts (`jit_ops.launch_next`)."""
+    programmatic dependent launch (GatedDeltaNet's out_proj on a 16-bit row kernel,
+    `gemv.ROW_PDL`), may start as this one starts (`jit_ops.launch_next`)."""
     ops.launch_next(LAUNCH_NEXT)
     r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)

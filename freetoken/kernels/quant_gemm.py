@@ -19,8 +19,6 @@ import torch
 
 from freetoken.kernels import gemv, interpreting, jit_module, next_pow2, nvfp4_linear
 from freetoken.kernels.gemv import NORM_BLOCK, Norm, check_normed
-from freetoken.kernels.pdl import available as pdl_available
-from freetoken.kernels.pdl import launch as pdl_launch
 from freetoken.kernels.tile_table import parse_tiles, read_tile_table, spell_tiles
 
 DECODE_MAX_TOKENS = 16
@@ -38,16 +36,6 @@ DECODE_NORM = True
 """With DECODE_FUSIONS: False keeps the input norm's own launch before a quantized row-kernel
 call while the gate and the residual stay fused (tile_ab switch `no-quant-norm`: the FP8
 norm fusion measured near break-even per call, docs/performance.md)."""
-ROW_PDL = False
-"""True: the FP8 and NVFP4 row kernels launch with programmatic dependent launch where the GPU
-and Triton have it (`freetoken.kernels.pdl`; `quant_gemm_rows_jit`'s PDL): each program lets
-the next kernel launch as it starts and loads its first step's weights before it waits for
-the previous kernel, as the 16-bit row kernels do (`gemv.ROW_PDL`). False: ordinary launches
-(`bench/tile_ab.py` switch `quant-row-pdl` turns it on)."""
-ROW_FIRST = False
-"""True: the FP8 and NVFP4 row kernels load their first step's weights at the start, before
-the input norm's pass over x, in an ordinary launch too (`quant_gemm_rows_jit`'s FIRST, which
-ROW_PDL's launches always take; `bench/tile_ab.py` switch `quant-row-first`)."""
 SM_PROGRAMS = 264
 """About two programs per SM of an H200 (132 SMs): the decode split's target."""
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -367,19 +355,14 @@ def _launch(kernel, x, rows, in_features, bias, tiles, block_k, args,
                     stride_residual_token=residual.stride(0) if residual is not None else 0,
                     HAS_RESIDUAL=residual is not None and splits == 1,
                     GATED=gated and splits == 1, EARLY=int(gemv.ROW_EARLY))
-    grid = (_cdiv(launched, tiles.block_n),
-            tokens if tiles.rows else _cdiv(tokens, tiles.block_m), splits)
-    early = tiles.rows and ROW_PDL and pdl_available(x)
-    if tiles.rows:   # a launch with PDL loads the first step's weights before its wait
-        args = dict(args, FIRST=int(early or ROW_FIRST))
-    pdl_launch(kernel, grid, early,
-               x_ptr=x, bias_ptr=bias if bias is not None else out, partial_ptr=partial,
-               out_ptr=out, tokens=tokens, out_features=launched, in_features=in_features,
-               split_features=step, stride_x_token=x.stride(0),
-               stride_partial_split=tokens * rows, stride_out_token=out.stride(0),
-               HAS_BIAS=bias is not None and splits == 1, SPLIT=splits > 1,
-               BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-               **args)
+    kernel[(_cdiv(launched, tiles.block_n),
+            tokens if tiles.rows else _cdiv(tokens, tiles.block_m), splits)](
+        x_ptr=x, bias_ptr=bias if bias is not None else out, partial_ptr=partial, out_ptr=out,
+        tokens=tokens, out_features=launched, in_features=in_features, split_features=step,
+        stride_x_token=x.stride(0), stride_partial_split=tokens * rows,
+        stride_out_token=out.stride(0), HAS_BIAS=bias is not None and splits == 1,
+        SPLIT=splits > 1, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages, **args)
     if splits > 1:
         reduce_m = min(16, next_pow2(tokens))
         jit_module("gemv_jit").gemv_reduce_kernel[(_cdiv(out_features, 256),

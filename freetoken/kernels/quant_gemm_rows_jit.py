@@ -18,13 +18,6 @@ words' 8 planes in registers (`_planes`); the row's global multiplies the finish
 
 Every program's reduction order is fixed, so a launch gives the same bits each time.
 
-FIRST: the first step's weights (codes or words, and the NVFP4 scale bytes) are loaded at
-the program's start, before the input norm's pass over x, and that step is taken ahead of
-the loop; the same sums in the same order, so the same bits. PDL (a launch with programmatic
-dependent launch, `quant_gemm.ROW_PDL`, `freetoken.kernels.pdl`; it needs FIRST): the
-program lets the stream's next kernel launch as it starts and waits for the previous kernel
-after those loads, before it reads x or the residual, or writes.
-
 The decode step's fusions of `gemv_rows_jit` (a token's layer without launches of their own
 for its neighbours): NORM, the RMSNorm of the token's row applied as x is loaded (rounded to
 the activations' dtype as the separate norm rounds it; STORE_NORMED also stores it, for the
@@ -90,13 +83,10 @@ def fp8_gemm_rows_kernel(
     BLOCK_K: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
     EARLY: tl.constexpr = 1,    # the residual loaded first (`early_residual`)
-    FIRST: tl.constexpr = 0,    # the first step's weights loaded ahead (module doc)
-    PDL: tl.constexpr = 0,      # a launch with programmatic dependent launch (needs FIRST)
 ):
     """out[t, n] for token t = program_id(1) and the rows of block program_id(0) (see the
     module docstring); with SPLIT, program_id(2) takes `split_features` inputs (a whole
     number of steps) and stores its float32 partial sum, scales applied."""
-    ops.launch_next(PDL)
     token = tl.program_id(1)
     rows = token + tl.arange(0, 1)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -110,38 +100,27 @@ def fp8_gemm_rows_kernel(
     if GATED:
         s_up = scale_ptr + tl.load(scale_row_ptr + out_features + cols, mask=col_ok,
                                    other=0) * stride_scale_row
-    k_start = tl.program_id(2) * split_features
-    k_end = tl.minimum(k_start + split_features, in_features)
-    if FIRST:   # the first step's weights, while the previous kernel finishes
-        ks = k_start + tl.arange(0, BLOCK_K)
-        w_first, up_first = load_pair(w_rows, up_rows, ks,
-                                      col_ok[:, None] & (ks < k_end)[None, :], GATED)
-    ops.grid_wait(PDL)
     residual = early_residual(residual_ptr, rows, cols, row_ok, col_ok, stride_residual_token,
                               EARLY, HAS_RESIDUAL, SPLIT)
     norm_scale = 1.0
     if NORM:
         norm_scale = row_scale(x_row, in_features, eps, NORM_BLOCK)
     normed_row = normed_ptr + token.to(tl.int64) * stride_normed_token
+    k_start = tl.program_id(2) * split_features
+    k_end = tl.minimum(k_start + split_features, in_features)
     acc = tl.full([BLOCK_N], 0, dtype=tl.float32)
     acc_up = tl.full([BLOCK_N], 0, dtype=tl.float32)
-    k_loop = k_start
-    if FIRST:
-        ks = k_start + tl.arange(0, BLOCK_K)
-        xv, w_mask = row_input(x_row, ks, in_features, col_ok, norm_weight_ptr, norm_scale,
-                               normed_row, EVEN_K, NORM, STORE_NORMED)
-        acc, acc_up = _fp8_pair_step(acc, acc_up, w_first, up_first, s_rows, s_up, xv, k_start,
-                                     ks, w_mask, col_ok, in_features, col_offset, SCALE,
-                                     BLOCK_COLS, SUB, GATED, BLOCK_N, BLOCK_K)
-        k_loop = k_start + BLOCK_K
-    for k0 in range(k_loop, k_end, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         xv, w_mask = row_input(x_row, ks, in_features, col_ok, norm_weight_ptr, norm_scale,
                                normed_row, EVEN_K, NORM, STORE_NORMED)
         w, w_up = load_pair(w_rows, up_rows, ks, w_mask, GATED)
-        acc, acc_up = _fp8_pair_step(acc, acc_up, w, w_up, s_rows, s_up, xv, k0, ks, w_mask,
-                                     col_ok, in_features, col_offset, SCALE, BLOCK_COLS, SUB,
-                                     GATED, BLOCK_N, BLOCK_K)
+        xf = xv.to(tl.float32)
+        acc += _fp8_step(w, s_rows, xf, k0, ks, w_mask, col_ok, in_features, col_offset,
+                         SCALE, BLOCK_COLS, SUB, BLOCK_N, BLOCK_K)
+        if GATED:
+            acc_up += _fp8_step(w_up, s_up, xf, k0, ks, w_mask, col_ok, in_features,
+                                col_offset, SCALE, BLOCK_COLS, SUB, BLOCK_N, BLOCK_K)
     if SCALE == 0:
         acc = acc * tl.load(s_rows, mask=col_ok, other=0.0)
         if GATED:
@@ -149,22 +128,6 @@ def fp8_gemm_rows_kernel(
     _finish(acc, acc_up, rows, cols, row_ok, col_ok, bias_ptr, residual_ptr, partial_ptr,
             out_ptr, out_features, stride_residual_token, stride_partial_split,
             stride_out_token, GATED, HAS_BIAS, HAS_RESIDUAL, SPLIT, residual)
-
-
-@triton.jit
-def _fp8_pair_step(acc, acc_up, w, w_up, s_rows, s_up, xv, k0, ks, w_mask, col_ok, in_features,
-                   col_offset, SCALE: tl.constexpr, BLOCK_COLS: tl.constexpr,
-                   SUB: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
-    """(acc, acc_up) after one step of the e4m3 tiles w (and, GATED, w_up) times the
-    step's inputs xv [1, BLOCK_K]."""
-    xf = xv.to(tl.float32)
-    acc += _fp8_step(w, s_rows, xf, k0, ks, w_mask, col_ok, in_features, col_offset,
-                     SCALE, BLOCK_COLS, SUB, BLOCK_N, BLOCK_K)
-    if GATED:
-        acc_up += _fp8_step(w_up, s_up, xf, k0, ks, w_mask, col_ok, in_features,
-                            col_offset, SCALE, BLOCK_COLS, SUB, BLOCK_N, BLOCK_K)
-    return acc, acc_up
 
 
 @triton.jit
@@ -223,26 +186,6 @@ def _planes(xv, KW: tl.constexpr):
 
 
 @triton.jit
-def _nvfp4_tiles(w_rows, s_rows, k0, col_ok, k_words, k_groups, out_features,
-                 stride_weight_row, stride_scale_row, GATED: tl.constexpr, KW: tl.constexpr):
-    """The words [BLOCK_N, KW] and scale bytes [BLOCK_N, KW / 2] of the step at input k0
-    (zeros past the row's end), and, GATED, the up rows' (else the same twice)."""
-    word = k0 // 8 + tl.arange(0, KW)
-    group = k0 // 16 + tl.arange(0, KW // 2)
-    w_mask = col_ok[:, None] & (word < k_words)[None, :]
-    s_mask = col_ok[:, None] & (group < k_groups)[None, :]
-    w = tl.load(w_rows + word[None, :], mask=w_mask, other=0)
-    s = tl.load(s_rows + group[None, :], mask=s_mask, other=0)
-    w_up, s_up = w, s
-    if GATED:
-        w_up = tl.load(w_rows + out_features * stride_weight_row + word[None, :], mask=w_mask,
-                       other=0)
-        s_up = tl.load(s_rows + out_features * stride_scale_row + group[None, :], mask=s_mask,
-                       other=0)
-    return w, s, w_up, s_up
-
-
-@triton.jit
 def nvfp4_gemm_rows_kernel(
     # pointers
     x_ptr,                  # [tokens, in_features] activations
@@ -285,13 +228,10 @@ def nvfp4_gemm_rows_kernel(
     KW: tl.constexpr,       # words per step (8 KW inputs, KW even)
     NORM_BLOCK: tl.constexpr,
     EARLY: tl.constexpr = 1,    # the residual loaded first (`early_residual`)
-    FIRST: tl.constexpr = 0,    # the first step's weights loaded ahead (module doc)
-    PDL: tl.constexpr = 0,      # a launch with programmatic dependent launch (needs FIRST)
 ):
     """out[t, n] for token t = program_id(1) and the rows of block program_id(0) (see the
     module docstring); with SPLIT, program_id(2) takes `split_features` inputs (a whole
     number of steps) and stores its float32 partial sum, scales applied."""
-    ops.launch_next(PDL)
     G: tl.constexpr = KW // 2
     token = tl.program_id(1)
     rows = token + tl.arange(0, 1)
@@ -303,31 +243,17 @@ def nvfp4_gemm_rows_kernel(
     s_rows = scale_ptr + cols.to(tl.int64)[:, None] * stride_scale_row
     k_words, k_groups = in_features // 8, in_features // 16
     tables = word_tables(zero, BLOCK_N, KW)
-    k_start = tl.program_id(2) * split_features
-    k_end = tl.minimum(k_start + split_features, in_features)
-    if FIRST:   # the first step's words and scales, while the previous kernel finishes
-        w_first, s_first, wu_first, su_first = _nvfp4_tiles(
-            w_rows, s_rows, k_start, col_ok, k_words, k_groups, out_features,
-            stride_weight_row, stride_scale_row, GATED, KW)
-    ops.grid_wait(PDL)
     residual = early_residual(residual_ptr, rows, cols, row_ok, col_ok, stride_residual_token,
                               EARLY, HAS_RESIDUAL, SPLIT)
     norm_scale = 1.0
     if NORM:
         norm_scale = row_scale(x_row, in_features, eps, NORM_BLOCK)
     normed_row = normed_ptr + token.to(tl.int64) * stride_normed_token
+    k_start = tl.program_id(2) * split_features
+    k_end = tl.minimum(k_start + split_features, in_features)
     acc = tl.full([BLOCK_N, G], 0, dtype=tl.float32)
     acc_up = tl.full([BLOCK_N, G], 0, dtype=tl.float32)
-    k_loop = k_start
-    if FIRST:
-        xv, _ = row_input(x_row, k_start + tl.arange(0, 8 * KW), in_features, col_ok,
-                          norm_weight_ptr, norm_scale, normed_row, EVEN_K, NORM, STORE_NORMED)
-        x = _planes(xv.to(tl.float32), KW)
-        acc = word_step(acc, w_first, s_first, x, tables, ASM)
-        if GATED:
-            acc_up = word_step(acc_up, wu_first, su_first, x, tables, ASM)
-        k_loop = k_start + 8 * KW
-    for k0 in range(k_loop, k_end, 8 * KW):
+    for k0 in range(k_start, k_end, 8 * KW):
         xv, _ = row_input(x_row, k0 + tl.arange(0, 8 * KW), in_features, col_ok,
                           norm_weight_ptr, norm_scale, normed_row, EVEN_K, NORM, STORE_NORMED)
         x = _planes(xv.to(tl.float32), KW)

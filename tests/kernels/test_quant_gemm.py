@@ -21,7 +21,6 @@ from the code under test:
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 
 import pytest
@@ -324,52 +323,6 @@ def test_row_kernels_take_the_norm_and_the_residual(fmt, split, offset, gated, e
     err = float((got.double() - want).norm() / want.norm())
     assert err < RTOL, f"{fmt} split {split} offset {offset}: relative L2 {err:.2e}"
     torch.testing.assert_close(normed, want_normed, rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
-@pytest.mark.parametrize("split,block_k", [(1, 64), (2, 64), (1, 256)],
-                         ids=["steps", "split", "one-step"])
-@SIGMOID_SATURATES
-def test_first_step_loaded_ahead_gives_the_same_bits(fmt, split, block_k, monkeypatch):
-    """The row kernels' first step taken ahead of their loop, its weights loaded at the start
-    (`quant_gemm.ROW_FIRST`, what a launch with programmatic dependent launch does before
-    its wait): the same bits as the loop alone, with the norm, the gate and the residual
-    fused, over several steps, a split and one whole-row step."""
-    tiles = quant_gemm.QuantTiles(1, 8, block_k, split=split, rows=True)
-    results = {}
-    for first in (False, True):
-        monkeypatch.setattr(quant_gemm, "ROW_FIRST", first)
-        torch.manual_seed(0)   # the same bias both times
-        got, want, normed, _ = _fusion_call(split, True, with_bias=True, fmt=fmt, gated=True,
-                                            tiles=tiles)
-        err = float((got.double() - want).norm() / want.norm())
-        assert err < RTOL, f"{fmt} {tiles.key()} first={first}: relative L2 {err:.2e}"
-        results[first] = (got, normed)
-    assert torch.equal(results[True][0], results[False][0]), f"{fmt} {tiles.key()}"
-    assert torch.equal(results[True][1], results[False][1]), f"{fmt} {tiles.key()}"
-
-
-@pytest.mark.parametrize("mode_case", [0, 1, 2])
-def test_fp8_first_step_ahead_in_every_scale_mode(mode_case, monkeypatch):
-    """The FP8 row kernel's first step ahead (`quant_gemm.ROW_FIRST`) in each scale placement
-    (per row, per input group, per element) and over a partial last step: the same bits as
-    the loop alone."""
-    shape, block, col_offset, block_k = [((30, 40), (16, 64), 0, 32),
-                                         ((40, 256), (16, 32), 0, 128),
-                                         ((37, 200), (16, 24), 8, 64)][mode_case]
-    rows, cols = shape
-    codes, scale = quantize_block(_weight(rows, cols + col_offset, rows), block)
-    codes = codes[:, col_offset:].contiguous()
-    assert quant_gemm._fp8_scale_mode(cols, block[1], col_offset, block_k)[0] == mode_case
-    x, bias = _x(3, cols, rows), torch.randn(rows)
-    scale_row = (torch.arange(rows) // block[0]).to(torch.int32)
-    tiles = quant_gemm.QuantTiles(1, 4, block_k, rows=True)
-    results = []
-    for first in (False, True):
-        monkeypatch.setattr(quant_gemm, "ROW_FIRST", first)
-        results.append(quant_gemm.fp8_gemm(x, codes, scale.float(), scale_row, block[1],
-                                           col_offset, bias=bias, tiles=tiles))
-    assert torch.equal(results[0], results[1]), (shape, block, col_offset, block_k)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
@@ -722,114 +675,3 @@ def test_the_oracle_comparison_catches_global_scale_bugs(bug):
         layer.weight_scale_2_group.zero_()
     with pytest.raises(AssertionError, match="relative L2 error"):
         _assert_oracle(layer.quant.kernel(layer, x, None), x, oracle, bug)
-
-
-_ROW_LAUNCH_PTX = """
-import json, sys
-sys.path.insert(0, "bench")
-import torch
-import nvfp4_sass
-from freetoken.kernels import gemv, jit_module, quant_gemm
-
-launches = []
-
-
-class Recorder:
-    \"\"\"`jit_module` for the launcher: each launch's kernel and keyword arguments kept,
-    nothing run.\"\"\"
-
-    def __init__(self, name):
-        self.module = jit_module(name)
-
-    def __getattr__(self, name):
-        kernel = getattr(self.module, name)
-
-        class Grid:
-            def __getitem__(self, grid):
-                return lambda **kw: launches.append((name, kernel, kw))
-        return Grid()
-
-
-quant_gemm.jit_module = Recorder
-quant_gemm.pdl_available = lambda x: bool(int(sys.argv[1]))
-quant_gemm.ROW_PDL = True
-x = torch.empty(1, 2048, dtype=torch.bfloat16)
-wide = torch.empty(1, 4096, dtype=torch.bfloat16)
-norm = gemv.Norm(torch.empty(2048, dtype=torch.bfloat16), 1e-6, True)
-res = torch.empty(1, 2048, dtype=torch.bfloat16)
-
-
-def fp8(rows, inputs, block):
-    scale_rows = -(-rows // block)
-    return dict(weight=torch.empty(rows, inputs, dtype=torch.float8_e4m3fn),
-                scale=torch.empty(scale_rows, -(-inputs // block)),
-                scale_row=(torch.arange(rows) // block).int(), block_cols=block)
-
-
-def nvfp4(rows, inputs):
-    return dict(packed=torch.empty(rows, inputs // 2, dtype=torch.uint8),
-                block_scale=torch.empty(rows, inputs // 16, dtype=torch.float8_e4m3fn),
-                global_scale=torch.ones(1), group=torch.zeros(rows, dtype=torch.int32))
-
-
-# Qwen3.5-MoE's one-token quantized projections at TP 1 on their shipped tiles
-calls = [
-    ("in_proj+norm fp8-tensor", quant_gemm.fp8_gemm, x, fp8(12288, 2048, 1 << 20),
-     dict(norm=norm), ("fp8-tensor", True)),
-    ("out+residual fp8-tensor", quant_gemm.fp8_gemm, wide, fp8(2048, 4096, 1 << 20),
-     dict(residual=res), ("fp8-tensor", False)),
-    ("qkv+norm fp8-block", quant_gemm.fp8_gemm, x, fp8(9216, 2048, 128), dict(norm=norm),
-     ("fp8-block", True)),
-    ("shared gate_up nvfp4", quant_gemm.nvfp4_gemm, x, nvfp4(1024, 2048), dict(gated=True),
-     ("nvfp4", False)),
-    ("shared down nvfp4", quant_gemm.nvfp4_gemm, torch.empty(1, 512, dtype=torch.bfloat16),
-     nvfp4(2048, 512), dict(residual=res), ("nvfp4", False)),
-]
-out = {}
-for name, gemm, inputs, weight, fused, (fmt, normed) in calls:
-    rows = next(iter(weight.values())).shape[0]
-    tiles = quant_gemm.fusing_tiles(1, rows, inputs.shape[1], fmt, norm=normed)
-    launches.clear()
-    gemm(inputs, **weight, **fused, tiles=tiles)
-    (kernel_name, kernel, kw), = launches
-    out[name] = (kernel_name, nvfp4_sass.compile_launch(kernel, kw).asm["ptx"])
-print(json.dumps(out))
-"""
-_QUANT_EARLY = {"weight_ptr", "scale_ptr", "scale_row_ptr", "global_ptr", "group_ptr",
-                "bias_ptr", "norm_weight_ptr", "tokens", "out_features", "in_features",
-                "split_features", "col_offset", "zero", "eps"}
-
-
-def _row_launch_ptx(pdl: bool) -> dict[str, tuple[str, str]]:
-    """{call: (kernel name, PTX)} of the quantized row kernels compiled for sm_90 as the
-    launcher launches them with (or without) programmatic dependent launch available."""
-    from conftest import run_compiled
-
-    proc = run_compiled(["-c", _ROW_LAUNCH_PTX, str(int(pdl))])
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return json.loads(proc.stdout.splitlines()[-1])
-
-
-def test_quantized_row_kernels_with_pdl_read_x_only_after_the_wait():
-    """The FP8 and NVFP4 row kernels as their launcher launches them with programmatic
-    dependent launch (`quant_gemm.ROW_PDL` and a GPU that has it), compiled for sm_90 at
-    Qwen3.5-MoE's one-token projections and shipped tiles: each lets the next kernel launch,
-    loads only weights and scales before `griddepcontrol.wait` (at least one load) and
-    reads x, the norm's row and the residual, or writes, only after it (traced from the PTX,
-    `ptx_order.early_read_problems`). The check fails on the wait moved to the end and on
-    the early launch dropped; without PDL the launch has neither step."""
-    from ptx_order import early_read_problems, param_names, wait_moved_to_end
-
-    from freetoken.kernels import jit_module
-
-    module = jit_module("quant_gemm_rows_jit")
-    for name, (kernel_name, text) in _row_launch_ptx(True).items():
-        names = param_names(getattr(module, kernel_name))
-        early = _QUANT_EARLY | {n for n in names if n.startswith("stride_")}
-        assert early_read_problems(text, names, early) == [], name
-        problems = early_read_problems(wait_moved_to_end(text), names, early)
-        assert any("load of x_ptr" in p for p in problems), (name, problems)
-        dropped = text.replace("griddepcontrol.launch_dependents", "// dropped")
-        assert early_read_problems(dropped, names, early), name
-    for name, (_, text) in _row_launch_ptx(False).items():
-        assert "griddepcontrol" not in text, name
