@@ -9,6 +9,13 @@ import torch
 
 from freetoken.kernels import interpreting, jit_module, next_pow2, pdl
 
+GATED_LAUNCH_NEXT = True
+"""True: on sm_90+ the gated RMSNorm lets the next kernel launch as it starts
+(`gated_rms_norm_kernel`'s LAUNCH_NEXT), so GatedDeltaNet's out_proj, a 16-bit row kernel
+launched with programmatic dependent launch (`gemv.ROW_PDL`), loads its first weights while
+the norm runs; False: it launches once the norm has finished (`bench/tile_ab.py` switch
+`no-gnorm-launch-next`)."""
+
 
 def _jit():
     """The kernel module, imported on first use (see `freetoken.kernels.jit_module`)."""
@@ -61,7 +68,7 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
             channels=channels, eps=eps,
             stride_x_row=channels, stride_z_token=z.stride(0), stride_z_head=z.stride(1),
             stride_out_row=channels, HEADS=heads, ROWS=block, BLOCK_N=next_pow2(channels),
-            LAUNCH_NEXT=int(pdl.available(x)), num_warps=1)
+            LAUNCH_NEXT=int(GATED_LAUNCH_NEXT and pdl.available(x)), num_warps=1)
     return out
 
 
