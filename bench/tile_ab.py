@@ -22,14 +22,14 @@ without programmatic dependent launch, `gemv.ROW_PDL`) and `no-gnorm-launch-next
 kernel launches once the gated norm has finished, `norm_rope.GATED_LAUNCH_NEXT`), all on
 otherwise; and the decode attention's launch (`paged_attention.DECODE`, the shipped one
 otherwise) changed by `attn-before` (the launch before its options,
-`paged_attention.BEFORE`), `attn-4-warps`,
-`attn-no-splits` (one program a sequence and KV head), `attn-stages1` (no pipelining) and
-`attn-no-launch-next` (the next kernel launches once attention has finished). Before each
-arm's run the tables are re-read and the decode graphs dropped, so they are captured again
-with that arm's tiles. A run is one warm-up and `--repeats` timed pairs (one token, then
-`--new-tokens`); the step time is their difference over the decode steps. Prints each arm's
-median step over the rounds, every round's value, and with `--mb` (the bytes a step reads,
-from `bench/engine_decode.py`) the share of the copy bandwidth measured here."""
+`paged_attention.BEFORE`), `attn-4-warps`, `attn-no-splits` (one program a sequence and KV
+head), `attn-stages1` (no pipelining) and `attn-no-launch-next` (the next kernel launches
+once attention has finished). Before each arm's run the tables are re-read and the decode
+graphs dropped, so they are captured again with that arm's tiles. A run is one warm-up and
+`--repeats` timed pairs (one token, then `--new-tokens`); the step time is their difference
+over the decode steps. Prints each arm's median step over the rounds, every round's value,
+and with `--mb` (the bytes a step reads, from `bench/engine_decode.py`) the share of the
+copy bandwidth measured here."""
 
 from __future__ import annotations
 
