@@ -1,7 +1,8 @@
-"""The decode step's linear kernels compiled by Triton for sm_90 on this CPU, in the
-variants their launchers ask for: Triton's interpreter, which runs every other kernel test
-here, accepts code that the compiler refuses (a @jit function returning None, say), and a
-GPU run is the wrong place to find that out."""
+"""The engine's kernels compiled by Triton for sm_90 on this CPU: the decode step's linear
+kernels in every variant their launchers ask for, and the other kernels with the arguments
+their launchers launch them with at Qwen3.5-MoE's shapes. Triton's interpreter, which runs
+every other kernel test here, accepts code that the compiler refuses (a @jit function
+returning None, say), and a GPU run is the wrong place to find that out."""
 
 from __future__ import annotations
 
@@ -87,7 +88,8 @@ sys.path.insert(0, "bench")
 import torch
 import triton
 import nvfp4_sass
-from freetoken.kernels import delta_rule, fused_moe, norm_rope, pdl, quant_gemm, step_io
+from freetoken.kernels import (canonical_gemm, delta_rule, fused_moe, norm_rope, pdl,
+                               quant_gemm, step_io)
 
 launches = []
 
@@ -132,6 +134,11 @@ for t in (1, 16):
 quant_gemm.fp8_gemm(bf16(16, 2048), torch.empty(9216, 2048, dtype=torch.float8_e4m3fn),
                     torch.empty(72, 16), (torch.arange(9216) // 128).int(), 128,
                     tile_format="fp8-block")
+# prefill's rotary with the cache write, and the tp_invariant mode's chunked GEMM
+q, k, v = bf16(32, 16, 256), bf16(32, 2, 256), bf16(32, 2, 256)
+norm_rope.rotary_(q, k, torch.arange(32), torch.empty(32), 64,
+                  (v, bf16(8, 16, 2, 256), bf16(8, 16, 2, 256), torch.arange(32)))
+canonical_gemm.chunk_products(bf16(16, 4096), bf16(2048, 4096), 8, torch.bfloat16)
 out = []
 for kernel, kw in launches:
     name = kernel.fn.__name__
@@ -146,11 +153,12 @@ print(json.dumps(out))
 
 
 def test_decode_step_kernels_compile_as_launched():
-    """The decode step's other kernels (RMSNorm, GatedDeltaNet's gated norm, conv update and
-    delta rule, SiLU-and-mul, routing, the step's argmax and input unpacking, the 16-bit
-    routed experts on their row and grouped kernels with the alignment, the block-FP8 tiled
-    GEMM), launched by their own launchers at Qwen3.5-MoE's one- and 16-token shapes with
-    the launches recorded, not run, and each compiled for sm_90 with the arguments as launched
+    """The decode step's other kernels (RMSNorm, GatedDeltaNet's gated norm, conv update and delta
+    rule, SiLU-and-mul, routing, the step's argmax and input unpacking, the 16-bit routed
+    experts on their row and grouped kernels with the alignment, the block-FP8 tiled GEMM,
+    prefill's rotary with its cache write, the tp_invariant mode's chunked GEMM), launched
+    by their own launchers at Qwen3.5-MoE's one- and 16-token shapes with the launches
+    recorded, not run, and each compiled for sm_90 with the arguments as launched
     (`nvfp4_sass.compile_launch`): all compile, and the gated norm lets the next kernel
     (out_proj, launched with programmatic dependent launch) start early."""
     from conftest import run_compiled
@@ -163,7 +171,8 @@ def test_decode_step_kernels_compile_as_launched():
                      "conv_update_kernel", "gated_delta_decode_kernel", "route_kernel",
                      "float_argmax_kernel", "argmax_finish_kernel", "unpack_kernel",
                      "gate_up_rows_kernel", "down_rows_kernel", "align_kernel",
-                     "gate_up_kernel", "down_kernel", "fp8_gemm_kernel"}, names
+                     "gate_up_kernel", "down_kernel", "fp8_gemm_kernel", "rotary_kernel",
+                     "chunked_gemm_kernel"}, names
     failed = [(name, result) for name, result, _ in results if result != "ok"]
     assert not failed, failed
     triggers = {name for name, _, trigger in results if trigger}
