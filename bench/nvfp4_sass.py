@@ -126,6 +126,16 @@ def compile_launch(fn, kwargs: dict, arch: int = 90):
                           pointers=pointers, divisible=divisible)
 
 
+def compile_outcome(build) -> tuple[str, str]:
+    """("ok", PTX) of `build()` (a `compile_kernel` or `compile_launch` call), or (the
+    compiler's error, which names the kernel's line, "") where it refuses the kernel."""
+    try:
+        ptx = build().asm["ptx"]
+    except Exception as err:   # the compiler's own exception types vary by Triton version
+        return f"{type(err).__name__}: {err}"[:2000], ""
+    return ("ok" if ".entry" in ptx else "no PTX entry"), ptx
+
+
 def compile_sass(fn, constexprs: dict, num_warps: int, arch: int,
                  options: dict | None = None, **types) -> tuple[str, int, int]:
     """(SASS text, registers, spill bytes) of `fn` compiled for sm_`arch` (`types`: the

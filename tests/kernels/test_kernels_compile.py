@@ -58,12 +58,8 @@ cases = {
 }
 out = {}
 for name, (fn, meta, types) in cases.items():
-    try:
-        kernel = nvfp4_sass.compile_kernel(fn, meta, 4, 90, pointers=pointers(fn, **types),
-                                           divisible=set())
-        out[name] = "ok" if ".entry" in kernel.asm["ptx"] else "no PTX entry"
-    except Exception as err:   # the compiler's message names the kernel's line
-        out[name] = f"{type(err).__name__}: {err}"[:2000]
+    out[name] = nvfp4_sass.compile_outcome(lambda: nvfp4_sass.compile_kernel(
+        fn, meta, 4, 90, pointers=pointers(fn, **types), divisible=set()))[0]
 print(json.dumps(out))
 """
 
@@ -141,13 +137,11 @@ norm_rope.rotary_(q, k, torch.arange(32), torch.empty(32), 64,
 canonical_gemm.chunk_products(bf16(16, 4096), bf16(2048, 4096), 8, torch.bfloat16)
 out = []
 for kernel, kw in launches:
-    name = kernel.fn.__name__
-    try:
-        ptx = nvfp4_sass.compile_launch(kernel, kw).asm["ptx"]
-        out.append((name, "ok" if ".entry" in ptx else "no PTX entry",
-                    "griddepcontrol.launch_dependents" in ptx))
-    except Exception as err:   # the compiler's message names the kernel's line
-        out.append((name, f"{type(err).__name__}: {err}"[:2000], False))
+    result, ptx = nvfp4_sass.compile_outcome(lambda: nvfp4_sass.compile_launch(kernel, kw))
+    # the launch's constexprs (upper case by the kernels' convention) name its variant
+    variant = {k: v for k, v in kw.items() if k.isupper() or k == "num_warps"}
+    out.append((kernel.fn.__name__, result, "griddepcontrol.launch_dependents" in ptx,
+                repr(variant)))
 print(json.dumps(out))
 """
 
@@ -166,14 +160,15 @@ def test_decode_step_kernels_compile_as_launched():
     proc = run_compiled(["-c", _LAUNCHED])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = json.loads(proc.stdout.splitlines()[-1])
-    names = {name for name, _, _ in results}
+    names = {name for name, *_ in results}
     assert names == {"rms_norm_kernel", "gated_rms_norm_kernel", "silu_and_mul_kernel",
                      "conv_update_kernel", "gated_delta_decode_kernel", "route_kernel",
                      "float_argmax_kernel", "argmax_finish_kernel", "unpack_kernel",
                      "gate_up_rows_kernel", "down_rows_kernel", "align_kernel",
                      "gate_up_kernel", "down_kernel", "fp8_gemm_kernel", "rotary_kernel",
                      "chunked_gemm_kernel"}, names
-    failed = [(name, result) for name, result, _ in results if result != "ok"]
+    failed = [(name, variant, result) for name, result, _, variant in results
+              if result != "ok"]
     assert not failed, failed
-    triggers = {name for name, _, trigger in results if trigger}
+    triggers = {name for name, _, trigger, _ in results if trigger}
     assert triggers == {"gated_rms_norm_kernel"}, triggers
