@@ -81,7 +81,8 @@ def compile_kernel(fn, constexprs: dict, num_warps: int, arch: int,
 _TRITON_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64",
                  "float8_e4m3fn": "fp8e4nv", "float8_e5m2": "fp8e5", "int8": "i8",
                  "uint8": "u8", "int16": "i16", "int32": "i32", "int64": "i64", "bool": "i1"}
-LAUNCH_OPTIONS = {"num_warps", "num_stages", "maxnreg", "launch_pdl"}
+LAUNCH_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg", "launch_pdl"})
+"""Keyword arguments of a launch that are Triton's options, not kernel parameters."""
 
 
 def compile_launch(fn, kwargs: dict, arch: int = 90):
@@ -121,7 +122,7 @@ def compile_launch(fn, kwargs: dict, arch: int = 90):
             pointers[name] = "fp32"
         else:
             raise TypeError(f"{fn.fn.__name__}: argument {name} is a {type(value).__name__}")
-    options = {k: kwargs[k] for k in ("num_stages", "maxnreg") if k in kwargs}
+    options = {k: kwargs[k] for k in ("num_stages", "num_ctas", "maxnreg") if k in kwargs}
     return compile_kernel(fn, constexprs, kwargs.get("num_warps", 4), arch, options,
                           pointers=pointers, divisible=divisible)
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.nvfp4_sass import LAUNCH_OPTIONS
+
 TP_SIZES = (1, 2, 4, 8)
 
 
@@ -34,10 +36,6 @@ def interpreter():
 def assert_close(got, want, what):
     atol = 1e-5 * max(float(want.abs().max()), 1e-30)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=atol, msg=lambda m: f"{what}: {m}")
-
-
-LAUNCH_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg"})
-"""Keyword arguments of a launch that are options, not kernel parameters."""
 
 
 class LaunchRecorder:
