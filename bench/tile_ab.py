@@ -18,14 +18,16 @@ the input norm, the gate and the residual add, `quant_gemm.DECODE_FUSIONS`), `no
 16-bit row kernel of a normed call loads each weight tile in its step, not a step ahead,
 `gemv.ROW_PREFETCH`), `no-row-early` (the row kernels load the residual and the norm weight
 where they are used, `gemv.ROW_EARLY`), `no-row-pdl` (the 16-bit row kernels launched
-without programmatic dependent launch, `gemv.ROW_PDL`) and `no-gnorm-launch-next` (the next
-kernel launches once the gated norm has finished, `norm_rope.GATED_LAUNCH_NEXT`), all on
-otherwise; and the decode attention's launch (`paged_attention.DECODE`, the shipped one
-otherwise) changed by `attn-before` (the launch before its options,
-`paged_attention.BEFORE`), `attn-4-warps`, `attn-no-splits` (one program a sequence and KV
-head), `attn-stages1` (no pipelining) and `attn-no-launch-next` (the next kernel launches
-once attention has finished). Before each arm's run the tables are re-read and the decode
-graphs dropped, so they are captured again with that arm's tiles. A run is one warm-up and
+without programmatic dependent launch, `gemv.ROW_PDL`), `no-gnorm-launch-next` (the next
+kernel launches once the gated norm has finished, `norm_rope.GATED_LAUNCH_NEXT`) and
+`no-attn-fold` (the q/k norms and the output gate on launches of their own, not inside the
+decode attention, `freetoken.layers.attention.FOLD_NORM_GATE`), all on otherwise; and the
+decode attention's launch (`paged_attention.DECODE`, the shipped one otherwise) changed by
+`attn-before` (the launch before its options, `paged_attention.BEFORE`), `attn-4-warps`,
+`attn-no-splits` (one program a sequence and KV head), `attn-stages1` (no pipelining) and
+`attn-no-launch-next` (the next kernel launches once attention has finished). Before each
+arm's run the tables are re-read and the decode graphs dropped, so they are captured again
+with that arm's tiles. A run is one warm-up and
 `--repeats` timed pairs (one token, then `--new-tokens`); the step time is their difference
 over the decode steps. Prints each arm's median step over the rounds, every round's value,
 and with `--mb` (the bytes a step reads, from `bench/engine_decode.py`) the share of the
@@ -49,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from freetoken import LLM, SamplingParams  # noqa: E402
 from freetoken.kernels import fused_moe, gemv, norm_rope, paged_attention, quant_gemm  # noqa: E402
+from freetoken.layers import attention  # noqa: E402
 
 TABLES = (("FREETOKEN_GEMV_TABLE", gemv), ("FREETOKEN_QUANT_TABLE", quant_gemm))
 
@@ -59,7 +62,7 @@ ATTENTION_SWITCHES = {"attn-before": dataclasses.asdict(paged_attention.BEFORE),
                       "attn-no-launch-next": dict(launch_next=False)}
 SWITCHES = ("no-overlap", "no-moe-rows", "no-shared-rows", "no-quant-fusions",
             "no-quant-norm", "no-row-prefetch", "no-row-early", "no-row-pdl",
-            "no-gnorm-launch-next", *ATTENTION_SWITCHES)
+            "no-gnorm-launch-next", "no-attn-fold", *ATTENTION_SWITCHES)
 SHIPPED_ATTENTION = paged_attention.DECODE
 
 
@@ -89,6 +92,7 @@ def use_arm(llm: LLM, arm: tuple[str, str, frozenset]) -> None:
     gemv.ROW_EARLY = "no-row-early" not in switches
     gemv.ROW_PDL = "no-row-pdl" not in switches
     norm_rope.GATED_LAUNCH_NEXT = "no-gnorm-launch-next" not in switches
+    attention.FOLD_NORM_GATE = "no-attn-fold" not in switches
     fields = {}
     for name in switches & set(ATTENTION_SWITCHES):
         fields.update(ATTENTION_SWITCHES[name])

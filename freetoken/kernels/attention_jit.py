@@ -14,7 +14,14 @@ to the activations' dtype, each rotated value rounded to it: as `norm_rope_jit.r
 and stores that key and the value at the token's cache slot; a barrier makes the stores
 visible to the program's own threads, which then read the context (the new key included)
 from the cache as without ROPE. One launch where rotary, the cache write and attention took
-two.
+two. With QK_NORM the query rows and the key are RMS-normalised per head before they are
+rotated (as `norm_rope_jit.rms_norm_kernel`: statistics in float32, rounded to the
+activations' dtype), a rotated channel's partner normalised with the same row statistic;
+two launches fewer (Qwen3's and Qwen3.5's q_norm and k_norm).
+
+With GATE (decode) each output row is multiplied by the sigmoid of its gate row, rounded as
+the torch steps round it (the attention output and the sigmoid each to the output dtype,
+then their product): Qwen3.5's gated attention without its two elementwise launches.
 
 Decode with SPLITS > 1: programs (sequence, KV head, split); a long context is cut into
 splits of whole SPLIT_MIN-position units (`decode_split`, a function of the context length
@@ -30,7 +37,7 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels import jit_ops as ops
-from freetoken.kernels.norm_rope_jit import rope_cos_sin
+from freetoken.kernels.norm_rope_jit import rms_apply, rms_scale, rope_cos_sin
 
 
 @triton.jit
@@ -51,9 +58,13 @@ def paged_attention_kernel(
     slot_mapping_ptr,   # ROPE: [T] int64
     partial_ptr,        # SPLITS > 1: float32 [B, kv_heads, SPLITS, BLOCK_M, BLOCK_D + 2]
     counter_ptr,        # SPLITS > 1: int32 [B * kv_heads], zero between launches
+    q_norm_ptr,         # QK_NORM: [head_dim] the query heads' RMSNorm weight
+    k_norm_ptr,         # QK_NORM: [head_dim] the key heads' RMSNorm weight
+    gate_ptr,           # GATE: [T, heads, head_dim] (unit stride along head_dim)
     # sizes
     scale,
     block_size,
+    norm_eps,           # QK_NORM
     # strides
     stride_q_token,
     stride_q_head,
@@ -66,6 +77,8 @@ def paged_attention_kernel(
     stride_k_new_head,
     stride_v_new_token,
     stride_v_new_head,
+    stride_gate_token,
+    stride_gate_head,
     # meta
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -82,6 +95,9 @@ def paged_attention_kernel(
     SPLITS: tl.constexpr = 1,
     SPLIT_MIN: tl.constexpr = 256,
     PDL: tl.constexpr = 0,      # decode: let the stream's next kernel launch as it starts
+    QK_NORM: tl.constexpr = False,      # with ROPE: q and k RMS-normalised first
+    NORM_OFFSET: tl.constexpr = False,  # QK_NORM: the weight is 1 + w (Qwen3.5)
+    GATE: tl.constexpr = False,         # decode: rows times sigmoid(gate)
 ):
     """Program (work item, KV head). Decode: work item i is sequence i, rows are its one
     query's GROUP heads. Prefill: work item i is (sequence, first query) from `work_ptr`,
@@ -120,6 +136,10 @@ def paged_attention_kernel(
     token = (q_start + q_local).to(tl.int64)
     q_rows = q_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head
     q = tl.load(q_rows + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if QK_NORM:
+        q_scale = rms_scale(q.to(tl.float32), HEAD_DIM, norm_eps)[:, None]
+        q = rms_apply(q, q_scale, tl.load(q_norm_ptr + d, mask=d_ok, other=0.0)[None, :],
+                      NORM_OFFSET)
     if ROPE:
         # rotate-half: channel d < HALF pairs with d + HALF (sign -), d < 2 HALF with
         # d - HALF (sign +); channels from 2 HALF on are not rotated.
@@ -131,6 +151,10 @@ def paged_attention_kernel(
                                 q.dtype)
         q_pair = tl.load(q_rows + partner[None, :],
                          mask=row_ok[:, None] & (d_ok & rotated)[None, :], other=0.0)
+        if QK_NORM:
+            q_pair = rms_apply(q_pair, q_scale, tl.load(q_norm_ptr + partner,
+                                                        mask=d_ok & rotated,
+                                                        other=0.0)[None, :], NORM_OFFSET)
         q = tl.where(rotated[None, :],
                      (q.to(tl.float32) * cos[None, :]
                       + sign[None, :] * q_pair.to(tl.float32) * sin[None, :]).to(q.dtype), q)
@@ -138,6 +162,13 @@ def paged_attention_kernel(
             kv_head * stride_k_new_head
         k_new = tl.load(k_row + d, mask=d_ok, other=0.0)
         k_pair = tl.load(k_row + partner, mask=d_ok & rotated, other=0.0)
+        if QK_NORM:
+            k_scale = rms_scale(k_new.to(tl.float32)[None, :], HEAD_DIM, norm_eps)
+            k_new = rms_apply(k_new, k_scale, tl.load(k_norm_ptr + d, mask=d_ok, other=0.0),
+                              NORM_OFFSET)
+            k_pair = rms_apply(k_pair, k_scale, tl.load(k_norm_ptr + partner,
+                                                        mask=d_ok & rotated, other=0.0),
+                               NORM_OFFSET)
         k_new = tl.where(rotated, (k_new.to(tl.float32) * cos + sign * k_pair.to(tl.float32)
                                    * sin).to(k_new.dtype), k_new)
         v_new = tl.load(v_new_ptr + q_start.to(tl.int64) * stride_v_new_token
@@ -187,28 +218,36 @@ def paged_attention_kernel(
     out_at = out_ptr + token[:, None] * stride_out_token + head[:, None] * stride_out_head \
         + d[None, :]
     out_mask = row_ok[:, None] & d_ok[None, :]
+    gate_at = gate_ptr + token[:, None] * stride_gate_token + head[:, None] * stride_gate_head \
+        + d[None, :]
     if SPLITS > 1:
         if n_split > 1:
             merge_splits(acc, m_i, l_i, partial_ptr, counter_ptr,
                          seq * tl.num_programs(1) + kv_head, n_split, out_at, out_mask,
-                         SPLITS, BLOCK_M, BLOCK_D)
+                         gate_at, SPLITS, BLOCK_M, BLOCK_D, GATE)
         else:
-            store_rows(out_at, acc, l_i, out_mask)
+            store_rows(out_at, acc, l_i, out_mask, gate_at, GATE)
     else:
-        store_rows(out_at, acc, l_i, out_mask)
+        store_rows(out_at, acc, l_i, out_mask, gate_at, GATE)
 
 
 @triton.jit
-def store_rows(out_at, acc, l_i, out_mask):
+def store_rows(out_at, acc, l_i, out_mask, gate_at, GATE: tl.constexpr):
     """The attention rows: the accumulated values over their sums (0 for a row with no
-    key), in the output's dtype."""
-    tl.store(out_at, (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(out_at.dtype.element_ty),
-             mask=out_mask)
+    key), in the output's dtype; with GATE times sigmoid(gate), each rounded to that dtype
+    as the torch steps round them."""
+    dtype = out_at.dtype.element_ty
+    rows = (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(dtype)
+    if GATE:
+        gate = ops.sigmoid(tl.load(gate_at, mask=out_mask, other=0.0).to(tl.float32))
+        rows = (rows.to(tl.float32) * gate.to(dtype).to(tl.float32)).to(dtype)
+    tl.store(out_at, rows, mask=out_mask)
 
 
 @triton.jit
 def merge_splits(acc, m_i, l_i, partial_ptr, counter_ptr, pair, n_split, out_at, out_mask,
-                 SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+                 gate_at, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                 GATE: tl.constexpr):
     """One split of a decode (`decode_split`) leaves its unnormalised rows `acc`, maxima
     and sums at its place of the (sequence, KV head) `pair`'s workspace; the last of the
     pair's splits to finish (the pair's counter) merges all of them in split order, so the
@@ -237,7 +276,7 @@ def merge_splits(acc, m_i, l_i, partial_ptr, counter_ptr, pair, n_split, out_at,
             acc = acc * alpha[:, None] + tl.load(at[:, None] + d[None, :],
                                                  cache_modifier=".cg") * beta[:, None]
             m_i = m_new
-        store_rows(out_at, acc, l_i, out_mask)
+        store_rows(out_at, acc, l_i, out_mask, gate_at, GATE)
         tl.atomic_xchg(counter_ptr + pair, 0)
 
 

@@ -55,16 +55,30 @@ def rms_norm_kernel(
     cols = tl.arange(0, BLOCK_N)
     ok = (r < rows)[:, None] & (cols < channels)[None, :]
     x = tl.load(x_ptr + (token * stride_x_token + head * stride_x_head)[:, None] + cols[None, :],
-                mask=ok, other=0.0).to(tl.float32)
-    scale = 1.0 / tl.sqrt(ops.sum_(x * x, axis=1) / channels + eps)
-    w = tl.load(weight_ptr + cols, mask=cols < channels, other=0.0).to(tl.float32)[None, :]
-    dtype = out_ptr.dtype.element_ty
-    if OFFSET:
-        y = x * scale[:, None] * (1.0 + w)
-    else:
-        y = (x * scale[:, None]).to(dtype).to(tl.float32) * w
+                mask=ok, other=0.0)
+    scale = rms_scale(x.to(tl.float32), channels, eps)
+    w = tl.load(weight_ptr + cols, mask=cols < channels, other=0.0)[None, :]
     out = out_ptr + (token * stride_out_token + head * stride_out_head)[:, None] + cols[None, :]
-    tl.store(out, y.to(dtype), mask=ok)
+    tl.store(out, rms_apply(x, scale[:, None], w, OFFSET), mask=ok)
+
+
+@triton.jit
+def rms_scale(x, channels, eps):
+    """1 / rms of each row of float32 x [rows, N] (padding zeros): `rsqrt(mean(x^2) + eps)`
+    over `channels` channels."""
+    return 1.0 / tl.sqrt(ops.sum_(x * x, axis=1) / channels + eps)
+
+
+@triton.jit
+def rms_apply(x, scale, w, OFFSET: tl.constexpr):
+    """x (in its dtype) normalised by `scale` (`rms_scale`, broadcast to x) and weighted by
+    w, in x's dtype: `(x * scale) * (1 + w)` in float32 with OFFSET, else the normalised x
+    rounded to x's dtype before the weight, as HF's RMSNorm."""
+    dtype = x.dtype
+    h = x.to(tl.float32) * scale
+    if OFFSET:
+        return (h * (1.0 + w.to(tl.float32))).to(dtype)
+    return (h.to(dtype).to(tl.float32) * w.to(tl.float32)).to(dtype)
 
 
 @triton.jit

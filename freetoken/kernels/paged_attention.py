@@ -74,17 +74,31 @@ def block_n(head_dim: int, decode: bool, launch: DecodeLaunch | None = None) -> 
 
 
 @dataclass(frozen=True)
+class QKNorm:
+    """Per-head RMSNorm of q and k before the rotary (Qwen3's and Qwen3.5's q_norm and
+    k_norm): their weights [head_dim], the shared `eps`, and `offset` (the weight is
+    `1 + w`, applied in float32), as `freetoken.layers.norm.RMSNorm`."""
+
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    eps: float
+    offset: bool
+
+
+@dataclass(frozen=True)
 class DecodeRope:
     """A decode step's rotary and cache write, folded into its attention launch: the tokens'
     `positions` [T], the rotary's `inv_freq` [rotary_dim / 2] float32, this step's keys `k`
     (unrotated) and values `v` [T, kv_heads, d] (unit stride along d) and their cache slots
-    `slot_mapping` [T]."""
+    `slot_mapping` [T]; `norm`: q and k normalised per head first (`QKNorm`), q and `k`
+    given unnormalised."""
 
     positions: torch.Tensor
     inv_freq: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
     slot_mapping: torch.Tensor
+    norm: QKNorm | None = None
 
 
 def rows_per_program(num_heads: int, num_kv_heads: int, head_dim: int, decode: bool) -> int:
@@ -107,27 +121,31 @@ def prefill_work(query_lens: list[int], queries_per_program: int, device) -> tor
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_starts: torch.Tensor,
                     context_lens: torch.Tensor, scale: float, work: torch.Tensor | None = None,
-                    rope: DecodeRope | None = None) -> torch.Tensor:
+                    rope: DecodeRope | None = None, gate: torch.Tensor | None = None
+                    ) -> torch.Tensor:
     """q [T, heads, d]; k_cache, v_cache [blocks, block_size, kv_heads, d] with this step's
     keys already written; block_tables int32 [B, max_blocks]; query_starts int32 [B + 1]
     (sequence i's queries are q[query_starts[i]:query_starts[i + 1]]); context_lens int32
     [B]. `work` from `prefill_work`, or None for decode (one query per sequence, T = B).
     Returns [T, heads, d] in q's dtype. Decode with `rope`: q is unrotated and this step's
     keys are not in the cache yet; the launch rotates q and the keys and writes the keys and
-    values first (q itself is left as it was)."""
+    values first (q itself is left as it was), normalising both first with `rope.norm`.
+    Decode with `gate` [T, heads, d] (unit stride along d): the rows come out times
+    `sigmoid(gate)`. q needs a unit stride along d only (a view of a wider projection is
+    read in place)."""
     tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     decode = work is None
     block_m = rows_per_program(num_heads, num_kv_heads, head_dim, decode)
     programs = block_tables.shape[0] if decode else work.shape[0]
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if tokens == 0:
         return out
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     splits = DECODE.splits if decode else 1
     _jit().paged_attention_kernel[(programs, num_kv_heads, splits)](
-        **_rope_args(rope, q, k_flat, decode),
+        **_rope_args(rope, q, k_flat, decode), **_gate_args(gate, q, decode),
         **_split_args(splits, programs * num_kv_heads, block_m, head_dim, q),
         q_ptr=q, k_cache_ptr=k_flat, v_cache_ptr=v_flat, out_ptr=out,
         block_tables_ptr=block_tables, query_starts_ptr=query_starts,
@@ -184,7 +202,8 @@ def _rope_args(rope: DecodeRope | None, q: torch.Tensor, k_flat: torch.Tensor,
     if rope is None:
         return dict(positions_ptr=q, inv_freq_ptr=q, k_new_ptr=q, v_new_ptr=q,
                     slot_mapping_ptr=q, stride_k_new_token=0, stride_k_new_head=0,
-                    stride_v_new_token=0, stride_v_new_head=0)
+                    stride_v_new_token=0, stride_v_new_head=0, q_norm_ptr=q, k_norm_ptr=q,
+                    norm_eps=0.0)
     tokens = q.shape[0]
     if not decode:
         raise ValueError("paged_attention: the folded rotary is for decode steps only")
@@ -200,11 +219,37 @@ def _rope_args(rope: DecodeRope | None, q: torch.Tensor, k_flat: torch.Tensor,
                          f"{tuple(rope.slot_mapping.shape)} and inv_freq "
                          f"{rope.inv_freq.dtype} {tuple(rope.inv_freq.shape)} does not fit "
                          f"a cache of {tuple(k_flat.shape[1:])} per slot")
+    norm = rope.norm
+    if norm is not None and (tuple(norm.q_weight.shape) != (q.shape[2],) or
+                             norm.k_weight.shape != norm.q_weight.shape):
+        raise ValueError(f"paged_attention: q_norm weight {tuple(norm.q_weight.shape)} and "
+                         f"k_norm weight {tuple(norm.k_weight.shape)} do not fit heads of "
+                         f"{q.shape[2]} channels")
     return dict(positions_ptr=rope.positions, inv_freq_ptr=rope.inv_freq, k_new_ptr=rope.k,
                 v_new_ptr=rope.v, slot_mapping_ptr=rope.slot_mapping,
                 stride_k_new_token=rope.k.stride(0), stride_k_new_head=rope.k.stride(1),
                 stride_v_new_token=rope.v.stride(0), stride_v_new_head=rope.v.stride(1),
-                ROPE=True, HALF=rope.inv_freq.numel())
+                ROPE=True, HALF=rope.inv_freq.numel(),
+                q_norm_ptr=q if norm is None else norm.q_weight,
+                k_norm_ptr=q if norm is None else norm.k_weight,
+                norm_eps=0.0 if norm is None else norm.eps, QK_NORM=norm is not None,
+                NORM_OFFSET=norm is not None and norm.offset)
+
+
+def _gate_args(gate: torch.Tensor | None, q: torch.Tensor, decode: bool) -> dict:
+    """The kernel's GATE arguments (a placeholder without `gate`); ValueError naming what
+    does not fit."""
+    if gate is None:
+        return dict(gate_ptr=q, stride_gate_token=0, stride_gate_head=0)
+    if not decode:
+        raise ValueError("paged_attention: the folded output gate is for decode steps only")
+    if gate.shape != q.shape or gate.stride(-1) != 1 or gate.dtype != q.dtype:
+        raise ValueError(f"paged_attention: output gate {gate.dtype} {tuple(gate.shape)} "
+                         f"(stride {gate.stride()}) does not fit q {q.dtype} "
+                         f"{tuple(q.shape)}: the same shape and dtype, unit stride along "
+                         f"head_dim")
+    return dict(gate_ptr=gate, stride_gate_token=gate.stride(0),
+                stride_gate_head=gate.stride(1), GATE=True)
 
 
 def reference_paged_attention(q, k_cache, v_cache, block_tables: list[list[int]],
@@ -232,16 +277,22 @@ def reference_paged_attention(q, k_cache, v_cache, block_tables: list[list[int]]
 
 def reference_decode_rope(rotary, rope: DecodeRope, q: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, block_tables: list[list[int]],
-                          context_lens: list[int], scale: float
+                          context_lens: list[int], scale: float,
+                          gate: torch.Tensor | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The torch path of a decode launch given `rope` (`paged_attention(..., rope=rope)`):
-    q and the step's keys rotated by `rotary` (a `RotaryEmbedding` on their device) in
-    float32, the rotated keys and the values written at the step's slots of copies of the
-    caches, then `reference_paged_attention` on the CPU in float32. Returns (the output on
-    the CPU, the k cache in float32 and the v cache in its dtype, on the caches' device);
-    the inputs are left as they were."""
+    """The torch path of a decode launch given `rope` (`paged_attention(..., rope=rope,
+    gate=gate)`): q and the step's keys normalised by `rope.norm` and rotated by `rotary`
+    (a `RotaryEmbedding` on their device) in float32, the rotated keys and the values
+    written at the step's slots of copies of the caches, then `reference_paged_attention`
+    on the CPU in float32, times `sigmoid(gate)`. Returns (the output on the CPU, the k
+    cache in float32 and the v cache in its dtype, on the caches' device); the inputs are
+    left as they were."""
     _, _, num_kv_heads, head_dim = k_cache.shape
-    want_q, new_k = rotary(rope.positions, q.float().clone(), rope.k.float().clone())
+    q, k = q.float().clone(), rope.k.float().clone()
+    if rope.norm is not None:
+        q, k = (_reference_rms_norm(x, w, rope.norm)
+                for x, w in ((q, rope.norm.q_weight), (k, rope.norm.k_weight)))
+    want_q, new_k = rotary(rope.positions, q, k)
     want_k = k_cache.float().clone()
     want_k.view(-1, num_kv_heads, head_dim)[rope.slot_mapping] = new_k
     want_v = v_cache.clone()
@@ -249,4 +300,12 @@ def reference_decode_rope(rotary, rope: DecodeRope, q: torch.Tensor, k_cache: to
     out = reference_paged_attention(want_q.float().cpu(), want_k.cpu(), want_v.float().cpu(),
                                     block_tables, [1] * len(context_lens), list(context_lens),
                                     scale)
+    if gate is not None:
+        out = out * torch.sigmoid(gate.float().cpu())
     return out, want_k, want_v
+
+
+def _reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, norm: QKNorm) -> torch.Tensor:
+    """float32 x normalised per head in float32 (`QKNorm`'s weight, `1 + w` with offset)."""
+    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps)
+    return h * ((1.0 + weight.float()) if norm.offset else weight.float())

@@ -9,6 +9,13 @@ from torch import nn
 
 from freetoken.context import ForwardContext, get_forward_context
 from freetoken.kernels import paged_attention as kernel
+from freetoken.layers.invariant import elementwise
+
+FOLD_NORM_GATE = True
+"""True: a decode step on the CUDA paths folds the per-head q/k RMSNorm and the output gate
+given to `PagedAttention` into its attention launch (`paged_attention.QKNorm`, `gate`), two
+and two launches fewer per layer of Qwen3.5's gated attention; False: they run as launches of
+their own, before and after it (`bench/tile_ab.py` switch `no-attn-fold`)."""
 
 
 class PagedAttention(nn.Module):
@@ -28,17 +35,38 @@ class PagedAttention(nn.Module):
         self.k_cache, self.v_cache = k_cache, v_cache
 
     def forward(self, rotary: nn.Module, positions: torch.Tensor, q: torch.Tensor,
-                k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [T, heads, d], k and v: [T, kv_heads, d] -> [T, heads, d]: q and k rotated by
-        `rotary` at `positions`, this step's k and v written into the cache, then attention.
-        On CPU plain torch; on the CUDA paths a decode step is one launch (the attention
-        kernel rotates q and k and writes the cache first), a prefill two
-        (`norm_rope.rotary_` with the cache write, then attention)."""
+                k: torch.Tensor, v: torch.Tensor, qk_norm: tuple[nn.Module, nn.Module] | None
+                = None, gate: torch.Tensor | None = None, canonical=None) -> torch.Tensor:
+        """q: [T, heads, d], k and v: [T, kv_heads, d] -> [T, heads, d]: q and k normalised
+        per head by `qk_norm` (q_norm, k_norm) where given and rotated by `rotary` at
+        `positions`, this step's k and v written into the cache, then attention; with `gate`
+        [T, heads, d] the output times `sigmoid(gate)` (through `invariant.elementwise` with
+        `canonical`, the tp_invariant mode's reductions). On CPU plain torch; on the CUDA
+        paths a decode step is one launch (the attention kernel normalises and rotates q and
+        k, writes the cache first and gates its rows: `FOLD_NORM_GATE`; the gate is not
+        folded in the tp_invariant mode), a prefill two (`norm_rope.rotary_` with the cache
+        write, then attention) besides the norms and the gate."""
         ctx = get_forward_context()
+        if ctx.device is not None and not ctx.is_prefill:
+            norm = _folded_norm(qk_norm)
+            folded_gate = gate if FOLD_NORM_GATE and canonical is None else None
+            if qk_norm is not None and norm is None:
+                q, k = qk_norm[0](q), qk_norm[1](k)
+            out = self._kernel(q, ctx, kernel.DecodeRope(positions, rotary.inv_freq, k, v,
+                                                         ctx.slot_mapping, norm), folded_gate)
+            if folded_gate is not None:
+                return out
+        else:
+            if qk_norm is not None:
+                q, k = qk_norm[0](q), qk_norm[1](k)
+            out = self._unfolded(rotary, positions, q, k, v, ctx)
+        return out if gate is None else out * elementwise(canonical, torch.sigmoid, gate)
+
+    def _unfolded(self, rotary: nn.Module, positions: torch.Tensor, q: torch.Tensor,
+                  k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Rotary, cache write and attention of a prefill on the CUDA paths (two launches)
+        or of any step on CPU (torch)."""
         if ctx.device is not None:
-            if not ctx.is_prefill:
-                return self._kernel(q, ctx, kernel.DecodeRope(positions, rotary.inv_freq, k, v,
-                                                              ctx.slot_mapping))
             q, _ = rotary(positions, q, k, (v, self.k_cache, self.v_cache, ctx.slot_mapping))
             return self._kernel(q, ctx)
         q, k = rotary(positions, q, k)
@@ -59,7 +87,8 @@ class PagedAttention(nn.Module):
         return out
 
     def _kernel(self, q: torch.Tensor, ctx: ForwardContext,
-                rope: kernel.DecodeRope | None = None) -> torch.Tensor:
+                rope: kernel.DecodeRope | None = None, gate: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """All sequences in one launch, reading the block tables on the device."""
         work = None
         if ctx.is_prefill:
@@ -69,9 +98,9 @@ class PagedAttention(nn.Module):
             work = ctx.cached(("prefill_work", per), lambda: kernel.prefill_work(
                 ctx.query_lens, per, q.device))
         dev = ctx.device
-        return kernel.paged_attention(q.contiguous(), self.k_cache, self.v_cache,
-                                      dev.block_tables, dev.query_starts, dev.context_lens,
-                                      self.scale, work, rope)
+        return kernel.paged_attention(q if q.stride(-1) == 1 else q.contiguous(), self.k_cache,
+                                      self.v_cache, dev.block_tables, dev.query_starts,
+                                      dev.context_lens, self.scale, work, rope, gate)
 
     def _decode(self, q, k_flat, v_flat, slots, valid) -> torch.Tensor:
         """One new token per sequence, all sequences in one call: keys padded to the longest
@@ -95,6 +124,17 @@ class PagedAttention(nn.Module):
             scale=self.scale,
         )
         return out.transpose(0, 1)
+
+
+def _folded_norm(qk_norm: tuple[nn.Module, nn.Module] | None) -> kernel.QKNorm | None:
+    """The decode launch's `QKNorm` for (q_norm, k_norm), or None where they are not folded
+    (`FOLD_NORM_GATE` off, none given, or norms that differ in eps or offset)."""
+    if not FOLD_NORM_GATE or qk_norm is None:
+        return None
+    q_norm, k_norm = qk_norm
+    if q_norm.eps != k_norm.eps or q_norm.offset != k_norm.offset:
+        return None
+    return kernel.QKNorm(q_norm.weight, k_norm.weight, q_norm.eps, q_norm.offset)
 
 
 def _context_slots(blocks: list[int], length: int, block_size: int, device) -> torch.Tensor:

@@ -52,9 +52,8 @@ class Attention(nn.Module):
         q = q.view(tokens, self.num_heads, hd)
         k = k.view(tokens, self.num_kv_heads, hd)
         v = v.view(tokens, self.num_kv_heads, hd)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        return self.attn(self.rotary, positions, q, k, v).reshape(tokens, -1)
+        qk_norm = (self.q_norm, self.k_norm) if self.qk_norm else None
+        return self.attn(self.rotary, positions, q, k, v, qk_norm=qk_norm).reshape(tokens, -1)
 
 
 class MLP(nn.Module):

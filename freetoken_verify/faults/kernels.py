@@ -67,6 +67,39 @@ def decode_rope_next_position() -> None:
     _wrap_argument(paged_attention, "paged_attention", 8, next_position)
 
 
+@fault("decode-qk-norm-swapped",
+       Entry("decode attention normalises q with k_norm's weight and k with q_norm's",
+             "tiny-qwen3", (1,), ("kernels",),
+             r"engine kernels .*decode_rope tp=\d \(heads \d+, kv heads .*qk_norm (w|1 \+ w)",
+             tp1_green=False))
+def decode_qk_norm_swapped() -> None:
+    """The decode attention launch that folds in the per-head q/k RMSNorm is handed the two
+    weights the wrong way round (as a launcher building its `QKNorm` from k_norm, then
+    q_norm): q and this step's key are each scaled by the other's weight."""
+
+    def swapped(rope, args):
+        if rope is None or rope.norm is None:
+            return rope
+        norm = dataclasses.replace(rope.norm, q_weight=rope.norm.k_weight,
+                                   k_weight=rope.norm.q_weight)
+        return dataclasses.replace(rope, norm=norm)
+
+    _wrap_argument(paged_attention, "paged_attention", 8, swapped)
+
+
+@fault("decode-attention-gate-dropped",
+       Entry("gated decode attention stored without its sigmoid output gate",
+             "tiny-qwen3.5-moe", (1,), ("kernels",),
+             r"engine kernels .*decode_rope tp=\d \(heads \d+, kv heads .*, gate\)",
+             tp1_green=False))
+def decode_attention_gate_dropped() -> None:
+    """Qwen3.5's decode attention launch that folds in the output gate is not handed the
+    gate (as a launcher that folds it and forgets to pass it on): its rows come out without
+    `sigmoid(gate)`, and no later step multiplies them by it."""
+
+    _wrap_argument(paged_attention, "paged_attention", 9, lambda gate, args: None)
+
+
 @fault("fused-moe-expert-offset",
        Entry("bf16 fused MoE multiplies the next expert's weights", "tiny-llama", (1,),
              ("kernels",), r"engine kernels .*fused_moe tp=\d \(experts \d+, top_k",

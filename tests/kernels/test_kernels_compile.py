@@ -6,6 +6,7 @@ returning None, say), and a GPU run is the wrong place to find that out."""
 
 from __future__ import annotations
 
+import ast
 import json
 
 _COMPILE = """
@@ -84,8 +85,8 @@ sys.path.insert(0, "bench")
 import torch
 import triton
 import nvfp4_sass
-from freetoken.kernels import (canonical_gemm, delta_rule, fused_moe, norm_rope, pdl,
-                               quant_gemm, step_io)
+from freetoken.kernels import (canonical_gemm, delta_rule, fused_moe, norm_rope,
+                               paged_attention, pdl, quant_gemm, step_io)
 
 launches = []
 
@@ -96,7 +97,7 @@ def record(self, grid):
 
 
 triton.runtime.jit.JITFunction.__getitem__ = record
-pdl.available = lambda x: True   # the launchers' choices on an sm_90 GPU
+pdl.available = paged_attention.pdl_available = lambda x: True   # as on an sm_90 GPU
 
 
 def bf16(*shape):
@@ -135,6 +136,22 @@ q, k, v = bf16(32, 16, 256), bf16(32, 2, 256), bf16(32, 2, 256)
 norm_rope.rotary_(q, k, torch.arange(32), torch.empty(32), 64,
                   (v, bf16(8, 16, 2, 256), bf16(8, 16, 2, 256), torch.arange(32)))
 canonical_gemm.chunk_products(bf16(16, 4096), bf16(2048, 4096), 8, torch.bfloat16)
+# the decode attention with its rotary, cache write, q/k norms and output gate folded in (q,
+# gate, k and v views of one projection row), and prefill's attention
+caches = bf16(64, 16, 2, 256), bf16(64, 16, 2, 256)
+for t in (1, 16):
+    q, gate, k, v = bf16(t, 36 * 256).split([4096, 4096, 512, 512], dim=-1)
+    norm = paged_attention.QKNorm(bf16(256), bf16(256), 1e-6, True)
+    rope = paged_attention.DecodeRope(torch.arange(t), torch.empty(32), k.view(t, 2, 256),
+                                      v.view(t, 2, 256), torch.arange(t), norm)
+    paged_attention.paged_attention(
+        q.view(t, 16, 256), *caches, torch.zeros(t, 4, dtype=torch.int32),
+        torch.arange(t + 1, dtype=torch.int32), torch.full((t,), 40, dtype=torch.int32),
+        256**-0.5, None, rope, gate.view(t, 16, 256))
+paged_attention.paged_attention(
+    bf16(32, 16, 256), *caches, torch.zeros(1, 4, dtype=torch.int32),
+    torch.tensor([0, 32], dtype=torch.int32), torch.tensor([40], dtype=torch.int32),
+    256**-0.5, paged_attention.prefill_work([32], 16, "cpu"))
 out = []
 for kernel, kw in launches:
     result, ptx = nvfp4_sass.compile_outcome(lambda: nvfp4_sass.compile_launch(kernel, kw))
@@ -150,11 +167,13 @@ def test_decode_step_kernels_compile_as_launched():
     """The decode step's other kernels (RMSNorm, GatedDeltaNet's gated norm, conv update and delta
     rule, SiLU-and-mul, routing, the step's argmax and input unpacking, the 16-bit routed
     experts on their row and grouped kernels with the alignment, the block-FP8 tiled GEMM,
-    prefill's rotary with its cache write, the tp_invariant mode's chunked GEMM), launched
+    prefill's rotary with its cache write, the tp_invariant mode's chunked GEMM, the decode
+    attention with its q/k norms and output gate folded in, prefill's attention), launched
     by their own launchers at Qwen3.5-MoE's one- and 16-token shapes with the launches
     recorded, not run, and each compiled for sm_90 with the arguments as launched
-    (`nvfp4_sass.compile_launch`): all compile, and the gated norm lets the next kernel
-    (out_proj, launched with programmatic dependent launch) start early."""
+    (`nvfp4_sass.compile_launch`): all compile, and the gated norm and the decode attention
+    let the next kernel (out_proj or o_proj, launched with programmatic dependent launch)
+    start early."""
     from conftest import run_compiled
 
     proc = run_compiled(["-c", _LAUNCHED])
@@ -166,9 +185,14 @@ def test_decode_step_kernels_compile_as_launched():
                      "float_argmax_kernel", "argmax_finish_kernel", "unpack_kernel",
                      "gate_up_rows_kernel", "down_rows_kernel", "align_kernel",
                      "gate_up_kernel", "down_kernel", "fp8_gemm_kernel", "rotary_kernel",
-                     "chunked_gemm_kernel"}, names
+                     "chunked_gemm_kernel", "paged_attention_kernel"}, names
     failed = [(name, variant, result) for name, result, _, variant in results
               if result != "ok"]
     assert not failed, failed
     triggers = {name for name, _, trigger, _ in results if trigger}
-    assert triggers == {"gated_rms_norm_kernel"}, triggers
+    assert triggers == {"gated_rms_norm_kernel", "paged_attention_kernel"}, triggers
+    attention = [ast.literal_eval(variant) for name, _, _, variant in results
+                 if name == "paged_attention_kernel"]
+    folded = [v for v in attention if v.get("DECODE")]
+    assert len(folded) == 2 and all(v["QK_NORM"] and v["NORM_OFFSET"] and v["GATE"]
+                                    for v in folded), attention

@@ -284,3 +284,77 @@ def test_decode_attention_folds_rotary_and_cache_write(head_dim, rotary_dim):
     with pytest.raises(ValueError, match="does not fit"):
         paged_attention(q, *off, padded, starts, lens, head_dim**-0.5, None,
                         DecodeRope(positions[:2], rope.inv_freq, k, v, slots))
+
+
+@pytest.mark.parametrize("offset", [False, True])
+@pytest.mark.parametrize("head_dim, rotary_dim", [(16, 16), (64, 16)])
+def test_decode_attention_folds_qk_norm_and_gate(offset, head_dim, rotary_dim):
+    """Decode attention given unnormalised q and k (views into one projection row) with
+    their per-head RMSNorms and the output gate folded in (`QKNorm`, `gate`): the same
+    output and caches as the separate launches (q_norm and k_norm, the folded rotary, then
+    `out * sigmoid(gate)`) and as the float32 reference. Injected bugs are caught: the q and
+    k norm weights swapped, the offset flipped, a neighbouring token's gate."""
+    from freetoken.kernels.norm_rope import rms_norm
+    from freetoken.kernels.paged_attention import (
+        DecodeRope,
+        QKNorm,
+        paged_attention,
+        reference_decode_rope,
+    )
+    from freetoken.layers.rotary import RotaryEmbedding
+
+    rope = RotaryEmbedding(head_dim, rotary_dim, 10000.0)
+    gen = torch.Generator().manual_seed(7)
+    contexts, block, heads = [5, 1, 9], 4, 4
+    tables = [[3, 0], [5], [1, 4, 2]]
+    padded = torch.tensor([t + [0] * (3 - len(t)) for t in tables], dtype=torch.int32)
+    rows = torch.randn(3, (2 * heads + 2 * 2) * head_dim, generator=gen) * 2
+    q = rows[:, : heads * head_dim].view(3, heads, head_dim)
+    gate = rows[:, heads * head_dim : 2 * heads * head_dim].view(3, heads, head_dim)
+    k = rows[:, 2 * heads * head_dim : (2 * heads + 2) * head_dim].view(3, 2, head_dim)
+    v = rows[:, (2 * heads + 2) * head_dim :].view(3, 2, head_dim)
+    weights = [torch.randn(head_dim, generator=gen) * 0.3 + (0.0 if offset else 1.0)
+               for _ in range(2)]
+    norm = QKNorm(*weights, 1e-6, offset)
+    positions = torch.tensor([c - 1 for c in contexts])
+    slots = torch.tensor([t[(c - 1) // block] * block + (c - 1) % block
+                          for t, c in zip(tables, contexts)])
+    starts = torch.arange(4, dtype=torch.int32)
+    lens = torch.tensor(contexts, dtype=torch.int32)
+    caches = [torch.randn(6, block, 2, head_dim, generator=gen) for _ in range(2)]
+    scale = head_dim**-0.5
+
+    def run(fold: QKNorm, gate_rows: torch.Tensor):
+        got_caches = [c.clone() for c in caches]
+        out = paged_attention(q, *got_caches, padded, starts, lens, scale, None,
+                              DecodeRope(positions, rope.inv_freq, k, v, slots, fold),
+                              gate_rows)
+        return out, got_caches
+
+    want_caches = [c.clone() for c in caches]
+    normed_k = rms_norm(k, weights[1], 1e-6, offset)
+    separate = paged_attention(rms_norm(q, weights[0], 1e-6, offset), *want_caches, padded,
+                               starts, lens, scale, None,
+                               DecodeRope(positions, rope.inv_freq, normed_k, v, slots))
+    separate = separate * torch.sigmoid(gate)
+    reference, ref_k, _ = reference_decode_rope(rope, DecodeRope(positions, rope.inv_freq, k,
+                                                                 v, slots, norm),
+                                                q, *caches, tables, contexts, scale, gate)
+    got, got_caches = run(norm, gate)
+    _assert_close(got, separate, "output against the separate launches")
+    _assert_close(got, reference, "output against the reference")
+    _assert_close(got_caches[0], want_caches[0], "k cache")
+    _assert_close(got_caches[0], ref_k, "k cache against the reference")
+    assert torch.equal(got_caches[1], want_caches[1])
+    for bug, fold, gate_rows in (
+            ("q and k norm weights swapped", QKNorm(weights[1], weights[0], 1e-6, offset),
+             gate),
+            ("offset flipped", QKNorm(*weights, 1e-6, not offset), gate),
+            ("a neighbouring token's gate", norm, gate.roll(1, 0))):
+        wrong, _ = run(fold, gate_rows)
+        assert (wrong - reference).abs().max() > 1e-3, bug
+    with pytest.raises(ValueError, match="output gate"):
+        paged_attention(q, *caches, padded, starts, lens, scale, None,
+                        DecodeRope(positions, rope.inv_freq, k, v, slots, norm), gate[:, :2])
+    with pytest.raises(ValueError, match="k_norm weight"):
+        run(QKNorm(weights[0], weights[1][:-1], 1e-6, offset), gate)

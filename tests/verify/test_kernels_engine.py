@@ -175,6 +175,27 @@ def test_fault_fails_its_kernel_naming_tp_shape_and_worst_element(restore_launch
         engine_kernels.run_matrix(untouched, "cpu", torch.float32), "float32") == ""
 
 
+@pytest.mark.parametrize("fault, feature", [("decode-qk-norm-swapped", "qk_norm none"),
+                                             ("decode-attention-gate-dropped", "no gate")])
+def test_folded_norm_and_gate_faults_fail_the_cases_that_fold_them(restore_launchers, fault,
+                                                                   feature):
+    """The decode attention's folded q/k norm and output gate: a launch handed the norm
+    weights swapped, or not handed the gate, fails every decode case of a model with that
+    step, naming the first; a model without it (`feature` in its label) passes."""
+    FAULTS[fault]()
+    cases = [c for c in cpu_matrix() if c.kernel == "decode_rope"]
+    folding = [c for c in cases if feature not in c.label]
+    assert folding and len(folding) < len(cases), [c.label for c in cases]
+    rows = engine_kernels.run_matrix(cases, "cpu", torch.float32)
+    message = engine_kernels.verdict(rows, "float32")
+    n = len(folding)
+    first = re.escape(folding[0].label)
+    assert re.match(rf"engine kernels in float32: {n} / {len(cases)} cases fail against their "
+                    rf"torch references \(decode_rope x{n}\); first: {first}: output: rel L2 ",
+                    message), message
+    assert not [r for r in rows if r["failure"] and feature in r["failure"].split(":")[0]]
+
+
 def test_exact_outputs_fail_on_one_differing_element():
     """Copies and integer results are compared bit for bit: one changed element fails,
     naming the output and its first differing index."""

@@ -9,7 +9,6 @@ from torch import nn
 
 from freetoken.distributed import get_tp_info
 from freetoken.layers.attention import PagedAttention
-from freetoken.layers.invariant import elementwise
 from freetoken.layers.layout import LocalRows
 from freetoken.layers.linear import LinearBase, QKVParallelLinear, RowParallelLinear
 from freetoken.layers.norm import RMSNorm
@@ -72,11 +71,11 @@ class GatedAttention(nn.Module):
         tokens, hd = x.shape[0], self.attn.head_dim
         projected = self.qkv_proj(x) if norm is None else self.qkv_proj.forward_normed(x, norm)
         q, gate, k, v = projected.split(self.qkv_proj.local_sizes, dim=-1)
-        q = self.q_norm(q.view(tokens, self.num_heads, hd))
-        k = self.k_norm(k.view(tokens, self.num_kv_heads, hd))
-        out = self.attn(self.rotary, positions, q, k,
-                        v.view(tokens, self.num_kv_heads, hd)).reshape(tokens, -1)
-        gated = out * elementwise(self.qkv_proj.canonical, torch.sigmoid, gate)
+        heads, kv_heads = (tokens, self.num_heads, hd), (tokens, self.num_kv_heads, hd)
+        gated = self.attn(self.rotary, positions, q.view(heads), k.view(kv_heads),
+                          v.view(kv_heads), qk_norm=(self.q_norm, self.k_norm),
+                          gate=gate.view(heads), canonical=self.qkv_proj.canonical
+                          ).reshape(tokens, -1)
         if residual is None:
             return self.o_proj(gated)
         return self.o_proj.forward_residual(gated, residual)

@@ -105,9 +105,12 @@ def local_shapes(cfg, tp: int, device_type: str) -> list[tuple[str, tuple]]:
     rope = (("rotary_dim", cfg.rotary_dim), ("theta", cfg.rope_theta),
             ("scaling", _hashable(cfg.rope_scaling)))
     out.append(("rotary", (*attn, *rope)))
-    # Decode attention with the rotary and the cache write folded in (the engine's decode).
+    # Decode attention with the rotary and the cache write folded in (the engine's decode),
+    # and the model's q/k norms and Qwen3.5's output gate where it has them.
+    qk_norm = ("1 + w" if qwen35 else "w") if cfg.qk_norm else "none"
     out.append(("decode_rope", (*attn, ("block", BLOCK_SIZE),
-                                ("contexts", DECODE_CONTEXTS[device_type]), *rope)))
+                                ("contexts", DECODE_CONTEXTS[device_type]), *rope,
+                                ("qk_norm", qk_norm), ("gate", qwen35))))
     if cfg.qk_norm:
         out.append(("rms_norm", (("heads", heads), ("head_dim", cfg.head_dim),
                                  ("offset", qwen35))))

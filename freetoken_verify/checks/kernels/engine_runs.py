@@ -103,28 +103,37 @@ def paged_attention(case: EngineCase, inp: _Inputs) -> list[Output]:
 
 def decode_rope(case: EngineCase, inp: _Inputs) -> list[Output]:
     """Decode attention given unrotated q and this step's keys and values (views into a
-    fused projection row): the launch rotates them, writes the cache and attends. Reference:
-    the rotary module, the cache write and the attention of the torch path."""
+    fused projection row, Qwen3.5's output gate among them): the launch normalises q and k
+    per head (`qk_norm` "w" or "1 + w"), rotates them, writes the cache, attends and
+    multiplies the rows by `sigmoid(gate)` (`gate`). Reference: the norms, the rotary
+    module, the cache write, the attention and the gate of the torch path."""
     heads, kv, dim, block = case["heads"], case["kv heads"], case["head_dim"], case["block"]
     contexts = case["contexts"]
     rope = RotaryEmbedding(dim, case["rotary_dim"], case["theta"],
                            dict(case["scaling"]) or None).to(inp.device)
     k_cache, v_cache, tables, padded = _paged_cache(inp, contexts, block, kv, dim)
-    rows = inp.draw(len(contexts), (heads + 2 * kv) * dim)
+    gates = heads if case["gate"] else 0
+    rows = inp.draw(len(contexts), (heads + gates + 2 * kv) * dim)
     q = rows[:, : heads * dim].view(-1, heads, dim)
-    k = rows[:, heads * dim : (heads + kv) * dim].view(-1, kv, dim)
-    v = rows[:, (heads + kv) * dim :].view(-1, kv, dim)
+    gate = rows[:, heads * dim : (heads + gates) * dim].view(-1, heads, dim) if gates else None
+    k = rows[:, (heads + gates) * dim : (heads + gates + kv) * dim].view(-1, kv, dim)
+    v = rows[:, (heads + gates + kv) * dim :].view(-1, kv, dim)
+    norm = None
+    if case["qk_norm"] != "none":
+        offset = case["qk_norm"] == "1 + w"
+        weights = [inp.draw(dim, scale=0.3) + (0.0 if offset else 1.0) for _ in range(2)]
+        norm = attention.QKNorm(*weights, 1e-6, offset)
     positions = torch.tensor([c - 1 for c in contexts], device=inp.device)
     slots = torch.tensor([t[(c - 1) // block] * block + (c - 1) % block
                           for t, c in zip(tables, contexts)], device=inp.device)
     starts = torch.arange(len(contexts) + 1, dtype=torch.int32, device=inp.device)
     q_before = q.clone()
     got_k, got_v = k_cache.clone(), v_cache.clone()
-    fold = attention.DecodeRope(positions, rope.inv_freq, k, v, slots)
+    fold = attention.DecodeRope(positions, rope.inv_freq, k, v, slots, norm)
     got = attention.paged_attention(q, got_k, got_v, padded, starts,
-                                    _int32(contexts, inp.device), dim**-0.5, None, fold)
+                                    _int32(contexts, inp.device), dim**-0.5, None, fold, gate)
     want, want_k, want_v = attention.reference_decode_rope(rope, fold, q, k_cache, v_cache,
-                                                           tables, contexts, dim**-0.5)
+                                                           tables, contexts, dim**-0.5, gate)
     return [Output("output", got, want), Output("k cache", got_k, want_k),
             Output("v cache", got_v, want_v, exact=True),
             Output("q (left unrotated)", q, q_before, exact=True)]
