@@ -242,6 +242,19 @@ def test_decode_kernels_bench_refuses_unknown_rows():
     assert proc.returncode == 2 and "unknown atention" in proc.stderr, proc.stderr
 
 
+def _decode_batch():
+    """Three decode sequences (contexts 5, 1 and 9) over shuffled cache blocks of 4 slots:
+    (block tables, block size, the tables padded as a tensor, positions, cache slots of the
+    new tokens, query starts, context lengths)."""
+    contexts, block, tables = [5, 1, 9], 4, [[3, 0], [5], [1, 4, 2]]
+    padded = torch.tensor([t + [0] * (3 - len(t)) for t in tables], dtype=torch.int32)
+    positions = torch.tensor([c - 1 for c in contexts])
+    slots = torch.tensor([t[(c - 1) // block] * block + (c - 1) % block
+                          for t, c in zip(tables, contexts)])
+    return (tables, block, padded, positions, slots, torch.arange(4, dtype=torch.int32),
+            torch.tensor(contexts, dtype=torch.int32))
+
+
 @pytest.mark.parametrize("head_dim, rotary_dim", [(16, 16), (64, 16)])
 def test_decode_attention_folds_rotary_and_cache_write(head_dim, rotary_dim):
     """Decode attention given unrotated q and this step's keys and values: the same output
@@ -253,18 +266,11 @@ def test_decode_attention_folds_rotary_and_cache_write(head_dim, rotary_dim):
 
     rope = RotaryEmbedding(head_dim, rotary_dim, 10000.0)
     gen = torch.Generator().manual_seed(5)
-    contexts, block = [5, 1, 9], 4
-    tables = [[3, 0], [5], [1, 4, 2]]
-    padded = torch.tensor([t + [0] * (3 - len(t)) for t in tables], dtype=torch.int32)
+    _, block, padded, positions, slots, starts, lens = _decode_batch()
     rows = torch.randn(3, (4 + 2 * 2) * head_dim, generator=gen)
     q = rows[:, : 4 * head_dim].view(3, 4, head_dim)
     k = rows[:, 4 * head_dim : 6 * head_dim].view(3, 2, head_dim)
     v = rows[:, 6 * head_dim :].view(3, 2, head_dim)
-    positions = torch.tensor([c - 1 for c in contexts])
-    slots = torch.tensor([t[(c - 1) // block] * block + (c - 1) % block
-                          for t, c in zip(tables, contexts)])
-    starts = torch.arange(4, dtype=torch.int32)
-    lens = torch.tensor(contexts, dtype=torch.int32)
     caches = [torch.randn(6, block, 2, head_dim, generator=gen) for _ in range(2)]
     want_caches = [c.clone() for c in caches]
     want_q, _ = rotary_(q.clone(), k.clone(), positions, rope.inv_freq, rotary_dim,
@@ -305,9 +311,8 @@ def test_decode_attention_folds_qk_norm_and_gate(offset, head_dim, rotary_dim):
 
     rope = RotaryEmbedding(head_dim, rotary_dim, 10000.0)
     gen = torch.Generator().manual_seed(7)
-    contexts, block, heads = [5, 1, 9], 4, 4
-    tables = [[3, 0], [5], [1, 4, 2]]
-    padded = torch.tensor([t + [0] * (3 - len(t)) for t in tables], dtype=torch.int32)
+    heads = 4
+    tables, block, padded, positions, slots, starts, lens = _decode_batch()
     rows = torch.randn(3, (2 * heads + 2 * 2) * head_dim, generator=gen) * 2
     q = rows[:, : heads * head_dim].view(3, heads, head_dim)
     gate = rows[:, heads * head_dim : 2 * heads * head_dim].view(3, heads, head_dim)
@@ -316,11 +321,6 @@ def test_decode_attention_folds_qk_norm_and_gate(offset, head_dim, rotary_dim):
     weights = [torch.randn(head_dim, generator=gen) * 0.3 + (0.0 if offset else 1.0)
                for _ in range(2)]
     norm = QKNorm(*weights, 1e-6, offset)
-    positions = torch.tensor([c - 1 for c in contexts])
-    slots = torch.tensor([t[(c - 1) // block] * block + (c - 1) % block
-                          for t, c in zip(tables, contexts)])
-    starts = torch.arange(4, dtype=torch.int32)
-    lens = torch.tensor(contexts, dtype=torch.int32)
     caches = [torch.randn(6, block, 2, head_dim, generator=gen) for _ in range(2)]
     scale = head_dim**-0.5
 
@@ -339,7 +339,8 @@ def test_decode_attention_folds_qk_norm_and_gate(offset, head_dim, rotary_dim):
     separate = separate * torch.sigmoid(gate)
     reference, ref_k, _ = reference_decode_rope(rope, DecodeRope(positions, rope.inv_freq, k,
                                                                  v, slots, norm),
-                                                q, *caches, tables, contexts, scale, gate)
+                                                q, *caches, tables, lens.tolist(), scale,
+                                                gate)
     got, got_caches = run(norm, gate)
     _assert_close(got, separate, "output against the separate launches")
     _assert_close(got, reference, "output against the reference")
