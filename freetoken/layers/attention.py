@@ -14,8 +14,9 @@ from freetoken.layers.invariant import elementwise
 FOLD_NORM_GATE = True
 """True: a decode step on the CUDA paths folds the per-head q/k RMSNorm and the output gate
 given to `PagedAttention` into its attention launch (`paged_attention.QKNorm`, `gate`), two
-and two launches fewer per layer of Qwen3.5's gated attention; False: they run as launches of
-their own, before and after it (`bench/tile_ab.py` switch `no-attn-fold`)."""
+and two launches fewer per layer of Qwen3.5's gated attention (outside the tp_invariant
+mode); False: they run as launches of their own, before and after it (`bench/tile_ab.py`
+switch `no-attn-fold`)."""
 
 
 class PagedAttention(nn.Module):
@@ -43,13 +44,16 @@ class PagedAttention(nn.Module):
         [T, heads, d] the output times `sigmoid(gate)` (through `invariant.elementwise` with
         `canonical`, the tp_invariant mode's reductions). On CPU plain torch; on the CUDA
         paths a decode step is one launch (the attention kernel normalises and rotates q and
-        k, writes the cache first and gates its rows: `FOLD_NORM_GATE`; the gate is not
-        folded in the tp_invariant mode), a prefill two (`norm_rope.rotary_` with the cache
-        write, then attention) besides the norms and the gate."""
+        k, writes the cache first and gates its rows: `FOLD_NORM_GATE`; outside the
+        tp_invariant mode, whose norms and gate keep their own launches, so that their bits
+        do not depend on how many heads a program holds), a prefill two
+        (`norm_rope.rotary_` with the cache write, then attention) besides the norms and the
+        gate."""
         ctx = get_forward_context()
         if ctx.device is not None and not ctx.is_prefill:
-            norm = _folded_norm(qk_norm)
-            folded_gate = gate if FOLD_NORM_GATE and canonical is None else None
+            fold = FOLD_NORM_GATE and canonical is None
+            norm = _folded_norm(qk_norm) if fold else None
+            folded_gate = gate if fold else None
             if qk_norm is not None and norm is None:
                 q, k = qk_norm[0](q), qk_norm[1](k)
             out = self._kernel(q, ctx, kernel.DecodeRope(positions, rotary.inv_freq, k, v,
@@ -128,8 +132,8 @@ class PagedAttention(nn.Module):
 
 def _folded_norm(qk_norm: tuple[nn.Module, nn.Module] | None) -> kernel.QKNorm | None:
     """The decode launch's `QKNorm` for (q_norm, k_norm), or None where they are not folded
-    (`FOLD_NORM_GATE` off, none given, or norms that differ in eps or offset)."""
-    if not FOLD_NORM_GATE or qk_norm is None:
+    (none given, or norms that differ in eps or offset)."""
+    if qk_norm is None:
         return None
     q_norm, k_norm = qk_norm
     if q_norm.eps != k_norm.eps or q_norm.offset != k_norm.offset:

@@ -53,7 +53,8 @@ class Attention(nn.Module):
         k = k.view(tokens, self.num_kv_heads, hd)
         v = v.view(tokens, self.num_kv_heads, hd)
         qk_norm = (self.q_norm, self.k_norm) if self.qk_norm else None
-        return self.attn(self.rotary, positions, q, k, v, qk_norm=qk_norm).reshape(tokens, -1)
+        return self.attn(self.rotary, positions, q, k, v, qk_norm=qk_norm,
+                         canonical=self.qkv_proj.canonical).reshape(tokens, -1)
 
 
 class MLP(nn.Module):
