@@ -175,9 +175,7 @@ def bench_combine(tokens, copy_gbs, gen):
 
 def bench_route(tokens, gen):
     """The routing launch (softmax, top-8 of 256, renormalised) at each warp count of one
-    program per token, picking with two reductions or one of packed keys
-    (`fused_moe.ROUTE_PACKED`, `p` in the arm's name), against the torch steps it replaces;
-    ids must equal torch's."""
+    program per token, against the torch steps it replaces; ids must equal torch's."""
     from freetoken.kernels import fused_moe
     from freetoken.layers.moe import route as torch_route
 
@@ -185,33 +183,27 @@ def bench_route(tokens, gen):
     # float32 logits: bf16 ones tie often enough that torch's order among equals could differ
     logits = torch.randn(tokens, experts, device="cuda", generator=gen)
     want_w, want_ids = torch_route(logits, top_k, True, torch.bfloat16)
-    calls, err, same = 32, 0.0, True
-    shipped = (fused_moe.ROUTE_WARPS, fused_moe.ROUTE_PACKED)
-    times = {}
+    calls, shipped, times, err, same = 32, fused_moe.ROUTE_WARPS, {}, 0.0, True
     try:
-        for arm in [(w, p) for p in (False, True) for w in (1, 2, 4, 8)]:
-            fused_moe.ROUTE_WARPS, fused_moe.ROUTE_PACKED = arm
+        for warps in (1, 2, 4, 8):
+            fused_moe.ROUTE_WARPS = warps
             w, ids = fused_moe.route(logits, top_k, True, torch.bfloat16)
             err, same = max(err, rel_l2(w, want_w)), same and torch.equal(ids, want_ids)
-            times[arm] = graph_us([lambda: fused_moe.route(logits, top_k, True,
-                                                           torch.bfloat16)] * calls)
-        fused_moe.ROUTE_WARPS, fused_moe.ROUTE_PACKED = shipped
+            times[warps] = graph_us([lambda: fused_moe.route(logits, top_k, True,
+                                                             torch.bfloat16)] * calls)
+        fused_moe.ROUTE_WARPS = shipped
         graph_eq = graph_equals_eager(lambda: fused_moe.route(logits, top_k, True,
                                                               torch.bfloat16)[0])
     finally:
-        fused_moe.ROUTE_WARPS, fused_moe.ROUTE_PACKED = shipped
+        fused_moe.ROUTE_WARPS = shipped
     best = min(times, key=times.get)
-
-    def label(arm):
-        return f"{arm[0]}w{'p' if arm[1] else ''}"
-
     return dict(name="qwen35.route", tokens=tokens, MB=logits.numel() * 4 / 1e6,
                 rel_l2=err if same else float("inf"), graph_eq=graph_eq,
                 old_us=graph_us([lambda: torch_route(logits, top_k, True, torch.bfloat16)]
                                 * calls),
                 default_us=times[shipped], best_us=times[best], pct_copy=float("nan"),
-                tiles=" ".join(f"{label(a)}:{t:.2f}" for a, t in times.items()), key="-",
-                choice=label(best))
+                tiles=" ".join(f"{w}w:{t:.2f}" for w, t in times.items()), key="-",
+                choice=f"{best} warps")
 
 
 ATTENTION = dict(heads=16, kv_heads=4, head_dim=64, block=16, theta=10000.0)

@@ -273,11 +273,6 @@ ROUTE_WARPS = 1
 1, 2, 4 and 8 at Qwen3.5's 256 experts). One warp needs no barrier between its block
 reductions: 2.63 us a call against 3.61 at 4 warps (H100, docs/performance.md)."""
 
-ROUTE_PACKED = False
-"""True: the routing launch picks each expert with one reduction of packed (probability,
-index) keys (`route_kernel`'s PACKED), not two; the same picks (`bench/decode_kernels.py
---only route` times both)."""
-
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype
           ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -295,7 +290,7 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: tor
             logits_ptr=logits, weights_ptr=weights, ids_ptr=ids, num_experts=num_experts,
             stride_logits_token=logits.stride(0), TOP_K=top_k,
             BLOCK_K=1 << max(0, (top_k - 1).bit_length()), BLOCK_E=_pow2(num_experts),
-            RENORMALIZE=renormalize, PACKED=ROUTE_PACKED, num_warps=ROUTE_WARPS)
+            RENORMALIZE=renormalize, num_warps=ROUTE_WARPS)
     return weights, ids
 
 

@@ -201,15 +201,10 @@ def route_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr,
     RENORMALIZE: tl.constexpr,
-    PACKED: tl.constexpr = False,
 ):
     """Token program_id(0): softmax of its router logits in float32, its TOP_K largest
     probabilities in descending order (the lowest index first among equals), optionally
-    renormalised to sum to one, stored in weights' dtype with their expert ids (int64).
-    PACKED: each pick is one reduction (the maximum of int64 keys, a probability's bits
-    above its index's complement: non-negative floats order as their bits, and the lowest
-    index has the largest complement), not a maximum and then the lowest index holding
-    it; the same picks."""
+    renormalised to sum to one, stored in weights' dtype with their expert ids (int64)."""
     token = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
     ok = experts < num_experts
@@ -218,27 +213,16 @@ def route_kernel(
     p = tl.exp(x - ops.max_(x, axis=0))
     p = tl.where(ok, p, 0.0)
     p = p / ops.sum_(p, axis=0)
+    left = tl.where(ok, p, -1.0)
     slots = tl.arange(0, BLOCK_K)
     chosen = tl.full((BLOCK_K,), 0, dtype=tl.float32)
     chosen_ids = tl.full((BLOCK_K,), 0, dtype=tl.int64)
-    if PACKED:
-        low = BLOCK_E - 1 - experts.to(tl.int64)
-        keys = tl.where(ok, (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | low, -1)
-        for j in tl.static_range(TOP_K):
-            best = ops.max_(keys, axis=0)
-            index = BLOCK_E - 1 - (best & 0xFFFFFFFF)
-            value = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-            chosen = tl.where(slots == j, value, chosen)
-            chosen_ids = tl.where(slots == j, index, chosen_ids)
-            keys = tl.where(experts == index, -1, keys)
-    else:
-        left = tl.where(ok, p, -1.0)
-        for j in tl.static_range(TOP_K):
-            best = ops.max_(left, axis=0)
-            index = ops.min_(tl.where(left == best, experts, BLOCK_E), axis=0)
-            chosen = tl.where(slots == j, best, chosen)
-            chosen_ids = tl.where(slots == j, index.to(tl.int64), chosen_ids)
-            left = tl.where(experts == index, -1.0, left)
+    for j in tl.static_range(TOP_K):
+        best = ops.max_(left, axis=0)
+        index = ops.min_(tl.where(left == best, experts, BLOCK_E), axis=0)
+        chosen = tl.where(slots == j, best, chosen)
+        chosen_ids = tl.where(slots == j, index.to(tl.int64), chosen_ids)
+        left = tl.where(experts == index, -1.0, left)
     if RENORMALIZE:
         chosen = chosen / ops.sum_(chosen, axis=0)
     tl.store(weights_ptr + token * TOP_K + slots, chosen.to(weights_ptr.dtype.element_ty),

@@ -181,17 +181,8 @@ def test_align_small_equals_torch_alignment(pairs, experts, block_m):
     assert torch.equal(got[1], want[1]), f"block experts {got[1].tolist()} != {want[1].tolist()}"
 
 
-@pytest.fixture(params=[False, True], ids=["two reductions", "packed keys"])
-def route_packed(request, monkeypatch):
-    """Both picking loops of the routing launch (`fused_moe.ROUTE_PACKED`)."""
-    from freetoken.kernels import fused_moe
-
-    monkeypatch.setattr(fused_moe, "ROUTE_PACKED", request.param)
-    return request.param
-
-
 @pytest.mark.parametrize("top_k, renormalize", [(8, True), (3, False), (2, True)])
-def test_route_matches_torch_routing(top_k, renormalize, route_packed):
+def test_route_matches_torch_routing(top_k, renormalize):
     """Softmax, top-k and renormalisation in one launch: the torch routing's weights and
     expert ids over 256 experts (and 12, fewer than a 16-wide block)."""
     from freetoken.kernels.fused_moe import route as kernel_route
@@ -205,7 +196,7 @@ def test_route_matches_torch_routing(top_k, renormalize, route_packed):
         _assert_close(got_w, want_w, f"experts={experts} weights")
 
 
-def test_route_breaks_ties_by_the_lowest_expert(route_packed):
+def test_route_breaks_ties_by_the_lowest_expert():
     """Equal probabilities are taken lowest expert first (torch.topk leaves their order to
     the implementation, so the reference here is a stable descending sort), and experts whose
     probability underflows to zero are chosen after every positive one; a top_k above the

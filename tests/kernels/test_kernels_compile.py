@@ -116,8 +116,7 @@ for t in (1, 16):
                                   v.reshape(t, 32, 128), bf16(t, 32), bf16(t, 32),
                                   torch.empty(32), torch.empty(32),
                                   torch.empty(t, 32, 128, 128), slots, torch.bfloat16)
-    for fused_moe.ROUTE_PACKED in (False, True):
-        fused_moe.route(bf16(t, 256), 8, True, torch.bfloat16)
+    fused_moe.route(bf16(t, 256), 8, True, torch.bfloat16)
     step_io.float_argmax(bf16(t, 248320))
     step_io.unpack(torch.zeros(t, 5 + 64, dtype=torch.int64), torch.zeros(t, dtype=torch.int64),
                    torch.empty(t, dtype=torch.int64), torch.empty(t, dtype=torch.int64),
@@ -165,16 +164,16 @@ print(json.dumps(out))
 
 
 def test_decode_step_kernels_compile_as_launched():
-    """The decode step's other kernels (RMSNorm, GatedDeltaNet's gated norm, conv update and
-    delta rule, SiLU-and-mul, routing (both picking loops), the step's argmax and input
-    unpacking, the 16-bit routed experts on their row and grouped kernels with the
-    alignment, the block-FP8 tiled GEMM, prefill's rotary with its cache write, the
-    tp_invariant mode's chunked GEMM, the decode attention with its q/k norms and output
-    gate folded in, prefill's attention), launched by their own launchers at Qwen3.5-MoE's
-    one- and 16-token shapes with the launches recorded, not run, and each compiled for
-    sm_90 with the arguments as launched (`nvfp4_sass.compile_launch`): all compile, and
-    the gated norm and the decode attention let the next kernel (out_proj or o_proj,
-    launched with programmatic dependent launch) start early."""
+    """The decode step's other kernels (RMSNorm, GatedDeltaNet's gated norm, conv update and delta
+    rule, SiLU-and-mul, routing, the step's argmax and input unpacking, the 16-bit routed
+    experts on their row and grouped kernels with the alignment, the block-FP8 tiled GEMM,
+    prefill's rotary with its cache write, the tp_invariant mode's chunked GEMM, the decode
+    attention with its q/k norms and output gate folded in, prefill's attention), launched
+    by their own launchers at Qwen3.5-MoE's one- and 16-token shapes with the launches
+    recorded, not run, and each compiled for sm_90 with the arguments as launched
+    (`nvfp4_sass.compile_launch`): all compile, and the gated norm and the decode attention
+    let the next kernel (out_proj or o_proj, launched with programmatic dependent launch)
+    start early."""
     from conftest import run_compiled
 
     proc = run_compiled(["-c", _LAUNCHED])
