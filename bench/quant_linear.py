@@ -20,8 +20,8 @@ NVFP4 layers of one global `mma_us` the routed-expert kernels' dense path
 dequantized weights. `--sweep` also times other tiles per decode row and keeps the fastest
 (`--write`: as a tile table), and for the projections that take the decoder layer's input
 norm (NORMED) the one-token row tiles with the norm fused too (`norm_*` columns, `+norm`
-keys). The NVFP4 LM head at one token runs `nvfp4_linear`
-(`quant_gemm.MMA_MIN_ROWS`), whatever its `tiles` column says.
+keys). The NVFP4 LM head at one or two tokens runs `nvfp4_linear`
+(`quant_gemm.MMA_MIN_ROWS`, `MMA_MAX_TOKENS`), whatever its `tiles` column says.
 `--check`: TP 1/2/4/8, 1, 5, 16 and 64 tokens, errors and graph equality only, and at one
 token the row kernel (two tilings, plain and with the decode step's norm, residual and, for
 the shared expert's gate_up, SiLU-and-mul: `rows_rel_l2`, `rows_graph_eq`); exit 1 when

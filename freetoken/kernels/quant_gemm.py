@@ -23,10 +23,18 @@ from freetoken.kernels.tile_table import parse_tiles, read_tile_table, spell_til
 
 DECODE_MAX_TOKENS = 16
 MMA_MIN_ROWS = 16384
-"""A one-token call over an NVFP4 weight with one global and at least this many rows (an LM
-head) takes the routed-expert kernels' tensor-core decode (`nvfp4_linear`): on an H200 it
-ran 1.7x (31040 rows) and 2.4x (248320 rows) faster than `nvfp4_gemm_kernel`, and slower at
-2048 rows and at 16 tokens (it streams the weight once per token)."""
+"""A call of at most MMA_MAX_TOKENS tokens over an NVFP4 weight with one global and at least
+this many rows (an LM head) takes the routed-expert kernels' tensor-core decode
+(`nvfp4_linear`): at one token on an H200 it ran 1.7x (31040 rows) and 2.4x (248320 rows)
+faster than `nvfp4_gemm_kernel`, and slower at 2048 rows and at 16 tokens (it streams the
+weight once per token)."""
+MMA_MAX_TOKENS = 2
+"""The most tokens an LM head's NVFP4 call takes to the tensor-core decode (`MMA_MIN_ROWS`).
+On an H100 (2026-12-08, `bench/quant_linear.py`'s layers, us a call against
+`nvfp4_gemm_kernel`'s tiles of the table): 248320 rows 113.9 / 235.3 at one token, 167.5 /
+248.7 at two, 238.8 / 249.4 at three, 310.8 / 248.9 at four; 31040 rows (the TP 8 shard)
+20.0 / 36.8, 26.0 / 38.8, 35.5 / 38.5, 45.0 / 38.5. Decode graphs take batches of 1, 2, 4,
+..., so three tokens are rare."""
 DECODE_FUSIONS = True
 """True: a one-token FP8 or NVFP4 call on the row kernel takes the decoder layer's input
 norm, a shared expert's SiLU-and-mul and the residual add (`fp8_gemm(norm=, gated=,
@@ -296,9 +304,9 @@ def nvfp4_gemm(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tensor,
 
 
 def _takes_mma(x: torch.Tensor, rows: int, global_scale: torch.Tensor) -> bool:
-    """Whether an NVFP4 call goes to `nvfp4_linear` (see MMA_MIN_ROWS): one 16-bit token on a
-    GPU, one global, an LM head's rows."""
-    return (x.shape[0] == 1 and rows >= MMA_MIN_ROWS and global_scale.numel() == 1
+    """Whether an NVFP4 call goes to `nvfp4_linear` (see MMA_MIN_ROWS): at most
+    MMA_MAX_TOKENS 16-bit tokens on a GPU, one global, an LM head's rows."""
+    return (1 <= x.shape[0] <= MMA_MAX_TOKENS and rows >= MMA_MIN_ROWS and global_scale.numel() == 1
             and x.is_cuda and not interpreting() and x.dtype in (torch.bfloat16, torch.float16))
 
 

@@ -135,6 +135,30 @@ def test_quant_tile_entries_parse():
         quant_gemm.QuantTiles.parse("16/x")
 
 
+def test_lm_heads_take_the_tensor_core_decode_up_to_two_tokens(monkeypatch):
+    """An NVFP4 call goes to `nvfp4_linear` (its tensor-core decode) for an LM head's rows,
+    one global and one or two 16-bit tokens on a GPU (`MMA_MAX_TOKENS`), and to
+    `nvfp4_gemm_kernel` otherwise: more tokens, fewer rows, several globals, float32 or in
+    the interpreter."""
+    from types import SimpleNamespace
+
+    from freetoken.kernels import quant_gemm
+
+    monkeypatch.setattr(quant_gemm, "interpreting", lambda: False)
+    one = torch.ones(1)
+
+    def takes(tokens, rows=248320, globals_=one, dtype=torch.bfloat16, cuda=True):
+        x = SimpleNamespace(shape=(tokens, 2048), is_cuda=cuda, dtype=dtype)
+        return quant_gemm._takes_mma(x, rows, globals_)
+
+    assert takes(1) and takes(2) and takes(2, rows=31040)
+    assert not any([takes(0), takes(3), takes(16), takes(2, rows=9216),
+                    takes(1, globals_=torch.ones(3)), takes(1, dtype=torch.float32),
+                    takes(1, cuda=False)])
+    monkeypatch.setattr(quant_gemm, "interpreting", lambda: True)
+    assert not takes(1)
+
+
 def test_normed_calls_take_their_own_table_entry(monkeypatch):
     """A one-token call with the input norm fused takes the table's `+norm` entry where the
     table has one, else the plain call's; a call without the norm never takes it."""
