@@ -16,20 +16,24 @@ tensor the call reads (weights, scales, the per-row index); `% copy` is that ove
 against the device-to-device copy bandwidth (read + write) measured in the same run.
 `bf16_us` is cuBLAS on the same weights dequantized to bf16 (twice FP8's bytes), and for
 NVFP4 layers of one global `mma_us` the routed-expert kernels' dense path
-(`freetoken.kernels.nvfp4_linear`). `rel_l2` is against float32 on the torch path's
-dequantized weights. `--sweep` also times other tiles per decode row and keeps the fastest
-(`--write`: as a tile table), and for the projections that take the decoder layer's input
-norm (NORMED) the one-token row tiles with the norm fused too (`norm_*` columns, `+norm`
-keys). The NVFP4 LM head at one or two tokens runs `nvfp4_linear`
-(`quant_gemm.MMA_MIN_ROWS`, `MMA_MAX_TOKENS`), whatever its `tiles` column says.
+(`freetoken.kernels.nvfp4_linear`) and, at 2-16 tokens, `columns_us` and `columns_rel_l2`
+that path with the tokens as the mma's columns (`nvfp4_linear.COLUMNS`). `rel_l2` is
+against float32 on the torch path's dequantized weights. `--sweep` also times other tiles
+per decode row and keeps the fastest (`--write`: as a tile table), and for the projections
+that take the decoder layer's input norm (NORMED) the one-token row tiles with the norm
+fused too (`norm_*` columns, `+norm` keys). The NVFP4 LM head at one or two tokens runs
+`nvfp4_linear` (`quant_gemm.MMA_MIN_ROWS`, `MMA_MAX_TOKENS`), whatever its `tiles` column
+says.
 `--check`: TP 1/2/4/8, 1, 5, 16 and 64 tokens, errors and graph equality only, and at one
 token the row kernel (two tilings, plain and with the decode step's norm, residual and, for
-the shared expert's gate_up, SiLU-and-mul: `rows_rel_l2`, `rows_graph_eq`); exit 1 when
-any relative L2 error passes 1e-2 or a replay differs."""
+the shared expert's gate_up, SiLU-and-mul: `rows_rel_l2`, `rows_graph_eq`), and at 2-16
+tokens the NVFP4 LM head with the tokens as the mma's columns (`columns_rel_l2`,
+`columns_graph_eq`); exit 1 when any relative L2 error passes 1e-2 or a replay differs."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import itertools
@@ -174,6 +178,12 @@ def bench_row(name, fmt, tp, tokens, copy_gbs, gen, sweep, l2, timing=True,
                rows_x_in=f"{layer.weight.shape[0]}x{width}",
                MB=weight_bytes(layer) / 1e6, rel_l2=rel_l2(got, want),
                graph_eq=graph_equals_eager(lambda: layer.quant.kernel(layer, x, None)))
+    columns = (fmt == "nvfp4" and layer.weight_scale_2.numel() == 1
+               and 1 < tokens <= quant_gemm.DECODE_MAX_TOKENS)
+    if columns:
+        with token_columns():
+            row["columns_rel_l2"] = rel_l2(dense_call(layer, x)(), want)
+            row["columns_graph_eq"] = graph_equals_eager(dense_call(layer, x))
     if not timing:
         if tokens == 1:
             row["rows_rel_l2"], row["rows_graph_eq"] = row_kernel_check(
@@ -199,9 +209,27 @@ def bench_row(name, fmt, tp, tokens, copy_gbs, gen, sweep, l2, timing=True,
     row["bf16_us"] = graph_us([lambda w=w: F.linear(x, w) for w in dense])
     del dense
     if fmt == "nvfp4" and layer.weight_scale_2.numel() == 1:
-        row["mma_us"] = graph_us([lambda c=c: nvfp4_linear.nvfp4_linear(
-            x, c.weight, c.weight_scale, c.weight_scale_2[0]) for c in copies])
+        row["mma_us"] = graph_us([dense_call(c, x) for c in copies])
+        if columns:
+            with token_columns():
+                row["columns_us"] = graph_us([dense_call(c, x) for c in copies])
     return row
+
+
+def dense_call(layer, x):
+    """The NVFP4 layer's call on `nvfp4_linear` (its one global: an LM head's path)."""
+    return functools.partial(nvfp4_linear.nvfp4_linear, x, layer.weight, layer.weight_scale,
+                             layer.weight_scale_2[0])
+
+
+@contextlib.contextmanager
+def token_columns():
+    """`nvfp4_linear.COLUMNS` on inside the block: several tokens as the mma's columns."""
+    shipped, nvfp4_linear.COLUMNS = nvfp4_linear.COLUMNS, True
+    try:
+        yield
+    finally:
+        nvfp4_linear.COLUMNS = shipped
 
 
 def fastest(candidates, best, best_us, calls_for, what, deadline):
@@ -285,7 +313,9 @@ def main() -> int:
     bad = [f"{r['format']} {r['shape']} tp={r['tp']} T={r['tokens']}" for r in rows
            if not r["rel_l2"] <= TOLERANCE or not r["graph_eq"]
            or not r.get("sweep_rel_l2", 0) <= TOLERANCE
-           or not r.get("rows_rel_l2", 0) <= TOLERANCE or not r.get("rows_graph_eq", True)]
+           or not r.get("rows_rel_l2", 0) <= TOLERANCE or not r.get("rows_graph_eq", True)
+           or not r.get("columns_rel_l2", 0) <= TOLERANCE
+           or not r.get("columns_graph_eq", True)]
     if args.json:
         args.json.write_text(json.dumps({"device": head, "copy_GBps": copy_gbs, "rows": rows,
                                          "failures": bad}, indent=1))

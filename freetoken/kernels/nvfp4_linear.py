@@ -10,6 +10,13 @@ from freetoken.formats.nvfp4.format import check_shapes
 from freetoken.kernels import nvfp4_launch, nvfp4_mma_launch
 from freetoken.kernels.moe_align import align_pairs
 
+COLUMNS = False
+"""True: a decode call of several 16-bit tokens on the mma kernels takes them as the mma's
+columns (`nvfp4_mma_launch.dense_mma_launch`: each weight tile read once per eight
+tokens); False: down with one slot per token (each token reads the whole weight). Off until
+timed on a GPU (docs/performance.md, 2026-12-08: the LM head at 16 tokens is the step's
+largest kernel)."""
+
 
 def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tensor,
                  global_scale: torch.Tensor, bias: torch.Tensor | None = None,
@@ -49,7 +56,11 @@ def _decode(x, w, s, g, out, k_inputs, tiles):
     """out = g * (w[0] @ x[:, :k_inputs].T).T (one expert: w [1, rows, k_inputs / 2], s its
     block scales, g [1] its global scale); `out` [T, rows] in any float dtype. 16-bit
     activations on a GPU take the mma kernels (`down_mma` with one slot per token on x in
-    place, its sums times g), others the CUDA-core ones."""
+    place, its sums times g; several tokens as the mma's columns with COLUMNS), others the
+    CUDA-core ones."""
+    if nvfp4_launch.uses_mma(x, tiles) and COLUMNS and x.shape[0] > 1:
+        nvfp4_mma_launch.dense_mma_launch(x, w, s, out, k_inputs, tiles, out_scale=g)
+        return
     ids = torch.zeros(x.shape[0], dtype=torch.int32, device=x.device)
     if nvfp4_launch.uses_mma(x, tiles):
         nvfp4_mma_launch.down_mma_launch(x, ids, w, s, out, k_inputs=k_inputs, top_k=1,

@@ -444,3 +444,106 @@ def down_mma(
             out = (round_to(out, out_ptr.dtype.element_ty)
                    + tl.load(residual_row_ptr + out_rows, mask=ok, other=0.0).to(tl.float32))
         tl.store(out_row_ptr + out_rows, out, mask=ok)
+
+
+@triton.jit
+def _dense_load(w_ptr, w_scale_ptr, rows, n_rows, step, split, lane_t, k_words,
+                stride_w_row, stride_scale_row, V: tl.constexpr, S: tl.constexpr,
+                FULL: tl.constexpr):
+    """Weight rows of `step` (chunk step S + split) and the chunk; with FULL the loads
+    ahead of the last step re-read the last chunk (never used) instead of being masked."""
+    chunk = step * S + split
+    if FULL:
+        chunk = tl.minimum(chunk, k_words // (4 * V) - 1)
+    return rows_tile(w_ptr, w_scale_ptr, expert_words=0, expert_bytes=0, rows=rows,
+                     rows_end=n_rows, live=lane_t >= 0, chunk=chunk, lane_t=lane_t,
+                     k_words=k_words, stride_w_row=stride_w_row,
+                     stride_scale_row=stride_scale_row, V=V, FULL=FULL), chunk
+
+
+@triton.jit
+def _dense_step(acc, loaded, x_rows_ptr, lane_t, k_words, V: tl.constexpr, NW: tl.constexpr,
+                ASM: tl.constexpr, FULL: tl.constexpr, BF16: tl.constexpr):
+    """The mma of a loaded step, each lane's activations those of its column's token."""
+    b = b_tile(x_rows_ptr, loaded[1], lane_t, lane_t >= 0, k_words, V, FULL)
+    return mma(acc, loaded[0], b, NW, ASM, BF16)
+
+
+@triton.jit
+def dense_mma(
+    # pointers
+    x16_ptr,                # [tokens, >= k] 16-bit activations (bf16 with BF16, or fp16)
+    out_scale_ptr,          # [1] float32 factor of the outputs (the weight's global scale)
+    w_ptr,                  # [n_rows, k_words] int32 words
+    w_scale_ptr,            # [n_rows, k_words / 2] e4m3 bytes
+    out_ptr,                # [tokens, n_rows] (out)
+    # sizes
+    tokens,
+    n_rows,
+    k_words,
+    # strides (x in 16-bit units, w in int32 words, its scales in bytes)
+    stride_x16_token,
+    stride_w_row,
+    stride_scale_row,
+    stride_out_token,
+    # meta-parameters
+    V: tl.constexpr,        # words per lane and chunk
+    TILES: tl.constexpr,    # 16-row tiles per program
+    S: tl.constexpr,        # K split: warps per tile
+    ASM: tl.constexpr,      # 1: PTX mma, 0: its emulation (interpreter)
+    FULL: tl.constexpr,     # no masks: whole row tiles, whole chunks, even K split
+    BF16: tl.constexpr,     # bf16 activations (else fp16)
+):
+    """A dense linear of several tokens on tensor cores, the tokens as the mma's columns:
+    each program computes out[t, n] = out_scale * w[n] . x[t] for the eight tokens of block
+    program_id(0) and the 16 TILES rows of block program_id(1). Lane (g, t) feeds column g,
+    so it loads token 8 program_id(0) + g's activations (the last token's past the end: its
+    columns are not stored), and a weight tile is read and decoded once for eight tokens,
+    where `down_mma`'s dense use (one slot per token) reads it once per token. Lane (g, t)
+    ends holding columns 2t and 2t + 1 of rows g and g + 8: every accumulator is stored."""
+    lane_g, lane_t, tile, split = lanes(TILES * S, S)
+    rows = tl.program_id(1) * (16 * TILES) + 16 * tile + lane_g
+    first = tl.program_id(0) * 8
+    token = tl.minimum(first + lane_g, tokens - 1)
+    x_rows_ptr = (x16_ptr.to(tl.pointer_type(tl.int64))
+                  + (token.to(tl.int64) * (stride_x16_token // 4))[:, None])
+    w_words_ptr = w_ptr.to(tl.pointer_type(tl.int32))
+    z = tl.full([32 * TILES * S], 0.0, tl.float32)
+    acc = (z, z, z, z)
+    steps = ((k_words + 4 * V - 1) // (4 * V) + S - 1) // S
+    # Loads two steps ahead in three named buffers, as in gate_up_mma.
+    a = _dense_load(w_words_ptr, w_scale_ptr, rows, n_rows, 0, split, lane_t, k_words,
+                    stride_w_row, stride_scale_row, V=V, S=S, FULL=FULL)
+    b = _dense_load(w_words_ptr, w_scale_ptr, rows, n_rows, 1, split, lane_t, k_words,
+                    stride_w_row, stride_scale_row, V=V, S=S, FULL=FULL)
+    for j in range(0, steps - 2, 3):
+        c = _dense_load(w_words_ptr, w_scale_ptr, rows, n_rows, j + 2, split, lane_t, k_words,
+                        stride_w_row, stride_scale_row, V=V, S=S, FULL=FULL)
+        acc = _dense_step(acc, a, x_rows_ptr, lane_t, k_words, V=V, NW=TILES * S, ASM=ASM,
+                          FULL=FULL, BF16=BF16)
+        a = _dense_load(w_words_ptr, w_scale_ptr, rows, n_rows, j + 3, split, lane_t, k_words,
+                        stride_w_row, stride_scale_row, V=V, S=S, FULL=FULL)
+        acc = _dense_step(acc, b, x_rows_ptr, lane_t, k_words, V=V, NW=TILES * S, ASM=ASM,
+                          FULL=FULL, BF16=BF16)
+        b = _dense_load(w_words_ptr, w_scale_ptr, rows, n_rows, j + 4, split, lane_t, k_words,
+                        stride_w_row, stride_scale_row, V=V, S=S, FULL=FULL)
+        acc = _dense_step(acc, c, x_rows_ptr, lane_t, k_words, V=V, NW=TILES * S, ASM=ASM,
+                          FULL=FULL, BF16=BF16)
+    if steps % 3 >= 1:
+        acc = _dense_step(acc, a, x_rows_ptr, lane_t, k_words, V=V, NW=TILES * S, ASM=ASM,
+                          FULL=FULL, BF16=BF16)
+    if steps % 3 == 2:
+        acc = _dense_step(acc, b, x_rows_ptr, lane_t, k_words, V=V, NW=TILES * S, ASM=ASM,
+                          FULL=FULL, BF16=BF16)
+    f = sum_factor(BF16) * tl.load(out_scale_ptr)
+    lane = tl.arange(0, 32)[None, :]
+    n = tl.program_id(1) * (16 * TILES) + 16 * tl.arange(0, TILES)[:, None] + lane // 4
+    column = first + 2 * (lane % 4)
+    for half in tl.static_range(2):
+        out_rows = n + 8 * half
+        for odd in tl.static_range(2):
+            out_token = column + odd
+            ok = (out_rows < n_rows) & (out_token < tokens)
+            out = tile_sum(acc[2 * half + odd], TILES, S) * f
+            tl.store(out_ptr + out_token.to(tl.int64) * stride_out_token + out_rows, out,
+                     mask=ok)

@@ -305,8 +305,10 @@ def nvfp4_gemm(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tensor,
 
 def _takes_mma(x: torch.Tensor, rows: int, global_scale: torch.Tensor) -> bool:
     """Whether an NVFP4 call goes to `nvfp4_linear` (see MMA_MIN_ROWS): at most
-    MMA_MAX_TOKENS 16-bit tokens on a GPU, one global, an LM head's rows."""
-    return (1 <= x.shape[0] <= MMA_MAX_TOKENS and rows >= MMA_MIN_ROWS and global_scale.numel() == 1
+    MMA_MAX_TOKENS 16-bit tokens on a GPU (a decode batch with `nvfp4_linear.COLUMNS`, the
+    tokens then the mma's columns), one global, an LM head's rows."""
+    most = DECODE_MAX_TOKENS if nvfp4_linear.COLUMNS else MMA_MAX_TOKENS
+    return (1 <= x.shape[0] <= most and rows >= MMA_MIN_ROWS and global_scale.numel() == 1
             and x.is_cuda and not interpreting() and x.dtype in (torch.bfloat16, torch.float16))
 
 

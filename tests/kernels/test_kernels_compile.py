@@ -86,7 +86,8 @@ import torch
 import triton
 import nvfp4_sass
 from freetoken.kernels import (canonical_gemm, delta_rule, fused_moe, norm_rope,
-                               paged_attention, pdl, quant_gemm, step_io)
+                               nvfp4_launch, nvfp4_mma_launch, paged_attention, pdl,
+                               quant_gemm, step_io)
 
 launches = []
 
@@ -152,6 +153,14 @@ paged_attention.paged_attention(
     bf16(32, 16, 256), *caches, torch.zeros(1, 4, dtype=torch.int32),
     torch.tensor([0, 32], dtype=torch.int32), torch.tensor([40], dtype=torch.int32),
     256**-0.5, paged_attention.prefill_work([32], 16, "cpu"))
+# the NVFP4 LM head's TP 8 shard at two and 16 tokens as the mma's columns, on the PTX path
+# (what `dequant_mode` gives on a GPU)
+nvfp4_mma_launch.dequant_mode = lambda x: 1
+for t in (2, 16):
+    nvfp4_mma_launch.dense_mma_launch(
+        bf16(t, 2048), torch.empty(1, 31040, 1024, dtype=torch.uint8),
+        torch.empty(1, 31040, 128, dtype=torch.uint8), bf16(t, 31040), 2048,
+        nvfp4_launch.GPU_TILES, torch.ones(1))
 out = []
 for kernel, kw in launches:
     result, ptx = nvfp4_sass.compile_outcome(lambda: nvfp4_sass.compile_launch(kernel, kw))
@@ -168,9 +177,10 @@ def test_decode_step_kernels_compile_as_launched():
     rule, SiLU-and-mul, routing, the step's argmax and input unpacking, the 16-bit routed
     experts on their row and grouped kernels with the alignment, the block-FP8 tiled GEMM,
     prefill's rotary with its cache write, the tp_invariant mode's chunked GEMM, the decode
-    attention with its q/k norms and output gate folded in, prefill's attention), launched
-    by their own launchers at Qwen3.5-MoE's one- and 16-token shapes with the launches
-    recorded, not run, and each compiled for sm_90 with the arguments as launched
+    attention with its q/k norms and output gate folded in, prefill's attention, the NVFP4
+    LM head with the tokens as the mma's columns on its PTX path), launched by their own
+    launchers at Qwen3.5-MoE's one- and 16-token shapes with the launches recorded, not run,
+    and each compiled for sm_90 with the arguments as launched
     (`nvfp4_sass.compile_launch`): all compile, and the gated norm and the decode attention
     let the next kernel (out_proj or o_proj, launched with programmatic dependent launch)
     start early."""
@@ -185,7 +195,7 @@ def test_decode_step_kernels_compile_as_launched():
                      "float_argmax_kernel", "argmax_finish_kernel", "unpack_kernel",
                      "gate_up_rows_kernel", "down_rows_kernel", "align_kernel",
                      "gate_up_kernel", "down_kernel", "fp8_gemm_kernel", "rotary_kernel",
-                     "chunked_gemm_kernel", "paged_attention_kernel"}, names
+                     "chunked_gemm_kernel", "paged_attention_kernel", "dense_mma"}, names
     failed = [(name, variant, result) for name, result, _, variant in results
               if result != "ok"]
     assert not failed, failed

@@ -471,17 +471,24 @@ def test_mma_decode_with_an_expert_repeated(mma_in_interpreter):
     assert _rel_l2(nvfp4_moe.fused_moe(x, weights, ids, **w, path="decode"), want) < H_BF16_REL_L2
 
 
+@pytest.mark.parametrize("columns", [False, True], ids=["slot per token", "token columns"])
 @pytest.mark.parametrize("tokens, rows, k_inputs, dtype, bias", [
-    (3, 24, 80, torch.bfloat16, True), (16, 40, 256, torch.float16, False)])
-def test_dense_linear_decode_on_the_mma_path(mma_in_interpreter, tokens, rows, k_inputs,
-                                             dtype, bias):
+    (3, 24, 80, torch.bfloat16, True), (16, 40, 256, torch.float16, False),
+    (9, 64, 128, torch.float16, False)])
+def test_dense_linear_decode_on_the_mma_path(mma_in_interpreter, monkeypatch, columns, tokens,
+                                             rows, k_inputs, dtype, bias):
     """The dense NVFP4 linear's decode on the mma kernels (down with one slot per token on x
-    in place, the global scale on its sums; partial chunks, a partial row tile) gives the
-    reference of x's values up to the rounding of the output to x's dtype. (bf16 takes a
-    bias, so its kernel output is float32: the interpreter truncates bf16 stores.)"""
+    in place, or the tokens as the mma's columns, `nvfp4_linear.COLUMNS`; the global scale
+    on the sums; partial chunks, a partial row tile, a partial block of eight tokens, two
+    blocks, whole tiles without masks) gives the reference of x's values up to the rounding
+    of the output to x's dtype. (bf16 takes a bias, so its kernel output is float32: the
+    interpreter truncates bf16 stores.)"""
     from freetoken.formats.nvfp4.quantizer import quantize
+    from freetoken.kernels import nvfp4_linear as linear_module
     from freetoken.kernels.nvfp4_linear import nvfp4_linear
     from freetoken.layers.quantization.nvfp4.reference import reference_linear
+
+    monkeypatch.setattr(linear_module, "COLUMNS", columns)
 
     gen = torch.Generator().manual_seed(rows)
     q = quantize(torch.randn(rows, k_inputs, generator=gen) * 3)

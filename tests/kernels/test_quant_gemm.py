@@ -137,9 +137,9 @@ def test_quant_tile_entries_parse():
 
 def test_lm_heads_take_the_tensor_core_decode_up_to_two_tokens(monkeypatch):
     """An NVFP4 call goes to `nvfp4_linear` (its tensor-core decode) for an LM head's rows,
-    one global and one or two 16-bit tokens on a GPU (`MMA_MAX_TOKENS`), and to
-    `nvfp4_gemm_kernel` otherwise: more tokens, fewer rows, several globals, float32 or in
-    the interpreter."""
+    one global and one or two 16-bit tokens on a GPU (`MMA_MAX_TOKENS`; a decode batch
+    with `nvfp4_linear.COLUMNS`), and to `nvfp4_gemm_kernel` otherwise: more tokens, fewer
+    rows, several globals, float32 or in the interpreter."""
     from types import SimpleNamespace
 
     from freetoken.kernels import quant_gemm
@@ -155,6 +155,8 @@ def test_lm_heads_take_the_tensor_core_decode_up_to_two_tokens(monkeypatch):
     assert not any([takes(0), takes(3), takes(16), takes(2, rows=9216),
                     takes(1, globals_=torch.ones(3)), takes(1, dtype=torch.float32),
                     takes(1, cuda=False)])
+    monkeypatch.setattr(quant_gemm.nvfp4_linear, "COLUMNS", True)   # tokens as columns
+    assert takes(3) and takes(16) and not takes(17)
     monkeypatch.setattr(quant_gemm, "interpreting", lambda: True)
     assert not takes(1)
 
