@@ -462,11 +462,45 @@ def _dense_load(w_ptr, w_scale_ptr, rows, n_rows, step, split, lane_t, k_words,
 
 
 @triton.jit
-def _dense_step(acc, loaded, x_rows_ptr, lane_t, k_words, V: tl.constexpr, NW: tl.constexpr,
-                ASM: tl.constexpr, FULL: tl.constexpr, BF16: tl.constexpr):
-    """The mma of a loaded step, each lane's activations those of its column's token."""
-    b = b_tile(x_rows_ptr, loaded[1], lane_t, lane_t >= 0, k_words, V, FULL)
-    return mma(acc, loaded[0], b, NW, ASM, BF16)
+def _dense_step(accs, loaded, x_rows_ptr, lane_t, k_words, V: tl.constexpr,
+                NW: tl.constexpr, ASM: tl.constexpr, FULL: tl.constexpr, BF16: tl.constexpr,
+                COLS: tl.constexpr):
+    """The mmas of a loaded step: the decoded weights times each block of eight tokens'
+    activations (COLS / 8 blocks; each lane loads its column's token)."""
+    b = b_tile(x_rows_ptr[0], loaded[1], lane_t, lane_t >= 0, k_words, V, FULL)
+    first = mma(accs[0], loaded[0], b, NW, ASM, BF16)
+    second = accs[1]
+    if COLS == 16:
+        b = b_tile(x_rows_ptr[1], loaded[1], lane_t, lane_t >= 0, k_words, V, FULL)
+        second = mma(second, loaded[0], b, NW, ASM, BF16)
+    return first, second
+
+
+@triton.jit
+def _dense_rows_ptr(x16_ptr, first, lane_g, tokens, stride_x16_token):
+    """[R, 1] int64 pointers to the activations of the token lane (g, t) feeds in the block
+    of eight from `first` (the last token's past the end: those columns are not stored)."""
+    token = tl.minimum(first + lane_g, tokens - 1)
+    return (x16_ptr.to(tl.pointer_type(tl.int64))
+            + (token.to(tl.int64) * (stride_x16_token // 4))[:, None])
+
+
+@triton.jit
+def _dense_store(acc, first, f, out_ptr, tokens, n_rows, stride_out_token,
+                 TILES: tl.constexpr, S: tl.constexpr):
+    """One block of eight tokens' outputs: lane (g, t) holds columns 2t and 2t + 1 (tokens
+    first + 2t and first + 2t + 1) of rows g and g + 8, all four accumulators stored."""
+    lane = tl.arange(0, 32)[None, :]
+    n = tl.program_id(1) * (16 * TILES) + 16 * tl.arange(0, TILES)[:, None] + lane // 4
+    column = first + 2 * (lane % 4)
+    for half in tl.static_range(2):
+        out_rows = n + 8 * half
+        for odd in tl.static_range(2):
+            out_token = column + odd
+            ok = (out_rows < n_rows) & (out_token < tokens)
+            out = tile_sum(acc[2 * half + odd], TILES, S) * f
+            tl.store(out_ptr + out_token.to(tl.int64) * stride_out_token + out_rows, out,
+                     mask=ok)
 
 
 @triton.jit
@@ -493,23 +527,22 @@ def dense_mma(
     ASM: tl.constexpr,      # 1: PTX mma, 0: its emulation (interpreter)
     FULL: tl.constexpr,     # no masks: whole row tiles, whole chunks, even K split
     BF16: tl.constexpr,     # bf16 activations (else fp16)
+    COLS: tl.constexpr = 8,     # tokens per program: 8 (one mma a step) or 16 (two)
 ):
     """A dense linear of several tokens on tensor cores, the tokens as the mma's columns:
-    each program computes out[t, n] = out_scale * w[n] . x[t] for the eight tokens of block
-    program_id(0) and the 16 TILES rows of block program_id(1). Lane (g, t) feeds column g,
-    so it loads token 8 program_id(0) + g's activations (the last token's past the end: its
-    columns are not stored), and a weight tile is read and decoded once for eight tokens,
-    where `down_mma`'s dense use (one slot per token) reads it once per token. Lane (g, t)
-    ends holding columns 2t and 2t + 1 of rows g and g + 8: every accumulator is stored."""
+    each program computes out[t, n] = out_scale * w[n] . x[t] for the COLS tokens of block
+    program_id(0) and the 16 TILES rows of block program_id(1). Lane (g, t) feeds column g
+    of each block of eight, so it loads that token's activations, and a weight tile is read
+    and decoded once for COLS tokens (two mmas a step on the same decoded tile for 16),
+    where `down_mma`'s dense use (one slot per token) reads it once per token."""
     lane_g, lane_t, tile, split = lanes(TILES * S, S)
     rows = tl.program_id(1) * (16 * TILES) + 16 * tile + lane_g
-    first = tl.program_id(0) * 8
-    token = tl.minimum(first + lane_g, tokens - 1)
-    x_rows_ptr = (x16_ptr.to(tl.pointer_type(tl.int64))
-                  + (token.to(tl.int64) * (stride_x16_token // 4))[:, None])
+    first = tl.program_id(0) * COLS
+    x_rows_ptr = (_dense_rows_ptr(x16_ptr, first, lane_g, tokens, stride_x16_token),
+                  _dense_rows_ptr(x16_ptr, first + 8, lane_g, tokens, stride_x16_token))
     w_words_ptr = w_ptr.to(tl.pointer_type(tl.int32))
     z = tl.full([32 * TILES * S], 0.0, tl.float32)
-    acc = (z, z, z, z)
+    accs = ((z, z, z, z), (z, z, z, z))
     steps = ((k_words + 4 * V - 1) // (4 * V) + S - 1) // S
     # Loads two steps ahead in three named buffers, as in gate_up_mma.
     a = _dense_load(w_words_ptr, w_scale_ptr, rows, n_rows, 0, split, lane_t, k_words,
@@ -519,31 +552,24 @@ def dense_mma(
     for j in range(0, steps - 2, 3):
         c = _dense_load(w_words_ptr, w_scale_ptr, rows, n_rows, j + 2, split, lane_t, k_words,
                         stride_w_row, stride_scale_row, V=V, S=S, FULL=FULL)
-        acc = _dense_step(acc, a, x_rows_ptr, lane_t, k_words, V=V, NW=TILES * S, ASM=ASM,
-                          FULL=FULL, BF16=BF16)
+        accs = _dense_step(accs, a, x_rows_ptr, lane_t, k_words, V=V, NW=TILES * S, ASM=ASM,
+                           FULL=FULL, BF16=BF16, COLS=COLS)
         a = _dense_load(w_words_ptr, w_scale_ptr, rows, n_rows, j + 3, split, lane_t, k_words,
                         stride_w_row, stride_scale_row, V=V, S=S, FULL=FULL)
-        acc = _dense_step(acc, b, x_rows_ptr, lane_t, k_words, V=V, NW=TILES * S, ASM=ASM,
-                          FULL=FULL, BF16=BF16)
+        accs = _dense_step(accs, b, x_rows_ptr, lane_t, k_words, V=V, NW=TILES * S, ASM=ASM,
+                           FULL=FULL, BF16=BF16, COLS=COLS)
         b = _dense_load(w_words_ptr, w_scale_ptr, rows, n_rows, j + 4, split, lane_t, k_words,
                         stride_w_row, stride_scale_row, V=V, S=S, FULL=FULL)
-        acc = _dense_step(acc, c, x_rows_ptr, lane_t, k_words, V=V, NW=TILES * S, ASM=ASM,
-                          FULL=FULL, BF16=BF16)
+        accs = _dense_step(accs, c, x_rows_ptr, lane_t, k_words, V=V, NW=TILES * S, ASM=ASM,
+                           FULL=FULL, BF16=BF16, COLS=COLS)
     if steps % 3 >= 1:
-        acc = _dense_step(acc, a, x_rows_ptr, lane_t, k_words, V=V, NW=TILES * S, ASM=ASM,
-                          FULL=FULL, BF16=BF16)
+        accs = _dense_step(accs, a, x_rows_ptr, lane_t, k_words, V=V, NW=TILES * S, ASM=ASM,
+                           FULL=FULL, BF16=BF16, COLS=COLS)
     if steps % 3 == 2:
-        acc = _dense_step(acc, b, x_rows_ptr, lane_t, k_words, V=V, NW=TILES * S, ASM=ASM,
-                          FULL=FULL, BF16=BF16)
+        accs = _dense_step(accs, b, x_rows_ptr, lane_t, k_words, V=V, NW=TILES * S, ASM=ASM,
+                           FULL=FULL, BF16=BF16, COLS=COLS)
     f = sum_factor(BF16) * tl.load(out_scale_ptr)
-    lane = tl.arange(0, 32)[None, :]
-    n = tl.program_id(1) * (16 * TILES) + 16 * tl.arange(0, TILES)[:, None] + lane // 4
-    column = first + 2 * (lane % 4)
-    for half in tl.static_range(2):
-        out_rows = n + 8 * half
-        for odd in tl.static_range(2):
-            out_token = column + odd
-            ok = (out_rows < n_rows) & (out_token < tokens)
-            out = tile_sum(acc[2 * half + odd], TILES, S) * f
-            tl.store(out_ptr + out_token.to(tl.int64) * stride_out_token + out_rows, out,
-                     mask=ok)
+    _dense_store(accs[0], first, f, out_ptr, tokens, n_rows, stride_out_token, TILES, S)
+    if COLS == 16:
+        _dense_store(accs[1], first + 8, f, out_ptr, tokens, n_rows, stride_out_token, TILES,
+                     S)

@@ -179,12 +179,14 @@ def down_mma_launch(h16, topk_ids, w2, s2, out, k_inputs, top_k, tiles, pdl=Fals
 
 def dense_mma_launch(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, out: torch.Tensor,
                      k_inputs: int, tiles: Tiles, out_scale: torch.Tensor) -> None:
-    """A dense NVFP4 linear of several tokens on tensor cores, the tokens as the mma's eight
+    """A dense NVFP4 linear of several tokens on tensor cores, the tokens as the mma's
     columns (`nvfp4_mma_jit.dense_mma`): out [T, rows] = out_scale * (w[0] @ x.T).T for x
     [T, >= k_inputs] 16-bit, w [1, rows, k_inputs / 2] packed and s its block scales;
-    each weight tile is read once per eight tokens."""
+    each weight tile is read once per eight tokens, or per sixteen past eight tokens (two
+    mmas a step on one decoded tile)."""
     tokens, n_rows = out.shape[0], w.shape[1]
-    column_blocks = -(-tokens // 8)
+    cols = 16 if tokens > 8 else 8
+    column_blocks = -(-tokens // cols)
     v, split, chunks, row_tiles = mma_shape(column_blocks, n_rows, k_inputs, 1, tiles,
                                             tiles.mma_down_min_split)
     word_vector("w", w)
@@ -195,4 +197,4 @@ def dense_mma_launch(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, out: tor
         stride_x16_token=x16.stride(0), stride_w_row=w.stride(1) // 4,
         stride_scale_row=s.stride(1), stride_out_token=out.stride(0), V=v, TILES=row_tiles,
         S=split, ASM=dequant_mode(x16), FULL=mma_full(n_rows, k_inputs, 1, v, split, row_tiles),
-        BF16=int(x16.dtype == torch.bfloat16), num_warps=split * row_tiles)
+        BF16=int(x16.dtype == torch.bfloat16), COLS=cols, num_warps=split * row_tiles)

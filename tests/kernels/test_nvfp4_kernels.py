@@ -208,7 +208,8 @@ sys.path.insert(0, "bench")
 import nvfp4_sass
 from freetoken.kernels import nvfp4_launch, nvfp4_mma_jit, nvfp4_mma_launch
 tiles = nvfp4_launch.GPU_TILES
-for name, fn, blocks, extra in (("dense_mma", nvfp4_mma_jit.dense_mma, 2, {}),
+for name, fn, blocks, extra in (("dense_mma", nvfp4_mma_jit.dense_mma, 1, {"COLS": 16}),
+                                ("dense_mma_8", nvfp4_mma_jit.dense_mma, 1, {"COLS": 8}),
                                 ("down_mma", nvfp4_mma_jit.down_mma, 1, {"SCALED": 1})):
     v, split, chunks, row_tiles = nvfp4_mma_launch.mma_shape(blocks, 248320, 2048, 1, tiles,
                                                              tiles.mma_down_min_split)
@@ -218,25 +219,28 @@ for name, fn, blocks, extra in (("dense_mma", nvfp4_mma_jit.dense_mma, 2, {}),
         meta["CHUNKS"] = chunks
     sass, regs, spill = nvfp4_sass.compile_sass(fn, meta, split * row_tiles, 90)
     total, mix = nvfp4_sass.loop_mix(sass)
-    print(name, regs, spill, total / (3 * 2 * v * 8), mix["LDS"] + mix["STS"], mix["BAR"])
+    weights = 3 * 2 * v * 8 * extra.get("COLS", 8) // 8   # per block of eight tokens
+    print(name, regs, spill, total / weights, mix["LDS"] + mix["STS"], mix["BAR"])
 """
 
 
 def test_dense_columns_kernel_compiles_lean_for_sm90():
     """The dense NVFP4 kernel with the tokens as the mma's columns (`dense_mma`, the LM head
-    at 16 tokens) compiles for sm_90 on its PTX path without spills, without shared memory
-    or barriers in its loop, and with no more instructions per weight than the one-token
-    decode (`down_mma`) it would replace there: decoding a weight once for eight tokens
+    at 16 tokens: 16 columns, two mmas a step; and 8) compiles for sm_90 on its PTX path
+    without spills, without shared memory or barriers in its loop, and with no more
+    instructions per weight and block of eight tokens than the one-token decode
+    (`down_mma`) it would replace there: decoding a weight once for eight or sixteen tokens
     must not cost more than decoding it for one."""
     from conftest import run_compiled
 
     proc = run_compiled(["-c", _DENSE_SASS])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = {r[0]: r[1:] for r in (line.split() for line in proc.stdout.splitlines())
-            if r and r[0] in ("dense_mma", "down_mma")}
-    regs, spill, per_weight, smem, bar = rows["dense_mma"]
-    assert 0 < int(regs) <= 128 and spill == "0" and smem == "0" and bar == "0", rows
-    assert float(per_weight) <= float(rows["down_mma"][2]), rows
+            if r and r[0] in ("dense_mma", "dense_mma_8", "down_mma")}
+    for name in ("dense_mma", "dense_mma_8"):
+        regs, spill, per_weight, smem, bar = rows[name]
+        assert 0 < int(regs) <= 128 and spill == "0" and smem == "0" and bar == "0", rows
+        assert float(per_weight) <= float(rows["down_mma"][2]), rows
 
 
 def test_mma_kernels_with_the_shared_slot_compile_for_sm90():

@@ -474,15 +474,16 @@ def test_mma_decode_with_an_expert_repeated(mma_in_interpreter):
 @pytest.mark.parametrize("columns", [False, True], ids=["slot per token", "token columns"])
 @pytest.mark.parametrize("tokens, rows, k_inputs, dtype, bias", [
     (3, 24, 80, torch.bfloat16, True), (16, 40, 256, torch.float16, False),
-    (9, 64, 128, torch.float16, False)])
+    (9, 64, 128, torch.float16, False), (20, 32, 64, torch.float16, False)])
 def test_dense_linear_decode_on_the_mma_path(mma_in_interpreter, monkeypatch, columns, tokens,
                                              rows, k_inputs, dtype, bias):
     """The dense NVFP4 linear's decode on the mma kernels (down with one slot per token on x
     in place, or the tokens as the mma's columns, `nvfp4_linear.COLUMNS`; the global scale
-    on the sums; partial chunks, a partial row tile, a partial block of eight tokens, two
-    blocks, whole tiles without masks) gives the reference of x's values up to the rounding
-    of the output to x's dtype. (bf16 takes a bias, so its kernel output is float32: the
-    interpreter truncates bf16 stores.)"""
+    on the sums; partial chunks, a partial row tile, whole tiles without masks) gives the
+    reference of x's values up to the rounding of the output to x's dtype; the token
+    columns at 3 (a block of eight), 9 and 16 (a block of sixteen, two mmas a step) and 20
+    tokens (two blocks of sixteen, the second partial). (bf16 takes a bias, so its kernel
+    output is float32: the interpreter truncates bf16 stores.)"""
     from freetoken.formats.nvfp4.quantizer import quantize
     from freetoken.kernels import nvfp4_linear as linear_module
     from freetoken.kernels.nvfp4_linear import nvfp4_linear
