@@ -27,11 +27,10 @@ decode attention's launch (`paged_attention.DECODE`, the shipped one otherwise) 
 `attn-no-splits` (one program a sequence and KV head), `attn-stages1` (no pipelining) and
 `attn-no-launch-next` (the next kernel launches once attention has finished). Before each
 arm's run the tables are re-read and the decode graphs dropped, so they are captured again
-with that arm's tiles. A run is one warm-up and
-`--repeats` timed pairs (one token, then `--new-tokens`); the step time is their difference
-over the decode steps. Prints each arm's median step over the rounds, every round's value,
-and with `--mb` (the bytes a step reads, from `bench/engine_decode.py`) the share of the
-copy bandwidth measured here."""
+with that arm's tiles. A run is one warm-up and `--repeats` timed pairs (one token, then
+`--new-tokens`); the step time is their difference over the decode steps. Prints each
+arm's median step over the rounds, every round's value, and with `--mb` (the bytes a step
+reads, from `bench/engine_decode.py`) the share of the copy bandwidth measured here."""
 
 from __future__ import annotations
 
