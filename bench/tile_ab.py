@@ -21,7 +21,9 @@ where they are used, `gemv.ROW_EARLY`), `no-row-pdl` (the 16-bit row kernels lau
 without programmatic dependent launch, `gemv.ROW_PDL`), `no-gnorm-launch-next` (the next
 kernel launches once the gated norm has finished, `norm_rope.GATED_LAUNCH_NEXT`) and
 `no-attn-fold` (the q/k norms and the output gate on launches of their own, not inside the
-decode attention, `freetoken.layers.attention.FOLD_NORM_GATE`), all on otherwise; and the
+decode attention, `freetoken.layers.attention.FOLD_NORM_GATE`), all on otherwise;
+`nvfp4-columns` (an NVFP4 LM head of up to 16 tokens on the tensor-core kernel with the
+tokens as the mma's columns, `nvfp4_linear.COLUMNS`), off otherwise; and the
 decode attention's launch (`paged_attention.DECODE`, the shipped one otherwise) changed by
 `attn-before` (the launch before its options, `paged_attention.BEFORE`), `attn-4-warps`,
 `attn-no-splits` (one program a sequence and KV head), `attn-stages1` (no pipelining) and
@@ -49,7 +51,14 @@ from tabulate import tabulate
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from freetoken import LLM, SamplingParams  # noqa: E402
-from freetoken.kernels import fused_moe, gemv, norm_rope, paged_attention, quant_gemm  # noqa: E402
+from freetoken.kernels import (  # noqa: E402
+    fused_moe,
+    gemv,
+    norm_rope,
+    nvfp4_linear,
+    paged_attention,
+    quant_gemm,
+)
 from freetoken.layers import attention  # noqa: E402
 
 TABLES = (("FREETOKEN_GEMV_TABLE", gemv), ("FREETOKEN_QUANT_TABLE", quant_gemm))
@@ -61,7 +70,7 @@ ATTENTION_SWITCHES = {"attn-before": dataclasses.asdict(paged_attention.BEFORE),
                       "attn-no-launch-next": dict(launch_next=False)}
 SWITCHES = ("no-overlap", "no-moe-rows", "no-shared-rows", "no-quant-fusions",
             "no-quant-norm", "no-row-prefetch", "no-row-early", "no-row-pdl",
-            "no-gnorm-launch-next", "no-attn-fold", *ATTENTION_SWITCHES)
+            "no-gnorm-launch-next", "no-attn-fold", "nvfp4-columns", *ATTENTION_SWITCHES)
 SHIPPED_ATTENTION = paged_attention.DECODE
 
 
@@ -92,6 +101,7 @@ def use_arm(llm: LLM, arm: tuple[str, str, frozenset]) -> None:
     gemv.ROW_PDL = "no-row-pdl" not in switches
     norm_rope.GATED_LAUNCH_NEXT = "no-gnorm-launch-next" not in switches
     attention.FOLD_NORM_GATE = "no-attn-fold" not in switches
+    nvfp4_linear.COLUMNS = "nvfp4-columns" in switches
     fields = {}
     for name in switches & set(ATTENTION_SWITCHES):
         fields.update(ATTENTION_SWITCHES[name])
