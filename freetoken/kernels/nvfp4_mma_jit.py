@@ -88,26 +88,34 @@ GATE_BLOCK = tl.constexpr(256)
 
 
 @triton.jit
-def _gate_up_load(expert, rows, intermediate, step, split, lane_t, k_words, V: tl.constexpr,
-                  S: tl.constexpr, FULL: tl.constexpr):
-    """Gate rows and up rows of `step` (chunk step S + split), and the chunk; `expert` =
-    (w_ptr, w_scale_ptr, stride_w_row, stride_scale_row) of the pair's expert. FULL: every
-    step of the warps is a whole chunk of whole row tiles, and the loads ahead of the last
-    step re-read the last chunk (never used) instead of being masked."""
-    w_ptr, w_scale_ptr, stride_w_row, stride_scale_row = expert
+def _rows_load(w_ptr, w_scale_ptr, expert_words, expert_bytes, rows, n_rows, step, split,
+               lane_t, k_words, stride_w_row, stride_scale_row, V: tl.constexpr,
+               S: tl.constexpr, FULL: tl.constexpr):
+    """Weight rows (`rows_tile`, at word offset `expert_words` and scale byte offset
+    `expert_bytes`) of `step` (chunk step S + split), and the chunk. FULL: every step of the
+    warps is a whole chunk of whole row tiles, and the loads ahead of the last step re-read
+    the last chunk (never used) instead of being masked."""
     chunk = step * S + split
     if FULL:
         chunk = tl.minimum(chunk, k_words // (4 * V) - 1)
-    live = lane_t >= 0
-    gate = rows_tile(w_ptr, w_scale_ptr, expert_words=0, expert_bytes=0, rows=rows,
-                     rows_end=intermediate, live=live, chunk=chunk, lane_t=lane_t,
+    return rows_tile(w_ptr, w_scale_ptr, expert_words=expert_words, expert_bytes=expert_bytes,
+                     rows=rows, rows_end=n_rows, live=lane_t >= 0, chunk=chunk, lane_t=lane_t,
                      k_words=k_words, stride_w_row=stride_w_row,
-                     stride_scale_row=stride_scale_row, V=V, FULL=FULL)
-    up = rows_tile(w_ptr, w_scale_ptr, expert_words=intermediate * stride_w_row,
-                   expert_bytes=intermediate * stride_scale_row, rows=rows,
-                   rows_end=intermediate, live=live, chunk=chunk, lane_t=lane_t,
-                   k_words=k_words, stride_w_row=stride_w_row,
-                   stride_scale_row=stride_scale_row, V=V, FULL=FULL)
+                     stride_scale_row=stride_scale_row, V=V, FULL=FULL), chunk
+
+
+@triton.jit
+def _gate_up_load(expert, rows, intermediate, step, split, lane_t, k_words, V: tl.constexpr,
+                  S: tl.constexpr, FULL: tl.constexpr):
+    """Gate rows and up rows of `step` (`_rows_load`), and the chunk; `expert` = (w_ptr,
+    w_scale_ptr, stride_w_row, stride_scale_row) of the pair's expert."""
+    w_ptr, w_scale_ptr, stride_w_row, stride_scale_row = expert
+    gate, chunk = _rows_load(w_ptr, w_scale_ptr, 0, 0, rows, intermediate, step, split,
+                             lane_t, k_words, stride_w_row, stride_scale_row, V=V, S=S,
+                             FULL=FULL)
+    up, _ = _rows_load(w_ptr, w_scale_ptr, intermediate * stride_w_row,
+                       intermediate * stride_scale_row, rows, intermediate, step, split,
+                       lane_t, k_words, stride_w_row, stride_scale_row, V=V, S=S, FULL=FULL)
     return gate, up, chunk
 
 
@@ -447,21 +455,6 @@ def down_mma(
 
 
 @triton.jit
-def _dense_load(w_ptr, w_scale_ptr, rows, n_rows, step, split, lane_t, k_words,
-                stride_w_row, stride_scale_row, V: tl.constexpr, S: tl.constexpr,
-                FULL: tl.constexpr):
-    """Weight rows of `step` (chunk step S + split) and the chunk; with FULL the loads
-    ahead of the last step re-read the last chunk (never used) instead of being masked."""
-    chunk = step * S + split
-    if FULL:
-        chunk = tl.minimum(chunk, k_words // (4 * V) - 1)
-    return rows_tile(w_ptr, w_scale_ptr, expert_words=0, expert_bytes=0, rows=rows,
-                     rows_end=n_rows, live=lane_t >= 0, chunk=chunk, lane_t=lane_t,
-                     k_words=k_words, stride_w_row=stride_w_row,
-                     stride_scale_row=stride_scale_row, V=V, FULL=FULL), chunk
-
-
-@triton.jit
 def _dense_step(accs, loaded, x_rows_ptr, lane_t, k_words, V: tl.constexpr,
                 NW: tl.constexpr, ASM: tl.constexpr, FULL: tl.constexpr, BF16: tl.constexpr,
                 COLS: tl.constexpr):
@@ -545,20 +538,20 @@ def dense_mma(
     accs = ((z, z, z, z), (z, z, z, z))
     steps = ((k_words + 4 * V - 1) // (4 * V) + S - 1) // S
     # Loads two steps ahead in three named buffers, as in gate_up_mma.
-    a = _dense_load(w_words_ptr, w_scale_ptr, rows, n_rows, 0, split, lane_t, k_words,
+    a = _rows_load(w_words_ptr, w_scale_ptr, 0, 0, rows, n_rows, 0, split, lane_t, k_words,
                     stride_w_row, stride_scale_row, V=V, S=S, FULL=FULL)
-    b = _dense_load(w_words_ptr, w_scale_ptr, rows, n_rows, 1, split, lane_t, k_words,
+    b = _rows_load(w_words_ptr, w_scale_ptr, 0, 0, rows, n_rows, 1, split, lane_t, k_words,
                     stride_w_row, stride_scale_row, V=V, S=S, FULL=FULL)
     for j in range(0, steps - 2, 3):
-        c = _dense_load(w_words_ptr, w_scale_ptr, rows, n_rows, j + 2, split, lane_t, k_words,
+        c = _rows_load(w_words_ptr, w_scale_ptr, 0, 0, rows, n_rows, j + 2, split, lane_t, k_words,
                         stride_w_row, stride_scale_row, V=V, S=S, FULL=FULL)
         accs = _dense_step(accs, a, x_rows_ptr, lane_t, k_words, V=V, NW=TILES * S, ASM=ASM,
                            FULL=FULL, BF16=BF16, COLS=COLS)
-        a = _dense_load(w_words_ptr, w_scale_ptr, rows, n_rows, j + 3, split, lane_t, k_words,
+        a = _rows_load(w_words_ptr, w_scale_ptr, 0, 0, rows, n_rows, j + 3, split, lane_t, k_words,
                         stride_w_row, stride_scale_row, V=V, S=S, FULL=FULL)
         accs = _dense_step(accs, b, x_rows_ptr, lane_t, k_words, V=V, NW=TILES * S, ASM=ASM,
                            FULL=FULL, BF16=BF16, COLS=COLS)
-        b = _dense_load(w_words_ptr, w_scale_ptr, rows, n_rows, j + 4, split, lane_t, k_words,
+        b = _rows_load(w_words_ptr, w_scale_ptr, 0, 0, rows, n_rows, j + 4, split, lane_t, k_words,
                         stride_w_row, stride_scale_row, V=V, S=S, FULL=FULL)
         accs = _dense_step(accs, c, x_rows_ptr, lane_t, k_words, V=V, NW=TILES * S, ASM=ASM,
                            FULL=FULL, BF16=BF16, COLS=COLS)
